@@ -1,0 +1,136 @@
+"""Engine configuration: the `[engine]` table of runtime.toml as one frozen dataclass.
+
+Owns: every tunable of the runner, scheduler and server, its default, its bounds and
+the list of fields that change compiled shapes. Reads no environment variables and no
+files itself: `load_engine_config` (serve side) turns TOML plus `TL_ENGINE__*`
+overrides into keyword arguments for `EngineConfig`.
+Must not import jax. Tested by tests/test_config.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Literal
+
+PrefixCache = Literal["none", "radix"]
+Speculative = Literal["none", "prompt_lookup"]
+DType = Literal["float32", "bfloat16"]
+
+
+class ConfigError(ValueError):
+    """A configuration value is out of range or unknown; the message names it."""
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Every `[engine]` key. Field docstrings are the README's reference."""
+
+    model_dir: str = "artifacts/models/smol-135m"
+    """Hugging Face style model directory (config.json, safetensors, tokenizer.json)."""
+    model_id: str = ""
+    """Name served in /v1/models and accepted in `model`; empty means the directory name."""
+    dtype: DType = "float32"
+    """Weight and activation dtype. float32 on CPU (bf16 is far slower there)."""
+    block_size: int = 16
+    """Tokens per KV-cache block."""
+    num_kv_blocks: int = 2048
+    """KV-cache blocks preallocated on the device (SmolLM2 fp32: 736 KiB per block)."""
+    max_model_len: int = 0
+    """Context length (prompt + output); 0 means the model's max_position_embeddings."""
+    max_num_seqs: int = 64
+    """Most sequences in one step."""
+    max_num_batched_tokens: int = 512
+    """Token budget of one step (prefill chunks + decodes + drafts)."""
+    prefill_chunk: int = 512
+    """Longest piece of one prompt computed in one step; 0 disables chunking."""
+    token_buckets: tuple[int, ...] = (16, 32, 64, 128, 256, 512)
+    """Padded token counts of the compiled step, ascending; the last >= max_num_batched_tokens."""
+    seq_buckets: tuple[int, ...] = (1, 4, 16, 64)
+    """Padded sequence counts of the compiled step, ascending; the last >= max_num_seqs."""
+    prefix_cache: PrefixCache = "radix"
+    """Reuse cached full KV blocks of earlier prompts ("radix") or not ("none")."""
+    speculative: Speculative = "none"
+    """Speculative decoding: "prompt_lookup" drafts from n-gram matches in the request."""
+    num_speculative_tokens: int = 4
+    """Most draft tokens verified per sequence per step."""
+    prompt_lookup_min: int = 2
+    """Shortest n-gram that prompt lookup matches."""
+    prompt_lookup_max: int = 4
+    """Longest n-gram that prompt lookup tries first."""
+    max_logprobs: int = 20
+    """Most `top_logprobs` a request may ask for."""
+    queue_capacity: int = 256
+    """Requests waiting for admission; one more is refused (HTTP 429)."""
+    queue_deadline_ms: int = 30_000
+    """A request still waiting for KV blocks this long finishes with no_capacity (HTTP 503)."""
+    http_listen: str = "127.0.0.1:8000"
+    """API address host:port."""
+    health_listen: str = "127.0.0.1:9464"
+    """Health and metrics address host:port."""
+    drain_timeout_s: float = 30.0
+    """On SIGTERM, how long in-flight requests may run before they are aborted."""
+    api_keys: tuple[str, ...] = ()
+    """If not empty, /v1/* needs `Authorization: Bearer <key>` with one of these."""
+    max_body_bytes: int = 4 * 1024 * 1024
+    """Largest request body accepted (HTTP 413 above)."""
+    compile_cache_dir: str = "artifacts/jax-cache"
+    """JAX persistent compilation cache; empty disables it."""
+
+    def __post_init__(self) -> None:
+        _check(self.dtype in ("float32", "bfloat16"), f"dtype must be float32 or bfloat16, got {self.dtype!r}")
+        _check(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), f"block_size must be a power of two <= 128, got {self.block_size}")
+        _check(self.num_kv_blocks >= 2, f"num_kv_blocks must be >= 2, got {self.num_kv_blocks}")
+        _check(self.max_model_len >= 0, f"max_model_len must be >= 0, got {self.max_model_len}")
+        _check(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        _check(self.max_num_batched_tokens >= 1, f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        _check(self.prefill_chunk >= 0, f"prefill_chunk must be >= 0, got {self.prefill_chunk}")
+        for name in ("token_buckets", "seq_buckets"):
+            b = getattr(self, name)
+            _check(len(b) > 0 and all(isinstance(x, int) and x > 0 for x in b), f"{name} must be positive integers, got {b!r}")
+            _check(list(b) == sorted(set(b)), f"{name} must be strictly ascending, got {b!r}")
+        _check(self.token_buckets[-1] >= self.max_num_batched_tokens,
+               f"largest token bucket {self.token_buckets[-1]} < max_num_batched_tokens {self.max_num_batched_tokens}")
+        _check(self.seq_buckets[-1] >= self.max_num_seqs,
+               f"largest seq bucket {self.seq_buckets[-1]} < max_num_seqs {self.max_num_seqs}")
+        _check(self.max_num_batched_tokens >= self.max_num_seqs * (1 + self.spec_tokens),
+               f"max_num_batched_tokens {self.max_num_batched_tokens} must cover max_num_seqs {self.max_num_seqs}"
+               f" x (1 + {self.spec_tokens} draft tokens)")
+        _check(self.prefix_cache in ("none", "radix"), f"prefix_cache must be 'none' or 'radix', got {self.prefix_cache!r}")
+        _check(self.speculative in ("none", "prompt_lookup"), f"speculative must be 'none' or 'prompt_lookup', got {self.speculative!r}")
+        _check(1 <= self.num_speculative_tokens <= 16, f"num_speculative_tokens must be in 1..16, got {self.num_speculative_tokens}")
+        _check(1 <= self.prompt_lookup_min <= self.prompt_lookup_max,
+               f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {self.prompt_lookup_min}, {self.prompt_lookup_max}")
+        _check(0 <= self.max_logprobs <= 20, f"max_logprobs must be in 0..20, got {self.max_logprobs}")
+        _check(self.queue_capacity >= 1, f"queue_capacity must be >= 1, got {self.queue_capacity}")
+        _check(self.queue_deadline_ms >= 1, f"queue_deadline_ms must be >= 1, got {self.queue_deadline_ms}")
+        _check(self.drain_timeout_s >= 0, f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+        _check(self.max_body_bytes >= 1024, f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+
+    @property
+    def spec_tokens(self) -> int:
+        """Draft tokens per sequence per step: 0 when speculative decoding is off."""
+        return 0 if self.speculative == "none" else self.num_speculative_tokens
+
+    def served_model_id(self) -> str:
+        import os.path
+
+        return self.model_id or os.path.basename(os.path.normpath(self.model_dir))
+
+    def compile_key(self) -> tuple[object, ...]:
+        """The fields that change compiled shapes; equal keys may share compiled steps."""
+        return (self.dtype, self.block_size, self.num_kv_blocks, self.max_model_len, self.token_buckets,
+                self.seq_buckets, self.spec_tokens, self.max_logprobs)
+
+    def replace(self, **changes: object) -> EngineConfig:
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+
+def engine_keys() -> dict[str, dataclasses.Field[object]]:
+    """The `[engine]` keys a config file may set, by name."""
+    return {f.name: f for f in dataclasses.fields(EngineConfig)}

@@ -1,0 +1,120 @@
+"""Request records that cross the engine's public seam: what a caller submits and what a step returns.
+
+Owns: SamplingParams (validated per-request sampling settings), GenRequest, TokenOut,
+FinishReason and the typed admission errors. Pure data: must not import jax, the runner
+or the scheduler. The mutable per-request state the scheduler keeps lives in
+tl/sequence.py, not here. Tested through tests/test_request.py and every engine test.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+FinishReason = Literal["stop", "length", "abort", "no_capacity"]
+"""stop: EOS or a stop token id; length: max_tokens or the context limit; abort: abort()
+was called; no_capacity: still waiting for KV blocks after queue_deadline_ms."""
+
+MAX_SEED = 2**63 - 1
+
+
+class RequestError(ValueError):
+    """A request the engine cannot accept; `param` names the offending field."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+
+class QueueFullError(RequestError):
+    """The waiting queue is at queue_capacity: the server answers 429."""
+
+
+class ContextLengthError(RequestError):
+    """Prompt plus max_tokens exceed the context: the server answers 400 context_length_exceeded."""
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How one request picks its tokens. Defaults are the OpenAI API's."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    min_p: float = 0.0
+    seed: int | None = None  # None: the engine picks one
+    max_tokens: int = 16
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+
+    def __post_init__(self) -> None:
+        def bad(param: str, msg: str) -> RequestError:
+            return RequestError(f"{param} {msg}", param=param)
+
+        if not 0.0 <= self.temperature <= 2.0:
+            raise bad("temperature", f"must be in [0, 2], got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", f"must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise bad("top_k", f"must be >= 0 (0 disables it), got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", f"must be in [0, 1], got {self.min_p}")
+        if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
+            raise bad("seed", f"must be in [0, 2**63 - 1], got {self.seed}")
+        if self.max_tokens < 1:
+            raise bad("max_tokens", f"must be >= 1, got {self.max_tokens}")
+        if not 0 <= self.top_logprobs <= 20:
+            raise bad("top_logprobs", f"must be in [0, 20], got {self.top_logprobs}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise bad(name, f"must be in [-2, 2], got {getattr(self, name)}")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise bad("repetition_penalty", f"must be in (0, 2], got {self.repetition_penalty}")
+        for tok, bias in self.logit_bias:
+            if not -100.0 <= bias <= 100.0:
+                raise bad("logit_bias", f"values must be in [-100, 100], got {bias} for token {tok}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0 or bool(self.logit_bias))
+
+
+@dataclass(frozen=True, slots=True)
+class GenRequest:
+    """One generation: prompt token ids plus how to sample. Priority -100..100, higher first."""
+
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    priority: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.prompt_ids:
+            raise RequestError("prompt must contain at least one token", param="prompt")
+        if not -100 <= self.priority <= 100:
+            raise RequestError(f"priority must be in [-100, 100], got {self.priority}", param="priority")
+
+
+@dataclass(frozen=True, slots=True)
+class TokenOut:
+    """One token a step produced for a request (a step may produce several per request).
+
+    A finished request with no new token (abort, no_capacity) has token_id -1.
+    """
+
+    request_id: int
+    token_id: int
+    logprob: float = 0.0
+    top_logprobs: tuple[tuple[int, float], ...] = ()
+    finish_reason: FinishReason | None = None

@@ -1,0 +1,30 @@
+"""EngineStats: the engine's counters and gauges at one instant, as /metrics and bench read them.
+
+Owns only the record. Pure data: must not import jax. Filled by tl/engine.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    kv_blocks_free: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_cached: int = 0  # unreferenced blocks kept for prefix reuse (evictable)
+    queue_depth: int = 0  # requests waiting (not yet running)
+    running: int = 0  # sequences holding KV blocks
+    batch_tokens: int = 0  # tokens computed by the last step
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of those, tokens found cached
+    preemptions: int = 0
+    evictions: int = 0  # cached blocks evicted to make room
+    spec_drafts_proposed: int = 0  # draft tokens proposed
+    spec_drafts_accepted: int = 0  # of those, accepted
+    steps: int = 0
+    compilations: int = 0  # compiled step variants so far (flat after warm-up)
+
+    @property
+    def prefix_cache_hit_ratio(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
