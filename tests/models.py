@@ -1,0 +1,221 @@
+"""Test-model builders: tiny random-weight Llama/Qwen2 dirs and the "succ" bigram model.
+
+Owns: writing complete Hugging Face style model directories (config.json,
+model.safetensors or 2 shards + index, tokenizer.json, tokenizer_config.json,
+generation_config.json) for tests. Must not import jax or anything from tl beyond
+ModelConfig. Each builder runs in well under a second. Tested by
+tests/test_model_files.py (the dirs load through tl.model.files and tl.tokenizer).
+
+Byte tokenizer (both builders): a ByteLevel BPE whose vocab is the 256 byte-level
+characters with id == byte value, no merges, plus specials
+`<|endoftext|>`=256, `<|im_start|>`=257, `<|im_end|>`=258 (BYTE_VOCAB_SIZE = 259).
+Every byte of the text is one token; special tokens written in the text are one token.
+
+make_tiny_llama: bos `<|im_start|>` (257), eos `<|im_end|>` (258) in config.json,
+tokenizer_config.json and generation_config.json; a ChatML chat template.
+
+make_succ: after byte i the argmax next token is byte (i + 1) % 256 whatever the
+context, with a logit margin of 16. After any special token the argmax is byte 65 'A'.
+eos is `<|endoftext|>` (256), which is never the argmax. Chat template: the contents
+concatenated, nothing else.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from safetensors.numpy import save_file
+
+from tl.model.config import ModelConfig
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+ENDOFTEXT_ID, IM_START_ID, IM_END_ID = 256, 257, 258
+BYTE_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)
+
+CHATML_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SUCC_TEMPLATE = "{% for m in messages %}{{ m.content }}{% endfor %}"
+
+
+def byte_level_alphabet() -> list[str]:
+    """GPT-2's bytes_to_unicode: the printable character standing for each byte 0..255."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars: dict[int, str] = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return [chars[b] for b in range(256)]
+
+
+def byte_tokenizer_json(specials: tuple[str, ...] = SPECIAL_TOKENS) -> dict[str, Any]:
+    """tokenizer.json of the byte tokenizer: id == byte value, specials from 256 on."""
+    vocab = {ch: b for b, ch in enumerate(byte_level_alphabet())}
+    added = []
+    for i, content in enumerate(specials):
+        vocab[content] = 256 + i
+        added.append({"id": 256 + i, "content": content, "single_word": False, "lstrip": False,
+                      "rstrip": False, "normalized": False, "special": True})
+    return {
+        "version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": None,
+        "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False},
+        "post_processor": None,
+        "decoder": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False},
+        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+                  "vocab": vocab, "merges": []},
+    }
+
+
+def _write_json(path: Path, data: object) -> None:
+    path.write_text(json.dumps(data, indent=1, ensure_ascii=False), encoding="utf-8")
+
+
+def _write_weights(path: Path, tensors: dict[str, np.ndarray], sharded: bool) -> None:
+    tensors = {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in tensors.items()}
+    if not sharded:
+        save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+        return
+    names = sorted(tensors)
+    half = len(names) // 2
+    parts = [names[:half], names[half:]]
+    weight_map = {}
+    for n, part in enumerate(parts, start=1):
+        fname = f"model-{n:05d}-of-{len(parts):05d}.safetensors"
+        save_file({k: tensors[k] for k in part}, str(path / fname), metadata={"format": "pt"})
+        weight_map.update({k: fname for k in part})
+    total = sum(t.nbytes for t in tensors.values())
+    _write_json(path / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
+
+
+def _write_dir(path: Path, cfg: ModelConfig, tensors: dict[str, np.ndarray], *, sharded: bool,
+               bos: str | None, eos: str, chat_template: str) -> Path:
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    _write_json(path / "config.json", cfg.to_dict())
+    _write_weights(path, tensors, sharded)
+    _write_json(path / "tokenizer.json", byte_tokenizer_json())
+    decoder = {str(256 + i): {"content": c, "lstrip": False, "normalized": False, "rstrip": False,
+                              "single_word": False, "special": True} for i, c in enumerate(SPECIAL_TOKENS)}
+    _write_json(path / "tokenizer_config.json", {
+        "added_tokens_decoder": decoder, "bos_token": bos, "eos_token": eos, "pad_token": None,
+        "chat_template": chat_template, "model_max_length": cfg.max_position_embeddings,
+        "tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
+    })
+    gen: dict[str, Any] = {"eos_token_id": list(cfg.eos_token_ids) if len(cfg.eos_token_ids) > 1 else cfg.eos_token_ids[0]}
+    if cfg.bos_token_id is not None:
+        gen["bos_token_id"] = cfg.bos_token_id
+    _write_json(path / "generation_config.json", gen)
+    return path
+
+
+def tiny_config(vocab_size: int = BYTE_VOCAB_SIZE, tie: bool = True, qwen2: bool = False) -> ModelConfig:
+    """The ModelConfig make_tiny_llama writes."""
+    return ModelConfig(
+        architecture="Qwen2ForCausalLM" if qwen2 else "LlamaForCausalLM", vocab_size=vocab_size, hidden_size=64,
+        intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=512, tie_word_embeddings=tie,
+        attention_bias=qwen2, bos_token_id=IM_START_ID, eos_token_ids=(IM_END_ID,),
+    )
+
+
+def tiny_tensors(cfg: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
+    """Random HF-named weights: embeddings N(0, 0.3²) and projections N(0, 0.1²) give logits
+    of std ~2 (non-trivial argmax); norms 1 + N(0, 0.1²)."""
+    rng = np.random.default_rng(seed)
+    d, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+
+    def normal(*shape: int, std: float = 0.1) -> np.ndarray:
+        return (rng.standard_normal(shape) * std).astype(np.float32)
+
+    t = {"model.embed_tokens.weight": normal(v, d, std=0.3), "model.norm.weight": 1 + normal(d)}
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        t[p + "input_layernorm.weight"] = 1 + normal(d)
+        t[p + "post_attention_layernorm.weight"] = 1 + normal(d)
+        t[p + "self_attn.q_proj.weight"] = normal(cfg.q_size, d)
+        t[p + "self_attn.k_proj.weight"] = normal(cfg.kv_size, d)
+        t[p + "self_attn.v_proj.weight"] = normal(cfg.kv_size, d)
+        t[p + "self_attn.o_proj.weight"] = normal(d, cfg.q_size)
+        t[p + "mlp.gate_proj.weight"] = normal(f, d)
+        t[p + "mlp.up_proj.weight"] = normal(f, d)
+        t[p + "mlp.down_proj.weight"] = normal(d, f)
+        if cfg.attention_bias:
+            t[p + "self_attn.q_proj.bias"] = normal(cfg.q_size)
+            t[p + "self_attn.k_proj.bias"] = normal(cfg.kv_size)
+            t[p + "self_attn.v_proj.bias"] = normal(cfg.kv_size)
+    if not cfg.tie_word_embeddings:
+        t["lm_head.weight"] = normal(v, d, std=0.3)
+    return t
+
+
+def make_tiny_llama(path: str | Path, seed: int = 0, vocab_size: int = BYTE_VOCAB_SIZE, tie: bool = True,
+                    qwen2: bool = False, sharded: bool = False) -> Path:
+    """A random-weight 2-layer model dir (hidden 64, 4 heads, 2 KV heads, head_dim 16, FFN 128).
+
+    vocab_size >= 259; rows past the tokenizer's 259 tokens are never produced by encode."""
+    if vocab_size < BYTE_VOCAB_SIZE:
+        raise ValueError(f"vocab_size must be >= {BYTE_VOCAB_SIZE} (the byte tokenizer), got {vocab_size}")
+    cfg = tiny_config(vocab_size, tie=tie, qwen2=qwen2)
+    return _write_dir(Path(path), cfg, tiny_tensors(cfg, seed), sharded=sharded,
+                      bos="<|im_start|>", eos="<|im_end|>", chat_template=CHATML_TEMPLATE)
+
+
+SUCC_MARGIN = 16.0  # logit of the successor byte; every other logit is 0
+
+
+def succ_config() -> ModelConfig:
+    """The ModelConfig make_succ writes (hidden 256 = one dimension per byte)."""
+    return ModelConfig(
+        architecture="LlamaForCausalLM", vocab_size=BYTE_VOCAB_SIZE, hidden_size=256, intermediate_size=32,
+        num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=64, rope_theta=10000.0,
+        rms_norm_eps=1e-6, max_position_embeddings=2048, tie_word_embeddings=False, attention_bias=False,
+        bos_token_id=None, eos_token_ids=(ENDOFTEXT_ID,),
+    )
+
+
+def succ_tensors(cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """One-hot embeddings; o_proj and down_proj are zero so the residual stream is the
+    embedding; final RMSNorm turns e_i into 16·e_i; lm_head maps dimension i to byte i+1."""
+    d, v = cfg.hidden_size, cfg.vocab_size
+    embed = np.zeros((v, d), np.float32)
+    embed[np.arange(256), np.arange(256)] = 1.0
+    embed[256:, ord("@")] = 1.0  # specials behave like '@', so 'A' follows them
+    lm_head = np.zeros((v, d), np.float32)
+    lm_head[(np.arange(256) + 1) % 256, np.arange(256)] = SUCC_MARGIN / np.sqrt(d)
+    rng = np.random.default_rng(0)
+    p = "model.layers.0."
+    return {
+        "model.embed_tokens.weight": embed, "model.norm.weight": np.ones(d, np.float32), "lm_head.weight": lm_head,
+        p + "input_layernorm.weight": np.ones(d, np.float32),
+        p + "post_attention_layernorm.weight": np.ones(d, np.float32),
+        p + "self_attn.q_proj.weight": (rng.standard_normal((cfg.q_size, d)) * 0.05).astype(np.float32),
+        p + "self_attn.k_proj.weight": (rng.standard_normal((cfg.kv_size, d)) * 0.05).astype(np.float32),
+        p + "self_attn.v_proj.weight": (rng.standard_normal((cfg.kv_size, d)) * 0.05).astype(np.float32),
+        p + "self_attn.o_proj.weight": np.zeros((d, cfg.q_size), np.float32),
+        p + "mlp.gate_proj.weight": (rng.standard_normal((cfg.intermediate_size, d)) * 0.05).astype(np.float32),
+        p + "mlp.up_proj.weight": (rng.standard_normal((cfg.intermediate_size, d)) * 0.05).astype(np.float32),
+        p + "mlp.down_proj.weight": np.zeros((d, cfg.intermediate_size), np.float32),
+    }
+
+
+def make_succ(path: str | Path, sharded: bool = False) -> Path:
+    """The byte-level bigram model: greedy continuation of b"abc" is b"defg…"."""
+    cfg = succ_config()
+    return _write_dir(Path(path), cfg, succ_tensors(cfg), sharded=sharded,
+                      bos=None, eos="<|endoftext|>", chat_template=SUCC_TEMPLATE)
+
+
+def succ_logits(token_id: int) -> np.ndarray:
+    """Reference next-token logits of the succ model after `token_id` (any context) [V]."""
+    cfg = succ_config()
+    t = succ_tensors(cfg)
+    x = t["model.embed_tokens.weight"][token_id]
+    x = x / np.sqrt(np.mean(x * x) + cfg.rms_norm_eps)
+    return t["lm_head.weight"] @ x
