@@ -1,0 +1,49 @@
+"""Assembly: turn an EngineConfig into a ready Engine (and, for serve/, an AsyncEngine).
+
+Owns: the order of start-up (model dir -> runner -> engine -> warm-up) and nothing else.
+Must not hold state. Tested through tests/test_cli.py and the server tests.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from tl.config import EngineConfig
+
+if TYPE_CHECKING:
+    from tl.async_engine import AsyncEngine
+    from tl.engine import Engine
+
+log = logging.getLogger("tl.build")
+
+
+def build_engine(cfg: EngineConfig, warmup: bool = True) -> Engine:
+    """Load the model named by cfg.model_dir and wrap it in an Engine.
+
+    With warmup, every step bucket is compiled before this returns, so serving never
+    compiles; without it (the CLI's one-shot generate) buckets compile on first use.
+    """
+    from tl.engine import Engine
+    from tl.runner import ModelRunner
+
+    t0 = time.perf_counter()
+    runner = ModelRunner.from_model_dir(cfg)
+    log.info("loaded %s in %.1f s", cfg.model_dir, time.perf_counter() - t0)
+    if warmup:
+        t0 = time.perf_counter()
+        runner.warmup()
+        log.info("compiled %d step variants in %.1f s", runner.num_compilations, time.perf_counter() - t0)
+    return Engine(runner, cfg)
+
+
+def build_async_engine(cfg: EngineConfig, warmup: bool = True) -> AsyncEngine:
+    """The serving form: an Engine plus tokenizer and chat template behind the engine thread."""
+    from tl.async_engine import AsyncEngine
+    from tl.chat_template import ChatTemplate
+    from tl.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.load(cfg.model_dir)
+    template = ChatTemplate.from_model_dir(cfg.model_dir)
+    return AsyncEngine(build_engine(cfg, warmup=warmup), tokenizer, template, cfg.served_model_id())
