@@ -1,0 +1,26 @@
+"""`python -m bench <name> [args]` (also `tl bench ...`): runner | engine."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name == "runner":
+        from bench.runner_bench import run
+    elif name == "engine":
+        from bench.engine_bench import run
+    else:
+        print(f"unknown benchmark {name!r}; choose runner or engine", file=sys.stderr)
+        return 2
+    return run(rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,95 @@
+"""Offline runner benchmark: the compiled step alone, no scheduler, no HTTP.
+
+Measures, on one model: compile time per (token bucket, seq bucket) variant used, decode
+tokens/s at each sequence bucket (every sequence decoding one token per step at a fixed
+context length), and prefill tokens/s of one 512-token prompt. Prints its full config,
+then a Markdown table; `--json` also writes JSON lines. Run: `python -m bench runner`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Sequence
+
+from bench.report import print_table
+from tl.config import EngineConfig
+from tl.plan import SchedulerOutput, SeqWork
+from tl.request import SamplingParams
+
+
+def _timed(fn: object, repeat: int) -> list[float]:
+    out = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()  # type: ignore[operator]
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def _decode_plan(batch: int, ctx: int, block_size: int, vocab: int) -> SchedulerOutput:
+    blocks_per_seq = (ctx + block_size) // block_size + 1
+    params = SamplingParams(temperature=0.0)
+    work = []
+    for s in range(batch):
+        table = tuple(range(s * blocks_per_seq, (s + 1) * blocks_per_seq))
+        work.append(SeqWork(seq_id=s, token_ids=((s * 7 + 11) % vocab,), start_pos=ctx, block_table=table,
+                            sample=True, params=params, seed=s, num_generated=ctx))
+    return SchedulerOutput(tuple(work))
+
+
+def _prefill_plan(n: int, vocab: int, block_size: int) -> SchedulerOutput:
+    table = tuple(range((n + block_size - 1) // block_size))
+    ids = tuple((i * 31 + 7) % vocab for i in range(n))
+    return SchedulerOutput((SeqWork(seq_id=0, token_ids=ids, start_pos=0, block_table=table, sample=True,
+                                    params=SamplingParams(temperature=0.0), seed=0, num_generated=0),))
+
+
+def run(argv: Sequence[str]) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench runner")
+    ap.add_argument("--model", default="artifacts/models/smol-135m")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--context", type=int, default=256, help="context length of each decoding sequence")
+    ap.add_argument("--prefill", type=int, default=512)
+    ap.add_argument("--batches", default="1,4,16,64")
+    ap.add_argument("--repeat", type=int, default=10)
+    ap.add_argument("--json", default="", help="also append JSON lines to this file")
+    args = ap.parse_args(argv)
+    batches = [int(b) for b in args.batches.split(",")]
+
+    from tl.runner import ModelRunner
+
+    bs = 16
+    blocks = max(b for b in batches) * ((args.context + bs) // bs + 1) + 64
+    cfg = EngineConfig(model_dir=args.model, dtype=args.dtype, num_kv_blocks=blocks, block_size=bs,
+                       max_num_seqs=max(batches), seq_buckets=tuple(sorted(set(batches))),
+                       token_buckets=tuple(sorted(set(batches) | {args.prefill})),
+                       max_num_batched_tokens=max(args.prefill, max(batches)), prefill_chunk=args.prefill)
+    print("config:", json.dumps({"model": args.model, "dtype": args.dtype, "context": args.context,
+                                 "prefill": args.prefill, "batches": batches, "repeat": args.repeat,
+                                 "num_kv_blocks": blocks, "block_size": bs}))
+    runner = ModelRunner.from_model_dir(cfg)
+    vocab = runner.model_config.vocab_size
+    rows: list[dict[str, object]] = []
+
+    pre = _prefill_plan(args.prefill, vocab, bs)
+    first = _timed(lambda: runner.execute(pre), 1)[0]
+    times = _timed(lambda: runner.execute(pre), max(3, args.repeat // 3))
+    med = statistics.median(times)
+    rows.append({"test": f"prefill {args.prefill}", "tokens/s": round(args.prefill / med, 1),
+                 "step ms p50": round(med * 1e3, 1), "compile s": round(first - med, 2)})
+    for b in batches:
+        plan = _decode_plan(b, args.context, bs, vocab)
+        first = _timed(lambda: runner.execute(plan), 1)[0]
+        times = _timed(lambda: runner.execute(plan), args.repeat)
+        med = statistics.median(times)
+        rows.append({"test": f"decode batch {b} @ctx {args.context}", "tokens/s": round(b / med, 1),
+                     "step ms p50": round(med * 1e3, 1), "compile s": round(first - med, 2)})
+    print_table(rows)
+    if args.json:
+        with open(args.json, "a") as f:
+            for r in rows:
+                f.write(json.dumps({"bench": "runner", **r}) + "\n")
+    return 0
