@@ -24,7 +24,7 @@ def test_defaults_are_valid_and_complete() -> None:
     ({"seq_buckets": (1, 4)}, "max_num_seqs"),
     ({"prefix_cache": "lru"}, "prefix_cache"),
     ({"speculative": "medusa"}, "speculative"),
-    ({"max_num_seqs": 128, "seq_buckets": (1, 128)}, "max_num_batched_tokens"),
+    ({"max_num_seqs": 1024, "seq_buckets": (1, 1024)}, "max_num_batched_tokens"),
     ({"queue_capacity": 0}, "queue_capacity"),
     ({"max_logprobs": 21}, "max_logprobs"),
 ])
