@@ -37,3 +37,11 @@ def test_compile_key_tracks_shape_fields_only() -> None:
     a = EngineConfig()
     assert a.compile_key() == a.replace(queue_capacity=3, http_listen="127.0.0.1:1").compile_key()
     assert a.compile_key() != a.replace(num_kv_blocks=64).compile_key()
+
+
+def test_readme_documents_every_engine_key() -> None:
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    missing = [k for k in engine_keys() if f"| `{k}` |" not in readme]
+    assert not missing, f"README lacks [engine] keys {missing}"
