@@ -1,0 +1,102 @@
+"""Attention of a flat, ragged token axis over a paged KV cache: one interface, a plain-jnp reference.
+
+Owns: `AttnMetadata` (what every implementation gets) and `paged_attention`, the reference that
+accelerator kernels (Pallas, issue 6) must match. Must not: write the cache (the model writes this
+step's keys before calling), know about requests or buckets. Tested by tests/test_paged_attention.py
+against a naive gather-everything-and-mask reference.
+
+The token axis mixes sequences: prefill chunks, decodes, drafts, padding. Token t belongs to
+sequence `seq_idx[t]` (-1 for padding), sits at `positions[t]`, and sees keys at positions <=
+its own in its sequence. Those keys are split in two parts, merged by log-sum-exp:
+- local: this step's own tokens (a [T,T] masked attention over k_new/v_new: same sequence and
+  causal), so a fresh 512-token prefill costs one dense attention, not a per-token gather;
+- cached: keys already in the cache at positions < start_pos of the sequence, read chunk by chunk
+  through the block table with an online softmax; the trip count is the batch's longest cached
+  context (dynamic), because on CPU attention cost follows the padded context.
+Cache layout: [L, num_blocks, block_size, Hk, hd]; uint16 caches hold bf16 bits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+
+@dataclass(frozen=True)
+class AttnMetadata:
+    """Per-step layout of the token axis (a pytree; `chunk_blocks` is static)."""
+
+    seq_idx: jax.Array  # [T] int32: sequence of each token, -1 for padding
+    positions: jax.Array  # [T] int32: position of each token in its sequence
+    start_pos: jax.Array  # [S] int32: tokens of each sequence already in the cache before this step
+    block_tables: jax.Array  # [S, max_blocks] int32: block ids, unused entries any valid block
+    chunk_blocks: int = 8  # blocks read per iteration of the cached-part loop
+
+
+jax.tree_util.register_dataclass(
+    AttnMetadata, data_fields=["seq_idx", "positions", "start_pos", "block_tables"],
+    meta_fields=["chunk_blocks"])
+
+
+def load_kv(cache: jax.Array, layer: jax.Array, blocks: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """cache[layer, blocks] (one gather, never cache[layer][blocks]: that copies the layer), decoded."""
+    x = cache[layer, blocks]
+    return lax.bitcast_convert_type(x, jnp.bfloat16).astype(dtype) if x.dtype == jnp.uint16 else x.astype(dtype)
+
+
+def _local(qg: jax.Array, k: jax.Array, v: jax.Array, meta: AttnMetadata) -> tuple[jax.Array, ...]:
+    """Softmax state (m, l [T,Hk,G], acc [T,Hk,G,hd]) of each token over this step's tokens."""
+    s = jnp.einsum("tkgd,ukd->tkgu", qg, k)
+    same = (meta.seq_idx[:, None] == meta.seq_idx[None, :]) & (meta.positions[None, :] <= meta.positions[:, None])
+    s = jnp.where(same[:, None, None, :], s, -jnp.inf)  # the diagonal is always kept: m is finite
+    m = s.max(axis=-1)
+    p = jnp.exp(s - m[..., None])
+    return m, p.sum(axis=-1), jnp.einsum("tkgu,ukd->tkgd", p, v)
+
+
+def _cached(qg: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array, meta: AttnMetadata,
+            state: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+    """Fold keys at positions < start_pos into the softmax state, chunk_blocks blocks at a time."""
+    C, bs = meta.chunk_blocks, k_cache.shape[2]
+    real = meta.seq_idx >= 0
+    seq = jnp.where(real, meta.seq_idx, 0)
+    ctx = jnp.where(real, meta.start_pos[seq], 0)  # [T]
+    tables = meta.block_tables[seq]  # [T, MB]
+    pad = -tables.shape[1] % C
+    tables = jnp.pad(tables, ((0, 0), (0, pad)), mode="edge")
+    num_chunks = (jnp.max(ctx) + C * bs - 1) // (C * bs)
+
+    def body(i: jax.Array, st: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+        m, l, acc = st
+        blocks = lax.dynamic_slice_in_dim(tables, i * C, C, axis=1)  # [T, C]
+        T = blocks.shape[0]
+        kc = load_kv(k_cache, layer, blocks, qg.dtype).reshape(T, C * bs, *k_cache.shape[3:])
+        vc = load_kv(v_cache, layer, blocks, qg.dtype).reshape(T, C * bs, *v_cache.shape[3:])
+        s = jnp.einsum("tkgd,tckd->tkgc", qg, kc)
+        valid = i * C * bs + jnp.arange(C * bs)[None, :] < ctx[:, None]
+        s = jnp.where(valid[:, None, None, :], s, -jnp.inf)
+        m_new = jnp.maximum(m, s.max(axis=-1))
+        corr = jnp.exp(m - m_new)
+        p = jnp.exp(s - m_new[..., None])
+        return m_new, l * corr + p.sum(axis=-1), acc * corr[..., None] + jnp.einsum("tkgc,tckd->tkgd", p, vc)
+
+    return lax.fori_loop(0, num_chunks, body, state)
+
+
+def paged_attention(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
+                    layer: jax.Array, meta: AttnMetadata) -> jax.Array:
+    """Reference: q [T,Hq,hd], k_new/v_new [T,Hk,hd] (this step's keys, already written to the
+    cache), k_cache/v_cache [L,NB,bs,Hk,hd], layer: scalar int32 -> [T,Hq,hd] in q's dtype.
+
+    Softmax scale 1/sqrt(hd); GQA groups Hq/Hk consecutive query heads per KV head. Computed in
+    float32. Kernels may read this step's keys from the cache instead of k_new/v_new.
+    """
+    T, Hq, hd = q.shape
+    Hk = k_new.shape[1]
+    qg = q.reshape(T, Hk, Hq // Hk, hd).astype(jnp.float32) * (hd ** -0.5)
+    state = _local(qg, k_new.astype(jnp.float32), v_new.astype(jnp.float32), meta)
+    m, l, acc = _cached(qg, k_cache, v_cache, layer, meta, state)
+    return (acc / l[..., None]).reshape(T, Hq, hd).astype(q.dtype)

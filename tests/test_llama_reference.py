@@ -1,0 +1,131 @@
+"""tl/model/llama.py against an independent plain-numpy forward (shares no code with tl/).
+
+The reference takes Hugging Face named [out,in] tensors, so params_from_hf is tested too.
+Tolerance: max |Δlogit| <= 1e-4 in float32.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tl.model import llama
+from tl.model.config import ModelConfig, ModelDirError
+
+
+def tiny_cfg(*, tied: bool = True, bias: bool = False, vocab: int = 160) -> ModelConfig:
+    return ModelConfig(architecture="Qwen2ForCausalLM" if bias else "LlamaForCausalLM", vocab_size=vocab,
+                       hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, rope_theta=10000.0, rms_norm_eps=1e-5,
+                       max_position_embeddings=256, tie_word_embeddings=tied, attention_bias=bias)
+
+
+def random_hf(cfg: ModelConfig, seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    D, F, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+
+    def w(*shape: int) -> np.ndarray:
+        return (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
+
+    def norm(n: int) -> np.ndarray:
+        return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+
+    t = {"model.embed_tokens.weight": w(cfg.vocab_size, D), "model.norm.weight": norm(D)}
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        t |= {p + "input_layernorm.weight": norm(D), p + "post_attention_layernorm.weight": norm(D),
+              p + "self_attn.q_proj.weight": w(q, D), p + "self_attn.k_proj.weight": w(kv, D),
+              p + "self_attn.v_proj.weight": w(kv, D), p + "self_attn.o_proj.weight": w(D, q),
+              p + "mlp.gate_proj.weight": w(F, D), p + "mlp.up_proj.weight": w(F, D),
+              p + "mlp.down_proj.weight": w(D, F)}
+        if cfg.attention_bias:
+            for n, size in (("q", q), ("k", kv), ("v", kv)):
+                t[p + f"self_attn.{n}_proj.bias"] = (0.1 * rng.standard_normal(size)).astype(np.float32)
+    if not cfg.tie_word_embeddings:
+        t["lm_head.weight"] = w(cfg.vocab_size, D)
+    return t
+
+
+# ---- independent numpy reference (float64) ----
+
+def np_rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    return x / np.sqrt((x ** 2).mean(-1, keepdims=True) + eps) * w
+
+
+def np_rope(x: np.ndarray, theta: float) -> np.ndarray:
+    """x [T,H,hd]; pairs dimension i with i + hd/2 (Hugging Face rotate-half)."""
+    T, _, hd = x.shape
+    freqs = theta ** (-np.arange(hd // 2) * 2.0 / hd)
+    ang = np.arange(T)[:, None] * freqs[None, :]  # [T, hd/2]
+    c, s = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
+    x1, x2 = x[..., : hd // 2], x[..., hd // 2:]
+    return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+
+
+def np_forward(t: dict[str, np.ndarray], cfg: ModelConfig, ids: list[int]) -> np.ndarray:
+    g = {k: v.astype(np.float64) for k, v in t.items()}
+    T, H, Hk, hd = len(ids), cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    x = g["model.embed_tokens.weight"][ids]
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        h = np_rmsnorm(x, g[p + "input_layernorm.weight"], cfg.rms_norm_eps)
+        proj = {}
+        for n in "qkv":
+            y = h @ g[p + f"self_attn.{n}_proj.weight"].T
+            if cfg.attention_bias:
+                y = y + g[p + f"self_attn.{n}_proj.bias"]
+            proj[n] = y.reshape(T, -1, hd)
+        q, k, v = np_rope(proj["q"], cfg.rope_theta), np_rope(proj["k"], cfg.rope_theta), proj["v"]
+        out = np.zeros((T, H, hd))
+        for head in range(H):
+            kvh = head // (H // Hk)
+            scores = q[:, head] @ k[:, kvh].T / np.sqrt(hd)
+            scores[np.triu_indices(T, 1)] = -np.inf
+            w = np.exp(scores - scores.max(-1, keepdims=True))
+            out[:, head] = (w / w.sum(-1, keepdims=True)) @ v[:, kvh]
+        x = x + out.reshape(T, H * hd) @ g[p + "self_attn.o_proj.weight"].T
+        h = np_rmsnorm(x, g[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
+        gate, up = h @ g[p + "mlp.gate_proj.weight"].T, h @ g[p + "mlp.up_proj.weight"].T
+        x = x + (gate / (1 + np.exp(-gate)) * up) @ g[p + "mlp.down_proj.weight"].T
+    x = np_rmsnorm(x, g["model.norm.weight"], cfg.rms_norm_eps)
+    head = g["model.embed_tokens.weight"] if cfg.tie_word_embeddings else g["lm_head.weight"]
+    return x @ head.T
+
+
+@pytest.mark.parametrize("tied,bias", [(True, False), (False, False), (True, True), (False, True)])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_dense_forward_matches_numpy(tied: bool, bias: bool, seed: int) -> None:
+    cfg = tiny_cfg(tied=tied, bias=bias)
+    tensors = random_hf(cfg, seed)
+    params = jax.tree.map(jnp.asarray, llama.params_from_hf(tensors, cfg))
+    ids = np.random.default_rng(seed + 100).integers(0, cfg.vocab_size, 23).tolist()
+    _, logits = jax.jit(llama.forward_dense, static_argnums=1)(params, cfg, jnp.asarray(ids, jnp.int32))
+    ref = np_forward(tensors, cfg, ids)
+    assert np.abs(np.asarray(logits) - ref).max() <= 1e-4
+
+
+def test_param_shapes_match_init() -> None:
+    cfg = tiny_cfg(tied=False, bias=True)
+    shapes = llama.param_shapes(cfg)
+    params = llama.init_params(cfg, jax.random.key(0))
+    assert jax.tree.structure(shapes) == jax.tree.structure(params)
+    for s, p in zip(jax.tree.leaves(shapes), jax.tree.leaves(params), strict=True):
+        assert s.shape == p.shape and s.dtype == p.dtype
+    specs = llama.param_partition_specs(cfg)
+    assert jax.tree.structure(specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)) == \
+        jax.tree.structure(shapes)
+
+
+def test_missing_tensor_is_named() -> None:
+    cfg = tiny_cfg(tied=False)
+    tensors = random_hf(cfg, 0)
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    with pytest.raises(ModelDirError, match=r"model\.layers\.1\.mlp\.up_proj\.weight"):
+        llama.params_from_hf(tensors, cfg)
+    tensors = random_hf(cfg, 0)
+    del tensors["lm_head.weight"]
+    with pytest.raises(ModelDirError, match="lm_head.weight"):
+        llama.params_from_hf(tensors, cfg)
