@@ -1,0 +1,139 @@
+"""FakeRunner: a deterministic pure-Python Runner that checks every plan it is given.
+
+It keeps a shadow KV cache: one slot per (block, offset) holding (position, token) as
+written by earlier steps at the slots the block tables name. Next tokens are computed only
+from what the shadow cache holds, so a wrong block table, a wrong start_pos, a block freed
+while in use or a shared block overwritten gives wrong tokens (and usually an assertion
+here first).
+
+Rule: next = (last + 1 + [mix(context) % 5 == 0]) % vocab, where mix weighs every token by
+its position: mostly the "succ" successor (so prompt lookup finds matching drafts) but
+dependent on the whole context. Sampled requests (temperature > 0) add a pseudo-random
+offset from (seed, num_generated + row), the key rule of tl/plan.py, so their output also
+must not depend on batch neighbours, chunking or preemption. A draft is accepted while it
+equals the rule's token at its row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tl.config import EngineConfig
+from tl.plan import RunnerOutput, SchedulerOutput, SeqResult, SeqWork
+
+
+def mix(context: Sequence[int]) -> int:
+    return sum((i + 1) * t for i, t in enumerate(context)) % 1_000_003
+
+
+def _noise(seed: int, counter: int) -> int:
+    x = (seed * 6364136223846793005 + counter * 1442695040888963407 + 1) % 2**64
+    return (x >> 33) % 3
+
+
+def next_token(context: Sequence[int], vocab_size: int, *, greedy: bool = True, seed: int = 0,
+               counter: int = 0) -> int:
+    """The rule, on a full context (prompt + tokens so far)."""
+    token = (context[-1] + 1 + (mix(context) % 5 == 0)) % vocab_size
+    return token if greedy else (token + _noise(seed, counter)) % vocab_size
+
+
+def logprob_of(token: int) -> float:
+    return -0.125 * (token % 7)
+
+
+class FakeRunner:
+    def __init__(self, *, block_size: int = 4, num_kv_blocks: int = 64, max_model_len: int = 256,
+                 vocab_size: int = 97, eos_token_ids: tuple[int, ...] = (0,)) -> None:
+        self.block_size = block_size
+        self.num_kv_blocks = num_kv_blocks
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self.num_compilations = 0
+        self.kv: list[tuple[int, int] | None] = [None] * (num_kv_blocks * block_size)  # slot -> (position, token)
+        self.history: dict[int, list[int]] = {}  # seq id -> tokens by position, as committed so far
+        self.plans: list[SchedulerOutput] = []
+
+    @classmethod
+    def from_config(cls, cfg: EngineConfig, **kw: object) -> FakeRunner:
+        return cls(block_size=cfg.block_size, num_kv_blocks=cfg.num_kv_blocks,
+                   max_model_len=cfg.max_model_len or 256, **kw)  # type: ignore[arg-type]
+
+    def slot(self, work: SeqWork, pos: int) -> int:
+        return work.block_table[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def execute(self, plan: SchedulerOutput) -> RunnerOutput:
+        self.plans.append(plan)
+        self._check_plan(plan)
+        for work in plan.work:  # every write lands before any read, as in one batched forward
+            for i, token in enumerate(work.token_ids):
+                self.kv[self.slot(work, work.start_pos + i)] = (work.start_pos + i, token)
+        results = tuple(self._verify(w) for w in plan.work if w.sample)
+        for work in plan.work:
+            self._commit(work, next((r for r in results if r.seq_id == work.seq_id), None))
+        return RunnerOutput(results)
+
+    def embed(self, token_ids: Sequence[int]) -> list[float]:
+        return [float(len(token_ids))]
+
+    def _context(self, work: SeqWork, pos: int) -> list[int]:
+        """Tokens at positions 0..pos, read from the shadow cache through work's block table."""
+        context = []
+        for p in range(pos + 1):
+            entry = self.kv[self.slot(work, p)]
+            assert entry is not None and entry[0] == p, f"seq {work.seq_id}: no KV for position {p} (found {entry})"
+            context.append(entry[1])
+        return context
+
+    def _verify(self, work: SeqWork) -> SeqResult:
+        k = len(work.draft_ids)
+        last = work.start_pos + len(work.token_ids) - 1
+        out: list[int] = []
+        for j in range(k + 1):
+            context = self._context(work, last - k + j)
+            token = next_token(context, self.vocab_size, greedy=work.params.greedy, seed=work.seed,
+                               counter=work.num_generated + j)
+            out.append(token)
+            if j == k or token != work.draft_ids[j]:
+                break
+        return SeqResult(work.seq_id, tuple(out), tuple(logprob_of(t) for t in out), num_accepted=len(out) - 1)
+
+    def _commit(self, work: SeqWork, result: SeqResult | None) -> None:
+        fed = work.token_ids[:len(work.token_ids) - len(work.draft_ids)]
+        accepted = work.draft_ids[:result.num_accepted] if result else ()
+        hist = self.history.setdefault(work.seq_id, [])
+        self.history[work.seq_id] = hist[:work.start_pos] + list(fed) + list(accepted)
+
+    def _check_plan(self, plan: SchedulerOutput) -> None:
+        ids = [w.seq_id for w in plan.work]
+        assert len(ids) == len(set(ids)), f"a sequence appears twice in one step: {ids}"
+        written = {w.seq_id: {w.block_table[p // self.block_size]
+                              for p in range(w.start_pos, w.start_pos + len(w.token_ids))} for w in plan.work}
+        for w in plan.work:
+            self._check_work(w)
+            for other in plan.work:
+                if other is not w:
+                    shared = written[w.seq_id] & set(other.block_table)
+                    assert not shared, f"seq {w.seq_id} writes blocks {shared} that seq {other.seq_id} holds"
+
+    def _check_work(self, w: SeqWork) -> None:
+        end = w.start_pos + len(w.token_ids)
+        assert w.token_ids and w.start_pos >= 0, f"seq {w.seq_id}: empty work or negative start"
+        assert end <= self.max_model_len, f"seq {w.seq_id}: position {end - 1} beyond context {self.max_model_len}"
+        assert len(w.block_table) * self.block_size >= end, f"seq {w.seq_id}: table {w.block_table} short of {end}"
+        assert len(set(w.block_table)) == len(w.block_table), f"seq {w.seq_id}: block twice in {w.block_table}"
+        assert all(0 <= b < self.num_kv_blocks for b in w.block_table), f"bad block id in {w.block_table}"
+        if w.draft_ids:
+            assert w.sample and w.token_ids[-len(w.draft_ids):] == w.draft_ids, f"seq {w.seq_id}: bad drafts"
+        hist = self.history.get(w.seq_id, [])
+        for p in range(w.start_pos):
+            entry = self.kv[self.slot(w, p)]
+            assert entry is not None and entry[0] == p, f"seq {w.seq_id}: position {p} < start has no KV"
+            if p < len(hist):
+                assert entry[1] == hist[p], f"seq {w.seq_id}: KV at {p} holds {entry[1]}, seq had {hist[p]}"
+        fed = w.token_ids[:len(w.token_ids) - len(w.draft_ids)]
+        for i, token in enumerate(fed):
+            p = w.start_pos + i
+            if p < len(hist):
+                assert hist[p] == token, f"seq {w.seq_id}: token at {p} changed from {hist[p]} to {token}"

@@ -1,0 +1,90 @@
+"""Engine: the synchronous core behind every front end (CLI, AsyncEngine, bench).
+
+Owns: request ids and seeds, admission checks (queue capacity, context length), the step
+loop (schedule -> runner.execute -> update) and EngineStats. The scheduler owns request
+state, the block manager owns KV blocks, the runner owns the device; the engine only wires
+them. Not thread-safe: one thread calls it (tl/async_engine.py). Pure Python, no
+jax/numpy. Tested by tests/test_engine.py with tests/fake_runner.py, whose differential
+helpers also accept the real ModelRunner.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+
+from tl.block_manager import BlockManager
+from tl.config import EngineConfig
+from tl.plan import Runner, RunnerOutput
+from tl.request import MAX_SEED, ContextLengthError, GenRequest, QueueFullError, TokenOut
+from tl.scheduler import Scheduler
+from tl.sequence import Sequence
+from tl.stats import EngineStats
+
+
+class Engine:
+    def __init__(self, runner: Runner, config: EngineConfig, *, clock: Callable[[], float] = time.monotonic,
+                 seed: int | None = None) -> None:
+        """clock (seconds) drives the queue deadline; seed fixes the seeds drawn for seedless requests."""
+        self.runner = runner
+        self.config = config
+        self.max_model_len = _context_limit(runner, config)
+        self.block_manager = BlockManager(runner.num_kv_blocks, runner.block_size, config.prefix_cache == "radix")
+        self.scheduler = Scheduler(config, self.block_manager, eos_token_ids=runner.eos_token_ids,
+                                   max_model_len=self.max_model_len, clock=clock)
+        self._clock = clock
+        self._rng = random.Random(seed)
+        self._next_id = 0
+        self._num_steps = 0
+        self._batch_tokens = 0
+
+    def add_request(self, req: GenRequest) -> int:
+        """Queue a request; its id. Raises ContextLengthError or QueueFullError, changing nothing."""
+        num_prompt, max_tokens = len(req.prompt_ids), req.params.max_tokens
+        if num_prompt + max_tokens > self.max_model_len:
+            raise ContextLengthError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{num_prompt + max_tokens} tokens ({num_prompt} in the prompt, {max_tokens} in max_tokens). "
+                "Please reduce the length of the prompt or max_tokens.", code="context_length_exceeded")
+        if len(self.scheduler.waiting) >= self.config.queue_capacity:
+            raise QueueFullError(f"the waiting queue is full ({self.config.queue_capacity} requests)",
+                                 code="rate_limit_exceeded")
+        seed = req.params.seed if req.params.seed is not None else self._rng.randint(0, MAX_SEED)
+        seq_id, self._next_id = self._next_id, self._next_id + 1
+        self.scheduler.add(Sequence(seq_id, req.prompt_ids, req.params, seed, req.priority, self._clock()))
+        return seq_id
+
+    def abort(self, request_id: int) -> None:
+        """Finish a live request; its blocks are free at once, its "abort" TokenOut comes from the next step."""
+        self.scheduler.abort(request_id)
+
+    def abort_all(self) -> None:
+        for request_id in list(self.scheduler.seqs):
+            self.scheduler.abort(request_id)
+
+    def step(self) -> list[TokenOut]:
+        plan = self.scheduler.schedule()
+        output = self.runner.execute(plan) if plan.work else RunnerOutput(())
+        self._batch_tokens = plan.num_tokens
+        self._num_steps += bool(plan.work)
+        return self.scheduler.update(plan, output)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def stats(self) -> EngineStats:
+        bm, c = self.block_manager, self.scheduler.counters
+        return EngineStats(
+            kv_blocks_free=bm.num_free, kv_blocks_used=bm.num_used, kv_blocks_cached=bm.num_cached,
+            queue_depth=len(self.scheduler.waiting), running=len(self.scheduler.running),
+            batch_tokens=self._batch_tokens, prefix_cache_queries=c.prefix_cache_queries,
+            prefix_cache_hits=c.prefix_cache_hits, preemptions=c.preemptions, evictions=bm.num_evictions,
+            spec_drafts_proposed=c.spec_drafts_proposed, spec_drafts_accepted=c.spec_drafts_accepted,
+            steps=self._num_steps, compilations=getattr(self.runner, "num_compilations", 0))
+
+
+def _context_limit(runner: Runner, config: EngineConfig) -> int:
+    """config.max_model_len (0: the runner's), never above the runner's nor the whole KV cache."""
+    limit = min(config.max_model_len or runner.max_model_len, runner.max_model_len)
+    return min(limit, runner.num_kv_blocks * runner.block_size)

@@ -1,0 +1,261 @@
+"""Scheduler: picks each step's work (schedule) and folds the runner's results back (update).
+
+Owns: the waiting queue (priority, then FIFO), the running set, every Sequence's mutable
+state, preemption, the queue deadline, stop checks, draft proposal and the counters behind
+EngineStats. Uses the BlockManager for every block it holds; never touches the runner or
+device data: its only output is a SchedulerOutput, its only input a RunnerOutput. Pure
+Python, no jax/numpy. Tested by tests/test_scheduler.py (hand-made RunnerOutputs, exact
+block ids) and through tests/test_engine.py.
+
+Scheduling is the vLLM v1 rule with no phases: each sequence has known tokens and computed
+tokens, and a step lets computed catch up with known within a token budget
+(max_num_batched_tokens) and a sequence limit (max_num_seqs). Order: running sequences
+that are decoding, then running sequences mid-prompt (chunks of at most prefill_chunk
+tokens), then waiting ones by priority and arrival. A waiting sequence starts at its
+longest cached prefix. Drafts are just extra known-but-unverified tokens after the last
+one; update() advances num_computed_tokens only over those the runner accepted, so the
+rejected drafts' KV slots are simply rewritten later (their blocks stay in the table).
+
+Preemption: when a running sequence cannot get blocks, the running sequence with the
+lowest priority and latest arrival (possibly itself) releases all its blocks and goes back
+to waiting with its tokens kept (prompt + output, recomputed later, often from the prefix
+cache). A waiting sequence never preempts: it waits, and if it has never started after
+queue_deadline_ms it finishes with "no_capacity".
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from tl.block_manager import BlockManager
+from tl.config import EngineConfig
+from tl.plan import RunnerOutput, SchedulerOutput, SeqResult, SeqWork
+from tl.request import FinishReason, TokenOut
+from tl.sequence import Sequence, SeqStatus
+from tl.spec_decode import PromptLookupProposer
+
+
+@dataclass(slots=True)
+class SchedulerCounters:
+    preemptions: int = 0
+    prefix_cache_queries: int = 0  # tokens looked up when a sequence starts
+    prefix_cache_hits: int = 0  # of those, tokens found cached
+    spec_drafts_proposed: int = 0
+    spec_drafts_accepted: int = 0
+
+
+def _running_order(seq: Sequence) -> tuple[bool, int, int]:
+    """Decodes (one token left to compute) before prompt work, then priority, then arrival."""
+    return (seq.num_tokens - seq.num_computed_tokens > 1, -seq.priority, seq.seq_id)
+
+
+def _victim_order(seq: Sequence) -> tuple[int, int]:
+    """min() of this is the preemption victim: lowest priority, then latest arrival."""
+    return (seq.priority, -seq.seq_id)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, *, eos_token_ids: Iterable[int],
+                 max_model_len: int, clock: Callable[[], float]) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_model_len = max_model_len
+        self.clock = clock
+        self.proposer = (PromptLookupProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+                         if config.speculative == "prompt_lookup" else None)
+        self.waiting: list[Sequence] = []  # sorted by Sequence.order_key
+        self.running: list[Sequence] = []
+        self.seqs: dict[int, Sequence] = {}  # every live (waiting or running) sequence
+        self.counters = SchedulerCounters()
+        self._finished_outs: list[TokenOut] = []  # aborts and deadline misses, returned by update()
+        self._scheduled: dict[int, SeqWork] = {}
+        self._num_scheduled_tokens = 0
+        self._preempted_this_step = False
+
+    # ----- requests in and out
+    def add(self, seq: Sequence) -> None:
+        self.seqs[seq.seq_id] = seq
+        bisect.insort(self.waiting, seq, key=Sequence.order_key)
+
+    def abort(self, seq_id: int) -> None:
+        """Free the sequence's blocks now; its TokenOut(-1, "abort") comes with the next update()."""
+        seq = self.seqs.get(seq_id)
+        if seq is not None:
+            self._finish(seq, "abort")
+            self._finished_outs.append(TokenOut(seq_id, -1, finish_reason="abort"))
+
+    def has_work(self) -> bool:
+        return bool(self.seqs) or bool(self._finished_outs)
+
+    # ----- stage 1: schedule
+    def schedule(self) -> SchedulerOutput:
+        self._expire_waiting()
+        self._scheduled, self._num_scheduled_tokens, self._preempted_this_step = {}, 0, False
+        for seq in sorted(self.running, key=_running_order):
+            if seq.status is SeqStatus.RUNNING and self._has_room():
+                self._schedule_running(seq)
+        if not self._preempted_this_step:
+            self._admit_waiting()
+        return SchedulerOutput(tuple(self._scheduled.values()))
+
+    def _has_room(self) -> bool:
+        return (len(self._scheduled) < self.config.max_num_seqs
+                and self._num_scheduled_tokens < self.config.max_num_batched_tokens)
+
+    def _schedule_running(self, seq: Sequence) -> None:
+        num_new = self._num_new_tokens(seq, seq.num_computed_tokens)
+        if num_new == 0:
+            return
+        drafts = self._propose_drafts(seq, num_new)
+        if self._reserve_blocks(seq, seq.num_computed_tokens + num_new + len(drafts)):
+            self._add_work(seq, num_new, drafts)
+
+    def _admit_waiting(self) -> None:
+        """Start waiting sequences in order until one does not fit (no overtaking)."""
+        while self.waiting and self._has_room() and len(self.running) < self.config.max_num_seqs:
+            if not self._admit(self.waiting[0]):
+                return
+
+    def _admit(self, seq: Sequence) -> bool:
+        prefix = self.block_manager.lookup(seq.token_ids)
+        num_cached = len(prefix) * self.block_manager.block_size
+        num_new = self._num_new_tokens(seq, num_cached)
+        if num_new == 0 or not self.block_manager.allocate(seq.seq_id, num_cached + num_new, prefix):
+            return False
+        if self.block_manager.enable_prefix_cache:
+            self.counters.prefix_cache_queries += seq.num_tokens
+            self.counters.prefix_cache_hits += num_cached
+        self.waiting.pop(0)
+        self.running.append(seq)
+        seq.status, seq.started, seq.num_computed_tokens = SeqStatus.RUNNING, True, num_cached
+        self._add_work(seq, num_new, ())
+        return True
+
+    def _num_new_tokens(self, seq: Sequence, num_computed: int) -> int:
+        """Tokens to compute this step: the rest, a chunk of it, or 0 to wait for a roomier step."""
+        remaining = seq.num_tokens - num_computed
+        budget = self.config.max_num_batched_tokens - self._num_scheduled_tokens
+        if self.config.prefill_chunk:
+            return min(remaining, self.config.prefill_chunk, budget)
+        if remaining <= budget:
+            return remaining
+        # No chunking: wait for a step with room, unless even a whole step's budget is too small.
+        return budget if remaining > self.config.max_num_batched_tokens else 0
+
+    def _propose_drafts(self, seq: Sequence, num_new: int) -> tuple[int, ...]:
+        """Drafts for work that reaches the last known token, within budget, max_tokens and context."""
+        if self.proposer is None or seq.num_computed_tokens + num_new != seq.num_tokens:
+            return ()
+        num_drafts = min(self.config.num_speculative_tokens,
+                         self.config.max_num_batched_tokens - self._num_scheduled_tokens - num_new,
+                         seq.params.max_tokens - seq.num_generated - 1,
+                         self.max_model_len - seq.num_tokens)
+        return self.proposer.propose(seq.token_ids, num_drafts)
+
+    def _reserve_blocks(self, seq: Sequence, num_tokens: int) -> bool:
+        """Blocks for num_tokens positions, preempting victims until they fit; False if seq itself went."""
+        while not self.block_manager.allocate(seq.seq_id, num_tokens):
+            victim = min(self.running, key=_victim_order)
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq.seq_id)
+        work = self._scheduled.pop(seq.seq_id, None)
+        if work is not None:
+            self._num_scheduled_tokens -= len(work.token_ids)
+        seq.status, seq.num_computed_tokens = SeqStatus.WAITING, 0
+        seq.num_preemptions += 1
+        bisect.insort(self.waiting, seq, key=Sequence.order_key)
+        self.counters.preemptions += 1
+        self._preempted_this_step = True
+
+    def _add_work(self, seq: Sequence, num_new: int, drafts: tuple[int, ...]) -> None:
+        start = seq.num_computed_tokens
+        self._scheduled[seq.seq_id] = SeqWork(
+            seq_id=seq.seq_id, token_ids=tuple(seq.token_ids[start:start + num_new]) + drafts, start_pos=start,
+            block_table=self.block_manager.block_table(seq.seq_id), sample=start + num_new == seq.num_tokens,
+            params=seq.params, seed=seq.seed, num_generated=seq.num_generated, draft_ids=drafts,
+            output_ids=seq.output_ids if seq.params.has_penalties else ())
+        self._num_scheduled_tokens += num_new + len(drafts)
+
+    def _expire_waiting(self) -> None:
+        """Requests never started within queue_deadline_ms finish with no_capacity."""
+        deadline_s = self.clock() - self.config.queue_deadline_ms / 1000
+        for seq in [s for s in self.waiting if not s.started and s.arrival_s <= deadline_s]:
+            self._finish(seq, "no_capacity")
+            self._finished_outs.append(TokenOut(seq.seq_id, -1, finish_reason="no_capacity"))
+
+    # ----- stage 2: update
+    def update(self, plan: SchedulerOutput, output: RunnerOutput) -> list[TokenOut]:
+        """Fold one step's results in: advance computed tokens, append sampled ones, stop, free."""
+        outs, self._finished_outs = self._finished_outs, []
+        results = {r.seq_id: r for r in output.results}
+        for work in plan.work:
+            seq = self.seqs.get(work.seq_id)
+            if seq is not None and seq.status is SeqStatus.RUNNING:  # else aborted since schedule()
+                outs.extend(self._apply(seq, work, results.get(work.seq_id)))
+        return outs
+
+    def _apply(self, seq: Sequence, work: SeqWork, result: SeqResult | None) -> list[TokenOut]:
+        if work.start_pos != seq.num_computed_tokens:
+            raise RuntimeError(f"seq {seq.seq_id}: work starts at {work.start_pos}, computed {seq.num_computed_tokens}")
+        num_fed = len(work.token_ids) - len(work.draft_ids)
+        if not work.sample:
+            seq.num_computed_tokens += num_fed
+            self.block_manager.cache_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+            return []
+        _check_result(work, result)
+        assert result is not None
+        self.counters.spec_drafts_proposed += len(work.draft_ids)
+        self.counters.spec_drafts_accepted += result.num_accepted
+        seq.num_computed_tokens += num_fed + result.num_accepted  # rejected drafts' KV is stale: recomputed later
+        outs = self._append_tokens(seq, result)
+        seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens)  # a stop may cut the accepted run
+        self.block_manager.cache_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+        if outs[-1].finish_reason is not None:
+            self._finish(seq, outs[-1].finish_reason)
+        return outs
+
+    def _append_tokens(self, seq: Sequence, result: SeqResult) -> list[TokenOut]:
+        outs = []
+        for i, token in enumerate(result.token_ids):
+            seq.token_ids.append(token)
+            reason = self._stop_reason(seq, token)
+            top = result.top_logprobs[i] if i < len(result.top_logprobs) else ()
+            outs.append(TokenOut(seq.seq_id, token, result.logprobs[i], top, reason))
+            if reason is not None:
+                break
+        return outs
+
+    def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
+        if token in seq.params.stop_token_ids or (not seq.params.ignore_eos and token in self.eos_token_ids):
+            return "stop"
+        if seq.num_generated >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SeqStatus.WAITING:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq.seq_id)
+        seq.status, seq.finish_reason = SeqStatus.FINISHED, reason
+        del self.seqs[seq.seq_id]
+
+
+def _check_result(work: SeqWork, result: SeqResult | None) -> None:
+    if result is None:
+        raise RuntimeError(f"runner returned no result for sampled seq {work.seq_id}")
+    if not 0 <= result.num_accepted <= len(work.draft_ids) or len(result.token_ids) != result.num_accepted + 1:
+        raise RuntimeError(f"seq {work.seq_id}: {len(result.token_ids)} tokens with {result.num_accepted} of "
+                           f"{len(work.draft_ids)} drafts accepted")
+    if len(result.logprobs) != len(result.token_ids):
+        raise RuntimeError(f"seq {work.seq_id}: {len(result.logprobs)} logprobs for {len(result.token_ids)} tokens")
