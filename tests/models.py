@@ -2,8 +2,8 @@
 
 Owns: writing complete Hugging Face style model directories (config.json,
 model.safetensors or 2 shards + index, tokenizer.json, tokenizer_config.json,
-generation_config.json) for tests. Must not import jax or anything from tl beyond
-ModelConfig. Each builder runs in well under a second. Tested by
+generation_config.json) for tests. Must not import jax; uses only ModelConfig and
+the byte-level alphabet of tl. Each builder runs in well under a second. Tested by
 tests/test_model_files.py (the dirs load through tl.model.files and tl.tokenizer).
 
 Byte tokenizer (both builders): a ByteLevel BPE whose vocab is the 256 byte-level
@@ -30,6 +30,7 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from tl.model.config import ModelConfig
+from tl.tokenizer import byte_level_alphabet
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 ENDOFTEXT_ID, IM_START_ID, IM_END_ID = 256, 257, 258
@@ -40,18 +41,6 @@ CHATML_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 SUCC_TEMPLATE = "{% for m in messages %}{{ m.content }}{% endfor %}"
-
-
-def byte_level_alphabet() -> list[str]:
-    """GPT-2's bytes_to_unicode: the printable character standing for each byte 0..255."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars: dict[int, str] = {b: chr(b) for b in printable}
-    extra = 0
-    for b in range(256):
-        if b not in chars:
-            chars[b] = chr(256 + extra)
-            extra += 1
-    return [chars[b] for b in range(256)]
 
 
 def byte_tokenizer_json(specials: tuple[str, ...] = SPECIAL_TOKENS) -> dict[str, Any]:

@@ -1,0 +1,35 @@
+"""Shared pytest fixtures: model directories.
+
+Owns: `smol_dir` (the real SmolLM2-135M, pulled once per machine into
+artifacts/models/smol-135m through tl.pull), `tiny_dir` (a random 2-layer Llama with
+the byte tokenizer) and `succ_dir` (the successor-byte model), both built once per
+session under pytest's tmp dir by tests/models.py. Must not import jax.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from models import make_succ, make_tiny_llama
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def smol_dir() -> Path:
+    """artifacts/models/smol-135m, downloaded and converted on first use."""
+    from tl.pull import pull
+
+    return pull("smol-135m", root=REPO_ROOT / "artifacts" / "models", progress=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="session")
+def succ_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_succ(tmp_path_factory.mktemp("succ"))

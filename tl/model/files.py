@@ -1,0 +1,265 @@
+"""Reading a model directory's weight and side files.
+
+Owns: parsing safetensors (model.safetensors, or shards listed by
+model.safetensors.index.json) into float32 numpy arrays under Hugging Face names;
+checking them against a ModelConfig (`check_shapes`); reading generation_config.json
+and tokenizer_config.json into frozen records. The safetensors parser is our own (a
+header and offsets) so every defect becomes a ModelDirError naming the file and what
+is wrong, never a library traceback. Must not import jax and must not know the
+runner's parameter layout. Tested by tests/test_model_files.py.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tl.model.config import ModelConfig, ModelDirError
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+# safetensors dtype -> (numpy dtype of the stored bits, itemsize); BF16 is widened by hand.
+_DTYPES: dict[str, np.dtype[Any]] = {
+    "F64": np.dtype("<f8"), "F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2"),
+    "I64": np.dtype("<i8"), "I32": np.dtype("<i4"), "I16": np.dtype("<i2"), "I8": np.dtype("i1"),
+    "U8": np.dtype("u1"), "BOOL": np.dtype("?"),
+}
+
+
+def read_json(path: Path, required: bool = True) -> dict[str, Any]:
+    """A JSON object file; {} when absent and not required."""
+    if not path.is_file():
+        if required:
+            raise ModelDirError(f"{path}: file not found")
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelDirError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ModelDirError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+
+def _header(path: Path, size: int, raw: bytes) -> dict[str, Any]:
+    if size < 8:
+        raise ModelDirError(f"{path}: truncated safetensors file ({size} bytes, no header)")
+    (n,) = struct.unpack("<Q", raw[:8])
+    if n > size - 8:
+        raise ModelDirError(f"{path}: truncated safetensors file (header of {n} bytes, file has {size})")
+    try:
+        header = json.loads(raw[8:8 + n].decode("utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelDirError(f"{path}: malformed safetensors header ({e})") from None
+    if not isinstance(header, dict):
+        raise ModelDirError(f"{path}: malformed safetensors header (not a JSON object)")
+    header.pop("__metadata__", None)
+    return {"n": n, "tensors": header}
+
+
+def _entry(path: Path, name: str, info: Any, data_size: int) -> tuple[np.dtype[Any], tuple[int, ...], int, int]:
+    bad = f"{path}: tensor {name!r}"
+    if not isinstance(info, dict) or info.get("dtype") not in _DTYPES:
+        dtype = info.get("dtype") if isinstance(info, dict) else info
+        raise ModelDirError(f"{bad} has unsupported or missing dtype {dtype!r}")
+    shape, offsets = info.get("shape"), info.get("data_offsets")
+    if not (isinstance(shape, list) and all(isinstance(s, int) and s >= 0 for s in shape)):
+        raise ModelDirError(f"{bad} has a malformed shape {shape!r}")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)):
+        raise ModelDirError(f"{bad} has malformed data_offsets {offsets!r}")
+    dt = _DTYPES[info["dtype"]]
+    begin, end = offsets
+    if end - begin != math.prod(shape) * dt.itemsize or begin < 0:
+        raise ModelDirError(f"{bad}: data_offsets {offsets} do not match shape {shape} of {info['dtype']}")
+    if end > data_size:
+        raise ModelDirError(f"{bad} ends at byte {end} but the data section has {data_size} (truncated file?)")
+    return dt, tuple(shape), begin, end
+
+
+def _to_float32(bits: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype == "BF16":
+        return (bits.astype(np.uint32) << 16).view(np.float32)
+    return bits.astype(np.float32)
+
+
+def read_safetensors(path: Path) -> dict[str, np.ndarray]:
+    """Every tensor of one safetensors file as a float32 array (own copy, file not kept open)."""
+    if not path.is_file():
+        raise ModelDirError(f"{path}: file not found")
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        head = f.read(8)
+        n = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
+        hdr = _header(path, size, head + f.read(min(n, max(size - 8, 0))))
+    start = 8 + hdr["n"]
+    data = np.memmap(path, dtype=np.uint8, mode="r", offset=0, shape=(size,))
+    out = {}
+    for name, info in hdr["tensors"].items():
+        dt, shape, begin, end = _entry(path, name, info, size - start)
+        bits = data[start + begin:start + end].view(dt).reshape(shape)
+        out[name] = np.array(_to_float32(bits, info["dtype"]), dtype=np.float32, copy=True)
+    del data
+    return out
+
+
+def _read_sharded(model_dir: Path) -> dict[str, np.ndarray]:
+    index_path = model_dir / INDEX_FILE
+    weight_map = read_json(index_path).get("weight_map")
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise ModelDirError(f"{index_path}: missing or malformed 'weight_map'")
+    out: dict[str, np.ndarray] = {}
+    for shard in sorted(set(weight_map.values())):
+        if not (model_dir / shard).is_file():
+            raise ModelDirError(f"{index_path}: points at shard {shard!r}, which does not exist in {model_dir}")
+        out.update(read_safetensors(model_dir / shard))
+    for name, shard in weight_map.items():
+        if name not in out:
+            raise ModelDirError(f"{model_dir / shard}: tensor {name!r} listed in {INDEX_FILE} is missing")
+    return out
+
+
+def read_tensors(model_dir: str | Path) -> dict[str, np.ndarray]:
+    """All weights of a model dir by HF name, float32. model.safetensors wins over an index."""
+    d = Path(model_dir)
+    if not d.is_dir():
+        raise ModelDirError(f"model directory {str(model_dir)!r} does not exist")
+    if (d / SINGLE_FILE).is_file():
+        return read_safetensors(d / SINGLE_FILE)
+    if (d / INDEX_FILE).is_file():
+        return _read_sharded(d)
+    raise ModelDirError(f"{d}: no weights ({SINGLE_FILE} or {INDEX_FILE} not found)")
+
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """HF name -> shape of every tensor the config requires."""
+    d, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, d), "model.norm.weight": (d,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (v, d)
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "input_layernorm.weight": (d,), p + "post_attention_layernorm.weight": (d,),
+            p + "self_attn.q_proj.weight": (cfg.q_size, d), p + "self_attn.k_proj.weight": (cfg.kv_size, d),
+            p + "self_attn.v_proj.weight": (cfg.kv_size, d), p + "self_attn.o_proj.weight": (d, cfg.q_size),
+            p + "mlp.gate_proj.weight": (f, d), p + "mlp.up_proj.weight": (f, d), p + "mlp.down_proj.weight": (d, f),
+        }
+        if cfg.attention_bias:
+            shapes |= {p + "self_attn.q_proj.bias": (cfg.q_size,), p + "self_attn.k_proj.bias": (cfg.kv_size,),
+                       p + "self_attn.v_proj.bias": (cfg.kv_size,)}
+    return shapes
+
+
+def check_shapes(tensors: dict[str, np.ndarray], cfg: ModelConfig, source: str = "weights") -> None:
+    """Raise ModelDirError naming the first missing tensor or the expected vs actual shape.
+    Extra tensors (e.g. a tied model's stored lm_head) are allowed."""
+    for name, shape in expected_shapes(cfg).items():
+        if name not in tensors:
+            raise ModelDirError(f"{source}: tensor {name!r} is missing (expected shape {list(shape)})")
+        if tuple(tensors[name].shape) != shape:
+            raise ModelDirError(f"{source}: tensor {name!r} has shape {list(tensors[name].shape)}, "
+                                f"expected {list(shape)} from config.json")
+
+
+def read_checked_tensors(model_dir: str | Path, cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """read_tensors + check_shapes, the error naming the weights file of the dir."""
+    tensors = read_tensors(model_dir)
+    d = Path(model_dir)
+    check_shapes(tensors, cfg, source=str(d / (SINGLE_FILE if (d / SINGLE_FILE).is_file() else INDEX_FILE)))
+    return tensors
+
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationConfig:
+    """What we use of generation_config.json (all optional)."""
+
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+    chat_template: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TokenizerConfig:
+    """What we use of tokenizer_config.json (all optional)."""
+
+    bos_token: str | None = None
+    eos_token: str | None = None
+    pad_token: str | None = None
+    unk_token: str | None = None
+    chat_template: str | dict[str, str] | None = None
+
+
+def _ids(value: Any, source: str, key: str) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    vals = value if isinstance(value, list) else [value]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in vals):
+        raise ModelDirError(f"{source}: {key!r} must be a token id or a list of them, got {value!r}")
+    return tuple(vals)
+
+
+def _opt(d: dict[str, Any], key: str, kinds: tuple[type, ...], source: str) -> Any:
+    v = d.get(key)
+    if v is not None and (not isinstance(v, kinds) or isinstance(v, bool)):
+        raise ModelDirError(f"{source}: {key!r} has the wrong type ({v!r})")
+    return v
+
+
+def load_generation_config(model_dir: str | Path) -> GenerationConfig:
+    """generation_config.json; defaults when the file is absent (it is optional in HF dirs)."""
+    path = Path(model_dir) / "generation_config.json"
+    d, src = read_json(path, required=False), str(path)
+    template = _opt(d, "chat_template", (str,), src)
+    return GenerationConfig(
+        eos_token_ids=_ids(d.get("eos_token_id"), src, "eos_token_id"),
+        bos_token_id=(_ids(d.get("bos_token_id"), src, "bos_token_id") or (None,))[0],
+        chat_template=template,
+        temperature=_opt(d, "temperature", (int, float), src),
+        top_p=_opt(d, "top_p", (int, float), src),
+        top_k=_opt(d, "top_k", (int,), src),
+    )
+
+
+def _token_str(value: Any, source: str, key: str) -> str | None:
+    """A special token given as a string or as a serialized AddedToken ({"content": ...})."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    if value is not None and not isinstance(value, str):
+        raise ModelDirError(f"{source}: {key!r} must be a string, got {value!r}")
+    return value
+
+
+def _chat_template(value: Any, source: str) -> str | dict[str, str] | None:
+    """A template string, or named templates given as a dict or as [{"name", "template"}]."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        try:
+            value = {t["name"]: t["template"] for t in value}
+        except (TypeError, KeyError):
+            raise ModelDirError(f"{source}: 'chat_template' list entries need 'name' and 'template'") from None
+    if isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+        return value
+    raise ModelDirError(f"{source}: 'chat_template' must be a string or named templates, got {type(value).__name__}")
+
+
+def load_tokenizer_config(model_dir: str | Path) -> TokenizerConfig:
+    """tokenizer_config.json; defaults when the file is absent."""
+    path = Path(model_dir) / "tokenizer_config.json"
+    d, src = read_json(path, required=False), str(path)
+    return TokenizerConfig(
+        **{k: _token_str(d.get(k), src, k) for k in ("bos_token", "eos_token", "pad_token", "unk_token")},
+        chat_template=_chat_template(d.get("chat_template"), src),
+    )
