@@ -1,0 +1,239 @@
+"""The raw ASGI application: `granian --interface asgi serve.app:app`.
+
+Owns: lifespan (config from TL_CONFIG + TL_ENGINE__* overrides; the health port started
+first; the engine built in a worker thread, started and warmed before ready; any failure
+becomes lifespan.startup.failed), request dispatch (404/405, X-Request-Id, api keys, body
+limit, 503 while draining, the one catch-all that always finishes a response) and the
+SIGTERM drain of server-stack.md: readyz 503, new requests 503 with Connection: close,
+in-flight requests finish until drain_timeout_s (then are aborted), then SIGINT hands over
+to granian, whose lifespan shutdown stops the engine thread; exit 0.
+
+The engine comes from `tl.build:build_async_engine(cfg)`; the env var
+TL_ENGINE_FACTORY=module:function names another factory with the same signature (tests
+use tests.fake_engine:make_async_engine). Nothing here imports jax.
+Tested in memory by tests/test_serve_app.py and over HTTP by tests/test_serve_http.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import importlib
+import logging
+import os
+import signal
+import time
+from collections.abc import Callable
+
+from serve import errors
+from serve.asgi import ClientGone, DisconnectWatcher, Receive, Request, Scope, Send, Sender
+from serve.config_load import load_config
+from serve.errors import ApiError
+from serve.generate import PING_INTERVAL_S, Job
+from serve.health import HealthServer
+from serve.metrics import Metrics
+from serve.params import ModelInfo
+from serve.routes import Ctx, match
+from tl.async_engine import AsyncEngine
+from tl.config import EngineConfig
+
+log = logging.getLogger("serve")
+DEFAULT_FACTORY = "tl.build:build_async_engine"
+EngineFactory = Callable[[EngineConfig], AsyncEngine]
+
+
+def parse_listen(addr: str) -> tuple[str, int]:
+    """"host:port" or ":port" (all interfaces) -> (host, port)."""
+    host, sep, port = addr.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"listen address must be host:port, got {addr!r}")
+    return (host.strip("[]") or "0.0.0.0"), int(port)
+
+
+def resolve_factory(spec: str | None) -> EngineFactory:
+    module, _, name = (spec or DEFAULT_FACTORY).partition(":")
+    fn = getattr(importlib.import_module(module), name)
+    if not callable(fn):
+        raise TypeError(f"{spec} is not callable")
+    return fn  # type: ignore[no-any-return]
+
+
+def _setup_logging() -> None:
+    for name in ("serve", "tl"):
+        lg = logging.getLogger(name)
+        if not lg.handlers:
+            h = logging.StreamHandler()
+            h.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+            lg.addHandler(h)
+            lg.setLevel(logging.INFO)
+
+
+class App:
+    def __init__(self, config: EngineConfig | None = None, engine_factory: EngineFactory | None = None,
+                 handle_signals: bool = True, start_health: bool = True) -> None:
+        self.config = config
+        self.engine_factory = engine_factory
+        self.handle_signals = handle_signals
+        self.start_health = start_health
+        self.engine: AsyncEngine | None = None
+        self.info: ModelInfo | None = None
+        self.metrics = Metrics(self._stats)
+        self.health = HealthServer(self.metrics, self.is_ready)
+        self.draining = False
+        self.inflight = 0
+        self.jobs: set[Job] = set()
+        self.ping_interval_s = PING_INTERVAL_S
+        self._drain_task: asyncio.Task[None] | None = None
+
+    def _stats(self):  # type: ignore[no-untyped-def]
+        return self.engine.stats() if self.engine is not None else None
+
+    def is_ready(self) -> bool:
+        return self.engine is not None and self.engine.ready and not self.draining
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+        elif scope["type"] == "http":
+            await self._http(scope, receive, send)
+
+    # ---- lifespan ----------------------------------------------------------------------
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            msg = await receive()
+            if msg["type"] == "lifespan.startup":
+                try:
+                    await self.startup()
+                except BaseException as e:  # granian serves without lifespan if startup raises
+                    log.exception("start-up failed")
+                    await send({"type": "lifespan.startup.failed", "message": f"{type(e).__name__}: {e}"})
+                    return
+                await send({"type": "lifespan.startup.complete"})
+            elif msg["type"] == "lifespan.shutdown":
+                await self.shutdown()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    async def startup(self) -> None:
+        _setup_logging()
+        if self.config is None:
+            self.config = load_config()
+        cfg = self.config
+        if self.start_health:
+            host, port = parse_listen(cfg.health_listen)
+            await self.health.start(host, port)
+            log.info("health port listening on %s", cfg.health_listen)
+        factory = self.engine_factory or resolve_factory(os.environ.get("TL_ENGINE_FACTORY"))
+        loop = asyncio.get_running_loop()
+        engine = await loop.run_in_executor(None, factory, cfg)
+        engine.start()
+        self.engine = engine
+        await engine.warmup()
+        tok = engine.tokenizer
+        self.info = ModelInfo(engine.model_id, engine.max_model_len, cfg.max_logprobs,
+                              int(getattr(tok, "vocab_size", 2**31 - 1)), tok, engine.chat_template)  # type: ignore[arg-type]
+        if self.handle_signals:
+            loop.add_signal_handler(signal.SIGTERM, self.begin_drain)
+        log.info("serving %s (context %d) ready", engine.model_id, engine.max_model_len)
+
+    async def shutdown(self) -> None:
+        if self.engine is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self.engine.shutdown, 10.0)
+        await self.health.close()
+
+    # ---- drain -------------------------------------------------------------------------
+
+    def begin_drain(self) -> None:
+        if self._drain_task is None:
+            self._drain_task = asyncio.get_running_loop().create_task(self.drain())
+
+    async def drain(self) -> None:
+        """readyz 503 and new requests 503 at once; in-flight ones finish or are aborted at the deadline."""
+        self.draining = True
+        timeout = self.config.drain_timeout_s if self.config else 30.0
+        log.info("draining: %d requests in flight, up to %.1f s", self.inflight, timeout)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self.inflight and loop.time() < deadline:
+            await asyncio.sleep(0.01)
+        if self.inflight:
+            log.warning("drain deadline: aborting %d requests", self.inflight)
+            for job in list(self.jobs):
+                job.abort()
+            grace = loop.time() + 2.0
+            while self.inflight and loop.time() < grace:
+                await asyncio.sleep(0.01)
+        if self.handle_signals:
+            os.kill(os.getpid(), signal.SIGINT)  # granian's own graceful stop, then lifespan shutdown
+
+    # ---- HTTP --------------------------------------------------------------------------
+
+    async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        req = Request(scope, receive)
+        out = Sender(send, req.request_id)
+        route = match(req.path)
+        endpoint = route[0] if route else ("/healthz" if req.path == "/healthz" else "other")
+        watcher: DisconnectWatcher | None = None
+        counted = False
+        try:
+            if req.path == "/healthz":
+                if req.method != "GET":
+                    raise _method_not_allowed("GET")
+                await out.whole(200, b'{"status":"ok"}')
+                return
+            if route is None:
+                raise ApiError(404, f"Unknown route {req.method} {req.path}", "invalid_request_error", None,
+                               "not_found")
+            _, method, handler, has_body = route
+            if req.method != method:
+                raise _method_not_allowed(method)
+            if self.draining or self.engine is None or self.info is None or self.config is None:
+                raise errors.draining()
+            self._authorize(req)
+            self.inflight += 1
+            counted = True
+            body = await req.body(self.config.max_body_bytes) if has_body else b""
+            watcher = DisconnectWatcher(receive)
+            ctx = Ctx(self.engine, self.info, self.metrics, req, out, body, time.monotonic(),
+                      lambda: self.ping_interval_s, self.jobs, watcher)
+            await handler(ctx)
+        except ClientGone:
+            pass
+        except ApiError as e:
+            await self._fail(out, e)
+        except Exception:
+            log.exception("unhandled error in %s %s", req.method, req.path)
+            await self._fail(out, errors.internal())
+        finally:
+            if watcher is not None:
+                watcher.stop()
+            if counted:
+                self.inflight -= 1
+            if not out.finished and out.started:
+                await out.end()
+            self.metrics.requests.labels(endpoint, str(out.status or 499)).inc()
+
+    async def _fail(self, out: Sender, err: ApiError) -> None:
+        if not out.started:
+            await out.error(err)
+        else:
+            await out.end()
+
+    def _authorize(self, req: Request) -> None:
+        keys = self.config.api_keys if self.config else ()
+        if not keys:
+            return
+        scheme, _, token = req.headers.get("authorization", "").partition(" ")
+        if scheme.lower() == "bearer" and any(hmac.compare_digest(token.strip(), k) for k in keys):
+            return
+        raise ApiError(401, "Incorrect or missing API key (Authorization: Bearer <key>)", "invalid_request_error",
+                       None, "invalid_api_key", ((b"www-authenticate", b"Bearer"),))
+
+
+def _method_not_allowed(allowed: str) -> ApiError:
+    return ApiError(405, f"Method not allowed; use {allowed}", "invalid_request_error", None, "method_not_allowed",
+                    ((b"allow", allowed.encode()),))
+
+
+app = App()

@@ -1,0 +1,105 @@
+"""ApiError: every error the API answers, in OpenAI's shape.
+
+Owns the mapping from failures (msgspec validation, tl.request errors) to status, type,
+param and code, and the JSON body `{"error": {"message", "type", "param", "code"}}`.
+Must not touch the engine. Tested through tests/test_serve_errors.py.
+"""
+
+from __future__ import annotations
+
+import re
+
+import msgspec
+
+from tl.request import ContextLengthError, QueueFullError, RequestError
+
+
+class ErrorBody(msgspec.Struct, frozen=True):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorDoc(msgspec.Struct, frozen=True):
+    error: ErrorBody
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None,
+                 headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+    def doc(self) -> ErrorDoc:
+        return ErrorDoc(ErrorBody(self.message, self.type, self.param, self.code))
+
+    def body(self) -> bytes:
+        return msgspec.json.encode(self.doc())
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, "invalid_request_error", param, code)
+
+
+def unsupported(param: str, what: str = "") -> ApiError:
+    msg = f"{param} is not supported by this server" + (f": {what}" if what else "")
+    return ApiError(422, msg, "invalid_request_error", param, "unsupported_parameter")
+
+
+def model_not_found(model: str) -> ApiError:
+    return ApiError(404, f"The model '{model}' does not exist", "invalid_request_error", "model", "model_not_found")
+
+
+def queue_full() -> ApiError:
+    return ApiError(429, "The server's admission queue is full; retry shortly", "rate_limit_exceeded", None,
+                    "rate_limit_exceeded", ((b"retry-after", b"1"),))
+
+
+def no_capacity() -> ApiError:
+    return ApiError(503, "No KV-cache capacity became free before the queue deadline", "server_error", None,
+                    "no_capacity", ((b"retry-after", b"1"),))
+
+
+def draining() -> ApiError:
+    return ApiError(503, "The server is shutting down", "server_error", None, "server_shutting_down",
+                    ((b"retry-after", b"1"), (b"connection", b"close")))
+
+
+def internal(message: str = "Internal server error") -> ApiError:
+    return ApiError(500, message, "server_error", None, "internal_error")
+
+
+_AT_PATH = re.compile(r" - at `\$((?:\.[A-Za-z_0-9]+|\[\d+\])*)`$")
+_MISSING = re.compile(r"missing required field `([^`]+)`")
+
+
+def from_decode_error(err: msgspec.DecodeError) -> ApiError:
+    """msgspec's message -> 400 with `param` from its `- at $.a.b[0]` suffix or the missing field."""
+    text = str(err)
+    path = ""
+    m = _AT_PATH.search(text)
+    if m:
+        path = m.group(1).lstrip(".")
+        text = text[: m.start()]
+    missing = _MISSING.search(text)
+    if missing:
+        path = f"{path}.{missing.group(1)}" if path else missing.group(1)
+    if not isinstance(err, msgspec.ValidationError):
+        return bad_request(f"Invalid JSON body: {text}")
+    return bad_request(f"{text} at {path}" if path and not missing else text, param=path or None)
+
+
+def from_request_error(err: RequestError) -> ApiError:
+    """Errors tl.request and the engine raise at admission."""
+    if isinstance(err, QueueFullError):
+        return queue_full()
+    if isinstance(err, ContextLengthError):
+        return bad_request(str(err), param=err.param or "messages", code="context_length_exceeded")
+    return bad_request(str(err), param=err.param, code=err.code)

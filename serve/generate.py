@@ -1,0 +1,286 @@
+"""Running one GenSpec on the AsyncEngine: n choices per prompt, streamed as SSE or collected.
+
+Owns: submitting one engine request per choice (all refused together on a full queue),
+turning TokenOut lists into text through a TextStream per choice (stop strings abort the
+engine request), the chat/completion documents and chunks, the 15 s ping, the error event
+after the stream started, aborting everything when the client leaves, and the latency
+histograms. Must not reach into the engine beyond the AsyncEngine API.
+Tested through tests/test_serve_app.py and tests/test_serve_http.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from serve import errors, sse
+from serve.asgi import DisconnectWatcher, Sender
+from serve.errors import ApiError
+from serve.metrics import Metrics
+from serve.params import GenSpec, TokenizerLike
+from serve.textstream import TextStream
+from serve.wire import (AssistantMessage, ChatChoice, ChatCompletion, ChatCompletionChunk, ChatLogprobs, ChunkChoice,
+                        Completion, CompletionChoice, CompletionLogprobs, Delta, TokenLogprob, TopLogprob, Usage,
+                        encoder)
+from tl.async_engine import AsyncEngine, EngineError, RequestHandle
+from tl.request import GenRequest, RequestError, TokenOut
+
+PING_INTERVAL_S = 15.0
+_GONE = object()
+
+
+@dataclass
+class Choice:
+    index: int
+    prompt_len: int
+    handle: RequestHandle
+    stream: TextStream
+    stop_ids: frozenset[int]
+    text: list[str] = field(default_factory=list)
+    num_tokens: int = 0
+    finish: str | None = None
+    pending: list[TokenOut] = field(default_factory=list)  # tokens whose logprobs are not yet sent
+    logprobs: list[TokenOut] = field(default_factory=list)  # every token, for the non-streamed answer
+    first_token_at: float | None = None
+
+    def feed(self, outs: list[TokenOut], tok: TokenizerLike) -> str:
+        """Consume one delivery; return the text that may be sent now. Raises ApiError on abort/no_capacity."""
+        pieces = []
+        for o in outs:
+            if self.finish is not None:
+                break
+            if o.token_id >= 0:
+                self.first_token_at = self.first_token_at or time.monotonic()
+                self.num_tokens += 1
+                self.pending.append(o)
+                self.logprobs.append(o)
+                if not (o.finish_reason == "stop" and o.token_id in self.stop_ids):
+                    pieces.append(self.stream.push(tok.token_bytes(o.token_id)))
+                    if self.stream.stopped:
+                        self.finish = "stop"
+                        self.handle.abort()
+                        break
+            if o.finish_reason in ("stop", "length"):
+                pieces.append(self.stream.finish())
+                self.finish = o.finish_reason
+            elif o.finish_reason == "no_capacity":
+                raise errors.no_capacity()
+            elif o.finish_reason == "abort":
+                raise ApiError(503, "The request was aborted (the server is shutting down)", "server_error", None,
+                               "aborted", ((b"retry-after", b"1"),))
+        piece = "".join(pieces)
+        self.text.append(piece)
+        return piece
+
+
+class Job:
+    """One HTTP generation request: its choices, merged deliveries and cleanup."""
+
+    def __init__(self, spec: GenSpec, engine: AsyncEngine, model_id: str, priority: int, metrics: Metrics,
+                 arrived: float) -> None:
+        self.spec = spec
+        self.engine = engine
+        self.model_id = model_id
+        self.metrics = metrics
+        self.arrived = arrived
+        self.created = int(time.time())
+        prefix = "chatcmpl" if spec.kind == "chat" else "cmpl"
+        self.id = f"{prefix}-{uuid.uuid4().hex}"
+        self.queue: asyncio.Queue[tuple[Choice | None, object]] = asyncio.Queue()
+        self.choices = self._submit(priority)
+        self._pumps = [asyncio.create_task(self._pump(c)) for c in self.choices]
+
+    def _submit(self, priority: int) -> list[Choice]:
+        stop_ids = frozenset(self.engine.eos_token_ids)
+        choices: list[Choice] = []
+        try:
+            for p_idx, prompt in enumerate(self.spec.prompts):
+                for c_idx, params in enumerate(self.spec.params):
+                    handle = self.engine.submit(GenRequest(prompt, params, priority))
+                    choices.append(Choice(p_idx * self.spec.n + c_idx, len(prompt), handle,
+                                          TextStream(self.spec.stops), stop_ids | set(params.stop_token_ids)))
+        except RequestError as e:
+            for c in choices:
+                c.handle.abort()
+            raise errors.from_request_error(e) from None
+        return choices
+
+    async def _pump(self, choice: Choice) -> None:
+        try:
+            async for outs in choice.handle:
+                self.queue.put_nowait((choice, outs))
+        except BaseException as e:  # EngineError, admission refusal, cancellation
+            if not isinstance(e, asyncio.CancelledError):
+                self.queue.put_nowait((choice, e))
+            raise
+
+    async def admitted(self) -> None:
+        """Wait until the engine thread took every choice; its refusal becomes an ApiError."""
+        for c in self.choices:
+            try:
+                await c.handle.admitted
+            except RequestError as e:
+                raise errors.from_request_error(e) from None
+            except EngineError as e:
+                raise errors.internal(str(e)) from None
+
+    def abort(self) -> None:
+        for c in self.choices:
+            c.handle.abort()
+
+    def close(self) -> None:
+        self.abort()
+        for t in self._pumps:
+            t.cancel()
+
+    async def next(self, timeout: float | None) -> tuple[Choice | None, object]:
+        """The next delivery (choice, TokenOut list or exception); (None, None) on timeout; (None, _GONE)."""
+        try:
+            return await asyncio.wait_for(self.queue.get(), timeout)
+        except TimeoutError:
+            return None, None
+
+    def gone(self) -> None:
+        self.queue.put_nowait((None, _GONE))
+
+    def feed(self, choice: Choice, item: object) -> str:
+        if isinstance(item, RequestError):
+            raise errors.from_request_error(item)
+        if isinstance(item, BaseException):
+            raise errors.internal(f"engine failure: {item}")
+        piece = choice.feed(item, self.engine.tokenizer)  # type: ignore[arg-type]
+        if choice.finish is not None:
+            self._observe(choice)
+        return piece
+
+    @property
+    def done(self) -> bool:
+        return all(c.finish is not None for c in self.choices)
+
+    def usage(self) -> Usage:
+        prompt = sum(len(p) for p in self.spec.prompts)
+        completion = sum(c.num_tokens for c in self.choices)
+        return Usage(prompt, completion, prompt + completion)
+
+    def _observe(self, c: Choice) -> None:
+        now = time.monotonic()
+        self.metrics.e2e.observe(now - self.arrived)
+        if c.handle.admitted_at is not None:
+            self.metrics.queue_time.observe(c.handle.admitted_at - c.handle.submitted_at)
+        if c.first_token_at is not None:
+            self.metrics.ttft.observe(c.first_token_at - self.arrived)
+            if c.num_tokens > 1:
+                self.metrics.tpot.observe((now - c.first_token_at) / (c.num_tokens - 1))
+
+    # ---- documents ---------------------------------------------------------------------
+
+    def token_str(self, token_id: int) -> tuple[str, list[int]]:
+        b = self.engine.tokenizer.token_bytes(token_id)  # type: ignore[attr-defined]
+        return b.decode("utf-8", errors="replace"), list(b)
+
+    def chat_logprobs(self, outs: list[TokenOut]) -> ChatLogprobs | None:
+        if not self.spec.logprobs:
+            return None
+        content = []
+        for o in outs:
+            s, b = self.token_str(o.token_id)
+            tops = []
+            for t, lp in o.top_logprobs:
+                ts, tb = self.token_str(t)
+                tops.append(TopLogprob(ts, lp, tb))
+            content.append(TokenLogprob(s, o.logprob, b, tops))
+        return ChatLogprobs(content)
+
+    def completion_logprobs(self, outs: list[TokenOut], offset: int) -> CompletionLogprobs | None:
+        if not self.spec.logprobs:
+            return None
+        tokens, lps, tops, offsets = [], [], [], []
+        for o in outs:
+            s = self.token_str(o.token_id)[0]
+            tokens.append(s)
+            lps.append(o.logprob)
+            tops.append({self.token_str(t)[0]: lp for t, lp in o.top_logprobs})
+            offsets.append(offset)
+            offset += len(s)
+        return CompletionLogprobs(tokens, lps, tops, offsets)
+
+    def final_document(self) -> bytes:
+        if self.spec.kind == "chat":
+            return encoder.encode(ChatCompletion(self.id, "chat.completion", self.created, self.model_id, [
+                ChatChoice(c.index, AssistantMessage("assistant", "".join(c.text)), self.chat_logprobs(c.logprobs),
+                           c.finish or "stop") for c in self.choices], self.usage()))
+        return encoder.encode(Completion(self.id, "text_completion", self.created, self.model_id, [
+            CompletionChoice(c.index, "".join(c.text), self.completion_logprobs(c.logprobs, 0), c.finish or "stop")
+            for c in self.choices], self.usage()))
+
+    def chunk(self, c: Choice, piece: str, first: bool = False) -> bytes:
+        outs, c.pending = c.pending, []
+        if self.spec.kind == "chat":
+            delta = Delta(role="assistant", content="") if first else Delta(content=piece or None)
+            doc: object = ChatCompletionChunk(self.id, "chat.completion.chunk", self.created, self.model_id, [
+                ChunkChoice(c.index, delta, None if first else self.chat_logprobs(outs), c.finish)])
+        else:
+            offset = sum(len(t) for t in c.text) - len(piece)
+            doc = Completion(self.id, "text_completion", self.created, self.model_id, [
+                CompletionChoice(c.index, piece, self.completion_logprobs(outs, offset), c.finish)])
+        return sse.event(encoder.encode(doc))
+
+    def usage_chunk(self) -> bytes:
+        if self.spec.kind == "chat":
+            doc: object = ChatCompletionChunk(self.id, "chat.completion.chunk", self.created, self.model_id, [],
+                                              self.usage())
+        else:
+            doc = Completion(self.id, "text_completion", self.created, self.model_id, [], self.usage())
+        return sse.event(encoder.encode(doc))
+
+
+async def respond(job: Job, out: Sender, watcher: DisconnectWatcher,
+                  ping_interval_s: Callable[[], float]) -> None:
+    """Answer one generation request (errors before the first byte are raised as ApiError)."""
+    watcher.on_gone(job.gone)
+    try:
+        if job.spec.stream:
+            await job.admitted()
+            await _stream(job, out, ping_interval_s())
+        else:
+            await _collect(job, out)
+    finally:
+        job.close()
+
+
+async def _collect(job: Job, out: Sender) -> None:
+    while not job.done:
+        choice, item = await job.next(None)
+        if item is _GONE:
+            return
+        assert choice is not None
+        job.feed(choice, item)
+    await out.whole(200, job.final_document())
+
+
+async def _stream(job: Job, out: Sender, ping_s: float) -> None:
+    await out.start(200, b"text/event-stream", ((b"cache-control", b"no-cache"),))
+    if job.spec.kind == "chat":
+        for c in job.choices:
+            await out.chunk(job.chunk(c, "", first=True))
+    try:
+        while not job.done:
+            choice, item = await job.next(ping_s)
+            if item is _GONE:
+                return
+            if choice is None:
+                await out.chunk(sse.PING)
+                continue
+            piece = job.feed(choice, item)
+            if piece or choice.finish is not None:
+                await out.chunk(job.chunk(choice, piece))
+        if job.spec.include_usage:
+            await out.chunk(job.usage_chunk())
+    except ApiError as e:
+        job.abort()
+        await out.chunk(sse.event(encoder.encode(e.doc())))
+    await out.chunk(sse.DONE)
+    await out.end()

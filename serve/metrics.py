@@ -1,0 +1,71 @@
+"""Prometheus metrics of one server process, on a custom CollectorRegistry.
+
+Owns: the engine gauges and counters (read from the AsyncEngine's stats snapshot at
+scrape time, so the engine thread is never touched), latency histograms (time to first
+token, time per output token, end-to-end, queue time = submit until the engine thread
+admitted the request) and request counters by endpoint and status.
+Tested by the /metrics checks in tests/test_serve_app.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, exposition
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from tl.stats import EngineStats
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class _EngineCollector(Collector):
+    def __init__(self, stats: Callable[[], EngineStats | None]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        s = self._stats() or EngineStats()
+        blocks = GaugeMetricFamily("tl_engine_kv_blocks", "KV-cache blocks by state", labels=["state"])
+        blocks.add_metric(["free"], s.kv_blocks_free)
+        blocks.add_metric(["used"], s.kv_blocks_used)
+        blocks.add_metric(["cached"], s.kv_blocks_cached)
+        yield blocks
+        yield GaugeMetricFamily("tl_engine_queue_depth", "Requests waiting for admission", value=s.queue_depth)
+        yield GaugeMetricFamily("tl_engine_active_sequences", "Sequences holding KV blocks", value=s.running)
+        yield GaugeMetricFamily("tl_engine_batch_tokens", "Tokens computed by the last step", value=s.batch_tokens)
+        yield GaugeMetricFamily("tl_engine_prefix_cache_hit_ratio", "Prompt tokens found in the prefix cache",
+                                value=s.prefix_cache_hit_ratio)
+        yield GaugeMetricFamily("tl_engine_compilations", "Compiled step variants", value=s.compilations)
+        for name, doc, value in (
+            ("tl_engine_preemptions", "Sequences preempted for KV blocks", s.preemptions),
+            ("tl_engine_kv_evictions", "Cached KV blocks evicted", s.evictions),
+            ("tl_engine_steps", "Engine steps run", s.steps),
+            ("tl_engine_prefix_cache_queries", "Prompt tokens looked up in the prefix cache", s.prefix_cache_queries),
+            ("tl_engine_prefix_cache_hits", "Prompt tokens found in the prefix cache", s.prefix_cache_hits),
+            ("tl_engine_spec_draft_tokens", "Speculative draft tokens proposed", s.spec_drafts_proposed),
+            ("tl_engine_spec_accepted_tokens", "Speculative draft tokens accepted", s.spec_drafts_accepted),
+        ):
+            yield CounterMetricFamily(name, doc, value=value)
+
+
+class Metrics:
+    def __init__(self, stats: Callable[[], EngineStats | None]) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_EngineCollector(stats))
+        r = self.registry
+        self.ttft = Histogram("tl_request_time_to_first_token_seconds", "Arrival to first token",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("tl_request_time_per_output_token_seconds", "Mean gap between output tokens",
+                              buckets=TPOT_BUCKETS, registry=r)
+        self.e2e = Histogram("tl_request_e2e_latency_seconds", "Arrival to last token",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_time = Histogram("tl_request_queue_time_seconds", "Submit until the engine took the request",
+                                    buckets=LATENCY_BUCKETS, registry=r)
+        self.requests = Counter("tl_http_requests", "HTTP requests by endpoint and status",
+                                ["endpoint", "status"], registry=r)
+
+    def render(self, accept: str) -> tuple[bytes, str]:
+        encoder, content_type = exposition.choose_encoder(accept)
+        return encoder(self.registry), content_type

@@ -1,0 +1,220 @@
+"""Chat and completion bodies -> GenSpec: prompts as token ids plus validated sampling settings.
+
+Owns request validation beyond msgspec's ranges: the 422 list of unsupported parameters,
+the served model id (404), the chat template render, the context-length check (400
+context_length_exceeded naming prompt tokens, max_tokens and the context) and the
+SamplingParams build (its RequestError becomes a 400 naming the field).
+Must not touch the engine thread. Tested through tests/test_serve_app.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+from serve import errors
+from serve.errors import ApiError
+from serve.wire import ChatMessage, ChatRequest, CompletionRequest, PromptItem, SamplingFields
+from tl.request import MAX_SEED, RequestError, SamplingParams
+
+Kind = Literal["chat", "completion"]
+
+
+class TokenizerLike(Protocol):
+    def encode(self, text: str) -> list[int]: ...
+    def decode(self, ids: list[int]) -> str: ...
+    def token_bytes(self, token_id: int) -> bytes: ...
+
+
+class TemplateLike(Protocol):
+    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+               tools: object = None) -> str: ...
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """What validation needs to know about the served model."""
+
+    model_id: str
+    max_model_len: int
+    max_logprobs: int
+    vocab_size: int
+    tokenizer: TokenizerLike
+    template: TemplateLike
+
+
+@dataclass(frozen=True, slots=True)
+class GenSpec:
+    kind: Kind
+    prompts: tuple[tuple[int, ...], ...]  # one per prompt; each gets n choices
+    params: tuple[SamplingParams, ...]  # one per choice of a prompt (seeds differ when n > 1)
+    stops: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+    logprobs: bool
+
+    @property
+    def n(self) -> int:
+        return len(self.params)
+
+
+def check_model(model: str | None, info: ModelInfo) -> None:
+    if model is not None and model != info.model_id:
+        raise errors.model_not_found(model)
+
+
+def _refuse_unsupported(req: SamplingFields) -> None:
+    if req.tools:
+        raise errors.unsupported("tools")
+    if req.tool_choice not in (None, "none"):
+        raise errors.unsupported("tool_choice")
+    if req.functions is not None:
+        raise errors.unsupported("functions")
+    if req.function_call is not None:
+        raise errors.unsupported("function_call")
+    if req.response_format is not None and req.response_format.type != "text":
+        raise errors.unsupported("response_format", f"type {req.response_format.type!r}")
+
+
+def message_dicts(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """Messages as the template sees them; text parts are joined, any other part is a 422."""
+    out = []
+    for i, m in enumerate(messages):
+        content = m.content
+        if isinstance(content, list):
+            for j, part in enumerate(content):
+                if part.type != "text":
+                    raise errors.unsupported(f"messages[{i}].content[{j}].type", f"content part {part.type!r}")
+            content = "".join(p.text or "" for p in content)
+        d = {"role": m.role, "content": content or ""}
+        if m.name is not None:
+            d["name"] = m.name
+        out.append(d)
+    return out
+
+
+def render_chat(messages: list[ChatMessage], info: ModelInfo, add_generation_prompt: bool = True) -> list[int]:
+    dicts = message_dicts(messages)
+    try:
+        text = info.template.render(dicts, add_generation_prompt=add_generation_prompt)
+    except Exception as e:  # TemplateError, or raise_exception() inside the template
+        raise errors.bad_request(f"The chat template could not render these messages: {e}", "messages") from None
+    return info.tokenizer.encode(text)
+
+
+def prompt_token_lists(prompt: str | list[PromptItem], info: ModelInfo, param: str) -> list[list[int]]:
+    """A string, a list of strings, a list of token ids, or a list of token-id lists."""
+    if isinstance(prompt, str):
+        return [info.tokenizer.encode(prompt)]
+    if all(isinstance(x, int) for x in prompt):
+        return [list(prompt)]  # type: ignore[arg-type]
+    if all(isinstance(x, str) for x in prompt):
+        return [info.tokenizer.encode(x) for x in prompt]  # type: ignore[arg-type]
+    if all(isinstance(x, list) for x in prompt):
+        return [list(x) for x in prompt]  # type: ignore[arg-type]
+    raise errors.bad_request(f"{param} must be a string, a list of strings, a list of token ids or a list of "
+                             "token-id lists, not a mix", param)
+
+
+def _check_tokens(ids: list[int], info: ModelInfo, param: str) -> None:
+    if not ids:
+        raise errors.bad_request(f"{param} must contain at least one token", param)
+    bad = next((t for t in ids if t >= info.vocab_size), None)
+    if bad is not None:
+        raise errors.bad_request(f"token id {bad} is outside the vocabulary (size {info.vocab_size})", param)
+
+
+def _max_tokens(asked: int | None, default: int | None, prompt_len: int, info: ModelInfo, param: str) -> int:
+    ctx = info.max_model_len
+    max_tokens = asked if asked is not None else (default if default is not None else ctx - prompt_len)
+    if prompt_len + max(max_tokens, 1) > ctx:
+        raise ApiError(400, f"This model's maximum context length is {ctx} tokens. However, you requested "
+                            f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the "
+                            f"completion (max_tokens)). Reduce the prompt or max_tokens.",
+                       "invalid_request_error", param, "context_length_exceeded")
+    return max_tokens
+
+
+def _logit_bias(raw: dict[str, float] | None, info: ModelInfo) -> tuple[tuple[int, float], ...]:
+    if not raw:
+        return ()
+    out = []
+    for key, bias in raw.items():
+        if not key.lstrip("-").isdigit() or not 0 <= int(key) < info.vocab_size:
+            raise errors.bad_request(f"logit_bias key {key!r} is not a token id of this model", "logit_bias")
+        out.append((int(key), float(bias)))
+    return tuple(sorted(out))
+
+
+def _sampling(req: SamplingFields, max_tokens: int, logprobs: bool, top_logprobs: int, info: ModelInfo,
+              n: int) -> tuple[SamplingParams, ...]:
+    if top_logprobs > info.max_logprobs:
+        raise errors.bad_request(f"top_logprobs must be <= {info.max_logprobs}, got {top_logprobs}",
+                                 "top_logprobs" if isinstance(req, ChatRequest) else "logprobs")
+    base_seed = None if req.seed is None else req.seed % (MAX_SEED + 1)
+    out = []
+    for i in range(n):
+        try:
+            out.append(SamplingParams(
+                temperature=1.0 if req.temperature is None else req.temperature,
+                top_p=1.0 if req.top_p is None else req.top_p,
+                top_k=max(req.top_k or 0, 0),
+                min_p=req.min_p or 0.0,
+                seed=None if base_seed is None else (base_seed + i) % (MAX_SEED + 1),
+                max_tokens=max_tokens,
+                stop_token_ids=tuple(req.stop_token_ids or ()),
+                ignore_eos=bool(req.ignore_eos),
+                logprobs=logprobs,
+                top_logprobs=top_logprobs,
+                presence_penalty=req.presence_penalty or 0.0,
+                frequency_penalty=req.frequency_penalty or 0.0,
+                repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+                logit_bias=_logit_bias(req.logit_bias, info),
+            ))
+        except RequestError as e:
+            raise errors.from_request_error(e) from None
+    return tuple(out)
+
+
+def _stops(stop: str | list[str] | None) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    stops = (stop,) if isinstance(stop, str) else tuple(stop)
+    if any(not s for s in stops):
+        raise errors.bad_request("stop strings must not be empty", "stop")
+    return stops
+
+
+def chat_spec(req: ChatRequest, info: ModelInfo) -> GenSpec:
+    check_model(req.model, info)
+    _refuse_unsupported(req)
+    if req.top_logprobs and not req.logprobs:
+        raise errors.bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+    ids = render_chat(req.messages, info)
+    _check_tokens(ids, info, "messages")
+    asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    max_tokens = _max_tokens(asked, None, len(ids), info, "messages" if asked is None else param)
+    params = _sampling(req, max_tokens, bool(req.logprobs), req.top_logprobs or 0, info, req.n or 1)
+    return GenSpec("chat", (tuple(ids),), params, _stops(req.stop), bool(req.stream),
+                   bool(req.stream_options and req.stream_options.include_usage), bool(req.logprobs))
+
+
+def completion_spec(req: CompletionRequest, info: ModelInfo) -> GenSpec:
+    check_model(req.model, info)
+    _refuse_unsupported(req)
+    if req.echo:
+        raise errors.unsupported("echo")
+    if req.suffix:
+        raise errors.unsupported("suffix")
+    if req.best_of is not None and req.best_of != (req.n or 1):
+        raise errors.unsupported("best_of")
+    prompts = prompt_token_lists(req.prompt, info, "prompt")
+    max_tokens = 16 if req.max_tokens is None else req.max_tokens
+    for ids in prompts:
+        _check_tokens(ids, info, "prompt")
+        _max_tokens(max_tokens, None, len(ids), info, "max_tokens")
+    logprobs = req.logprobs is not None
+    params = _sampling(req, max_tokens, logprobs, req.logprobs or 0, info, req.n or 1)
+    return GenSpec("completion", tuple(tuple(p) for p in prompts), params, _stops(req.stop), bool(req.stream),
+                   bool(req.stream_options and req.stream_options.include_usage), logprobs)

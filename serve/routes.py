@@ -1,0 +1,180 @@
+"""The /v1 route handlers: chat, completions, embeddings, tokenize, detokenize, models.
+
+Owns decoding each body into its wire Struct (msgspec errors -> 400 with param), and the
+documents of the non-generation routes. Generation itself lives in serve/generate.py.
+Handlers get a Ctx (engine, metrics, request, sender, watcher) and either send a response
+or raise ApiError before sending anything. Tested through tests/test_serve_app.py.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+import struct
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import msgspec
+
+from serve import errors
+from serve.asgi import DisconnectWatcher, Request, Sender
+from serve.generate import Job, respond
+from serve.metrics import Metrics
+from serve.params import ModelInfo, chat_spec, check_model, completion_spec, prompt_token_lists, render_chat
+from serve.wire import (ChatRequest, CompletionRequest, DetokenizeRequest, Embedding, EmbeddingList, EmbeddingRequest,
+                        EmbeddingUsage, ModelCard, ModelList, TokenizeRequest, TokenizeResponse, DetokenizeResponse,
+                        encoder)
+from tl.async_engine import AsyncEngine, EngineError
+
+S = TypeVar("S")
+STARTED_AT = int(time.time())
+
+
+@dataclass
+class Ctx:
+    engine: AsyncEngine
+    info: ModelInfo
+    metrics: Metrics
+    request: Request
+    out: Sender
+    body: bytes
+    arrived: float
+    ping_interval_s: Callable[[], float]
+    jobs: set[Job]
+    watcher: DisconnectWatcher | None = None
+
+
+_DECODERS = {t: msgspec.json.Decoder(t) for t in (ChatRequest, CompletionRequest, EmbeddingRequest,
+                                                  TokenizeRequest, DetokenizeRequest)}
+
+
+def decode(body: bytes, typ: type[S]) -> S:
+    try:
+        return _DECODERS[typ].decode(body)  # type: ignore[no-any-return]
+    except msgspec.DecodeError as e:
+        raise errors.from_decode_error(e) from None
+
+
+def priority(ctx: Ctx) -> int:
+    raw = ctx.request.headers.get("x-tl-priority")
+    if raw is None:
+        return 0
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        value = 1000
+    if not -100 <= value <= 100:
+        raise errors.bad_request(f"X-TL-Priority must be an integer in [-100, 100], got {raw!r}", "X-TL-Priority")
+    return value
+
+
+async def _generate(ctx: Ctx, spec_fn: Callable[[], object]) -> None:
+    spec = spec_fn()
+    prio = priority(ctx)
+    job = Job(spec, ctx.engine, ctx.info.model_id, prio, ctx.metrics, ctx.arrived)  # type: ignore[arg-type]
+    ctx.jobs.add(job)
+    try:
+        assert ctx.watcher is not None
+        await respond(job, ctx.out, ctx.watcher, ctx.ping_interval_s)
+    finally:
+        ctx.jobs.discard(job)
+
+
+async def chat(ctx: Ctx) -> None:
+    req = decode(ctx.body, ChatRequest)
+    await _generate(ctx, lambda: chat_spec(req, ctx.info))
+
+
+async def completions(ctx: Ctx) -> None:
+    req = decode(ctx.body, CompletionRequest)
+    await _generate(ctx, lambda: completion_spec(req, ctx.info))
+
+
+def _pack(vec: list[float], fmt: str | None) -> list[float] | str:
+    if fmt == "base64":
+        return base64.b64encode(struct.pack(f"<{len(vec)}f", *vec)).decode()
+    return vec
+
+
+async def embeddings(ctx: Ctx) -> None:
+    req = decode(ctx.body, EmbeddingRequest)
+    check_model(req.model, ctx.info)
+    if req.dimensions is not None:
+        raise errors.unsupported("dimensions")
+    inputs = prompt_token_lists(req.input, ctx.info, "input")
+    for i, ids in enumerate(inputs):
+        if not ids:
+            raise errors.bad_request(f"input[{i}] is empty", "input")
+        if len(ids) > ctx.info.max_model_len:
+            raise errors.ApiError(400, f"input[{i}] has {len(ids)} tokens; this model's maximum context length is "
+                                       f"{ctx.info.max_model_len} tokens", "invalid_request_error", "input",
+                                  "context_length_exceeded")
+    try:
+        vectors = await ctx.engine.embed(inputs)
+    except EngineError as e:
+        raise errors.internal(str(e)) from None
+    data = [Embedding("embedding", i, _pack([float(x) for x in v], req.encoding_format))
+            for i, v in enumerate(vectors)]
+    if any(isinstance(v, list) and not all(math.isfinite(x) for x in v) for v in (d.embedding for d in data)):
+        raise errors.internal("the model produced a non-finite embedding")
+    n = sum(len(x) for x in inputs)
+    await ctx.out.whole(200, encoder.encode(EmbeddingList("list", data, ctx.info.model_id, EmbeddingUsage(n, n))))
+
+
+async def tokenize(ctx: Ctx) -> None:
+    req = decode(ctx.body, TokenizeRequest)
+    check_model(req.model, ctx.info)
+    if (req.prompt is None) == (req.messages is None):
+        raise errors.bad_request("give exactly one of prompt or messages", "prompt")
+    if req.messages is not None:
+        ids = render_chat(req.messages, ctx.info, req.add_generation_prompt)
+    else:
+        ids = ctx.info.tokenizer.encode(req.prompt or "")
+    await ctx.out.whole(200, encoder.encode(TokenizeResponse(ids, len(ids), ctx.info.max_model_len)))
+
+
+async def detokenize(ctx: Ctx) -> None:
+    req = decode(ctx.body, DetokenizeRequest)
+    check_model(req.model, ctx.info)
+    if any(t >= ctx.info.vocab_size for t in req.tokens):
+        raise errors.bad_request(f"token ids must be < {ctx.info.vocab_size}", "tokens")
+    await ctx.out.whole(200, encoder.encode(DetokenizeResponse(ctx.info.tokenizer.decode(req.tokens))))
+
+
+def _card(ctx: Ctx) -> ModelCard:
+    return ModelCard(ctx.info.model_id, "model", STARTED_AT, "tl", ctx.info.max_model_len)
+
+
+async def models(ctx: Ctx) -> None:
+    await ctx.out.whole(200, encoder.encode(ModelList("list", [_card(ctx)])))
+
+
+async def model(ctx: Ctx) -> None:
+    name = ctx.request.path[len("/v1/models/"):]
+    check_model(name, ctx.info)
+    await ctx.out.whole(200, encoder.encode(_card(ctx)))
+
+
+Handler = Callable[[Ctx], Awaitable[None]]
+
+# path -> (method, handler, needs a body, watches for disconnect)
+ROUTES: dict[str, tuple[str, Handler, bool]] = {
+    "/v1/chat/completions": ("POST", chat, True),
+    "/v1/completions": ("POST", completions, True),
+    "/v1/embeddings": ("POST", embeddings, True),
+    "/v1/tokenize": ("POST", tokenize, True),
+    "/v1/detokenize": ("POST", detokenize, True),
+    "/v1/models": ("GET", models, False),
+}
+
+
+def match(path: str) -> tuple[str, str, Handler, bool] | None:
+    """(endpoint label, method, handler, has body) for a path, or None."""
+    if path in ROUTES:
+        method, handler, has_body = ROUTES[path]
+        return path, method, handler, has_body
+    if path.startswith("/v1/models/") and len(path) > len("/v1/models/"):
+        return "/v1/models/{id}", "GET", model, False
+    return None

@@ -1,0 +1,249 @@
+"""Wire records of the v1 API as msgspec Structs.
+
+Owns: request bodies (unknown fields ignored; ranges declared with Meta so a bad value is a
+400 whose `param` msgspec's error path names) and frozen response documents. Fields the
+server refuses (tools, echo, ...) are declared so routes can answer 422 naming them.
+No logic beyond shapes. Tested through the route tests.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta, Struct
+
+Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
+TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
+Unit = Annotated[float, Meta(ge=0.0, le=1.0)]
+Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
+RepPenalty = Annotated[float, Meta(gt=0.0, le=2.0)]
+PosInt = Annotated[int, Meta(ge=1)]
+Seed = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
+TokenId = Annotated[int, Meta(ge=0, le=2**31 - 1)]
+NumChoices = Annotated[int, Meta(ge=1, le=16)]
+TopLogprobs = Annotated[int, Meta(ge=0, le=20)]
+Stop = str | Annotated[list[str], Meta(max_length=4)]
+
+# ---- requests -------------------------------------------------------------------------
+
+
+class ContentPart(Struct):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(Struct):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class StreamOptions(Struct):
+    include_usage: bool | None = None
+
+
+class ResponseFormat(Struct):
+    type: str
+
+
+class SamplingFields(Struct, kw_only=True):
+    """Sampling fields chat and completions share."""
+
+    model: str
+    max_tokens: PosInt | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: Annotated[int, Meta(ge=-1)] | None = None
+    min_p: Unit | None = None
+    seed: Seed | None = None
+    stop: Stop | None = None
+    stop_token_ids: list[TokenId] | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: RepPenalty | None = None
+    logit_bias: dict[str, Annotated[float, Meta(ge=-100.0, le=100.0)]] | None = None
+    ignore_eos: bool | None = None
+    n: NumChoices | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    tools: object = None
+    tool_choice: object = None
+    functions: object = None
+    function_call: object = None
+    response_format: ResponseFormat | None = None
+
+
+class ChatRequest(SamplingFields, kw_only=True):
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)]
+    max_completion_tokens: PosInt | None = None
+    logprobs: bool | None = None
+    top_logprobs: TopLogprobs | None = None
+
+
+PromptItem = str | TokenId | list[TokenId]
+
+
+class CompletionRequest(SamplingFields, kw_only=True):
+    prompt: str | Annotated[list[PromptItem], Meta(min_length=1)]
+    logprobs: TopLogprobs | None = None
+    echo: bool | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class EmbeddingRequest(Struct, kw_only=True):
+    model: str
+    input: str | Annotated[list[PromptItem], Meta(min_length=1)]
+    encoding_format: Literal["float", "base64"] | None = None
+    dimensions: int | None = None
+    user: str | None = None
+
+
+class TokenizeRequest(Struct, kw_only=True):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool | None = None
+
+
+class DetokenizeRequest(Struct, kw_only=True):
+    model: str | None = None
+    tokens: list[TokenId]
+
+
+# ---- responses ------------------------------------------------------------------------
+
+
+class Usage(Struct, frozen=True):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class TopLogprob(Struct, frozen=True):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(Struct, frozen=True):
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(Struct, frozen=True):
+    content: list[TokenLogprob]
+
+
+class AssistantMessage(Struct, frozen=True):
+    role: str
+    content: str
+
+
+class ChatChoice(Struct, frozen=True):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: str
+
+
+class ChatCompletion(Struct, frozen=True):
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class Delta(Struct, frozen=True, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChunkChoice(Struct, frozen=True):
+    index: int
+    delta: Delta
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+
+
+class ChatCompletionChunk(Struct, frozen=True, omit_defaults=True):
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    usage: Usage | None = None
+
+
+class CompletionLogprobs(Struct, frozen=True):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class CompletionChoice(Struct, frozen=True):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: str | None
+
+
+class Completion(Struct, frozen=True, omit_defaults=True):
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class Embedding(Struct, frozen=True):
+    object: str
+    index: int
+    embedding: list[float] | str
+
+
+class EmbeddingUsage(Struct, frozen=True):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingList(Struct, frozen=True):
+    object: str
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingUsage
+
+
+class ModelCard(Struct, frozen=True):
+    id: str
+    object: str
+    created: int
+    owned_by: str
+    max_model_len: int
+
+
+class ModelList(Struct, frozen=True):
+    object: str
+    data: list[ModelCard]
+
+
+class TokenizeResponse(Struct, frozen=True):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeResponse(Struct, frozen=True):
+    prompt: str
+
+
+encoder = msgspec.json.Encoder()

@@ -1,0 +1,257 @@
+"""A pure-Python stand-in for tl.engine.Engine with hand-checkable outputs, for server tests.
+
+The "succ" rule over a byte tokenizer: greedy next token = (last token + 1) % 256, so "a"
+continues "bcd...". Sampling (temperature > 0) adds a seeded offset in 0..3. EOS is never
+produced unless `eos_token_ids` is set. Each request reserves ceil((prompt + max_tokens) /
+block_size) blocks when admitted and returns them when it finishes or is aborted, so
+/metrics can be checked exactly. `step_delay_s` slows steps down for disconnect and drain
+tests; `fail_next_step` makes the next step raise.
+
+Also: ByteTokenizer, ConcatTemplate (the seed's `{% for m in messages %}{{ m.content }}`),
+and `make_async_engine(cfg)`, the factory tests name in TL_ENGINE_FACTORY.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import time
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from tl.async_engine import AsyncEngine
+from tl.config import EngineConfig
+from tl.plan import RunnerOutput, SchedulerOutput, SeqResult
+from tl.request import ContextLengthError, GenRequest, QueueFullError, TokenOut
+from tl.stats import EngineStats
+
+EMBED_DIM = 8
+
+
+class ByteTokenizer:
+    vocab_size = 256
+    eos_token_ids: tuple[int, ...] = ()
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return bytes(ids).decode("utf-8", errors="replace")
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return bytes([token_id])
+
+
+class ConcatTemplate:
+    """Renders the content of every message, nothing else (the seed's succ template)."""
+
+    def render(self, messages: Sequence[Mapping[str, object]], add_generation_prompt: bool = True,
+               tools: object = None) -> str:
+        return "".join(str(m.get("content") or "") for m in messages)
+
+
+class RoleTemplate:
+    """The seed's default template: <|role|>\\ncontent\\n per message, then <|assistant|>\\n."""
+
+    def render(self, messages: Sequence[Mapping[str, object]], add_generation_prompt: bool = True,
+               tools: object = None) -> str:
+        text = "".join(f"<|{m['role']}|>\n{m.get('content') or ''}\n" for m in messages)
+        return text + ("<|assistant|>\n" if add_generation_prompt else "")
+
+
+def fake_hidden(token_id: int, pos: int) -> list[float]:
+    return [math.sin(0.1 * token_id * (k + 1) + 0.01 * pos) for k in range(EMBED_DIM)]
+
+
+def fake_embedding(ids: Sequence[int]) -> list[float]:
+    """The expected embedding: normalised mean of fake_hidden over the input."""
+    mean = [sum(col) / len(ids) for col in zip(*(fake_hidden(t, p) for p, t in enumerate(ids)))]
+    norm = math.sqrt(sum(x * x for x in mean))
+    return [x / norm for x in mean]
+
+
+class FakeRunner:
+    def __init__(self, block_size: int = 4, num_kv_blocks: int = 256, max_model_len: int = 512,
+                 eos_token_ids: tuple[int, ...] = ()) -> None:
+        self.block_size = block_size
+        self.num_kv_blocks = num_kv_blocks
+        self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids
+        self.num_compilations = 0
+        self.warmed = False
+
+    def warmup(self) -> None:
+        self.num_compilations = 3
+        self.warmed = True
+
+    def embed(self, token_ids: Sequence[int]) -> list[float]:
+        return fake_embedding(token_ids)
+
+
+@dataclass
+class _Seq:
+    rid: int
+    req: GenRequest
+    arrived: float
+    rng: random.Random
+    out: list[int] = field(default_factory=list)
+    blocks: int = 0
+
+
+class FakeEngine:
+    def __init__(self, runner: FakeRunner, config: EngineConfig, step_delay_s: float = 0.0) -> None:
+        self.runner = runner
+        self.config = config
+        self.max_model_len = runner.max_model_len
+        self.step_delay_s = step_delay_s
+        self.fail_next_step = False
+        self._next_id = 1
+        self._waiting: deque[_Seq] = deque()
+        self._running: dict[int, _Seq] = {}
+        self._aborted: list[int] = []
+        self._free = runner.num_kv_blocks
+        self._steps = 0
+        self._batch_tokens = 0
+
+    def add_request(self, req: GenRequest) -> int:
+        if len(req.prompt_ids) + req.params.max_tokens > self.max_model_len:
+            raise ContextLengthError(
+                f"prompt ({len(req.prompt_ids)} tokens) + max_tokens ({req.params.max_tokens}) exceeds "
+                f"the context ({self.max_model_len})", param="max_tokens")
+        if len(self._waiting) >= self.config.queue_capacity:
+            raise QueueFullError("waiting queue full")
+        rid = self._next_id
+        self._next_id += 1
+        seed = req.params.seed if req.params.seed is not None else random.getrandbits(32)
+        seq = _Seq(rid, req, time.monotonic(), random.Random(seed))
+        self._waiting.append(seq)
+        self._waiting = deque(sorted(self._waiting, key=lambda s: -s.req.priority))
+        return rid
+
+    def abort(self, request_id: int) -> None:
+        for s in list(self._waiting):
+            if s.rid == request_id:
+                self._waiting.remove(s)
+                self._aborted.append(request_id)
+        s = self._running.pop(request_id, None)
+        if s is not None:
+            self._free += s.blocks
+            self._aborted.append(request_id)
+
+    def abort_all(self) -> None:
+        for rid in [s.rid for s in self._waiting] + list(self._running):
+            self.abort(rid)
+
+    def has_work(self) -> bool:
+        return bool(self._waiting or self._running or self._aborted)
+
+    def _blocks_for(self, s: _Seq) -> int:
+        return -(-(len(s.req.prompt_ids) + s.req.params.max_tokens) // self.runner.block_size)
+
+    def _admit(self, outs: list[TokenOut]) -> None:
+        now = time.monotonic()
+        deadline_s = self.config.queue_deadline_ms / 1000
+        for s in list(self._waiting):
+            if now - s.arrived > deadline_s:
+                self._waiting.remove(s)
+                outs.append(TokenOut(s.rid, -1, finish_reason="no_capacity"))
+        while self._waiting and len(self._running) < self.config.max_num_seqs:
+            s = self._waiting[0]
+            need = self._blocks_for(s)
+            if need > self._free:
+                break
+            self._waiting.popleft()
+            s.blocks = need
+            self._free -= need
+            self._running[s.rid] = s
+
+    def step(self) -> list[TokenOut]:
+        if self.step_delay_s:
+            time.sleep(self.step_delay_s)
+        if self.fail_next_step:
+            self.fail_next_step = False
+            raise RuntimeError("injected step failure")
+        self._steps += 1
+        outs = [TokenOut(rid, -1, finish_reason="abort") for rid in self._aborted]
+        self._aborted.clear()
+        self._admit(outs)
+        self._batch_tokens = 0
+        for s in list(self._running.values()):
+            self._batch_tokens += 1 if s.out else len(s.req.prompt_ids)
+            outs.append(self._next(s))
+        return outs
+
+    def _next(self, s: _Seq) -> TokenOut:
+        p = s.req.params
+        last = (s.out or list(s.req.prompt_ids))[-1]
+        offset = 1 if p.greedy else 1 + s.rng.randrange(4)
+        tok = (last + offset) % 256
+        lp = 0.0 if p.greedy else math.log(0.25)
+        s.out.append(tok)
+        top = tuple(((tok + k) % 256, lp - 5.0 * k) for k in range(p.top_logprobs)) if p.logprobs else ()
+        finish = None
+        if tok in p.stop_token_ids or (tok in self.runner.eos_token_ids and not p.ignore_eos):
+            finish = "stop"
+        elif len(s.out) >= p.max_tokens or len(s.req.prompt_ids) + len(s.out) >= self.max_model_len:
+            finish = "length"
+        if finish is not None:
+            del self._running[s.rid]
+            self._free += s.blocks
+        return TokenOut(s.rid, tok, lp, top, finish)  # type: ignore[arg-type]
+
+    def stats(self) -> EngineStats:
+        used = self.runner.num_kv_blocks - self._free
+        return EngineStats(kv_blocks_free=self._free, kv_blocks_used=used, queue_depth=len(self._waiting),
+                           running=len(self._running), batch_tokens=self._batch_tokens, steps=self._steps,
+                           compilations=self.runner.num_compilations)
+
+
+def make_async_engine(cfg: EngineConfig) -> AsyncEngine:
+    """TL_ENGINE_FACTORY target. FAKE_STEP_DELAY_S, FAKE_TEMPLATE=concat|role and FAKE_MAX_LEN tune it."""
+    runner = FakeRunner(max_model_len=int(os.environ.get("FAKE_MAX_LEN", "512")))
+    engine = FakeEngine(runner, cfg, step_delay_s=float(os.environ.get("FAKE_STEP_DELAY_S", "0")))
+    template = RoleTemplate() if os.environ.get("FAKE_TEMPLATE") == "role" else ConcatTemplate()
+    return AsyncEngine(engine, ByteTokenizer(), template, cfg.served_model_id(), config=cfg)
+
+
+class SuccRunner:
+    """A Runner (tl/plan.py) with the pure succ rule, for the real tl.engine.Engine behind the server."""
+
+    def __init__(self, block_size: int = 4, num_kv_blocks: int = 256, max_model_len: int = 512,
+                 step_delay_s: float = 0.0) -> None:
+        self.block_size = block_size
+        self.num_kv_blocks = num_kv_blocks
+        self.max_model_len = max_model_len
+        self.eos_token_ids: tuple[int, ...] = ()
+        self.num_compilations = 0
+        self.step_delay_s = step_delay_s
+
+    def execute(self, plan: SchedulerOutput) -> RunnerOutput:
+        if self.step_delay_s:
+            time.sleep(self.step_delay_s)
+        results = []
+        for w in plan.work:
+            if not w.sample:
+                continue
+            offset = 1 if w.params.greedy else 1 + random.Random(w.seed * 1_000_003 + w.num_generated).randrange(4)
+            tok = (w.token_ids[-1] + offset) % 256
+            lp = 0.0 if w.params.greedy else math.log(0.25)
+            top = tuple(((tok + k) % 256, lp - 5.0 * k) for k in range(w.params.top_logprobs))
+            results.append(SeqResult(w.seq_id, (tok,), (lp,), (top,) if w.params.logprobs else ()))
+        return RunnerOutput(tuple(results))
+
+    def embed(self, token_ids: Sequence[int]) -> list[float]:
+        return fake_embedding(token_ids)
+
+
+def make_real_async_engine(cfg: EngineConfig) -> AsyncEngine:
+    """TL_ENGINE_FACTORY target: the real tl.engine.Engine over SuccRunner (FAKE_STEP_DELAY_S applies)."""
+    from tl.engine import Engine
+
+    runner = SuccRunner(block_size=cfg.block_size, num_kv_blocks=min(cfg.num_kv_blocks, 256),
+                        max_model_len=int(os.environ.get("FAKE_MAX_LEN", "512")),
+                        step_delay_s=float(os.environ.get("FAKE_STEP_DELAY_S", "0")))
+    engine = Engine(runner, cfg)
+    return AsyncEngine(engine, ByteTokenizer(), ConcatTemplate(), cfg.served_model_id(), config=cfg)

@@ -1,0 +1,313 @@
+"""AsyncEngine: the engine thread, and asyncio handles that serve/ awaits.
+
+Owns: the one OS thread that calls the synchronous `tl.engine.Engine` (add_request, abort,
+step, stats, runner.embed), a FIFO command queue into it, and per-request asyncio queues
+out of it (filled with loop.call_soon_threadsafe, one call per step). Nothing that
+computes runs on the event loop: the loop only enqueues commands and reads snapshots.
+Admission is bounded here: submit() raises QueueFullError at once when requests not yet
+taken by the thread plus the engine's waiting queue reach queue_capacity.
+The thread survives a failing step: every live request fails with EngineError and is
+aborted in the engine (its blocks freed), and the loop keeps serving.
+Must not import jax or serve/. Tested with tests/fake_engine.py by tests/test_async_engine.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Protocol, TypeVar
+
+from tl.config import EngineConfig
+from tl.request import GenRequest, QueueFullError, RequestError, TokenOut
+from tl.stats import EngineStats
+
+log = logging.getLogger("tl.async_engine")
+T = TypeVar("T")
+
+
+class EngineError(RuntimeError):
+    """The engine failed (or stopped) while this request was live."""
+
+
+class SyncEngine(Protocol):
+    """The part of tl.engine.Engine the thread uses."""
+
+    max_model_len: int
+
+    def add_request(self, req: GenRequest) -> int: ...
+    def abort(self, request_id: int) -> None: ...
+    def abort_all(self) -> None: ...
+    def step(self) -> list[TokenOut]: ...
+    def has_work(self) -> bool: ...
+    def stats(self) -> EngineStats: ...
+
+
+class RequestHandle:
+    """One submitted request, seen from the event loop: async-iterable over lists of TokenOut.
+
+    Iteration ends after the list holding the finish_reason; an engine failure is raised
+    from the iteration (EngineError), an admission refusal from `admitted` and iteration.
+    """
+
+    def __init__(self, owner: AsyncEngine, request: GenRequest, loop: asyncio.AbstractEventLoop) -> None:
+        self.request = request
+        self.engine_id: int | None = None  # written by the engine thread only
+        self.submitted_at = time.monotonic()
+        self.admitted_at: float | None = None
+        self.admitted: asyncio.Future[None] = loop.create_future()
+        self._owner = owner
+        self._queue: asyncio.Queue[list[TokenOut] | BaseException] = asyncio.Queue()
+        self._done = False
+        self._abort_sent = False
+
+    def abort(self) -> None:
+        """Stop generating and free the request's blocks (idempotent, any time)."""
+        if not self._abort_sent and not self._done:
+            self._abort_sent = True
+            self._owner._command(("abort", self))
+
+    @property
+    def done(self) -> bool:
+        return self._done
+
+    def __aiter__(self) -> RequestHandle:
+        return self
+
+    async def __anext__(self) -> list[TokenOut]:
+        if self._done:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self._done = True
+            raise item
+        if any(o.finish_reason is not None for o in item):
+            self._done = True
+        return item
+
+    def _put(self, item: list[TokenOut] | BaseException) -> None:
+        self._queue.put_nowait(item)
+
+
+class AsyncEngine:
+    def __init__(self, engine: SyncEngine, tokenizer: object, chat_template: object, model_id: str,
+                 *, config: EngineConfig | None = None) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template
+        self.model_id = model_id
+        cfg = config or getattr(engine, "config", None) or EngineConfig()
+        self.queue_capacity = cfg.queue_capacity
+        self.max_model_len = int(engine.max_model_len)
+        runner = getattr(engine, "runner", None)
+        self.eos_token_ids: tuple[int, ...] = tuple(getattr(runner, "eos_token_ids", ()) or ())
+        self.ready = False
+        self._cmds: queue.SimpleQueue[tuple[object, ...]] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._inbox = 0  # submitted, not yet taken by the thread (under _lock)
+        self._waiting = 0  # engine waiting queue at the last snapshot (under _lock)
+        self._stats = EngineStats()
+        self._live: dict[int, RequestHandle] = {}  # engine thread only
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    # ---- event-loop side -------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the engine thread; call from the event loop that will submit."""
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="tl-engine", daemon=True)
+        self._thread.start()
+
+    async def warmup(self) -> None:
+        """Compile every bucket (engine.warmup or runner.warmup when present), then mark ready."""
+        target = self.engine if hasattr(self.engine, "warmup") else getattr(self.engine, "runner", None)
+        fn = getattr(target, "warmup", None)
+        if callable(fn):
+            await self.call(fn)
+        self.ready = True
+
+    def submit(self, req: GenRequest) -> RequestHandle:
+        """Queue a request for the engine; raises QueueFullError at once when admission is full."""
+        assert self._loop is not None, "start() first"
+        with self._lock:
+            if self._inbox + self._waiting >= self.queue_capacity:
+                raise QueueFullError(f"admission queue is full ({self.queue_capacity} waiting)")
+            self._inbox += 1
+        handle = RequestHandle(self, req, self._loop)
+        self._command(("add", handle))
+        return handle
+
+    async def embed(self, inputs: Sequence[Sequence[int]]) -> list[list[float]]:
+        """Mean-pooled, L2-normalised embeddings, computed on the engine thread between steps."""
+        runner = self.engine.runner  # type: ignore[attr-defined]
+        lists = [list(x) for x in inputs]
+
+        def run() -> list[list[float]]:
+            return [list(runner.embed(ids)) for ids in lists]
+
+        return await self.call(run)
+
+    async def call(self, fn: Callable[[], T]) -> T:
+        """Run fn on the engine thread between steps and await its result."""
+        assert self._loop is not None, "start() first"
+        fut: asyncio.Future[T] = self._loop.create_future()
+        self._command(("call", fn, fut))
+        return await fut
+
+    def stats(self) -> EngineStats:
+        """The snapshot the engine thread took after its last iteration."""
+        return self._stats
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Abort everything live, stop the thread, wait for it (blocking: call off the loop or at exit)."""
+        self.ready = False
+        if self._thread is not None and self._thread.is_alive():
+            self._command(("stop",))
+            self._thread.join(timeout)
+
+    def _command(self, cmd: tuple[object, ...]) -> None:
+        self._cmds.put(cmd)
+
+    # ---- engine thread ---------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            events: list[tuple[RequestHandle, object]] = []
+            try:
+                stop = self._handle_commands(block=not self.engine.has_work(), events=events)
+                if stop:
+                    self._fail_all(EngineError("engine stopped"), events)
+                    self._deliver(events)
+                    return
+                if self.engine.has_work():
+                    self._step(events)
+                self._snapshot()
+            except Exception:  # a bug outside step(): keep the thread alive, fail what is live
+                log.exception("engine thread iteration failed")
+                self._fail_all(EngineError("engine failure"), events)
+            self._deliver(events)
+
+    def _handle_commands(self, block: bool, events: list[tuple[RequestHandle, object]]) -> bool:
+        try:
+            cmd = self._cmds.get(timeout=0.25) if block else self._cmds.get_nowait()
+        except queue.Empty:
+            return False
+        added = False
+        while True:
+            kind = cmd[0]
+            if kind == "stop":
+                return True
+            if kind == "add":
+                added = True
+                self._add(cmd[1], events)  # type: ignore[arg-type]
+            elif kind == "abort":
+                self._abort(cmd[1], events)  # type: ignore[arg-type]
+            elif kind == "call":
+                self._call(cmd[1], cmd[2])  # type: ignore[arg-type]
+            try:
+                cmd = self._cmds.get_nowait()
+            except queue.Empty:
+                break
+        if added:
+            self._snapshot()
+        return False
+
+    def _add(self, handle: RequestHandle, events: list[tuple[RequestHandle, object]]) -> None:
+        try:
+            rid = self.engine.add_request(handle.request)
+        except RequestError as e:
+            events.append((handle, e))
+        except Exception as e:
+            log.exception("add_request failed")
+            events.append((handle, EngineError(f"add_request failed: {e}")))
+        else:
+            handle.engine_id = rid
+            handle.admitted_at = time.monotonic()
+            self._live[rid] = handle
+            events.append((handle, None))
+        finally:
+            with self._lock:
+                self._inbox -= 1
+
+    def _abort(self, handle: RequestHandle, events: list[tuple[RequestHandle, object]]) -> None:
+        rid = handle.engine_id
+        if rid is None or self._live.pop(rid, None) is None:
+            return
+        self.engine.abort(rid)
+        events.append((handle, [TokenOut(rid, -1, finish_reason="abort")]))
+
+    def _call(self, fn: Callable[[], object], fut: asyncio.Future[object]) -> None:
+        loop = self._loop
+        assert loop is not None
+        try:
+            result = fn()
+        except Exception as e:
+            loop.call_soon_threadsafe(_settle, fut, None, e)
+        else:
+            loop.call_soon_threadsafe(_settle, fut, result, None)
+
+    def _step(self, events: list[tuple[RequestHandle, object]]) -> None:
+        try:
+            outs = self.engine.step()
+        except Exception as e:
+            log.exception("engine step failed; failing %d live requests", len(self._live))
+            self._fail_all(EngineError(f"engine step failed: {e}"), events)
+            return
+        by_id: dict[int, list[TokenOut]] = {}
+        for o in outs:
+            by_id.setdefault(o.request_id, []).append(o)
+        for rid, lst in by_id.items():
+            handle = self._live.get(rid)
+            if handle is None:
+                continue  # aborted here already
+            if any(o.finish_reason is not None for o in lst):
+                del self._live[rid]
+            events.append((handle, lst))
+
+    def _fail_all(self, err: Exception, events: list[tuple[RequestHandle, object]]) -> None:
+        failed = list(self._live.values())
+        self._live.clear()
+        try:
+            self.engine.abort_all()
+        except Exception:
+            log.exception("abort_all failed")
+        events.extend((h, err) for h in failed)
+
+    def _snapshot(self) -> None:
+        stats = self.engine.stats()
+        with self._lock:
+            self._waiting = stats.queue_depth
+        self._stats = stats
+
+    def _deliver(self, events: list[tuple[RequestHandle, object]]) -> None:
+        if events and self._loop is not None and not self._loop.is_closed():
+            try:
+                self._loop.call_soon_threadsafe(_dispatch, events)
+            except RuntimeError:  # loop closed between the check and the call
+                pass
+
+
+def _settle(fut: asyncio.Future[object], result: object, err: BaseException | None) -> None:
+    if fut.done():
+        return
+    if err is not None:
+        fut.set_exception(err)
+    else:
+        fut.set_result(result)
+
+
+def _dispatch(events: list[tuple[RequestHandle, object]]) -> None:
+    """On the loop: admission results settle `admitted`; lists and errors go to the handle's queue."""
+    for handle, item in events:
+        if item is None:
+            _settle(handle.admitted, None, None)  # type: ignore[arg-type]
+            continue
+        if isinstance(item, BaseException):
+            if not handle.admitted.done():
+                handle.admitted.set_exception(item)
+                handle.admitted.exception()  # mark retrieved: iteration raises it again
+        handle._put(item)  # type: ignore[arg-type]
