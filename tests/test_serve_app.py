@@ -1,0 +1,402 @@
+"""The ASGI app in memory, over the fake engine and the real tl.engine.Engine with the succ runner.
+
+Covers the seed's table where no real socket is needed: the hand example, SSE framing,
+stream == non-stream, seeds, stop strings, the error table, completions, templated usage,
+429, disconnects, drain, embeddings, tokenize/models/request id, concurrency, n, logprobs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import struct
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+
+from asgi_client import Reply, call, served
+from fake_engine import (ByteTokenizer, ConcatTemplate, FakeEngine, FakeRunner, RoleTemplate, SuccRunner,
+                         fake_embedding)
+from serve.app import App
+from tl.async_engine import AsyncEngine
+from tl.config import EngineConfig
+from tl.engine import Engine
+
+CHAT = "/v1/chat/completions"
+HAND = {"model": "succ", "messages": [{"role": "user", "content": "a"}], "max_tokens": 3, "temperature": 0}
+
+
+def factory(kind: str, delay: float = 0.0, template: object = None) -> Callable[[EngineConfig], AsyncEngine]:
+    def build(cfg: EngineConfig) -> AsyncEngine:
+        tmpl = template or ConcatTemplate()
+        if kind == "fake":
+            return AsyncEngine(FakeEngine(FakeRunner(), cfg, delay), ByteTokenizer(), tmpl, "succ", config=cfg)
+        runner = SuccRunner(block_size=cfg.block_size, num_kv_blocks=256, step_delay_s=delay)
+        return AsyncEngine(Engine(runner, cfg), ByteTokenizer(), tmpl, "succ", config=cfg)
+    return build
+
+
+@pytest.fixture(params=["fake", "real"])
+def kind(request: pytest.FixtureRequest) -> str:
+    return request.param  # type: ignore[no-any-return]
+
+
+def make_app(kind: str, delay: float = 0.0, template: object = None, **cfg: Any) -> App:
+    config = EngineConfig(model_dir="models/succ", block_size=4, **cfg)
+    return App(config, factory(kind, delay, template), handle_signals=False, start_health=False)
+
+
+def run(app: App, body: Callable[[App], Awaitable[None]], timeout: float = 20.0) -> None:
+    async def main() -> None:
+        async with served(app):
+            await asyncio.wait_for(body(app), timeout)
+    asyncio.run(main())
+
+
+def chat(**kw: Any) -> dict[str, Any]:
+    return {**HAND, **kw}
+
+
+def content(r: Reply) -> str:
+    """Concatenated deltas of a chat stream."""
+    text = ""
+    for e in r.events()[:-1]:
+        for ch in json.loads(e)["choices"]:
+            text += ch["delta"].get("content") or ""
+    return text
+
+
+def metric(app: App, name: str) -> float:
+    for line in app.metrics.render("")[0].decode().splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    raise KeyError(name)
+
+
+async def wait_for(pred: Callable[[], bool], timeout: float) -> None:
+    for _ in range(int(timeout / 0.01)):
+        if pred():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("condition not reached in time")
+
+
+def test_hand_example_chat_completion(kind: str) -> None:
+    async def body(app: App) -> None:
+        r = await call(app, "POST", CHAT, HAND)
+        assert r.status == 200 and r.headers["content-type"] == "application/json"
+        doc = r.json()
+        assert doc["id"].startswith("chatcmpl-") and isinstance(doc["created"], int)
+        assert {k: v for k, v in doc.items() if k not in ("id", "created")} == {
+            "object": "chat.completion", "model": "succ",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": "bcd"}, "logprobs": None,
+                         "finish_reason": "length"}],
+            "usage": {"prompt_tokens": 1, "completion_tokens": 3, "total_tokens": 4}}
+    run(make_app(kind), body)
+
+
+def test_stream_framing_role_first_then_done(kind: str) -> None:
+    async def body(app: App) -> None:
+        r = await call(app, "POST", CHAT, chat(stream=True, stream_options={"include_usage": True}))
+        assert r.status == 200 and r.headers["content-type"] == "text/event-stream"
+        events = r.events()
+        assert len(events) == 6 and len(r.chunks) == 6  # each event its own write
+        assert events[-1] == "[DONE]"
+        docs = [json.loads(e) for e in events[:-1]]
+        assert len({d["id"] for d in docs}) == 1 and all(d["object"] == "chat.completion.chunk" for d in docs)
+        assert docs[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+        assert [d["choices"][0]["delta"] for d in docs[1:4]] == [{"content": c} for c in "bcd"]
+        assert [d["choices"][0]["finish_reason"] for d in docs[:4]] == [None, None, None, "length"]
+        assert docs[4]["choices"] == [] and docs[4]["usage"] == {"prompt_tokens": 1, "completion_tokens": 3,
+                                                                 "total_tokens": 4}
+    run(make_app(kind), body)
+
+
+def test_stream_equals_nonstream_and_seeds_reproduce(kind: str) -> None:
+    async def body(app: App) -> None:
+        for req in (chat(max_tokens=40, messages=[{"role": "user", "content": "hello"}]),
+                    chat(max_tokens=40, temperature=1.0, seed=7), chat(max_tokens=300, stop=["xyz", "~"])):
+            plain = (await call(app, "POST", CHAT, req)).json()["choices"][0]
+            streamed = await call(app, "POST", CHAT, {**req, "stream": True})
+            assert content(streamed) == plain["message"]["content"]
+            last = json.loads(streamed.events()[-2])["choices"][0]
+            assert last["finish_reason"] == plain["finish_reason"]
+        seeded = chat(max_tokens=30, temperature=1.0, seed=1234)
+        a, b = [(await call(app, "POST", CHAT, seeded)).json()["choices"][0]["message"]["content"] for _ in "ab"]
+        c = (await call(app, "POST", CHAT, {**seeded, "seed": 99})).json()["choices"][0]["message"]["content"]
+        assert a == b and a != c
+    run(make_app(kind), body)
+
+
+def test_stop_strings_end_generation_across_tokens(kind: str) -> None:
+    async def body(app: App) -> None:
+        req = chat(max_tokens=10, stop=["de"])
+        doc = (await call(app, "POST", CHAT, req)).json()
+        assert doc["choices"][0]["message"]["content"] == "bc" and doc["choices"][0]["finish_reason"] == "stop"
+        assert doc["usage"]["completion_tokens"] == 4  # b c d e were generated
+        r = await call(app, "POST", CHAT, {**req, "stream": True})
+        assert content(r) == "bc" and json.loads(r.events()[-2])["choices"][0]["finish_reason"] == "stop"
+        doc = (await call(app, "POST", CHAT, chat(max_tokens=10, stop="c"))).json()
+        assert doc["choices"][0]["message"]["content"] == "b"
+        doc = (await call(app, "POST", CHAT, chat(max_tokens=10, stop_token_ids=[101]))).json()
+        assert doc["choices"][0]["message"]["content"] == "bcd" and doc["choices"][0]["finish_reason"] == "stop"
+        await wait_for(lambda: app.engine is not None and app.engine.stats().running == 0, 2.0)
+    run(make_app(kind), body)
+
+
+BAD = [
+    (CHAT, chat(temperature=-1), 400, "temperature", None),
+    (CHAT, chat(temperature=2.5), 400, "temperature", None),
+    (CHAT, chat(top_p=0), 400, "top_p", None),
+    (CHAT, chat(max_tokens=0), 400, "max_tokens", None),
+    (CHAT, chat(stop=["a", "b", "c", "d", "e"]), 400, "stop", None),
+    (CHAT, {"model": "succ"}, 400, "messages", None),
+    (CHAT, chat(messages=[]), 400, "messages", None),
+    (CHAT, chat(messages=[{"role": "wizard", "content": "x"}]), 400, "messages[0].role", None),
+    (CHAT, chat(n=0), 400, "n", None),
+    (CHAT, chat(presence_penalty=3), 400, "presence_penalty", None),
+    (CHAT, chat(seed="abc"), 400, "seed", None),
+    (CHAT, chat(logprobs=True, top_logprobs=30), 400, "top_logprobs", None),
+    (CHAT, chat(top_logprobs=2), 400, "top_logprobs", None),
+    (CHAT, chat(logit_bias={"x": 1}), 400, "logit_bias", None),
+    (CHAT, chat(max_tokens=600), 400, "max_tokens", "context_length_exceeded"),
+    (CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 422, "tools", "unsupported_parameter"),
+    (CHAT, chat(tool_choice="auto"), 422, "tool_choice", "unsupported_parameter"),
+    (CHAT, chat(response_format={"type": "json_object"}), 422, "response_format", "unsupported_parameter"),
+    (CHAT, chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
+     422, "messages[0].content[0].type", "unsupported_parameter"),
+    (CHAT, chat(model="gpt-4"), 404, "model", "model_not_found"),
+    ("/v1/completions", {"model": "succ", "prompt": "a", "echo": True}, 422, "echo", "unsupported_parameter"),
+    ("/v1/completions", {"model": "succ", "prompt": "a", "max_tokens": 0}, 400, "max_tokens", None),
+    ("/v1/completions", {"model": "succ", "prompt": ["a", 1]}, 400, "prompt", None),
+    ("/v1/embeddings", {"model": "succ", "input": ""}, 400, "input", None),
+    ("/v1/embeddings", {"model": "nope", "input": "a"}, 404, "model", "model_not_found"),
+]
+
+
+def test_errors_use_the_openai_shape(kind: str) -> None:
+    async def body(app: App) -> None:
+        for path, req, status, param, code in BAD:
+            r = await call(app, "POST", path, req)
+            assert r.status == status, (req, r.status, r.body)
+            err = r.error()
+            assert (err["param"], err["code"]) == (param, code), (req, err)
+            assert err["type"] == "invalid_request_error" and err["message"]
+            assert r.headers["x-request-id"]
+        r = await call(app, "POST", CHAT, body=b"{not json")
+        assert r.status == 400 and r.error()["param"] is None
+        r = await call(app, "POST", CHAT, body=b"[1, 2]")
+        assert r.status == 400
+        r = await call(app, "GET", "/v1/nothing")
+        assert r.status == 404 and r.error()["code"] == "not_found"
+        r = await call(app, "GET", CHAT)
+        assert r.status == 405 and r.headers["allow"] == "POST" and r.error()["code"] == "method_not_allowed"
+        r = await call(app, "POST", CHAT, body=b"x" * 5000)
+        assert r.status == 413 and r.error()["code"] == "request_too_large"
+        r = await call(app, "POST", CHAT, HAND, headers={"X-TL-Priority": "101"})
+        assert r.status == 400 and r.error()["param"] == "X-TL-Priority"
+        r = await call(app, "POST", CHAT, chat(max_tokens=600))
+        assert all(s in r.error()["message"] for s in ("512", "600", "1 in the prompt"))
+        r = await call(app, "POST", CHAT, chat(messages=[{"role": "user", "content": "x"}], unknown_field=[1]))
+        assert r.status == 200
+    run(make_app(kind, max_body_bytes=4096), body)
+
+
+def test_completions_endpoint_and_usage(kind: str) -> None:
+    async def body(app: App) -> None:
+        doc = (await call(app, "POST", "/v1/completions", {"model": "succ", "prompt": "a", "temperature": 0})).json()
+        assert doc["object"] == "text_completion" and doc["id"].startswith("cmpl-")
+        text = "".join(chr(c) for c in range(98, 98 + 16))
+        assert doc["choices"] == [{"index": 0, "text": text, "logprobs": None, "finish_reason": "length"}]
+        assert doc["usage"] == {"prompt_tokens": 1, "completion_tokens": 16, "total_tokens": 17}
+        doc = (await call(app, "POST", "/v1/completions", {"model": "succ", "prompt": [[97], [65, 66]],
+                                                            "max_tokens": 2, "temperature": 0})).json()
+        assert [c["text"] for c in doc["choices"]] == ["bc", "CD"] and doc["usage"]["prompt_tokens"] == 3
+        r = await call(app, "POST", "/v1/completions", {"model": "succ", "prompt": "a", "max_tokens": 3,
+                                                        "temperature": 0, "stream": True, "logprobs": 1,
+                                                        "stream_options": {"include_usage": True}})
+        docs = [json.loads(e) for e in r.events()[:-1]]
+        assert "".join(d["choices"][0]["text"] for d in docs[:-1]) == "bcd"
+        assert docs[-2]["choices"][0]["finish_reason"] == "length" and docs[-1]["usage"]["completion_tokens"] == 3
+        assert docs[0]["choices"][0]["logprobs"]["tokens"] == ["b"]
+    run(make_app(kind), body)
+
+
+def test_usage_counts_the_templated_prompt(kind: str) -> None:
+    async def body(app: App) -> None:
+        msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "Hi"}]
+        doc = (await call(app, "POST", CHAT, chat(messages=msgs, max_tokens=2))).json()
+        rendered = "<|system|>\nbe brief\n<|user|>\nHi\n<|assistant|>\n"
+        assert doc["usage"]["prompt_tokens"] == len(rendered.encode())
+        tok = (await call(app, "POST", "/v1/tokenize", {"model": "succ", "messages": msgs})).json()
+        assert tok["count"] == len(rendered.encode()) and tok["tokens"] == list(rendered.encode())
+        # the generation prompt's last token is "\n" (10): the succ continuation starts at 11
+        assert doc["choices"][0]["message"]["content"] == "\x0b\x0c"
+    run(make_app(kind, template=RoleTemplate()), body)
+
+
+def test_full_queue_answers_429_with_retry_after(kind: str) -> None:
+    async def body(app: App) -> None:
+        first_token = asyncio.Event()
+        long = chat(messages=[{"role": "user", "content": "A"}], max_tokens=40, stream=True)
+        t1 = asyncio.create_task(call(app, "POST", CHAT, long, on_message=lambda b: first_token.set()))
+        await first_token.wait()
+        t2 = asyncio.create_task(call(app, "POST", CHAT, chat(max_tokens=3)))
+        assert app.engine is not None
+        await wait_for(lambda: app.engine.stats().queue_depth == 1, 2.0)  # type: ignore[union-attr]
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        r3 = await call(app, "POST", CHAT, HAND)
+        assert loop.time() - t0 < 0.2  # at once, not after a wait
+        assert r3.status == 429 and r3.headers["retry-after"] == "1"
+        assert r3.error()["code"] == "rate_limit_exceeded" and r3.error()["type"] == "rate_limit_exceeded"
+        r1, r2 = await t1, await t2
+        assert content(r1) == "".join(chr(66 + i) for i in range(40))
+        assert r2.status == 200 and r2.json()["choices"][0]["message"]["content"] == "bcd"
+    run(make_app(kind, 0.01, max_num_seqs=1, seq_buckets=(1,), queue_capacity=1), body)
+
+
+def test_disconnect_frees_blocks_within_a_step(kind: str) -> None:
+    async def body(app: App) -> None:
+        for req in (chat(max_tokens=200, stream=True), chat(max_tokens=200)):
+            task = asyncio.create_task(call(app, "POST", CHAT, req, disconnect_after=0.15))
+            await wait_for(lambda: metric(app, "tl_engine_active_sequences") == 1, 2.0)
+            await task
+            await wait_for(lambda: metric(app, "tl_engine_active_sequences") == 0
+                           and metric(app, 'tl_engine_kv_blocks{state="used"}') == 0, 2.0)
+            assert app.inflight == 0
+    run(make_app(kind, 0.01), body)
+
+
+def test_drain_finishes_in_flight_and_refuses_new(kind: str) -> None:
+    async def body(app: App) -> None:
+        started = asyncio.Event()
+        stream = asyncio.create_task(call(app, "POST", CHAT, chat(max_tokens=30, stream=True),
+                                          on_message=lambda b: started.set()))
+        await started.wait()
+        assert app.is_ready()
+        app.begin_drain()
+        await asyncio.sleep(0)
+        assert not app.is_ready()
+        r = await call(app, "POST", CHAT, HAND)
+        assert r.status == 503 and r.headers["retry-after"] == "1" and r.headers["connection"] == "close"
+        assert (await call(app, "GET", "/healthz")).status == 200
+        done = await stream
+        assert done.events()[-1] == "[DONE]" and len(content(done)) == 30
+        assert app._drain_task is not None
+        await asyncio.wait_for(app._drain_task, 2.0)
+    run(make_app(kind, 0.01), body)
+
+
+def test_drain_deadline_aborts_with_an_error_event(kind: str) -> None:
+    async def body(app: App) -> None:
+        started = asyncio.Event()
+        stream = asyncio.create_task(call(app, "POST", CHAT, chat(max_tokens=400, stream=True),
+                                          on_message=lambda b: started.set()))
+        await started.wait()
+        app.begin_drain()
+        done = await stream
+        events = done.events()
+        assert events[-1] == "[DONE]" and "error" in json.loads(events[-2])
+        await wait_for(lambda: metric(app, 'tl_engine_kv_blocks{state="used"}') == 0, 2.0)
+    run(make_app(kind, 0.01, drain_timeout_s=0.2), body)
+
+
+def test_embeddings_are_mean_pooled_and_normalized(kind: str) -> None:
+    async def body(app: App) -> None:
+        doc = (await call(app, "POST", "/v1/embeddings", {"model": "succ", "input": ["hello", "a", "xyz"]})).json()
+        assert doc["object"] == "list" and doc["model"] == "succ"
+        assert [d["index"] for d in doc["data"]] == [0, 1, 2]
+        for d, text in zip(doc["data"], ["hello", "a", "xyz"]):
+            assert d["object"] == "embedding"
+            assert d["embedding"] == pytest.approx(fake_embedding(list(text.encode())))
+            assert sum(x * x for x in d["embedding"]) == pytest.approx(1.0)
+        assert doc["usage"] == {"prompt_tokens": 9, "total_tokens": 9}
+        doc = (await call(app, "POST", "/v1/embeddings", {"model": "succ", "input": [[1, 2, 3]],
+                                                          "encoding_format": "base64"})).json()
+        raw = base64.b64decode(doc["data"][0]["embedding"])
+        assert list(struct.unpack(f"<{len(raw) // 4}f", raw)) == pytest.approx(fake_embedding([1, 2, 3]), abs=1e-6)
+    run(make_app(kind), body)
+
+
+def test_tokenize_models_health_and_request_id(kind: str) -> None:
+    async def body(app: App) -> None:
+        r = await call(app, "POST", "/v1/tokenize", {"model": "succ", "prompt": "hé"}, headers={"X-Request-Id": "abc"})
+        assert r.json() == {"tokens": [104, 195, 169], "count": 3, "max_model_len": 512}
+        assert r.headers["x-request-id"] == "abc"
+        r = await call(app, "POST", "/v1/detokenize", {"model": "succ", "tokens": [104, 195, 169]})
+        assert r.json() == {"prompt": "hé"}
+        models = (await call(app, "GET", "/v1/models")).json()
+        assert models["object"] == "list" and [m["id"] for m in models["data"]] == ["succ"]
+        assert (await call(app, "GET", "/v1/models/succ")).json()["object"] == "model"
+        assert (await call(app, "GET", "/v1/models/other")).status == 404
+        r = await call(app, "GET", "/healthz")
+        assert r.status == 200 and r.headers["x-request-id"].startswith("req-")
+        r1, r2 = await call(app, "POST", CHAT, HAND), await call(app, "POST", CHAT, HAND)
+        assert r1.headers["x-request-id"] != r2.headers["x-request-id"]
+        r = await call(app, "POST", CHAT, chat(stream=True), headers={"x-request-id": "s-1"})
+        assert r.headers["x-request-id"] == "s-1"
+        text = app.metrics.render("")[0].decode()
+        assert 'tl_http_requests_total{endpoint="/v1/chat/completions",status="200"} 3.0' in text
+        assert "tl_request_time_to_first_token_seconds_count 3.0" in text
+    run(make_app(kind), body)
+
+
+def test_concurrent_streams_equal_serial(kind: str) -> None:
+    async def body(app: App) -> None:
+        reqs = [chat(messages=[{"role": "user", "content": chr(65 + i) * (i + 1)}], max_tokens=12 + i,
+                     stream=True, **({"temperature": 0.8, "seed": i} if i % 2 else {})) for i in range(8)]
+        serial = [content(await call(app, "POST", CHAT, r)) for r in reqs]
+        parallel = await asyncio.gather(*(call(app, "POST", CHAT, r) for r in reqs))
+        assert [content(r) for r in parallel] == serial
+    run(make_app(kind, 0.002), body)
+
+
+def test_n_choices_logprobs_priority_and_engine_failure(kind: str) -> None:
+    async def body(app: App) -> None:
+        doc = (await call(app, "POST", CHAT, chat(n=2, logprobs=True, top_logprobs=2),
+                          headers={"X-TL-Priority": "5"})).json()
+        assert [c["index"] for c in doc["choices"]] == [0, 1]
+        assert all(c["message"]["content"] == "bcd" for c in doc["choices"])
+        lp = doc["choices"][0]["logprobs"]["content"]
+        assert [t["token"] for t in lp] == ["b", "c", "d"] and lp[0]["bytes"] == [98]
+        assert [t["token"] for t in lp[0]["top_logprobs"]] == ["b", "c"]
+        assert doc["usage"] == {"prompt_tokens": 1, "completion_tokens": 6, "total_tokens": 7}
+        r = await call(app, "POST", CHAT, chat(n=2, stream=True))
+        chunks = [json.loads(e)["choices"][0] for e in r.events()[:-1]]
+        for i in (0, 1):
+            assert "".join(c["delta"].get("content") or "" for c in chunks if c["index"] == i) == "bcd"
+        # an engine failure mid-stream: one error event, then [DONE]; the server keeps serving
+        assert app.engine is not None
+        eng = app.engine.engine
+        started = asyncio.Event()
+        task = asyncio.create_task(call(app, "POST", CHAT, chat(max_tokens=300, stream=True),
+                                        on_message=lambda b: started.set()))
+        await started.wait()
+        if isinstance(eng, Engine):
+            original = eng.runner.execute
+
+            def boom(plan: object) -> object:
+                eng.runner.execute = original  # type: ignore[method-assign]
+                raise RuntimeError("boom")
+            eng.runner.execute = boom  # type: ignore[method-assign]
+        else:
+            eng.fail_next_step = True  # type: ignore[attr-defined]
+        events = (await task).events()
+        assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["type"] == "server_error"
+        assert (await call(app, "POST", CHAT, HAND)).json()["choices"][0]["message"]["content"] == "bcd"
+    run(make_app(kind, 0.002), body)
+
+
+def test_api_keys_and_ping(kind: str) -> None:
+    async def body(app: App) -> None:
+        r = await call(app, "GET", "/v1/models")
+        assert r.status == 401 and r.error()["code"] == "invalid_api_key"
+        assert (await call(app, "GET", "/v1/models", headers={"Authorization": "Bearer k2"})).status == 200
+        assert (await call(app, "GET", "/healthz")).status == 200
+        app.ping_interval_s = 0.05
+        r = await call(app, "POST", CHAT, chat(max_tokens=2, stream=True), headers={"Authorization": "Bearer k1"})
+        assert b": ping\n\n" in r.body and content(r) == "bc"
+    run(make_app(kind, 0.12, api_keys=("k1", "k2")), body)
