@@ -1,4 +1,4 @@
-"""`python -m bench <name> [args]` (also `tl bench ...`): runner | engine."""
+"""`python -m bench <name> [args]` (also `tl bench ...`): runner | engine | http."""
 
 from __future__ import annotations
 
@@ -16,8 +16,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from bench.runner_bench import run
     elif name == "engine":
         from bench.engine_bench import run
+    elif name == "http":
+        from bench.http_bench import run
     else:
-        print(f"unknown benchmark {name!r}; choose runner or engine", file=sys.stderr)
+        print(f"unknown benchmark {name!r}; choose runner, engine or http", file=sys.stderr)
         return 2
     return run(rest)
 

@@ -1,0 +1,161 @@
+"""The roofline line every benchmark prints: this machine's ceilings, measured in the same run.
+
+Owns: measuring fp32 GEMM FLOP/s (numpy matmul, 2048², best of a few) and memory read
+bandwidth (summing a large float32 array split across all cores, best of a few); counting a
+Llama-family model's parameters from its config.json; and the achieved fractions
+
+    FLOP fraction = FLOPs/token × tokens/s ÷ GEMM FLOP/s
+    BW fraction   = weight bytes × steps/s ÷ read bandwidth
+
+What is counted: parameters are every stored tensor of a Llama/Qwen2/Mistral config
+(embedding, per-layer q/k/v/o, gate/up/down, both norms, q/k/v biases when present, the
+final norm, and lm_head only when not tied). FLOPs/token = 2 × matmul parameters, where
+the matmul parameters are the per-layer linears plus the lm_head product (V×D, done even
+when tied); the embedding lookup is a gather and norms are ignored, attention's QKᵀ and AV
+(which grow with context) are not counted. For a tied model this equals 2 × parameter
+count minus the norms. Steps/s is exact only for single-stream decode (= tokens/s); callers
+say how they estimate it elsewhere.
+
+Imports numpy and the stdlib only (reads config.json itself, so a peer's model dir works
+without tl). Used by bench/http_bench.py, bench/runner_bench.py, bench/engine_bench.py.
+Tested by tests/test_bench_harness.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+@dataclass(frozen=True, slots=True)
+class Machine:
+    gemm_flops_per_s: float  # fp32 numpy matmul, n×n, best of `repeat`
+    mem_read_bytes_per_s: float  # summing a float32 array across `threads` threads, best of `repeat`
+    gemm_n: int
+    mem_bytes: int
+    threads: int
+    repeat: int
+
+
+@dataclass(frozen=True, slots=True)
+class ModelCost:
+    num_params: int  # every stored tensor (tied embeddings counted once)
+    num_matmul_params: int  # per-layer linears + lm_head product (V×D, even when tied)
+    weight_bytes: int  # num_params × bytes_per_param
+    bytes_per_param: int
+
+    @property
+    def flops_per_token(self) -> int:
+        return 2 * self.num_matmul_params
+
+
+def measure_gemm(n: int = 2048, repeat: int = 5) -> float:
+    """fp32 FLOP/s of one n×n matmul (numpy's BLAS, all its threads), best of `repeat`."""
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((n, n), dtype=np.float32)
+    b = rng.standard_normal((n, n), dtype=np.float32)
+    a @ b  # warm the BLAS thread pool
+    best = min(_seconds(lambda: a @ b) for _ in range(repeat))
+    return 2 * n**3 / best
+
+
+def measure_mem_read(num_bytes: int = 256 << 20, threads: int | None = None, repeat: int = 5) -> float:
+    """Read bandwidth in bytes/s: each thread sums its slice (numpy drops the GIL in reductions)."""
+    threads = threads or os.cpu_count() or 1
+    x = np.ones(num_bytes // 4, dtype=np.float32)
+    parts = np.array_split(x, threads)
+    with ThreadPoolExecutor(threads) as pool:
+        def read_all() -> None:
+            list(pool.map(np.sum, parts))
+
+        read_all()
+        best = min(_seconds(read_all) for _ in range(repeat))
+    return x.nbytes / best
+
+
+def measure_machine(gemm_n: int = 2048, mem_bytes: int = 256 << 20, repeat: int = 5) -> Machine:
+    threads = os.cpu_count() or 1
+    return Machine(measure_gemm(gemm_n, repeat), measure_mem_read(mem_bytes, threads, repeat),
+                   gemm_n, mem_bytes, threads, repeat)
+
+
+def _seconds(fn: object) -> float:
+    t0 = time.perf_counter()
+    fn()  # type: ignore[operator]
+    return time.perf_counter() - t0
+
+
+def model_cost(config: dict[str, Any], bytes_per_param: int = 4) -> ModelCost:
+    """Parameter and FLOP counts of a Llama-family config.json dict (see the module docstring)."""
+    d, v, f = int(config["hidden_size"]), int(config["vocab_size"]), int(config["intermediate_size"])
+    layers, heads = int(config["num_hidden_layers"]), int(config["num_attention_heads"])
+    kv_heads = int(config.get("num_key_value_heads") or heads)
+    head_dim = int(config.get("head_dim") or d // heads)
+    q, kv = heads * head_dim, kv_heads * head_dim
+    arch = (config.get("architectures") or [""])[0]
+    bias = bool(config.get("attention_bias", arch == "Qwen2ForCausalLM"))
+    linears = d * (q + 2 * kv) + q * d + 3 * d * f
+    per_layer = linears + 2 * d + ((q + 2 * kv) if bias else 0)
+    tied = bool(config.get("tie_word_embeddings", False))
+    num_params = v * d + layers * per_layer + d + (0 if tied else v * d)
+    return ModelCost(num_params, layers * linears + v * d, num_params * bytes_per_param, bytes_per_param)
+
+
+def load_model_cost(model_dir: str | Path, bytes_per_param: int = 4) -> ModelCost:
+    return model_cost(json.loads((Path(model_dir) / "config.json").read_text()), bytes_per_param)
+
+
+def fractions(machine: Machine, cost: ModelCost, tokens_per_s: float, steps_per_s: float) -> dict[str, float]:
+    """Achieved fraction of the GEMM and memory-read ceilings (0.25 = 25 %)."""
+    return {"flop_frac": cost.flops_per_token * tokens_per_s / machine.gemm_flops_per_s,
+            "bw_frac": cost.weight_bytes * steps_per_s / machine.mem_read_bytes_per_s}
+
+
+def roofline_line(machine: Machine, cost: ModelCost | None, model: str = "") -> str:
+    """One line: the ceilings, the model's cost, and the decode limits they imply."""
+    s = (f"roofline: fp32 GEMM {machine.gemm_flops_per_s / 1e9:.1f} GFLOP/s (numpy {machine.gemm_n}², best of "
+         f"{machine.repeat}); memory read {machine.mem_read_bytes_per_s / 1e9:.1f} GB/s (sum of "
+         f"{machine.mem_bytes >> 20} MiB float32 over {machine.threads} threads, best of {machine.repeat})")
+    if cost is None:
+        return s
+    mem_tok_s = machine.mem_read_bytes_per_s / cost.weight_bytes
+    flop_tok_s = machine.gemm_flops_per_s / cost.flops_per_token
+    return (s + f"; model {model}: {cost.num_params / 1e6:.1f} M params, {cost.weight_bytes / 1e6:.1f} MB weights "
+            f"at {cost.bytes_per_param} B/param, {cost.flops_per_token / 1e6:.1f} MFLOP/token (2 × matmul params, "
+            f"attention excluded) -> ceilings: batch-1 decode {mem_tok_s:.0f} tok/s (memory), "
+            f"{flop_tok_s:.0f} tok/s (compute)")
+
+
+def roofline_rows(machine: Machine, cost: ModelCost, items: list[tuple[str, float, float]]) -> list[dict[str, object]]:
+    """Rows of (label, tokens/s, steps/s) with their fractions, as percentages for a table."""
+    rows: list[dict[str, object]] = []
+    for label, tok_s, steps_s in items:
+        fr = fractions(machine, cost, tok_s, steps_s)
+        rows.append({"test": label, "tokens/s": round(tok_s, 1), "steps/s": round(steps_s, 2),
+                     "% GEMM": round(100 * fr["flop_frac"], 1), "% mem BW": round(100 * fr["bw_frac"], 1)})
+    return rows
+
+
+def print_offline_roofline(model_dir: str, items: list[tuple[str, float, float]], bytes_per_param: int = 4) -> None:
+    """What runner_bench and engine_bench print at their end: the line and a fractions table."""
+    from bench.report import print_table
+
+    machine = measure_machine()
+    try:
+        cost: ModelCost | None = load_model_cost(model_dir, bytes_per_param)
+    except (OSError, KeyError, ValueError):
+        cost = None
+    print(roofline_line(machine, cost, model_dir))
+    if cost is not None and items:
+        print_table(roofline_rows(machine, cost, items))
+
+
+def machine_dict(machine: Machine) -> dict[str, object]:
+    return asdict(machine)
