@@ -26,7 +26,15 @@ import time
 from collections.abc import Callable
 
 from serve import errors
-from serve.asgi import ClientGone, DisconnectWatcher, Receive, Request, Scope, Send, Sender
+from serve.asgi import (
+    ClientGone,
+    DisconnectWatcher,
+    Receive,
+    Request,
+    Scope,
+    Send,
+    Sender,
+)
 from serve.config_load import load_config
 from serve.errors import ApiError
 from serve.generate import PING_INTERVAL_S, Job

@@ -22,9 +22,22 @@ from serve.errors import ApiError
 from serve.metrics import Metrics
 from serve.params import GenSpec, TokenizerLike
 from serve.textstream import TextStream
-from serve.wire import (AssistantMessage, ChatChoice, ChatCompletion, ChatCompletionChunk, ChatLogprobs, ChunkChoice,
-                        Completion, CompletionChoice, CompletionLogprobs, Delta, TokenLogprob, TopLogprob, Usage,
-                        encoder)
+from serve.wire import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatLogprobs,
+    ChunkChoice,
+    Completion,
+    CompletionChoice,
+    CompletionLogprobs,
+    Delta,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+    encoder,
+)
 from tl.async_engine import AsyncEngine, EngineError, RequestHandle
 from tl.request import GenRequest, RequestError, TokenOut
 

@@ -14,7 +14,13 @@ from typing import Literal, Protocol
 
 from serve import errors
 from serve.errors import ApiError
-from serve.wire import ChatMessage, ChatRequest, CompletionRequest, PromptItem, SamplingFields
+from serve.wire import (
+    ChatMessage,
+    ChatRequest,
+    CompletionRequest,
+    PromptItem,
+    SamplingFields,
+)
 from tl.request import MAX_SEED, RequestError, SamplingParams
 
 Kind = Literal["chat", "completion"]
@@ -97,7 +103,7 @@ def render_chat(messages: list[ChatMessage], info: ModelInfo, add_generation_pro
     dicts = message_dicts(messages)
     try:
         text = info.template.render(dicts, add_generation_prompt=add_generation_prompt)
-    except Exception as e:  # TemplateError, or raise_exception() inside the template
+    except Exception as e:  # noqa: BLE001 - TemplateError, or raise_exception() inside any template
         raise errors.bad_request(f"The chat template could not render these messages: {e}", "messages") from None
     return info.tokenizer.encode(text)
 

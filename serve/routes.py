@@ -14,7 +14,7 @@ import struct
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -22,10 +22,29 @@ from serve import errors
 from serve.asgi import DisconnectWatcher, Request, Sender
 from serve.generate import Job, respond
 from serve.metrics import Metrics
-from serve.params import ModelInfo, chat_spec, check_model, completion_spec, prompt_token_lists, render_chat
-from serve.wire import (ChatRequest, CompletionRequest, DetokenizeRequest, Embedding, EmbeddingList, EmbeddingRequest,
-                        EmbeddingUsage, ModelCard, ModelList, TokenizeRequest, TokenizeResponse, DetokenizeResponse,
-                        encoder)
+from serve.params import (
+    ModelInfo,
+    chat_spec,
+    check_model,
+    completion_spec,
+    prompt_token_lists,
+    render_chat,
+)
+from serve.wire import (
+    ChatRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    Embedding,
+    EmbeddingList,
+    EmbeddingRequest,
+    EmbeddingUsage,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+    encoder,
+)
 from tl.async_engine import AsyncEngine, EngineError
 
 S = TypeVar("S")
@@ -46,8 +65,9 @@ class Ctx:
     watcher: DisconnectWatcher | None = None
 
 
-_DECODERS = {t: msgspec.json.Decoder(t) for t in (ChatRequest, CompletionRequest, EmbeddingRequest,
-                                                  TokenizeRequest, DetokenizeRequest)}
+_DECODERS: dict[type, msgspec.json.Decoder[Any]] = {
+    t: msgspec.json.Decoder(t) for t in (ChatRequest, CompletionRequest, EmbeddingRequest, TokenizeRequest,
+                                         DetokenizeRequest)}
 
 
 def decode(body: bytes, typ: type[S]) -> S:
@@ -71,6 +91,9 @@ def priority(ctx: Ctx) -> int:
 
 
 async def _generate(ctx: Ctx, spec_fn: Callable[[], object]) -> None:
+    if "x-tl-kv-handle" in ctx.request.headers:
+        raise errors.ApiError(404, "KV handles are not served by this engine (no disaggregated prefill)",
+                              "invalid_request_error", "X-TL-KV-Handle", "kv_handle_not_found")
     spec = spec_fn()
     prio = priority(ctx)
     job = Job(spec, ctx.engine, ctx.info.model_id, prio, ctx.metrics, ctx.arrived)  # type: ignore[arg-type]

@@ -212,6 +212,7 @@ def make_async_engine(cfg: EngineConfig) -> AsyncEngine:
     """TL_ENGINE_FACTORY target. FAKE_STEP_DELAY_S, FAKE_TEMPLATE=concat|role and FAKE_MAX_LEN tune it."""
     runner = FakeRunner(max_model_len=int(os.environ.get("FAKE_MAX_LEN", "512")))
     engine = FakeEngine(runner, cfg, step_delay_s=float(os.environ.get("FAKE_STEP_DELAY_S", "0")))
+    runner.warmup()
     template = RoleTemplate() if os.environ.get("FAKE_TEMPLATE") == "role" else ConcatTemplate()
     return AsyncEngine(engine, ByteTokenizer(), template, cfg.served_model_id(), config=cfg)
 

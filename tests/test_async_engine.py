@@ -6,8 +6,15 @@ import asyncio
 from collections.abc import Awaitable, Callable
 
 import pytest
+from fake_engine import (
+    ByteTokenizer,
+    ConcatTemplate,
+    FakeEngine,
+    FakeRunner,
+    SuccRunner,
+    fake_embedding,
+)
 
-from fake_engine import ByteTokenizer, ConcatTemplate, FakeEngine, FakeRunner, SuccRunner, fake_embedding
 from tl.async_engine import AsyncEngine, EngineError
 from tl.config import EngineConfig
 from tl.engine import Engine

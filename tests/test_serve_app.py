@@ -15,10 +15,17 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
-
 from asgi_client import Reply, call, served
-from fake_engine import (ByteTokenizer, ConcatTemplate, FakeEngine, FakeRunner, RoleTemplate, SuccRunner,
-                         fake_embedding)
+from fake_engine import (
+    ByteTokenizer,
+    ConcatTemplate,
+    FakeEngine,
+    FakeRunner,
+    RoleTemplate,
+    SuccRunner,
+    fake_embedding,
+)
+
 from serve.app import App
 from tl.async_engine import AsyncEngine
 from tl.config import EngineConfig
@@ -197,6 +204,8 @@ def test_errors_use_the_openai_shape(kind: str) -> None:
         assert r.status == 413 and r.error()["code"] == "request_too_large"
         r = await call(app, "POST", CHAT, HAND, headers={"X-TL-Priority": "101"})
         assert r.status == 400 and r.error()["param"] == "X-TL-Priority"
+        r = await call(app, "POST", CHAT, HAND, headers={"X-TL-KV-Handle": "h1"})
+        assert r.status == 404 and r.error()["code"] == "kv_handle_not_found"
         r = await call(app, "POST", CHAT, chat(max_tokens=600))
         assert all(s in r.error()["message"] for s in ("512", "600", "1 in the prompt"))
         r = await call(app, "POST", CHAT, chat(messages=[{"role": "user", "content": "x"}], unknown_field=[1]))

@@ -123,9 +123,12 @@ class AsyncEngine:
         self._thread.start()
 
     async def warmup(self) -> None:
-        """Compile every bucket (engine.warmup or runner.warmup when present), then mark ready."""
-        target = self.engine if hasattr(self.engine, "warmup") else getattr(self.engine, "runner", None)
-        fn = getattr(target, "warmup", None)
+        """Run engine.warmup() on the engine thread when the engine has one, then mark ready.
+
+        tl.build compiles every bucket before it returns the engine, so usually this only
+        flips `ready`; an engine built without warm-up can provide its own.
+        """
+        fn = getattr(self.engine, "warmup", None)
         if callable(fn):
             await self.call(fn)
         self.ready = True
@@ -245,7 +248,7 @@ class AsyncEngine:
         assert loop is not None
         try:
             result = fn()
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - handed to the awaiting caller
             loop.call_soon_threadsafe(_settle, fut, None, e)
         else:
             loop.call_soon_threadsafe(_settle, fut, result, None)
@@ -306,8 +309,7 @@ def _dispatch(events: list[tuple[RequestHandle, object]]) -> None:
         if item is None:
             _settle(handle.admitted, None, None)  # type: ignore[arg-type]
             continue
-        if isinstance(item, BaseException):
-            if not handle.admitted.done():
-                handle.admitted.set_exception(item)
-                handle.admitted.exception()  # mark retrieved: iteration raises it again
+        if isinstance(item, BaseException) and not handle.admitted.done():
+            handle.admitted.set_exception(item)
+            handle.admitted.exception()  # mark retrieved: iteration raises it again
         handle._put(item)  # type: ignore[arg-type]
