@@ -118,4 +118,10 @@ def run(argv: Sequence[str]) -> int:
         with open(args.json, "a") as f:
             for r in rows:
                 f.write(json.dumps({"bench": "engine", **r}) + "\n")
+    from bench.roofline import print_offline_roofline
+
+    # Work = tokens computed per step (prefill + decode) × steps/s, both from the median step.
+    steps_s = [1e3 / float(str(r["step ms p50"])) for r in rows]
+    items = [(str(r["workload"]), float(str(r["mean tokens/step"])) * s, s) for r, s in zip(rows, steps_s)]
+    print_offline_roofline(args.model, items)
     return 0

@@ -92,4 +92,9 @@ def run(argv: Sequence[str]) -> int:
         with open(args.json, "a") as f:
             for r in rows:
                 f.write(json.dumps({"bench": "runner", **r}) + "\n")
+    from bench.roofline import print_offline_roofline
+
+    # Each row's steps/s is exact here: one compiled step per timed call.
+    items = [(str(r["test"]), float(str(r["tokens/s"])), 1e3 / float(str(r["step ms p50"]))) for r in rows]
+    print_offline_roofline(args.model, items, bytes_per_param=2 if args.dtype == "bfloat16" else 4)
     return 0
