@@ -1,0 +1,238 @@
+"""tl/runner.py on tiny random models: the paged, batched, bucketed step against the dense
+no-cache forward; donation; a flat compile count after warm-up; drafts; seeds; embeddings;
+loading from a model directory.
+
+A small host-side driver plays the scheduler: non-contiguous blocks from a shuffled free list,
+prompt chunks mixed with decodes in one step.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tl.config import EngineConfig
+from tl.model import llama
+from tl.model.config import ModelConfig
+from tl.plan import SchedulerOutput, SeqWork
+from tl.request import SamplingParams
+from tl.runner import ModelRunner
+
+GREEDY = SamplingParams(temperature=0.0)
+ENGINE = EngineConfig(token_buckets=(8, 16, 32), seq_buckets=(1, 2, 4), num_kv_blocks=64, block_size=4,
+                      max_num_seqs=4, max_num_batched_tokens=32, max_logprobs=5, compile_cache_dir="")
+
+
+def tiny_cfg(vocab: int = 160, bias: bool = False, tied: bool = True) -> ModelConfig:
+    return ModelConfig(architecture="Qwen2ForCausalLM" if bias else "LlamaForCausalLM", vocab_size=vocab,
+                       hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, rope_theta=10000.0, rms_norm_eps=1e-5,
+                       max_position_embeddings=128, tie_word_embeddings=tied, attention_bias=bias)
+
+
+def make_runner(engine: EngineConfig = ENGINE, seed: int = 0, **cfg_kw: object) -> tuple[ModelRunner, dict]:
+    cfg = tiny_cfg(**cfg_kw)  # type: ignore[arg-type]
+    params = jax.tree.map(np.asarray, llama.init_params(cfg, jax.random.key(seed)))
+    return ModelRunner(cfg, params, engine), params
+
+
+@pytest.fixture(scope="module")
+def runner_and_params() -> tuple[ModelRunner, dict]:
+    return make_runner()
+
+
+_dense = jax.jit(llama.forward_dense, static_argnums=1)
+
+
+def dense_greedy(params: dict, cfg: ModelConfig, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
+    ids, lps = list(prompt), []
+    for _ in range(n):
+        _, logits = _dense(params, cfg, jnp.asarray(ids, jnp.int32))
+        lp = jax.nn.log_softmax(logits[-1])
+        ids.append(int(jnp.argmax(lp)))
+        lps.append(float(lp[ids[-1]]))
+    return ids[len(prompt):], lps
+
+
+@dataclass
+class Seq:
+    seq_id: int
+    prompt: list[int]
+    max_new: int
+    params: SamplingParams = GREEDY
+    seed: int = 0
+    out: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    computed: int = 0
+    blocks: list[int] = field(default_factory=list)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.out
+
+    @property
+    def done(self) -> bool:
+        return len(self.out) >= self.max_new
+
+
+class Driver:
+    """A toy scheduler: chunked prefill (chunk tokens per step), then decodes; shuffled blocks."""
+
+    def __init__(self, runner: ModelRunner, seed: int = 0, chunk: int = 5) -> None:
+        self.runner, self.chunk = runner, chunk
+        self.free = list(range(runner.num_kv_blocks))
+        random.Random(seed).shuffle(self.free)
+
+    def work(self, s: Seq) -> SeqWork:
+        n = min(self.chunk, len(s.prompt) - s.computed) if s.computed < len(s.prompt) else 1
+        end = s.computed + n
+        while len(s.blocks) * self.runner.block_size < end:
+            s.blocks.append(self.free.pop())
+        return SeqWork(seq_id=s.seq_id, token_ids=tuple(s.tokens[s.computed:end]), start_pos=s.computed,
+                       block_table=tuple(s.blocks), sample=end >= len(s.prompt), params=s.params, seed=s.seed,
+                       num_generated=len(s.out))
+
+    def step(self, seqs: list[Seq]) -> None:
+        live = [s for s in seqs if not s.done]
+        plan = SchedulerOutput(tuple(self.work(s) for s in live))
+        results = {r.seq_id: r for r in self.runner.execute(plan).results}
+        for s, w in zip(live, plan.work, strict=True):
+            s.computed += len(w.token_ids)
+            if w.sample:
+                s.out += results[s.seq_id].token_ids
+                s.logprobs += results[s.seq_id].logprobs
+
+    def run(self, seqs: list[Seq]) -> None:
+        while not all(s.done for s in seqs):
+            self.step(seqs)
+
+
+def test_paged_batched_matches_dense(runner_and_params: tuple[ModelRunner, dict]) -> None:
+    runner, params = runner_and_params
+    rng = np.random.default_rng(0)
+    cfg = runner.model_config
+    # lengths: chunked prefills (12, 9 over chunks of 5) finish while others decode
+    seqs = [Seq(i, rng.integers(0, cfg.vocab_size, n).tolist(), 6) for i, n in enumerate([12, 3, 9, 1])]
+    Driver(runner, seed=1).run(seqs)
+    for s in seqs:
+        want, want_lp = dense_greedy(params, cfg, s.prompt, s.max_new)
+        assert s.out == want
+        assert np.allclose(s.logprobs, want_lp, atol=1e-4)
+
+
+def test_kv_cache_is_donated(runner_and_params: tuple[ModelRunner, dict]) -> None:
+    runner, _ = runner_and_params
+    k_old, v_old = runner.kv_cache
+    Driver(runner, seed=2).step([Seq(0, [1, 2, 3], 1)])
+    assert k_old.is_deleted() and v_old.is_deleted()
+    assert not runner.kv_cache[0].is_deleted()
+
+
+def test_same_seed_same_tokens_whatever_the_batch(runner_and_params: tuple[ModelRunner, dict]) -> None:
+    runner, _ = runner_and_params
+    p = SamplingParams(temperature=1.0, top_p=0.95)
+    alone = Seq(0, [5, 6, 7, 8], 5, p, seed=42)
+    Driver(runner, seed=3).run([alone])
+    others = [Seq(1, [9] * 11, 5, SamplingParams(temperature=0.8), seed=1), Seq(2, [3], 3, GREEDY)]
+    again = Seq(0, [5, 6, 7, 8], 5, p, seed=42)
+    Driver(runner, seed=4).run([others[0], again, others[1]])
+    assert again.out == alone.out
+
+
+def test_greedy_drafts_match_plain_greedy() -> None:
+    engine = ENGINE.replace(speculative="prompt_lookup", num_speculative_tokens=2)
+    runner, params = make_runner(engine, seed=5)
+    prompt = [7, 8, 9, 10, 11]
+    want, _ = dense_greedy(params, runner.model_config, prompt, 6)
+    blocks = tuple(range(10, 0, -1))
+
+    def step(start: int, toks: list[int], drafts: list[int]) -> tuple[tuple[int, ...], int]:
+        w = SeqWork(0, tuple(toks + drafts), start, blocks, True, GREEDY, 0, 0, tuple(drafts))
+        r = runner.execute(SchedulerOutput((w,))).results[0]
+        return r.token_ids, r.num_accepted
+
+    # prefill with both drafts right: 2 accepted + the bonus token
+    assert step(0, prompt, want[:2]) == (tuple(want[:3]), 2)
+    # next: first draft right, second wrong -> 1 accepted + correction
+    wrong = (want[4] + 1) % runner.model_config.vocab_size
+    assert step(len(prompt) + 2, [want[2]], [want[3], wrong]) == (tuple(want[3:5]), 1)
+
+
+def test_compile_count_flat_after_warmup() -> None:
+    from jax import monitoring
+
+    runner, _ = make_runner(seed=6)
+    runner.warmup()
+    warm = runner.num_compilations
+    assert warm >= len(runner.bucket_pairs())
+    compiles = []
+
+    def listen(event: str, _duration: float, **_kw: object) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(event)
+
+    monitoring.register_event_duration_secs_listener(listen)
+    rng = np.random.default_rng(6)
+    mixes = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, top_k=5, logprobs=True, top_logprobs=3),
+             SamplingParams(temperature=1.0, top_p=0.8, min_p=0.1, frequency_penalty=0.5, logit_bias=((3, 2.0),))]
+    for trial in range(6):
+        seqs = [Seq(i, rng.integers(0, 160, int(rng.integers(1, 14))).tolist(), int(rng.integers(1, 5)),
+                    mixes[(i + trial) % 3], seed=i) for i in range(int(rng.integers(1, 5)))]
+        Driver(runner, seed=trial, chunk=int(rng.integers(2, 8))).run(seqs)
+        assert all(len(s.out) >= s.max_new for s in seqs)
+    assert runner.num_compilations == warm
+    assert compiles == []
+
+
+def test_top_logprobs_and_logprob(runner_and_params: tuple[ModelRunner, dict]) -> None:
+    runner, params = runner_and_params
+    p = SamplingParams(temperature=0.0, logprobs=True, top_logprobs=3)
+    w = SeqWork(9, (1, 2, 3, 4, 5), 0, (30, 2), True, p, 0, 0)
+    r = runner.execute(SchedulerOutput((w,))).results[0]
+    _, logits = _dense(params, runner.model_config, jnp.asarray([1, 2, 3, 4, 5], jnp.int32))
+    lp = np.asarray(jax.nn.log_softmax(logits[-1]))
+    top = np.argsort(-lp)[:3]
+    assert [t for t, _ in r.top_logprobs[0]] == top.tolist()
+    assert np.allclose([v for _, v in r.top_logprobs[0]], lp[top], atol=1e-4)
+    assert r.token_ids == (int(top[0]),) and abs(r.logprobs[0] - lp[top[0]]) < 1e-4
+
+
+def test_prefill_chunk_without_sample_returns_nothing(runner_and_params: tuple[ModelRunner, dict]) -> None:
+    runner, _ = runner_and_params
+    w = SeqWork(3, (1, 2, 3), 0, (40,), False, GREEDY, 0, 0)
+    assert runner.execute(SchedulerOutput((w,))).results == ()
+
+
+def test_embed_is_padding_invariant_mean(runner_and_params: tuple[ModelRunner, dict]) -> None:
+    runner, params = runner_and_params
+    ids = [4, 8, 15, 16, 23]
+    got = np.asarray(runner.embed(ids))
+    hidden, _ = _dense(params, runner.model_config, jnp.asarray(ids, jnp.int32))
+    mean = np.asarray(hidden).mean(0)
+    assert np.allclose(got, mean / np.linalg.norm(mean), atol=1e-5)
+    assert np.isclose(np.linalg.norm(got), 1.0)
+    assert len(runner.embed(list(range(40)))) == runner.model_config.hidden_size  # past the largest bucket
+
+
+def test_bfloat16_runs_with_bits_cache() -> None:
+    runner, params = make_runner(ENGINE.replace(dtype="bfloat16"), seed=7)
+    assert runner.kv_cache[0].dtype == jnp.uint16
+    s = Seq(0, [1, 2, 3, 4, 5, 6], 4)
+    Driver(runner).run([s])
+    want, _ = dense_greedy(params, runner.model_config, s.prompt, 4)
+    assert len(s.out) == 4 and sum(a == b for a, b in zip(s.out, want, strict=True)) >= 2
+
+
+def test_from_model_dir(tmp_path: object) -> None:
+    models = pytest.importorskip("tests.models")
+    path = models.make_succ(tmp_path)
+    runner = ModelRunner.from_model_dir(ENGINE.replace(model_dir=str(path)))
+    assert runner.eos_token_ids
+    s = Seq(0, list(b"abc"), 4)
+    Driver(runner).run([s])
+    assert bytes(s.out) == b"defg"

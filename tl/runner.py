@@ -1,0 +1,343 @@
+"""ModelRunner: packs one step's host data for the device and runs the compiled step.
+
+Rule (vLLM's second runner): only code every model needs lives here. Model specifics belong
+in tl/model/, attention in kernels/, token selection in tl/sampler.py.
+
+Owns: the device mesh, parameter and KV-cache placement (explicit NamedShardings), the bucket
+choice, the compiled step (forward + KV write + sampling, built once, KV donated), warm-up,
+the compilation count and embeddings. Must not: schedule, allocate blocks or keep request
+state. Tested by tests/test_runner.py (paged == dense, donation, flat compile count).
+
+Shapes of one step. T = tokens of the plan padded to the smallest token bucket >= T; S = its
+sequences padded to the smallest seq bucket >= S; R = min(S * (1 + spec_tokens), T) sample rows,
+packed front to back (a sequence with k drafts uses k+1 consecutive rows; a prompt chunk that
+does not sample uses none). R is a function of (T, S), so each (token bucket, seq bucket) pair
+is one compiled variant. Padding tokens belong to no sequence (seq -1) and write their KV into
+the scratch block (id num_kv_blocks, the cache's last block).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from bisect import bisect_left
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from kernels.paged_attention import AttnMetadata
+from tl.config import EngineConfig
+from tl.model import llama
+from tl.model.config import ModelConfig, load_model_config
+from tl.plan import RunnerOutput, SchedulerOutput, SeqResult, SeqWork
+from tl.sampler import Penalties, SampleOut, SamplingBatch, pack_penalties, pack_rows, sample, top_logprobs
+
+log = logging.getLogger(__name__)
+
+ATTN_CHUNK_TOKENS = 128  # keys per iteration of the cached-attention loop (rounded to whole blocks)
+KV_SPEC = P(None, None, None, "model", None)  # [L, blocks, block_size, Hk, hd]: KV heads split by TP
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """The token axis of one step [T], its sequences [S] and its sample rows [R]."""
+
+    token_ids: jax.Array  # [T] i32
+    positions: jax.Array  # [T] i32
+    kv_blocks: jax.Array  # [T] i32: cache block of each token's KV
+    kv_offsets: jax.Array  # [T] i32: offset in that block
+    meta: AttnMetadata
+    row_token: jax.Array  # [R] i32: token whose hidden state each sample row reads
+
+
+jax.tree_util.register_dataclass(StepInputs)
+
+_compile_cache_dir: str | None = None
+
+
+def enable_compile_cache(path: str) -> None:
+    """Turn on JAX's persistent compilation cache (process-wide; the first directory wins)."""
+    global _compile_cache_dir
+    if not path or _compile_cache_dir is not None:
+        return
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    _compile_cache_dir = path
+
+
+def default_mesh() -> Mesh:
+    """One device, axes ("data", "model"); tensor parallelism widens "model" without new code."""
+    return Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
+
+
+def _bucket(n: int, buckets: Sequence[int], what: str) -> int:
+    i = bisect_left(buckets, n)
+    if i == len(buckets):
+        raise ValueError(f"{what} {n} exceeds the largest bucket {buckets[-1]}")
+    return buckets[i]
+
+
+def _step(params: llama.Params, kv: tuple[jax.Array, jax.Array], inp: StepInputs, sb: SamplingBatch,
+          pen: Penalties, *, cfg: ModelConfig, on_trace: Any) -> tuple[Any, SampleOut, jax.Array]:
+    """Forward, KV write, sample-row selection and sampling; returns (kv, SampleOut, logits [R,V])."""
+    on_trace()
+    hidden, kv = llama.forward(params, cfg, inp.token_ids, inp.positions, kv, inp.kv_blocks, inp.kv_offsets,
+                               inp.meta)
+    logits = llama.lm_logits(params, cfg, hidden[inp.row_token])
+    return kv, sample(logits, sb, pen), logits
+
+
+def _embed(params: llama.Params, token_ids: jax.Array, length: jax.Array, *, cfg: ModelConfig,
+           on_trace: Any) -> jax.Array:
+    """Mean of the final-normed hidden states of the first `length` tokens, L2-normalised [D]."""
+    on_trace()
+    hidden, _ = llama.forward_dense(params, cfg, token_ids)
+    mask = (jnp.arange(token_ids.shape[0]) < length)[:, None]
+    mean = jnp.sum(jnp.where(mask, hidden.astype(jnp.float32), 0.0), axis=0) / length
+    return mean / jnp.maximum(jnp.linalg.norm(mean), 1e-12)
+
+
+def _top_logprobs(logits: jax.Array, *, k: int, on_trace: Any) -> tuple[jax.Array, jax.Array]:
+    on_trace()
+    return top_logprobs(logits, k)
+
+
+@dataclass(frozen=True, slots=True)
+class _Rows:
+    """Host view of where each sampled SeqWork's rows are: (work, first row, number of drafts)."""
+
+    spans: tuple[tuple[SeqWork, int, int], ...]
+
+
+class ModelRunner:
+    """Runs SchedulerOutputs on one model; implements tl.plan.Runner."""
+
+    def __init__(self, cfg: ModelConfig, params_host: dict[str, Any], engine_cfg: EngineConfig,
+                 eos_token_ids: Sequence[int] = (), mesh: Mesh | None = None) -> None:
+        enable_compile_cache(engine_cfg.compile_cache_dir)
+        self.model_config = cfg
+        self.engine_config = engine_cfg
+        self.block_size = engine_cfg.block_size
+        self.num_kv_blocks = engine_cfg.num_kv_blocks
+        self.max_model_len = engine_cfg.max_model_len or cfg.max_position_embeddings
+        self.eos_token_ids = tuple(eos_token_ids) or cfg.eos_token_ids
+        self.mesh = mesh or default_mesh()
+        self.dtype = jnp.dtype(engine_cfg.dtype)
+        self._spec_tokens = engine_cfg.spec_tokens
+        self._chunk_blocks = max(1, ATTN_CHUNK_TOKENS // self.block_size)
+        blocks_per_seq = -(-self.max_model_len // self.block_size)
+        self._max_blocks = -(-blocks_per_seq // self._chunk_blocks) * self._chunk_blocks
+        self._replicated = NamedSharding(self.mesh, P())
+        self._params = self._place_params(params_host)
+        self._kv = self._alloc_kv()
+        self._num_compilations = 0
+        self._zero_penalties: dict[tuple[int, int], Penalties] = {}
+        kv_sh = NamedSharding(self.mesh, KV_SPEC)
+        self._step = jax.jit(functools.partial(_step, cfg=cfg, on_trace=self._count), donate_argnames=("kv",),
+                             out_shardings=((kv_sh, kv_sh), self._replicated, self._replicated))
+        self._embed = jax.jit(functools.partial(_embed, cfg=cfg, on_trace=self._count))
+        self._top_lp = jax.jit(functools.partial(_top_logprobs, k=max(1, engine_cfg.max_logprobs),
+                                                 on_trace=self._count))
+
+    @classmethod
+    def from_model_dir(cls, engine_cfg: EngineConfig, mesh: Mesh | None = None) -> ModelRunner:
+        cfg = load_model_config(engine_cfg.model_dir)
+        eos = list(cfg.eos_token_ids)
+        try:
+            from tl.model.files import load_generation_config
+
+            eos += [t for t in load_generation_config(engine_cfg.model_dir).eos_token_ids if t not in eos]
+        except ImportError:
+            pass
+        return cls(cfg, llama.read_tensors(engine_cfg.model_dir), engine_cfg, eos_token_ids=eos, mesh=mesh)
+
+    # ---- placement ----
+
+    def _place_params(self, params_host: dict[str, Any]) -> llama.Params:
+        tree = params_host if "layers" in params_host else llama.params_from_hf(params_host, self.model_config)
+        shapes = llama.param_shapes(self.model_config, self.dtype)
+        specs = llama.param_partition_specs(self.model_config)
+        if jax.tree.structure(tree) != jax.tree.structure(shapes):
+            raise ValueError(f"parameter tree does not match the model layout: {jax.tree.structure(tree)}")
+        shardings = jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs,
+                                 is_leaf=lambda x: isinstance(x, P))
+        host = jax.tree.map(lambda x, s: np.asarray(x, dtype=s.dtype), tree, shapes)
+        return jax.device_put(host, shardings)
+
+    @property
+    def kv_storage_dtype(self) -> Any:
+        """bf16 KV is kept as uint16 bits: XLA:CPU scatters into bf16 donated buffers by copying."""
+        return jnp.uint16 if self.dtype == jnp.bfloat16 else self.dtype
+
+    def _alloc_kv(self) -> tuple[jax.Array, jax.Array]:
+        c = self.model_config
+        shape = (c.num_hidden_layers, self.num_kv_blocks + 1, self.block_size, c.num_key_value_heads, c.head_dim)
+        sh = NamedSharding(self.mesh, KV_SPEC)
+        dtype = self.kv_storage_dtype
+
+        def zeros() -> jax.Array:
+            return jnp.zeros(shape, dtype)
+
+        alloc = jax.jit(zeros, out_shardings=sh)
+        return alloc(), alloc()
+
+    @property
+    def kv_cache(self) -> tuple[jax.Array, jax.Array]:
+        """The current (k, v) device buffers; each step donates them and installs new ones."""
+        return self._kv
+
+    @property
+    def num_compilations(self) -> int:
+        """Traced variants of the step, top-logprob and embed functions (one trace = one compile)."""
+        return self._num_compilations
+
+    def _count(self) -> None:
+        self._num_compilations += 1
+
+    # ---- one step ----
+
+    def num_rows(self, t_pad: int, s_pad: int) -> int:
+        return min(s_pad * (1 + self._spec_tokens), t_pad)
+
+    def execute(self, plan: SchedulerOutput) -> RunnerOutput:
+        if not plan.work:
+            return RunnerOutput(())
+        ec = self.engine_config
+        t_pad = _bucket(plan.num_tokens, ec.token_buckets, "step tokens")
+        s_pad = _bucket(len(plan.work), ec.seq_buckets, "step sequences")
+        inp, rows = self._pack_tokens(plan.work, t_pad, s_pad)
+        sb, pen = self._pack_sampling(rows, s_pad, self.num_rows(t_pad, s_pad))
+        inp, sb = jax.device_put((inp, sb), self._replicated)
+        self._kv, out, logits = self._step(self._params, self._kv, inp, sb, pen)
+        return self._results(rows, out, logits)
+
+    def _check(self, w: SeqWork) -> None:
+        end = w.start_pos + len(w.token_ids)
+        if not w.token_ids or end > self.max_model_len:
+            raise ValueError(f"seq {w.seq_id}: positions {w.start_pos}..{end - 1} outside 0..{self.max_model_len - 1}")
+        if len(w.block_table) * self.block_size < end:
+            raise ValueError(f"seq {w.seq_id}: block table of {len(w.block_table)} blocks does not cover {end} tokens")
+        if len(w.draft_ids) > self._spec_tokens or w.token_ids[len(w.token_ids) - len(w.draft_ids):] != w.draft_ids:
+            raise ValueError(f"seq {w.seq_id}: drafts {w.draft_ids} must be the last tokens (at most {self._spec_tokens})")
+
+    def _pack_tokens(self, work: Sequence[SeqWork], t_pad: int, s_pad: int) -> tuple[StepInputs, _Rows]:
+        bs, scratch = self.block_size, self.num_kv_blocks
+        tokens = np.zeros(t_pad, np.int32)
+        positions = np.zeros(t_pad, np.int32)
+        seq_idx = np.full(t_pad, -1, np.int32)
+        kv_blocks = np.full(t_pad, scratch, np.int32)
+        tables = np.full((s_pad, self._max_blocks), scratch, np.int32)
+        starts = np.zeros(s_pad, np.int32)
+        row_token = np.zeros(self.num_rows(t_pad, s_pad), np.int32)
+        spans, t, r = [], 0, 0
+        for s, w in enumerate(work):
+            self._check(w)
+            n = len(w.token_ids)
+            table = np.asarray(w.block_table[:self._max_blocks], np.int32)
+            tables[s, :len(table)] = table
+            starts[s] = w.start_pos
+            pos = np.arange(w.start_pos, w.start_pos + n, dtype=np.int32)
+            tokens[t:t + n], positions[t:t + n], seq_idx[t:t + n] = w.token_ids, pos, s
+            kv_blocks[t:t + n] = table[pos // bs]
+            if w.sample:
+                k = len(w.draft_ids)
+                row_token[r:r + k + 1] = np.arange(t + n - 1 - k, t + n)
+                spans.append((w, r, k))
+                r += k + 1
+            t += n
+        meta = AttnMetadata(seq_idx=seq_idx, positions=positions, start_pos=starts, block_tables=tables,
+                            chunk_blocks=self._chunk_blocks)
+        inp = StepInputs(token_ids=tokens, positions=positions, kv_blocks=kv_blocks,
+                         kv_offsets=np.where(seq_idx >= 0, positions % bs, 0).astype(np.int32), meta=meta,
+                         row_token=row_token)  # type: ignore[arg-type]
+        return inp, _Rows(tuple(spans))
+
+    def _pack_sampling(self, rows: _Rows, s_pad: int, num_rows: int) -> tuple[SamplingBatch, Penalties]:
+        params, seeds, steps, drafts, row_seq, prior = [], [], [], [], [], []
+        for s, (w, _, k) in enumerate(rows.spans):
+            for j in range(k + 1):
+                params.append(w.params)
+                seeds.append(w.seed)
+                steps.append(w.num_generated + j)
+                drafts.append(w.draft_ids[j] if j < k else -1)
+                row_seq.append(s)
+                prior.append(w.draft_ids[:j])
+        sb = pack_rows(params, seeds, steps, drafts, num_rows)
+        if not any(w.params.has_penalties for w, _, _ in rows.spans):
+            return sb, self._no_penalties(s_pad, num_rows)
+        spans = rows.spans
+        pen = pack_penalties([w.params for w, _, _ in spans], [w.output_ids for w, _, _ in spans], row_seq, prior,
+                             s_pad, num_rows, max(1, self._spec_tokens), self.model_config.vocab_size)
+        return sb, jax.device_put(pen, self._replicated)
+
+    def _no_penalties(self, s_pad: int, num_rows: int) -> Penalties:
+        """Device-resident all-zero penalties per shape, so penalty-free steps copy nothing."""
+        key = (s_pad, num_rows)
+        if key not in self._zero_penalties:
+            pen = pack_penalties([], [], [], [], s_pad, num_rows, max(1, self._spec_tokens),
+                                 self.model_config.vocab_size)
+            self._zero_penalties[key] = jax.device_put(pen, self._replicated)
+        return self._zero_penalties[key]
+
+    def _results(self, rows: _Rows, out: SampleOut, logits: jax.Array) -> RunnerOutput:
+        token, logprob, accepted = jax.device_get((out.token, out.logprob, out.accepted))
+        top_ids = top_vals = None
+        if self.engine_config.max_logprobs and any(w.params.top_logprobs for w, _, _ in rows.spans):
+            top_ids, top_vals = jax.device_get(self._top_lp(logits))
+        results = []
+        for w, r, k in rows.spans:
+            n_acc = 0
+            while n_acc < k and accepted[r + n_acc]:
+                n_acc += 1
+            sl = slice(r, r + n_acc + 1)
+            tops: tuple[tuple[tuple[int, float], ...], ...] = ()
+            n_top = min(w.params.top_logprobs, self.engine_config.max_logprobs)
+            if n_top and top_ids is not None and top_vals is not None:
+                tops = tuple(tuple(zip(top_ids[i, :n_top].tolist(), top_vals[i, :n_top].tolist(), strict=True))
+                             for i in range(r, r + n_acc + 1))
+            results.append(SeqResult(seq_id=w.seq_id, token_ids=tuple(token[sl].tolist()),
+                                     logprobs=tuple(logprob[sl].tolist()), top_logprobs=tops, num_accepted=n_acc))
+        return RunnerOutput(tuple(results))
+
+    # ---- warm-up and embeddings ----
+
+    def bucket_pairs(self) -> list[tuple[int, int]]:
+        """Every (token bucket, seq bucket) a plan within the engine limits can land in."""
+        ec = self.engine_config
+        pairs = set()
+        for t in ec.token_buckets:
+            for s in range(1, min(t, ec.max_num_seqs) + 1):
+                pairs.add((t, _bucket(s, ec.seq_buckets, "sequences")))
+        return sorted(pairs)
+
+    def warmup(self, embed: bool = False) -> None:
+        """Compile (and run on padding only) every step variant, so serving never compiles."""
+        wants_top = self.engine_config.max_logprobs > 0
+        for t_pad, s_pad in self.bucket_pairs():
+            inp, rows = self._pack_tokens([], t_pad, s_pad)
+            sb, pen = self._pack_sampling(rows, s_pad, self.num_rows(t_pad, s_pad))
+            inp, sb = jax.device_put((inp, sb), self._replicated)
+            self._kv, out, logits = self._step(self._params, self._kv, inp, sb, pen)
+            if wants_top:
+                self._top_lp(logits)
+        if embed:
+            for t in self.engine_config.token_buckets:
+                self.embed([0] * t)
+        jax.block_until_ready(self._kv)
+
+    def embed(self, token_ids: Sequence[int]) -> list[float]:
+        n = len(token_ids)
+        if not 0 < n <= self.max_model_len:
+            raise ValueError(f"embedding input of {n} tokens; need 1..{self.max_model_len}")
+        buckets = self.engine_config.token_buckets
+        t_pad = buckets[bisect_left(buckets, n)] if n <= buckets[-1] else 1 << (n - 1).bit_length()
+        ids = np.zeros(t_pad, np.int32)
+        ids[:n] = token_ids
+        ids_d, n_d = jax.device_put((ids, np.int32(n)), self._replicated)
+        return np.asarray(self._embed(self._params, ids_d, n_d)).tolist()
