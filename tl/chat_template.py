@@ -13,9 +13,10 @@ special tokens) and must not import jax. Tested by tests/test_chat_template.py
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import jinja2
 import jinja2.ext
@@ -40,7 +41,7 @@ class _GenerationBlock(jinja2.ext.Extension):
     """`{% generation %}...{% endgeneration %}` renders its body (transformers uses it to
     mark assistant tokens; we only need templates that use it to parse and render)."""
 
-    tags = {"generation"}
+    tags = {"generation"}  # noqa: RUF012 (jinja2.ext.Extension declares it a plain set)
 
     def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
         lineno = next(parser.stream).lineno

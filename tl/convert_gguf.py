@@ -21,7 +21,7 @@ from typing import Any
 import gguf
 import numpy as np
 from safetensors.numpy import save_file
-from tqdm import tqdm
+from tqdm import tqdm  # type: ignore[import-untyped]
 
 from tl.model.config import ModelConfig
 
@@ -83,7 +83,7 @@ def open_gguf(path: Path) -> gguf.GGUFReader:
             raise GGUFError(f"{path}: not a GGUF file (bad magic)")
     try:
         return gguf.GGUFReader(str(path))
-    except Exception as e:  # the reader raises ValueError/IndexError/struct errors on damaged files
+    except Exception as e:  # noqa: BLE001 (a damaged file raises ValueError, IndexError, struct.error, ...)
         raise GGUFError(f"{path}: malformed GGUF ({type(e).__name__}: {e})") from None
 
 

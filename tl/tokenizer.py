@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterable
 from functools import cache
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import tokenizers
 
@@ -97,7 +98,7 @@ class Tokenizer:
         spec = read_json(path)
         try:
             tok = tokenizers.Tokenizer.from_str(json.dumps(spec))
-        except Exception as e:  # tokenizers raises a bare Exception on a bad spec
+        except Exception as e:  # noqa: BLE001 (tokenizers raises a bare Exception on a bad spec)
             raise ModelDirError(f"{path}: cannot build the tokenizer ({e})") from None
         tcfg = load_tokenizer_config(d)
         eos_ids = load_generation_config(d).eos_token_ids

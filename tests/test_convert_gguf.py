@@ -1,0 +1,265 @@
+"""tl.convert_gguf and tl.pull: dequantization per tensor type, the q/k un-permutation,
+whole-model conversion of small GGUFs written here with gguf.GGUFWriter, errors, and
+the real SmolLM2 directory (slow).
+
+Q4_K and Q6_K have no quantizer in gguf.quants, so this file packs those blocks itself
+from ggml's layouts; every type is checked against the original float values.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+from models import SPECIAL_TOKENS, make_tiny_llama, tiny_config, tiny_tensors
+
+from tl.convert_gguf import (
+    GGUFError,
+    convert_gguf,
+    dequantize_tensor,
+    permute_qk,
+    unpermute_qk,
+)
+from tl.model.config import ModelConfig, load_model_config
+from tl.model.files import (
+    check_shapes,
+    load_generation_config,
+    load_tokenizer_config,
+    read_tensors,
+)
+from tl.tokenizer import Tokenizer, byte_level_alphabet
+
+Q = gguf.GGMLQuantizationType
+
+
+def _f16_bytes(x: np.ndarray) -> np.ndarray:
+    return np.asarray(x, dtype="<f2").reshape(-1, 1).view(np.uint8)
+
+
+def quantize_q4_k(x: np.ndarray) -> np.ndarray:
+    """ggml block_q4_K: f16 d, f16 dmin, 12 bytes of 6-bit scales/mins, 128 bytes of nibbles."""
+    blocks = x.reshape(-1, 8, 32)  # [nb, sub-block, 32]
+    lo = np.minimum(blocks.min(-1), 0.0)
+    scale = (blocks.max(-1) - lo) / 15
+    d = np.maximum(scale.max(-1), 1e-3) / 63  # floors stay non-zero in f16
+    dmin = np.maximum(-lo.min(-1), 1e-3) / 63
+    d, dmin = d.astype(np.float16).astype(np.float32), dmin.astype(np.float16).astype(np.float32)
+    sc = np.clip(np.round(scale / d[:, None]), 1, 63).astype(np.uint8)
+    mn = np.clip(np.round(-lo / dmin[:, None]), 0, 63).astype(np.uint8)
+    step = (d[:, None] * sc)[..., None]
+    q = np.clip(np.round((blocks + (dmin[:, None] * mn)[..., None]) / step), 0, 15).astype(np.uint8)
+    packed = np.zeros((len(blocks), 12), np.uint8)
+    packed[:, 0:4] = sc[:, :4] | ((sc[:, 4:] >> 4) << 6)
+    packed[:, 4:8] = mn[:, :4] | ((mn[:, 4:] >> 4) << 6)
+    packed[:, 8:12] = (sc[:, 4:] & 15) | ((mn[:, 4:] & 15) << 4)
+    qs = (q[:, 0::2, :] | (q[:, 1::2, :] << 4)).reshape(len(blocks), 128)
+    return np.concatenate([_f16_bytes(d), _f16_bytes(dmin), packed, qs], axis=1)
+
+
+def quantize_q6_k(x: np.ndarray) -> np.ndarray:
+    """ggml block_q6_K: 128 bytes low nibbles, 64 bytes high 2-bit pairs, 16 int8 scales, f16 d."""
+    blocks = x.reshape(-1, 16, 16)  # [nb, sub-block, 16]
+    amax = np.abs(blocks).max(-1)
+    d = np.maximum(amax.max(-1), 1e-2) / 31 / 127
+    d = d.astype(np.float16).astype(np.float32)
+    sc = np.clip(np.round(amax / 31 / d[:, None]), 1, 127).astype(np.int8)
+    step = (d[:, None] * sc)[..., None]
+    q = (np.clip(np.round(blocks / step), -32, 31) + 32).astype(np.uint8).reshape(-1, 2, 4, 32)  # [nb, half, quarter, l]
+    ql = np.concatenate([q[:, :, 0] & 15 | (q[:, :, 2] & 15) << 4, q[:, :, 1] & 15 | (q[:, :, 3] & 15) << 4], axis=2)
+    qh = (q[:, :, 0] >> 4) | (q[:, :, 1] >> 4) << 2 | (q[:, :, 2] >> 4) << 4 | (q[:, :, 3] >> 4) << 6
+    return np.concatenate([ql.reshape(-1, 128), qh.reshape(-1, 64), sc.view(np.uint8), _f16_bytes(d)], axis=1)
+
+
+def quantized_bytes(x: np.ndarray, qtype: Q) -> np.ndarray:
+    """[rows, bytes_per_row] uint8 (or the float array itself for F32/F16)."""
+    if qtype in (Q.F32, Q.F16):
+        return x.astype(np.float32 if qtype == Q.F32 else np.float16)
+    if qtype == Q.Q4_K:
+        return quantize_q4_k(x).reshape(x.shape[0], -1)
+    if qtype == Q.Q6_K:
+        return quantize_q6_k(x).reshape(x.shape[0], -1)
+    return gguf.quants.quantize(x, qtype)
+
+
+# Largest |error| allowed relative to the row's largest |value| for each type.
+TOLERANCE = {Q.F32: 0.0, Q.F16: 1e-3, Q.BF16: 8e-3, Q.Q8_0: 1e-2, Q.Q4_0: 0.16, Q.Q4_1: 0.1, Q.Q4_K: 0.08,
+             Q.Q6_K: 0.025}
+
+
+def write_gguf(path: Path, arch: str, tensors: dict[str, tuple[np.ndarray, Q]],
+               metadata: dict[str, object] | None = None) -> Path:
+    w = gguf.GGUFWriter(str(path), arch=arch)
+    for key, value in (metadata or {}).items():
+        if isinstance(value, bool):
+            w.add_bool(key, value)
+        elif isinstance(value, int):
+            w.add_uint32(key, value)
+        elif isinstance(value, float):
+            w.add_float32(key, value)
+        elif isinstance(value, str):
+            w.add_string(key, value)
+        else:
+            w.add_array(key, value)  # type: ignore[arg-type]
+    for name, (x, qtype) in tensors.items():
+        data = quantized_bytes(x, qtype)
+        w.add_tensor(name, data, raw_dtype=None if qtype in (Q.F32, Q.F16) else qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.mark.parametrize("qtype", list(TOLERANCE), ids=lambda q: q.name)
+def test_dequantize_each_type_matches_the_original(tmp_path: Path, qtype: Q) -> None:
+    x = np.random.default_rng(int(qtype)).standard_normal((6, 512)).astype(np.float32)
+    x[1] *= 10  # rows of different scale
+    x[2] = np.abs(x[2])  # an all-positive row (Q4_K min 0)
+    path = write_gguf(tmp_path / "t.gguf", "llama", {"w": (x, qtype)})
+    (t,) = gguf.GGUFReader(str(path)).tensors
+    got = dequantize_tensor(t, path)
+    assert got.shape == (6, 512) and got.dtype == np.float32
+    err = np.abs(got - x).max(axis=1) / np.abs(x).max(axis=1)
+    assert err.max() <= TOLERANCE[qtype], (qtype.name, err)
+    if qtype not in (Q.F32,):
+        assert err.max() > 0  # really quantized
+
+
+def test_permutation_matches_llama_cpp_on_a_known_matrix() -> None:
+    # 1 head, head_dim 4: HF rows (r0 r1 | r2 r3) are the rotate-half pairs (r0,r2), (r1,r3);
+    # llama.cpp interleaves them as r0 r2 r1 r3.
+    w = np.arange(8, dtype=np.float32).reshape(4, 2)
+    assert permute_qk(w, 1).tolist() == w[[0, 2, 1, 3]].tolist()
+    assert unpermute_qk(w[[0, 2, 1, 3]], 1).tolist() == w.tolist()
+
+
+@pytest.mark.parametrize("n_head,head_dim,cols", [(9, 64, 576), (3, 64, 576), (4, 16, 64), (2, 8, 1)])
+def test_unpermute_is_the_exact_inverse(n_head: int, head_dim: int, cols: int) -> None:
+    w = np.random.default_rng(n_head).standard_normal((n_head * head_dim, cols)).astype(np.float32)
+    p = permute_qk(w, n_head)
+    assert not np.array_equal(p, w)
+    assert np.array_equal(unpermute_qk(p, n_head), w)
+    assert np.array_equal(unpermute_qk(permute_qk(w[:, 0], n_head), n_head), w[:, 0])  # 1-D (biases)
+
+
+GGUF_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+              "lm_head.weight": "output.weight"}
+LAYER_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+               "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+               "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+               "mlp.down_proj": "ffn_down"}
+
+
+def to_gguf_name(hf: str) -> str:
+    if hf in GGUF_NAMES:
+        return GGUF_NAMES[hf]
+    _, _, layer, rest = hf.split(".", 3)
+    module, kind = rest.rsplit(".", 1)
+    return f"blk.{layer}.{LAYER_NAMES[module]}.{kind}"
+
+
+def byte_vocab_metadata() -> dict[str, object]:
+    tokens = [*byte_level_alphabet(), *SPECIAL_TOKENS]
+    return {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "smollm", "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.token_type": [1] * 256 + [3] * len(SPECIAL_TOKENS),
+            "tokenizer.ggml.bos_token_id": 257, "tokenizer.ggml.eos_token_id": 258,
+            "tokenizer.chat_template": "{{ messages[0]['content'] }}"}
+
+
+def tiny_gguf(path: Path, cfg: ModelConfig, hf: dict[str, np.ndarray], arch: str, qtype: Q = Q.F32) -> Path:
+    """What llama.cpp's converter writes for these HF tensors (q/k permuted for llama)."""
+    tensors = {}
+    for name, x in hf.items():
+        if arch == "llama" and ".q_proj." in name:
+            x = permute_qk(x, cfg.num_attention_heads)
+        elif arch == "llama" and ".k_proj." in name:
+            x = permute_qk(x, cfg.num_key_value_heads)
+        tensors[to_gguf_name(name)] = (x, qtype if x.ndim == 2 else Q.F32)
+    meta: dict[str, object] = {
+        f"{arch}.block_count": cfg.num_hidden_layers, f"{arch}.context_length": cfg.max_position_embeddings,
+        f"{arch}.embedding_length": cfg.hidden_size, f"{arch}.feed_forward_length": cfg.intermediate_size,
+        f"{arch}.attention.head_count": cfg.num_attention_heads,
+        f"{arch}.attention.head_count_kv": cfg.num_key_value_heads, f"{arch}.rope.freq_base": cfg.rope_theta,
+        f"{arch}.attention.layer_norm_rms_epsilon": cfg.rms_norm_eps, **byte_vocab_metadata(),
+    }
+    return write_gguf(path, arch, tensors, meta)
+
+
+@pytest.mark.parametrize("arch,tie", [("llama", True), ("llama", False), ("qwen2", True)])
+def test_convert_tiny_model_round_trips_exactly(tmp_path: Path, arch: str, tie: bool) -> None:
+    cfg = tiny_config(tie=tie, qwen2=arch == "qwen2")
+    hf = tiny_tensors(cfg, seed=3)
+    out = convert_gguf(tiny_gguf(tmp_path / "m.gguf", cfg, hf, arch), tmp_path / "out", progress=False)
+    got_cfg = load_model_config(out)
+    assert got_cfg == cfg  # tiny_config's bos/eos are the GGUF's 257/258 too
+    got = read_tensors(out)
+    check_shapes(got, got_cfg)
+    assert sorted(got) == sorted(hf)
+    for name, x in hf.items():
+        assert np.array_equal(got[name], x), name
+
+
+def test_convert_writes_tokenizer_and_side_files(tmp_path: Path) -> None:
+    cfg = tiny_config()
+    out = convert_gguf(tiny_gguf(tmp_path / "m.gguf", cfg, tiny_tensors(cfg), "llama"), tmp_path / "o", progress=False)
+    tok = Tokenizer.load(out)
+    assert tok.encode("hé<|im_end|>") == [104, 0xC3, 0xA9, 258]
+    assert tok.eos_token_ids == (258,) and tok.bos_token == "<|im_start|>" and tok.eos_token == "<|im_end|>"
+    assert tok.special_tokens == {"<|endoftext|>": 256, "<|im_start|>": 257, "<|im_end|>": 258}
+    assert load_tokenizer_config(out).chat_template == "{{ messages[0]['content'] }}"
+    assert load_generation_config(out).eos_token_ids == (258,)
+    spec = json.loads((out / "tokenizer.json").read_text())
+    assert [p["type"] for p in spec["pre_tokenizer"]["pretokenizers"]] == ["Digits", "ByteLevel"]
+
+
+def test_convert_quantized_model_is_close(tmp_path: Path) -> None:
+    cfg = tiny_config()
+    hf = tiny_tensors(cfg, seed=1)
+    out = convert_gguf(tiny_gguf(tmp_path / "m.gguf", cfg, hf, "llama", Q.Q8_0), tmp_path / "o", progress=False)
+    got = read_tensors(out)
+    for name, x in hf.items():
+        assert np.abs(got[name] - x).max() <= 0.01 * np.abs(x).max(), name
+
+
+def test_not_a_gguf_names_the_file(tmp_path: Path) -> None:
+    bad = tmp_path / "model.gguf"
+    bad.write_bytes(b"PK\x03\x04 not a gguf")
+    with pytest.raises(GGUFError, match="model.gguf.*not a GGUF"):
+        convert_gguf(bad, tmp_path / "o", progress=False)
+    with pytest.raises(GGUFError, match="missing.gguf: file not found"):
+        convert_gguf(tmp_path / "missing.gguf", tmp_path / "o", progress=False)
+    bad.write_bytes(b"GGUF\x03\x00\x00\x00\xff")
+    with pytest.raises(GGUFError, match="model.gguf: malformed GGUF"):
+        convert_gguf(bad, tmp_path / "o", progress=False)
+
+
+def test_unsupported_architecture_and_type_name_the_file(tmp_path: Path) -> None:
+    cfg = tiny_config()
+    hf = tiny_tensors(cfg)
+    path = tiny_gguf(tmp_path / "falcon.gguf", cfg, hf, "falcon")
+    with pytest.raises(GGUFError, match=r"falcon.gguf: architecture 'falcon' is not supported"):
+        convert_gguf(path, tmp_path / "o", progress=False)
+    path = tiny_gguf(tmp_path / "q5.gguf", cfg, hf, "llama", Q.Q5_0)
+    with pytest.raises(GGUFError, match=r"q5.gguf: tensor '.*' has type Q5_0, which is not supported"):
+        convert_gguf(path, tmp_path / "o", progress=False)
+    assert not (tmp_path / "o" / "config.json").exists()
+
+
+def test_tiny_builder_dir_is_what_convert_would_read(tmp_path: Path) -> None:
+    # The builders and the converter agree on names and shapes (same config, same check).
+    d = make_tiny_llama(tmp_path / "t", tie=False)
+    check_shapes(read_tensors(d), load_model_config(d))
+
+
+@pytest.mark.slow
+def test_real_smollm2_dir(smol_dir: Path) -> None:
+    cfg = load_model_config(smol_dir)
+    assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads) == (30, 576, 9, 3)
+    assert (cfg.vocab_size, cfg.rope_theta, cfg.rms_norm_eps, cfg.tie_word_embeddings) == (49152, 100000.0, 1e-5, True)
+    assert load_generation_config(smol_dir).eos_token_ids == (2,)
+    tcfg = load_tokenizer_config(smol_dir)
+    assert (tcfg.bos_token, tcfg.eos_token) == ("<|im_start|>", "<|im_end|>")
+    check_shapes(read_tensors(smol_dir), cfg)
