@@ -263,3 +263,34 @@ def test_real_smollm2_dir(smol_dir: Path) -> None:
     tcfg = load_tokenizer_config(smol_dir)
     assert (tcfg.bos_token, tcfg.eos_token) == ("<|im_start|>", "<|im_end|>")
     check_shapes(read_tensors(smol_dir), cfg)
+
+
+def test_pull_converts_into_place_and_never_leaves_half_a_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import tl.pull as pull_mod
+
+    cfg = tiny_config()
+    src = tiny_gguf(tmp_path / "src.gguf", cfg, tiny_tensors(cfg), "llama")
+    calls: list[Path] = []
+
+    def fake_fetch(source: pull_mod.PullSource, tmp: Path) -> Path:
+        calls.append(tmp)
+        return src
+
+    def crashing_convert(path: Path, out: Path, progress: bool = True) -> Path:
+        convert_gguf(path, out, progress=progress)
+        (out / "config.json").unlink()
+        raise KeyboardInterrupt  # a crash after some files were written
+
+    root = tmp_path / "models"
+    monkeypatch.setattr(pull_mod, "_fetch_gguf", fake_fetch)
+    monkeypatch.setattr(pull_mod, "convert_gguf", crashing_convert)
+    with pytest.raises(KeyboardInterrupt):
+        pull_mod.pull("smol-135m", root=root, progress=False)
+    assert list(root.iterdir()) == []  # no half model, no temp dir left
+    monkeypatch.setattr(pull_mod, "convert_gguf", convert_gguf)
+    dest = pull_mod.pull("smol-135m", root=root, progress=False)
+    assert dest == root / "smol-135m" and load_model_config(dest) == cfg
+    assert sorted(p.name for p in root.iterdir()) == ["smol-135m"]
+    assert pull_mod.pull("smol-135m", root=root) == dest and len(calls) == 2  # already there: no fetch
+    with pytest.raises(pull_mod.PullError, match="unknown model 'gpt-5'"):
+        pull_mod.pull("gpt-5", root=root)
