@@ -125,10 +125,8 @@ class Job:
         try:
             async for outs in choice.handle:
                 self.queue.put_nowait((choice, outs))
-        except BaseException as e:  # EngineError, admission refusal, cancellation
-            if not isinstance(e, asyncio.CancelledError):
-                self.queue.put_nowait((choice, e))
-            raise
+        except Exception as e:  # noqa: BLE001 - EngineError or an admission refusal, answered by the route
+            self.queue.put_nowait((choice, e))
 
     async def admitted(self) -> None:
         """Wait until the engine thread took every choice; its refusal becomes an ApiError."""

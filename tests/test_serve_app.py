@@ -409,3 +409,18 @@ def test_api_keys_and_ping(kind: str) -> None:
         r = await call(app, "POST", CHAT, chat(max_tokens=2, stream=True), headers={"Authorization": "Bearer k1"})
         assert b": ping\n\n" in r.body and content(r) == "bc"
     run(make_app(kind, 0.12, api_keys=("k1", "k2")), body)
+
+
+def test_queue_deadline_answers_503_no_capacity(kind: str) -> None:
+    async def body(app: App) -> None:
+        started = asyncio.Event()
+        first = asyncio.create_task(call(app, "POST", CHAT, chat(max_tokens=30, stream=True),
+                                         on_message=lambda b: started.set()))
+        await started.wait()
+        r = await call(app, "POST", CHAT, HAND)
+        assert r.status == 503 and r.error()["code"] == "no_capacity" and r.headers["retry-after"] == "1"
+        r = await call(app, "POST", CHAT, chat(stream=True))
+        events = r.events()
+        assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "no_capacity"
+        assert content(await first) == "".join(chr(98 + i) for i in range(30))
+    run(make_app(kind, 0.01, max_num_seqs=1, seq_buckets=(1,), queue_deadline_ms=60), body)
