@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+from typing import NoReturn
 
 from serve.app import parse_listen
 from serve.config_load import load_config
@@ -24,7 +25,7 @@ def granian_argv(config_path: str) -> list[str]:
             "--no-ws", "serve.app:app"]
 
 
-def serve_main(config_path: str) -> None:
+def serve_main(config_path: str) -> NoReturn:
     """Never returns: the process becomes granian serving serve.app:app."""
     argv = granian_argv(config_path)
     os.environ["TL_CONFIG"] = os.path.abspath(config_path)

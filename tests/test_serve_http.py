@@ -50,15 +50,19 @@ class Server:
 
 @contextmanager
 def server(tmp_path: Path, extra: str = "", env: dict[str, str] | None = None,
-           expect_ready: bool = True) -> Iterator[Server]:
+           expect_ready: bool = True, via_cli: bool = False) -> Iterator[Server]:
     port, hport = free_port(), free_port()
     cfg = tmp_path / "runtime.toml"
     cfg.write_text(f'[engine]\nmodel_dir = "models/succ"\nblock_size = 4\nhttp_listen = "127.0.0.1:{port}"\n'
                    f'health_listen = "127.0.0.1:{hport}"\n{extra}')
     full_env = {**os.environ, "TL_CONFIG": str(cfg), "TL_ENGINE_FACTORY": "fake_engine:make_real_async_engine",
                 "PYTHONPATH": f"{ROOT / 'tests'}{os.pathsep}{ROOT}", **(env or {})}
-    proc = subprocess.Popen([GRANIAN, "--interface", "asgi", "--host", "127.0.0.1", "--port", str(port),
-                             "--workers", "1", "--http", "1", "--no-ws", "serve.app:app"],
+    argv = [GRANIAN, "--interface", "asgi", "--host", "127.0.0.1", "--port", str(port), "--workers", "1", "--http",
+            "1", "--no-ws", "serve.app:app"]
+    if via_cli:  # `tl serve --config`: checks the config, then execs granian in its place
+        argv = [sys.executable, "-c", f"import sys; from tl.cli import main; sys.exit(main(['serve', '--config', "
+                                      f"{str(cfg)!r}]))"]
+    proc = subprocess.Popen(argv,
                             cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True)
     srv = Server(proc, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{hport}")
@@ -186,3 +190,11 @@ def test_bad_config_stops_startup_with_the_name(tmp_path: Path) -> None:
         assert srv.proc.wait(20) != 0
         assert srv.proc.stdout is not None
         assert "prefill_chunkz" in srv.proc.stdout.read().decode()
+
+
+def test_tl_serve_config_starts_granian_and_drains_on_sigterm(tmp_path: Path) -> None:
+    with server(tmp_path, via_cli=True) as srv:
+        r = httpx.post(f"{srv.api}/v1/chat/completions", json=CHAT)
+        assert r.json()["choices"][0]["message"]["content"] == "bcd"
+        os.kill(srv.proc.pid, signal.SIGTERM)
+        assert srv.proc.wait(10) == 0
