@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--roofline-mem-mib", type=int, default=256, help="array size for the bandwidth ceiling")
     for f in Sizes.__dataclass_fields__.values():
         if f.name != "sweep_levels":
-            ap.add_argument("--" + f.name.replace("_", "-"), type=int, default=f.default)
+            ap.add_argument("--" + f.name.replace("_", "-"), type=int, default=f.default, help="%(default)s")
     return ap
 
 
@@ -199,7 +199,8 @@ def report_markdown(config: dict[str, object], roof: str, rows: Sequence[dict[st
                   markdown_table(ratio_table(ratios))]
     parts += ["", "Notes: TTFT = send to first non-empty content delta; ITL = gaps between content deltas; "
               "TPOT = (end - first token) / (tokens - 1); token counts from the usage chunk when sent. "
-              "Roofline: prefill work = prompt tokens / TTFT p50, steps/s = 1 / TTFT p50; decode work = steps/s = "
+              "Roofline: prefill work = prompt tokens / TTFT p50, steps/s = 1 / TTFT p50 (one step per prompt; "
+              "chunked prefill takes more); decode work = steps/s = "
               "1 / TPOT; other tests: work = (prompt + output tokens) / wall (prefix-cache hits do less), "
               "steps/s = output tok/s / mean in-flight requests (a lower bound). The load generator shares the "
               "CPU with a local server."]

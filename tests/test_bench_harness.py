@@ -285,3 +285,18 @@ def test_http_bench_end_to_end(server: FakeServer, model_dir: Path, tmp_path: Pa
     assert sent["stream"] is True and sent["ignore_eos"] is True and sent["model"] == "fake-model"
     sized = [b for b in server.bodies if b.get("max_tokens") == 1]  # the prefill prompts
     assert sized and all(len(str(b["prompt"]).encode()) == 64 for b in sized)  # byte tokenizer: 1 byte = 1 token
+
+
+def test_http_bench_chat_api(server: FakeServer, model_dir: Path, tmp_path: Path) -> None:
+    argv = ["--url", server.url, "--api", "chat", "--tests", "shared", "--model", "m", "--model-dir", str(model_dir),
+            "--out", str(tmp_path), "--no-plots", "--roofline-gemm-n", "64", "--roofline-mem-mib", "1",
+            "--shared-prefix-tokens", "64", "--shared-requests", "2", "--shared-output-tokens", "2", "--no-ignore-eos"]
+    before = len(server.bodies)
+    assert http_bench.run(argv) == 0
+    sent = server.bodies[before:]
+    assert len(sent) == 4 and all("ignore_eos" not in b and b["model"] == "m" for b in sent)
+    roles = [[m["role"] for m in b["messages"]] for b in sent]  # type: ignore[union-attr]
+    assert roles == [["system", "user"]] * 4
+    systems = [b["messages"][0]["content"] for b in sent]  # type: ignore[index]
+    assert systems[0] == systems[1] and systems[2] != systems[3]  # shared, then unique prefixes
+    assert not list(tmp_path.glob("*.png")) and (tmp_path / "report.md").exists()
