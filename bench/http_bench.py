@@ -52,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-requests", type=int, default=256, help="cap on requests per run")
     ap.add_argument("--max-seconds", type=float, default=120.0, help="deadline per run; in-flight requests are cut")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--api-key", default="", help="bearer token for both servers (not printed)")
     ap.add_argument("--no-ignore-eos", action="store_true", help="do not send ignore_eos (strict OpenAI servers)")
     ap.add_argument("--out", default="", help="output dir (default bench/out/http-<time>)")
     ap.add_argument("--no-plots", action="store_true")
@@ -75,7 +76,8 @@ def run(argv: Sequence[str]) -> int:
     pf = PromptFactory(load_tokenizer(args.model_dir), args.seed)
     cases = build_cases(tests, pf, sizes, args.rate, limits)
     bound_s = len(cases) * args.repeats * len(endpoints) * limits.max_seconds
-    config = {"bench": "http", "servers": {k: asdict(e) for k, e in endpoints.items()}, "tests": tests,
+    servers = {k: {**asdict(e), "api_key": "***" if e.api_key else ""} for k, e in endpoints.items()}
+    config = {"bench": "http", "servers": servers, "tests": tests,
               "seed": args.seed, "repeats": args.repeats, "rate": args.rate, "limits": asdict(limits),
               "sizes": asdict(sizes), "model_dir": args.model_dir, "out": str(out),
               "worst_case_wall_s": bound_s}
@@ -102,7 +104,9 @@ async def _endpoints(args: argparse.Namespace) -> dict[str, Endpoint]:
     eps = {}
     async with httpx.AsyncClient(timeout=10) as client:
         for name, url, model in pairs:
-            eps[name] = Endpoint(url, model or await first_model(client, url), args.api, not args.no_ignore_eos)
+            auth = {"authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+            model = model or await first_model(client, url, auth)
+            eps[name] = Endpoint(url, model, args.api, not args.no_ignore_eos, api_key=args.api_key)
     return eps
 
 

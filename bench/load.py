@@ -126,6 +126,11 @@ class Endpoint:
     api: str = "completions"  # or "chat"
     ignore_eos: bool = True
     extra_body: tuple[tuple[str, object], ...] = ()
+    api_key: str = ""  # sent as `Authorization: Bearer …` when set
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     @property
     def url(self) -> str:
@@ -156,7 +161,7 @@ async def stream_request(client: httpx.AsyncClient, ep: Endpoint, body: dict[str
     """
     res = res or RequestResult(t_start=time.perf_counter())
     try:
-        async with client.stream("POST", ep.url, json=body) as r:
+        async with client.stream("POST", ep.url, json=body, headers=ep.headers) as r:
             if r.status_code != 200:
                 res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
                 return res
@@ -192,9 +197,9 @@ def _on_event(res: RequestResult, data: str) -> bool:
     return False
 
 
-async def first_model(client: httpx.AsyncClient, base_url: str) -> str:
+async def first_model(client: httpx.AsyncClient, base_url: str, headers: dict[str, str] | None = None) -> str:
     """The first model id listed at GET /v1/models."""
-    r = await client.get(f"{base_url.rstrip('/')}/v1/models")
+    r = await client.get(f"{base_url.rstrip('/')}/v1/models", headers=headers)
     r.raise_for_status()
     return str(r.json()["data"][0]["id"])
 

@@ -42,6 +42,7 @@ class FakeServer:
     def __init__(self, first_s: float = 0.004, gap_s: float = 0.002) -> None:
         self.first_s, self.gap_s = first_s, gap_s
         self.bodies: list[dict[str, object]] = []
+        self.auth: list[str] = []  # Authorization header of each POST
         self.loop = asyncio.new_event_loop()
         self.ready = threading.Event()
         self.thread = threading.Thread(target=self._main, daemon=True)
@@ -79,6 +80,8 @@ class FakeServer:
                 method, path, _ = lines[0].split(" ")
                 hdrs = {k.lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:] if ln)}
                 body = await reader.readexactly(int(hdrs.get("content-length", "0")))
+                if method == "POST":
+                    self.auth.append(hdrs.get("authorization", ""))
                 if method == "GET" and path == "/v1/models":
                     data = json.dumps({"object": "list", "data": [{"id": "fake-model", "object": "model"}]}).encode()
                     writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
@@ -290,7 +293,8 @@ def test_http_bench_end_to_end(server: FakeServer, model_dir: Path, tmp_path: Pa
 def test_http_bench_chat_api(server: FakeServer, model_dir: Path, tmp_path: Path) -> None:
     argv = ["--url", server.url, "--api", "chat", "--tests", "shared", "--model", "m", "--model-dir", str(model_dir),
             "--out", str(tmp_path), "--no-plots", "--roofline-gemm-n", "64", "--roofline-mem-mib", "1",
-            "--shared-prefix-tokens", "64", "--shared-requests", "2", "--shared-output-tokens", "2", "--no-ignore-eos"]
+            "--shared-prefix-tokens", "64", "--shared-requests", "2", "--shared-output-tokens", "2", "--no-ignore-eos",
+            "--api-key", "sekrit"]
     before = len(server.bodies)
     assert http_bench.run(argv) == 0
     sent = server.bodies[before:]
@@ -299,4 +303,5 @@ def test_http_bench_chat_api(server: FakeServer, model_dir: Path, tmp_path: Path
     assert roles == [["system", "user"]] * 4
     systems = [b["messages"][0]["content"] for b in sent]  # type: ignore[index]
     assert systems[0] == systems[1] and systems[2] != systems[3]  # shared, then unique prefixes
-    assert not list(tmp_path.glob("*.png")) and (tmp_path / "report.md").exists()
+    assert not list(tmp_path.glob("*.png")) and "sekrit" not in (tmp_path / "report.md").read_text()
+    assert all(h == "Bearer sekrit" for h in server.auth[before:])
