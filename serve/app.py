@@ -139,8 +139,9 @@ class App:
         self.engine = engine
         await engine.warmup()
         tok = engine.tokenizer
-        self.info = ModelInfo(engine.model_id, engine.max_model_len, cfg.max_logprobs,
-                              int(getattr(tok, "vocab_size", 2**31 - 1)), tok, engine.chat_template)  # type: ignore[arg-type]
+        vocab_size = int(getattr(tok, "vocab_size", 2**31 - 1))
+        self.info = ModelInfo(engine.model_id, engine.max_model_len, cfg.max_logprobs, vocab_size,
+                              tok, engine.chat_template)  # type: ignore[arg-type]
         if self.handle_signals:
             loop.add_signal_handler(signal.SIGTERM, self.begin_drain)
         log.info("serving %s (context %d) ready", engine.model_id, engine.max_model_len)

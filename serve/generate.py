@@ -52,6 +52,7 @@ class Choice:
     handle: RequestHandle
     stream: TextStream
     stop_ids: frozenset[int]
+    hidden_ids: frozenset[int]  # special tokens: counted, never shown (vLLM's skip_special_tokens)
     text: list[str] = field(default_factory=list)
     num_tokens: int = 0
     finish: str | None = None
@@ -70,7 +71,8 @@ class Choice:
                 self.num_tokens += 1
                 self.pending.append(o)
                 self.logprobs.append(o)
-                if not (o.finish_reason == "stop" and o.token_id in self.stop_ids):
+                hidden = o.token_id in self.hidden_ids or (o.finish_reason == "stop" and o.token_id in self.stop_ids)
+                if not hidden:
                     pieces.append(self.stream.push(tok.token_bytes(o.token_id)))
                     if self.stream.stopped:
                         self.finish = "stop"
@@ -108,13 +110,15 @@ class Job:
 
     def _submit(self, priority: int) -> list[Choice]:
         stop_ids = frozenset(self.engine.eos_token_ids)
+        hidden_ids = frozenset(getattr(self.engine.tokenizer, "special_token_ids", ()))
         choices: list[Choice] = []
         try:
             for p_idx, prompt in enumerate(self.spec.prompts):
                 for c_idx, params in enumerate(self.spec.params):
                     handle = self.engine.submit(GenRequest(prompt, params, priority))
+                    stops = stop_ids | set(params.stop_token_ids)
                     choices.append(Choice(p_idx * self.spec.n + c_idx, len(prompt), handle,
-                                          TextStream(self.spec.stops), stop_ids | set(params.stop_token_ids)))
+                                          TextStream(self.spec.stops), stops, hidden_ids))
         except RequestError as e:
             for c in choices:
                 c.handle.abort()
