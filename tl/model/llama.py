@@ -17,6 +17,7 @@ final_norm [D]; lm_head [D,V] (absent when tied: embed.T is used).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -75,20 +76,27 @@ def param_partition_specs(cfg: ModelConfig) -> Params:
 
 
 def init_params(cfg: ModelConfig, key: jax.Array, dtype: Any = jnp.float32) -> Params:
-    """Random weights for tests: norms near 1, matrices scaled by 1/sqrt(fan_in)."""
+    """Random weights for tests: norms near 1, matrices scaled by 1/sqrt(fan_in). One compile."""
+    return _init_params(cfg, key, jnp.dtype(dtype))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 2))
+def _init_params(cfg: ModelConfig, key: jax.Array, dtype: Any) -> Params:
     shapes = param_shapes(cfg, dtype)
     leaves, treedef = jax.tree.flatten_with_path(shapes)
-    keys = jax.random.split(key, len(leaves))
-    out = []
-    for (path, sds), k in zip(leaves, keys, strict=True):
+    sizes = [int(np.prod(sds.shape)) for _, sds in leaves]
+    z = jax.random.normal(key, (sum(sizes),))  # one draw for all leaves: one RNG in the program
+    out, offset = [], 0
+    for (path, sds), size in zip(leaves, sizes, strict=True):
+        x = z[offset:offset + size].reshape(sds.shape)
+        offset += size
         name = str(path[-1].key)
         if name.endswith("norm"):
-            x = 1.0 + 0.1 * jax.random.normal(k, sds.shape)
+            x = 1.0 + 0.1 * x
         elif name.startswith("b"):
-            x = 0.1 * jax.random.normal(k, sds.shape)
+            x = 0.1 * x
         else:
-            fan_in = sds.shape[-1] if name == "embed" else sds.shape[-2]
-            x = jax.random.normal(k, sds.shape) / np.sqrt(fan_in)
+            x = x / np.sqrt(sds.shape[-1] if name == "embed" else sds.shape[-2])
         out.append(x.astype(dtype))
     return jax.tree.unflatten(treedef, out)
 
