@@ -1,0 +1,28 @@
+"""`tl generate` end to end on the succ model (hand-checkable) and the CLI's error path."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tl.cli import main
+
+
+def test_generate_streams_the_succ_continuation(succ_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["generate", "--model", str(succ_dir), "--prompt", "a", "--max-tokens", "3"]) == 0
+    out, err = capsys.readouterr()
+    assert out == "bcd\n"
+    assert "prompt 1 tokens, generated 3 tokens, finish length" in err
+
+
+def test_generate_chat_renders_the_template(succ_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # succ's template is the bare message content, so --chat changes nothing visible here.
+    assert main(["generate", "--model", str(succ_dir), "--prompt", "x", "--chat", "--max-tokens", "2"]) == 0
+    assert capsys.readouterr().out == "yz\n"
+
+
+def test_missing_model_dir_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["generate", "--model", str(tmp_path / "nope"), "--prompt", "a"]) == 2
+    err = capsys.readouterr().err
+    assert "tl: error:" in err and "nope" in err
