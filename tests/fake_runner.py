@@ -52,7 +52,7 @@ class FakeRunner:
         self.eos_token_ids = eos_token_ids
         self.num_compilations = 0
         self.kv: list[tuple[int, int] | None] = [None] * (num_kv_blocks * block_size)  # slot -> (position, token)
-        self.history: dict[int, list[int]] = {}  # seq id -> tokens by position, as committed so far
+        self.history: dict[int, list[int]] = {}  # seq id -> tokens by position as committed so far (-1: unseen)
         self.plans: list[SchedulerOutput] = []
 
     @classmethod
@@ -102,8 +102,9 @@ class FakeRunner:
     def _commit(self, work: SeqWork, result: SeqResult | None) -> None:
         fed = work.token_ids[:len(work.token_ids) - len(work.draft_ids)]
         accepted = work.draft_ids[:result.num_accepted] if result else ()
-        hist = self.history.setdefault(work.seq_id, [])
-        self.history[work.seq_id] = hist[:work.start_pos] + list(fed) + list(accepted)
+        hist = self.history.setdefault(work.seq_id, [])[:work.start_pos]
+        hist += [-1] * (work.start_pos - len(hist))  # positions first seen as a prefix-cache hit
+        self.history[work.seq_id] = hist + list(fed) + list(accepted)
 
     def _check_plan(self, plan: SchedulerOutput) -> None:
         ids = [w.seq_id for w in plan.work]
@@ -130,10 +131,10 @@ class FakeRunner:
         for p in range(w.start_pos):
             entry = self.kv[self.slot(w, p)]
             assert entry is not None and entry[0] == p, f"seq {w.seq_id}: position {p} < start has no KV"
-            if p < len(hist):
+            if p < len(hist) and hist[p] >= 0:
                 assert entry[1] == hist[p], f"seq {w.seq_id}: KV at {p} holds {entry[1]}, seq had {hist[p]}"
         fed = w.token_ids[:len(w.token_ids) - len(w.draft_ids)]
         for i, token in enumerate(fed):
             p = w.start_pos + i
-            if p < len(hist):
+            if p < len(hist) and hist[p] >= 0:
                 assert hist[p] == token, f"seq {w.seq_id}: token at {p} changed from {hist[p]} to {token}"
