@@ -207,6 +207,15 @@ def test_top_logprobs_and_logprob(runner_and_params: tuple[ModelRunner, dict]) -
     assert r.token_ids == (int(top[0]),) and abs(r.logprobs[0] - lp[top[0]]) < 1e-4
 
 
+def test_penalties_reach_the_sampler(runner_and_params: tuple[ModelRunner, dict]) -> None:
+    runner, _ = runner_and_params
+    w = SeqWork(4, (1, 2, 3), 0, (41,), True, GREEDY, 0, 0)
+    top = runner.execute(SchedulerOutput((w,))).results[0].token_ids[0]
+    p = SamplingParams(temperature=0.0, frequency_penalty=2.0)
+    w = SeqWork(4, (1, 2, 3), 0, (41,), True, p, 0, 5, output_ids=(top,) * 5)
+    assert runner.execute(SchedulerOutput((w,))).results[0].token_ids[0] != top
+
+
 def test_prefill_chunk_without_sample_returns_nothing(runner_and_params: tuple[ModelRunner, dict]) -> None:
     runner, _ = runner_and_params
     w = SeqWork(3, (1, 2, 3), 0, (40,), False, GREEDY, 0, 0)
@@ -233,10 +242,8 @@ def test_bfloat16_runs_with_bits_cache() -> None:
     assert len(s.out) == 4 and sum(a == b for a, b in zip(s.out, want, strict=True)) >= 2
 
 
-def test_from_model_dir(tmp_path: object) -> None:
-    models = pytest.importorskip("tests.models")
-    path = models.make_succ(tmp_path)
-    runner = ModelRunner.from_model_dir(ENGINE.replace(model_dir=str(path)))
+def test_from_model_dir(succ_dir: object) -> None:
+    runner = ModelRunner.from_model_dir(ENGINE.replace(model_dir=str(succ_dir)))
     assert runner.eos_token_ids
     s = Seq(0, list(b"abc"), 4)
     Driver(runner).run([s])

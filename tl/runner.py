@@ -19,7 +19,6 @@ the scratch block (id num_kv_blocks, the cache's last block).
 from __future__ import annotations
 
 import functools
-import logging
 from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -37,8 +36,6 @@ from tl.model import llama
 from tl.model.config import ModelConfig, load_model_config
 from tl.plan import RunnerOutput, SchedulerOutput, SeqResult, SeqWork
 from tl.sampler import Penalties, SampleOut, SamplingBatch, pack_penalties, pack_rows, sample, top_logprobs
-
-log = logging.getLogger(__name__)
 
 ATTN_CHUNK_TOKENS = 128  # keys per iteration of the cached-attention loop (rounded to whole blocks)
 KV_SPEC = P(None, None, None, "model", None)  # [L, blocks, block_size, Hk, hd]: KV heads split by TP
@@ -311,7 +308,8 @@ class ModelRunner:
         """Every (token bucket, seq bucket) a plan within the engine limits can land in."""
         ec = self.engine_config
         pairs = set()
-        for t in ec.token_buckets:
+        top = _bucket(ec.max_num_batched_tokens, ec.token_buckets, "max_num_batched_tokens")
+        for t in ec.token_buckets[:ec.token_buckets.index(top) + 1]:
             for s in range(1, min(t, ec.max_num_seqs) + 1):
                 pairs.add((t, _bucket(s, ec.seq_buckets, "sequences")))
         return sorted(pairs)
