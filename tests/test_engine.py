@@ -232,31 +232,35 @@ class EngineMachine(RuleBasedStateMachine):
     """Random add / step / abort on a small KV cache; the books balance after every operation
     and every request that finishes by itself got exactly the rule's tokens."""
 
-    @initialize(variant=st.sampled_from(sorted(VARIANTS)), kv=st.sampled_from([9, 14, 64]))
+    @initialize(variant=st.sampled_from(sorted(VARIANTS)), kv=st.sampled_from([6, 9, 14, 64]))
     def setup(self, variant: str, kv: int) -> None:
         self.cfg = BASE_CFG.replace(**(VARIANTS[variant] | {"num_kv_blocks": kv}))
         self.engine = Engine(FakeRunner.from_config(self.cfg), self.cfg)
         self.requests: dict[int, GenRequest] = {}
         self.outs: dict[int, list[TokenOut]] = {}
 
-    @rule(start=st.sampled_from([10, 10, 30, 90]), n=st.integers(1, 20), max_tokens=st.integers(1, 16),
-          priority=st.integers(-2, 2), seed=st.none() | st.integers(0, 5), repeat=st.booleans())
-    def add(self, start: int, n: int, max_tokens: int, priority: int, seed: int | None, repeat: bool) -> None:
-        prompt = run(n, start) + (run(min(n, 4), start) if repeat else ())
-        max_tokens = min(max_tokens, self.engine.max_model_len - len(prompt))
-        if max_tokens < 1:
-            return
-        params = (SamplingParams(temperature=0.0, max_tokens=max_tokens) if seed is None
-                  else SamplingParams(temperature=0.7, max_tokens=max_tokens, seed=seed))
-        req = GenRequest(prompt, params, priority)
+    @rule(requests=st.lists(st.tuples(st.sampled_from([10, 10, 30, 90]), st.integers(1, 20), st.integers(1, 16),
+                                       st.integers(-2, 2), st.none() | st.integers(0, 5), st.booleans()),
+                             min_size=1, max_size=4))
+    def add(self, requests: list[tuple[int, int, int, int, int | None, bool]]) -> None:
+        """A burst of requests: (first token, length, max_tokens, priority, seed (None: greedy), repetitive)."""
+        for start, n, max_tokens, priority, seed, repeat in requests:
+            prompt = run(n, start) + (run(min(n, 4), start) if repeat else ())
+            max_tokens = min(max_tokens, self.engine.max_model_len - len(prompt))
+            if max_tokens >= 1:
+                params = (SamplingParams(temperature=0.0, max_tokens=max_tokens) if seed is None
+                          else SamplingParams(temperature=0.7, max_tokens=max_tokens, seed=seed))
+                self._add(GenRequest(prompt, params, priority))
+
+    def _add(self, req: GenRequest) -> None:
         try:
             rid = self.engine.add_request(req)
         except QueueFullError:
-            assert self.engine.stats().queue_depth == self.cfg.queue_capacity
+            assert self.engine.stats().queue_depth >= self.cfg.queue_capacity  # preempted ones may add to it
             return
         self.requests[rid], self.outs[rid] = req, []
 
-    @rule(n=st.integers(1, 4))
+    @rule(n=st.integers(1, 8))
     def step(self, n: int) -> None:
         for _ in range(n):
             for out in self.engine.step():
@@ -293,4 +297,4 @@ class EngineMachine(RuleBasedStateMachine):
 
 
 TestEngineMachine = EngineMachine.TestCase
-TestEngineMachine.settings = settings(max_examples=40, stateful_step_count=30, deadline=None)
+TestEngineMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
