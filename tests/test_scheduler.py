@@ -10,7 +10,7 @@ from tl.config import EngineConfig
 from tl.plan import RunnerOutput, SchedulerOutput, SeqResult, SeqWork
 from tl.request import SamplingParams, TokenOut
 from tl.scheduler import Scheduler
-from tl.sequence import Sequence, SeqStatus
+from tl.sequence import SeqStatus, Sequence
 from tl.spec_decode import PromptLookupProposer
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -26,8 +26,9 @@ class Clock:
 
 
 def make(num_blocks: int = 16, **kw: Any) -> tuple[Scheduler, Clock]:
-    base: dict[str, Any] = dict(block_size=4, num_kv_blocks=num_blocks, max_num_seqs=4, max_num_batched_tokens=16,
-                                token_buckets=(16,), seq_buckets=(4,), prefill_chunk=0, prefix_cache="none")
+    base: dict[str, Any] = {"block_size": 4, "num_kv_blocks": num_blocks, "max_num_seqs": 4,
+                            "max_num_batched_tokens": 16, "token_buckets": (16,), "seq_buckets": (4,),
+                            "prefill_chunk": 0, "prefix_cache": "none"}
     cfg = EngineConfig(**(base | kw))
     clock = Clock()
     bm = BlockManager(num_blocks, 4, cfg.prefix_cache == "radix")
@@ -183,7 +184,8 @@ def test_preemption_of_an_already_scheduled_victim_drops_its_work() -> None:
     plan = schedule(s)
     assert shape(plan) == [(0, 0, 4, (0,), False), (1, 0, 2, (1,), True)]
     decode_all(s, plan)
-    assert shape(plan := schedule(s)) == [(1, 2, 1, (1,), True), (0, 4, 4, (0, 2), False)]
+    plan = schedule(s)
+    assert shape(plan) == [(1, 2, 1, (1,), True), (0, 4, 4, (0, 2), False)]
     decode_all(s, plan)
     plan = schedule(s)  # seq 1's decode goes first, then seq 0's last chunk needs its block
     assert shape(plan) == [(0, 8, 4, (0, 2, 1), True)]

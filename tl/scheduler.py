@@ -33,7 +33,7 @@ from tl.block_manager import BlockManager
 from tl.config import EngineConfig
 from tl.plan import RunnerOutput, SchedulerOutput, SeqResult, SeqWork
 from tl.request import FinishReason, TokenOut
-from tl.sequence import Sequence, SeqStatus
+from tl.sequence import SeqStatus, Sequence
 from tl.spec_decode import PromptLookupProposer
 
 
@@ -211,8 +211,7 @@ class Scheduler:
             seq.num_computed_tokens += num_fed
             self.block_manager.cache_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
             return []
-        _check_result(work, result)
-        assert result is not None
+        result = _checked(work, result)
         self.counters.spec_drafts_proposed += len(work.draft_ids)
         self.counters.spec_drafts_accepted += result.num_accepted
         seq.num_computed_tokens += num_fed + result.num_accepted  # rejected drafts' KV is stale: recomputed later
@@ -251,7 +250,8 @@ class Scheduler:
         del self.seqs[seq.seq_id]
 
 
-def _check_result(work: SeqWork, result: SeqResult | None) -> None:
+def _checked(work: SeqWork, result: SeqResult | None) -> SeqResult:
+    """The runner's result for a sampled work, if it keeps the plan's contract."""
     if result is None:
         raise RuntimeError(f"runner returned no result for sampled seq {work.seq_id}")
     if not 0 <= result.num_accepted <= len(work.draft_ids) or len(result.token_ids) != result.num_accepted + 1:
@@ -259,3 +259,4 @@ def _check_result(work: SeqWork, result: SeqResult | None) -> None:
                            f"{len(work.draft_ids)} drafts accepted")
     if len(result.logprobs) != len(result.token_ids):
         raise RuntimeError(f"seq {work.seq_id}: {len(result.logprobs)} logprobs for {len(result.token_ids)} tokens")
+    return result
