@@ -15,32 +15,14 @@ from typing import Any
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import (
-    RuleBasedStateMachine,
-    initialize,
-    invariant,
-    precondition,
-    rule,
-)
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from tests.differential import (
-    Arrival,
-    RunnerFactory,
-    assert_concurrent_equals_alone,
-    drive,
-    finish_reason,
-    token_ids,
-)
+from tests.differential import (Arrival, RunnerFactory, assert_concurrent_equals_alone, drive, finish_reason,
+                                token_ids)
 from tests.fake_runner import FakeRunner, next_token
 from tl.config import EngineConfig
 from tl.engine import Engine
-from tl.request import (
-    ContextLengthError,
-    GenRequest,
-    QueueFullError,
-    SamplingParams,
-    TokenOut,
-)
+from tl.request import ContextLengthError, GenRequest, QueueFullError, SamplingParams, TokenOut
 from tl.sequence import SeqStatus
 
 BASE_CFG = EngineConfig(block_size=4, num_kv_blocks=64, max_num_seqs=4, max_num_batched_tokens=32,

@@ -17,13 +17,7 @@ from collections.abc import Callable
 from tl.block_manager import BlockManager
 from tl.config import EngineConfig
 from tl.plan import Runner, RunnerOutput
-from tl.request import (
-    MAX_SEED,
-    ContextLengthError,
-    GenRequest,
-    QueueFullError,
-    TokenOut,
-)
+from tl.request import MAX_SEED, ContextLengthError, GenRequest, QueueFullError, TokenOut
 from tl.scheduler import Scheduler
 from tl.sequence import Sequence
 from tl.stats import EngineStats
