@@ -119,16 +119,23 @@ class ModelConfig:
         }
 
 
-def load_model_config(model_dir: str | Path) -> ModelConfig:
-    path = Path(model_dir) / "config.json"
-    if not Path(model_dir).is_dir():
-        raise ModelDirError(f"model directory {str(model_dir)!r} does not exist")
+def read_json(path: Path, required: bool = True) -> dict[str, Any]:
+    """A JSON object file; {} when absent and not required. Errors name the file."""
     if not path.is_file():
-        raise ModelDirError(f"{path}: file not found")
+        if required:
+            raise ModelDirError(f"{path}: file not found")
+        return {}
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ModelDirError(f"{path}: not valid JSON ({e})") from None
     if not isinstance(data, dict):
-        raise ModelDirError(f"{path}: expected a JSON object")
-    return ModelConfig.from_dict(data, source=str(path))
+        raise ModelDirError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def load_model_config(model_dir: str | Path) -> ModelConfig:
+    if not Path(model_dir).is_dir():
+        raise ModelDirError(f"model directory {str(model_dir)!r} does not exist")
+    path = Path(model_dir) / "config.json"
+    return ModelConfig.from_dict(read_json(path), source=str(path))

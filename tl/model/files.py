@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from tl.model.config import ModelConfig, ModelDirError
+from tl.model.config import ModelConfig, ModelDirError, read_json
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -30,22 +30,6 @@ _DTYPES: dict[str, np.dtype[Any]] = {
     "I64": np.dtype("<i8"), "I32": np.dtype("<i4"), "I16": np.dtype("<i2"), "I8": np.dtype("i1"),
     "U8": np.dtype("u1"), "BOOL": np.dtype("?"),
 }
-
-
-def read_json(path: Path, required: bool = True) -> dict[str, Any]:
-    """A JSON object file; {} when absent and not required."""
-    if not path.is_file():
-        if required:
-            raise ModelDirError(f"{path}: file not found")
-        return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ModelDirError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(data, dict):
-        raise ModelDirError(f"{path}: expected a JSON object, got {type(data).__name__}")
-    return data
-
 
 
 def _header(path: Path, size: int, raw: bytes) -> dict[str, Any]:
