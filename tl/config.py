@@ -16,6 +16,7 @@ from typing import Literal
 PrefixCache = Literal["none", "radix"]
 Speculative = Literal["none", "prompt_lookup"]
 DType = Literal["float32", "bfloat16"]
+WeightDType = Literal["float32", "int8"]
 
 
 class ConfigError(ValueError):
@@ -37,6 +38,8 @@ class EngineConfig:
     """Name served in /v1/models and accepted in `model`; empty means the directory name."""
     dtype: DType = "float32"
     """Weight and activation dtype. float32 on CPU (bf16 is far slower there)."""
+    weight_dtype: WeightDType = "float32"
+    """Linear and embedding weights: as `dtype`, or "int8" (per-output-channel scales, int8 dots)."""
     block_size: int = 16
     """Tokens per KV-cache block."""
     num_kv_blocks: int = 2048
@@ -84,6 +87,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         _check(self.dtype in ("float32", "bfloat16"), f"dtype must be float32 or bfloat16, got {self.dtype!r}")
+        _check(self.weight_dtype in ("float32", "int8"), f"weight_dtype must be float32 or int8, got {self.weight_dtype!r}")
         _check(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), f"block_size must be a power of two <= 128, got {self.block_size}")
         _check(self.num_kv_blocks >= 2, f"num_kv_blocks must be >= 2, got {self.num_kv_blocks}")
         _check(self.max_model_len >= 0, f"max_model_len must be >= 0, got {self.max_model_len}")
@@ -124,7 +128,7 @@ class EngineConfig:
 
     def compile_key(self) -> tuple[object, ...]:
         """The fields that change compiled shapes; equal keys may share compiled steps."""
-        return (self.dtype, self.block_size, self.num_kv_blocks, self.max_model_len, self.token_buckets,
+        return (self.dtype, self.weight_dtype, self.block_size, self.num_kv_blocks, self.max_model_len, self.token_buckets,
                 self.seq_buckets, self.spec_tokens, self.max_logprobs)
 
     def replace(self, **changes: object) -> EngineConfig:

@@ -159,13 +159,13 @@ class ModelRunner:
     def _place_params(self, params_host: dict[str, Any]) -> llama.Params:
         tree = params_host if "layers" in params_host else llama.params_from_hf(params_host, self.model_config)
         shapes = llama.param_shapes(self.model_config, self.dtype)
-        specs = llama.param_partition_specs(self.model_config)
         if jax.tree.structure(tree) != jax.tree.structure(shapes):
             raise ValueError(f"parameter tree does not match the model layout: {jax.tree.structure(tree)}")
-        shardings = jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs,
-                                 is_leaf=lambda x: isinstance(x, P))
         host = jax.tree.map(lambda x, s: np.asarray(x, dtype=s.dtype), tree, shapes)
-        return jax.device_put(host, shardings)
+        step = llama.step_params(host, self.model_config, self.engine_config.weight_dtype)
+        shardings = jax.tree.map(lambda s: NamedSharding(self.mesh, s), llama.step_partition_specs(step),
+                                 is_leaf=lambda x: isinstance(x, P))
+        return jax.device_put(step, shardings)
 
     @property
     def kv_storage_dtype(self) -> Any:

@@ -2,7 +2,7 @@
 
 Owns: the parameter layout (`param_shapes`, described once; init, HF import and shardings derive
 from it), RMSNorm, rotate-half RoPE, GQA projections, the SwiGLU MLP, the paged forward the runner
-compiles (layers as `lax.scan` over stacked weights, KV cache in the carry, written in place) and a
+compiles (layers unrolled over per-layer weights, KV cache written in place) and a
 dense no-cache forward for embeddings and tests.
 Must not: create device arrays outside a traced function (only tl/runner.py places data), know
 about buckets, requests or sampling. Attention over the paged cache lives in
@@ -13,6 +13,15 @@ tests/test_runner.py (paged == dense).
 Layout (docs/DESIGN.md): embed [V,D]; layers.{attn_norm [L,D], wq [L,D,Hq*hd], wk/wv [L,D,Hk*hd],
 bq/bk/bv [L,*] (Qwen2 only), wo [L,Hq*hd,D], mlp_norm [L,D], w_gate/w_up [L,D,F], w_down [L,F,D]};
 final_norm [D]; lm_head [D,V] (absent when tied: embed.T is used).
+
+The runner compiles over a second, derived layout (`step_params`): a Python list of per-layer
+dicts {attn_norm, wqkv [D,q+2kv], bqkv?, wo, mlp_norm, w_gate_up [D,2F], w_down}. Why: inside a
+`lax.scan` XLA:CPU materialises each layer's dynamic slice of the stacked weights before the dot
+(a copy of every weight, every step: batch-1 decode ran at half speed), and one fused QKV and one
+gate-up matmul use the cores better than three and two. With weight_dtype "int8" every linear
+(and the embedding / tied head) is {"q": int8 [out,in], "scale": f32 [out]} per output channel,
+used by `linear` as an int8 x int8 -> int32 dot on activations quantized per row (XLA:CPU's
+int8 -> f32 convert runs ~10x slower than the f32 dot it would feed; its integer dot is fast).
 """
 
 from __future__ import annotations
@@ -134,6 +143,102 @@ def params_from_hf(tensors: Mapping[str, np.ndarray], cfg: ModelConfig, dtype: A
     return params
 
 
+WeightDType = str
+""""float32" (weights as stored) or "int8" (per-output-channel symmetric quantization)."""
+_INT8_MIN_ROWS = 4  # XLA:CPU's int8 dot takes a slow matrix-vector path below 4 rows
+
+
+def quantize_int8(w_out_in: np.ndarray) -> dict[str, np.ndarray]:
+    """[out,in] float -> {"q": int8 [out,in], "scale": f32 [out]}: w ~= q * scale[:, None]."""
+    w = np.asarray(w_out_in, np.float32)
+    scale = np.maximum(np.abs(w).max(axis=1), 1e-12) / 127.0
+    q = np.clip(np.rint(w / scale[:, None]), -127, 127).astype(np.int8)
+    return {"q": q, "scale": scale.astype(np.float32)}
+
+
+def step_params(params: Params, cfg: ModelConfig, weight_dtype: WeightDType = "float32") -> Params:
+    """Canonical stacked host params -> the per-layer, fused layout `forward` runs on (host numpy)."""
+    if weight_dtype not in ("float32", "int8"):
+        raise ValueError(f"weight_dtype must be float32 or int8, got {weight_dtype!r}")
+    int8 = weight_dtype == "int8"
+
+    def lin(w_in_out: np.ndarray) -> Any:
+        return quantize_int8(np.asarray(w_in_out).T) if int8 else np.ascontiguousarray(w_in_out)
+
+    ly = params["layers"]
+    layers = []
+    for i in range(cfg.num_hidden_layers):
+        lp = {"attn_norm": np.asarray(ly["attn_norm"][i]),
+              "wqkv": lin(np.concatenate([ly["wq"][i], ly["wk"][i], ly["wv"][i]], axis=-1)),
+              "wo": lin(ly["wo"][i]), "mlp_norm": np.asarray(ly["mlp_norm"][i]),
+              "w_gate_up": lin(np.concatenate([ly["w_gate"][i], ly["w_up"][i]], axis=-1)),
+              "w_down": lin(ly["w_down"][i])}
+        if cfg.attention_bias:
+            lp["bqkv"] = np.concatenate([ly["bq"][i], ly["bk"][i], ly["bv"][i]], axis=-1)
+        layers.append(lp)
+    embed = quantize_int8(params["embed"]) if int8 else np.asarray(params["embed"])
+    out: Params = {"embed": embed, "layers": layers, "final_norm": np.asarray(params["final_norm"])}
+    if "lm_head" in params:
+        out["lm_head"] = quantize_int8(np.asarray(params["lm_head"]).T) if int8 else np.asarray(params["lm_head"])
+    return out
+
+
+def linear(x: jax.Array, w: Any) -> jax.Array:
+    """x [N,in] @ w: a float [in,out] matrix, or int8 {"q" [out,in], "scale" [out]} (W8A8, f32 out)."""
+    if not isinstance(w, dict):
+        return x @ w
+    n = x.shape[0]
+    xf = jnp.pad(x.astype(jnp.float32), ((0, max(0, _INT8_MIN_ROWS - n)), (0, 0)))
+    x_scale = jnp.maximum(jnp.max(jnp.abs(xf), axis=1, keepdims=True), 1e-12) / 127.0
+    xq = jnp.round(xf / x_scale).astype(jnp.int8)
+    acc = lax.dot_general(xq, w["q"], (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32)
+    return (acc[:n].astype(jnp.float32) * x_scale[:n] * w["scale"]).astype(x.dtype)
+
+
+def embed_lookup(embed: Any, token_ids: jax.Array) -> jax.Array:
+    """Rows of the embedding (float [V,D], or int8 rows times their per-row scale)."""
+    if not isinstance(embed, dict):
+        return embed[token_ids]
+    return embed["q"][token_ids].astype(jnp.float32) * embed["scale"][token_ids][:, None]
+
+
+def _unstacked(params: Params) -> list[Params]:
+    """Per-layer dicts in the step layout from either layout (canonical: fused on the fly)."""
+    ly = params["layers"]
+    if isinstance(ly, list):
+        return ly
+    out = []
+    for i in range(ly["wq"].shape[0]):
+        lp = {"attn_norm": ly["attn_norm"][i], "wo": ly["wo"][i], "mlp_norm": ly["mlp_norm"][i],
+              "wqkv": jnp.concatenate([ly["wq"][i], ly["wk"][i], ly["wv"][i]], axis=-1),
+              "w_gate_up": jnp.concatenate([ly["w_gate"][i], ly["w_up"][i]], axis=-1), "w_down": ly["w_down"][i]}
+        if "bq" in ly:
+            lp["bqkv"] = jnp.concatenate([ly["bq"][i], ly["bk"][i], ly["bv"][i]], axis=-1)
+        out.append(lp)
+    return out
+
+
+def step_partition_specs(step: Params) -> Params:
+    """PartitionSpecs for `step_params` output (replicated on a 1-wide "model" axis).
+
+    Fused qkv/gate-up columns would need per-shard interleaving for a wider "model" axis; int8
+    leaves are replicated. Matches `param_partition_specs` for the unfused leaves.
+    """
+    from jax.sharding import PartitionSpec as P
+
+    def spec(path: Any, x: Any) -> P:
+        name = str(getattr(path[-1], "key", ""))
+        if name in ("wqkv", "w_gate_up"):
+            return P(None, "model")
+        if name in ("wo", "w_down"):
+            return P("model", None)
+        if name == "embed":
+            return P("model", None)
+        return P()
+
+    return jax.tree_util.tree_map_with_path(spec, step)
+
+
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     """RMSNorm computed in float32, cast back to x's dtype (as Hugging Face does)."""
     xf = x.astype(jnp.float32)
@@ -158,16 +263,19 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 
 def mlp(x: jax.Array, lp: Params) -> jax.Array:
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
-    return (jax.nn.silu(x @ lp["w_gate"]) * (x @ lp["w_up"])) @ lp["w_down"]
+    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up as one [D,2F] matmul."""
+    gu = linear(x, lp["w_gate_up"])
+    f = gu.shape[-1] // 2
+    return linear(jax.nn.silu(gu[:, :f]) * gu[:, f:], lp["w_down"])
 
 
 def _qkv(h: jax.Array, lp: Params, cfg: ModelConfig,
          rope: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array, jax.Array]:
-    T, hd = h.shape[0], cfg.head_dim
-    q, k, v = h @ lp["wq"], h @ lp["wk"], h @ lp["wv"]
+    T, hd, q_size, kv_size = h.shape[0], cfg.head_dim, cfg.q_size, cfg.kv_size
+    qkv = linear(h, lp["wqkv"])
     if cfg.attention_bias:
-        q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
+        qkv = qkv + lp["bqkv"]
+    q, k, v = qkv[:, :q_size], qkv[:, q_size:q_size + kv_size], qkv[:, q_size + kv_size:]
     q = apply_rope(q.reshape(T, cfg.num_attention_heads, hd), *rope)
     k = apply_rope(k.reshape(T, cfg.num_key_value_heads, hd), *rope)
     return q, k, v.reshape(T, cfg.num_key_value_heads, hd)
@@ -177,15 +285,17 @@ def _layer(x: jax.Array, lp: Params, cfg: ModelConfig, rope: tuple[jax.Array, ja
            attend: Attend) -> jax.Array:
     h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
     o = attend(*_qkv(h, lp, cfg, rope))
-    x = x + o.reshape(x.shape[0], cfg.q_size) @ lp["wo"]
+    x = x + linear(o.reshape(x.shape[0], cfg.q_size), lp["wo"])
     return x + mlp(rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps), lp)
 
 
 def lm_logits(params: Params, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
     """Final norm then the LM head: hidden [N,D] -> float32 logits [N,V]."""
     h = rms_norm(hidden, params["final_norm"], cfg.rms_norm_eps)
-    w = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
-    return jnp.dot(h, w, preferred_element_type=jnp.float32)
+    w = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
+    if isinstance(w, dict):  # int8 [V,D]: already [out,in]
+        return linear(h, w).astype(jnp.float32)
+    return jnp.dot(h, w.T if cfg.tie_word_embeddings else w, preferred_element_type=jnp.float32)
 
 
 def forward(params: Params, cfg: ModelConfig, token_ids: jax.Array, positions: jax.Array,
@@ -194,29 +304,29 @@ def forward(params: Params, cfg: ModelConfig, token_ids: jax.Array, positions: j
     """Paged forward over a flat token axis.
 
     token_ids, positions, kv_blocks, kv_offsets: [T] (the cache slot of token t is
-    (kv_blocks[t], kv_offsets[t])). kv: (k, v) each [L, num_blocks, block_size, Hk, hd], in the
-    scan carry so each layer's new keys are written in place before attention reads them.
+    (kv_blocks[t], kv_offsets[t])). kv: (k, v) each [L, num_blocks, block_size, Hk, hd]; each
+    layer's new keys are written in place (donated buffers) before its attention reads them.
+    params: the `step_params` layout (the canonical stacked one also works, slowly: for tests).
     Returns (hidden [T,D] before the final norm, updated kv).
     """
     rope = rope_tables(positions, cfg.head_dim, cfg.rope_theta)
-    x = params["embed"][token_ids]
+    x = embed_lookup(params["embed"], token_ids).astype(_act_dtype(params))
+    k_cache, v_cache = kv
+    for layer, lp in enumerate(_unstacked(params)):  # unrolled: see the module docstring
 
-    def body(carry: tuple[jax.Array, jax.Array, jax.Array], xs: tuple[jax.Array, Params]) -> tuple[Any, None]:
-        x, k_cache, v_cache = carry
-        layer, lp = xs
-
-        def attend(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+        def attend(q: jax.Array, k: jax.Array, v: jax.Array, layer: int = layer) -> jax.Array:
             nonlocal k_cache, v_cache
             k_cache = k_cache.at[layer, kv_blocks, kv_offsets].set(_to_storage(k, k_cache.dtype))
             v_cache = v_cache.at[layer, kv_blocks, kv_offsets].set(_to_storage(v, v_cache.dtype))
-            return paged_attention(q, k, v, k_cache, v_cache, layer, meta)
+            return paged_attention(q, k, v, k_cache, v_cache, jnp.int32(layer), meta)
 
         x = _layer(x, lp, cfg, rope, attend)
-        return (x, k_cache, v_cache), None
+    return x, (k_cache, v_cache)
 
-    layers = jnp.arange(cfg.num_hidden_layers, dtype=jnp.int32)
-    (x, k, v), _ = lax.scan(body, (x, *kv), (layers, params["layers"]))
-    return x, (k, v)
+
+def _act_dtype(params: Params) -> Any:
+    """Activation dtype: the norms' dtype (int8 weights keep float norms)."""
+    return params["final_norm"].dtype
 
 
 def _to_storage(x: jax.Array, storage: Any) -> jax.Array:
@@ -240,11 +350,9 @@ def forward_dense(params: Params, cfg: ModelConfig, token_ids: jax.Array) -> tup
     """One sequence at positions 0..T-1, no cache: (final-normed hidden [T,D], logits [T,V])."""
     positions = jnp.arange(token_ids.shape[0], dtype=jnp.int32)
     rope = rope_tables(positions, cfg.head_dim, cfg.rope_theta)
-
-    def body(x: jax.Array, lp: Params) -> tuple[jax.Array, None]:
-        return _layer(x, lp, cfg, rope, dense_attention), None
-
-    x, _ = lax.scan(body, params["embed"][token_ids], params["layers"])
+    x = embed_lookup(params["embed"], token_ids).astype(_act_dtype(params))
+    for lp in _unstacked(params):
+        x = _layer(x, lp, cfg, rope, dense_attention)
     return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), lm_logits(params, cfg, x)
 
 
