@@ -153,6 +153,23 @@ def sample(logits: jax.Array, sb: SamplingBatch, pen: Penalties) -> SampleOut:
     before penalties, temperature and truncation (what OpenAI's `logprobs` reports).
     """
     x = lax.cond(pen.enabled, apply_penalties, lambda lg, _: lg, logits, pen)
+    # All rows greedy (the common serving case): argmax only, skipping the softmax, the
+    # truncation bisections and the draw (41 ms of a 64-row step on 2 cores).
+    token, accepted = lax.cond(jnp.all(sb.temperature <= 0), _greedy, _sampled, x, sb)
+    lse = jax.nn.logsumexp(logits, axis=1)
+    logprob = jnp.take_along_axis(logits, token[:, None], axis=1)[:, 0] - lse
+    return SampleOut(token=token, logprob=logprob, accepted=accepted)
+
+
+def _greedy(x: jax.Array, sb: SamplingBatch) -> tuple[jax.Array, jax.Array]:
+    """(token, accepted) when every row is greedy: a draft is accepted iff it is the argmax."""
+    greedy_tok = jnp.argmax(x, axis=1).astype(jnp.int32)
+    accepted = (sb.draft >= 0) & (greedy_tok == sb.draft)
+    return jnp.where(accepted, sb.draft, greedy_tok), accepted
+
+
+def _sampled(x: jax.Array, sb: SamplingBatch) -> tuple[jax.Array, jax.Array]:
+    """(token, accepted) for a batch with at least one sampled row (greedy rows as in `_greedy`)."""
     greedy_tok = jnp.argmax(x, axis=1).astype(jnp.int32)
     temp = jnp.where(sb.temperature > 0, sb.temperature, 1.0)
     q = _truncate(jax.nn.softmax(x / temp[:, None], axis=1), sb)
@@ -165,10 +182,7 @@ def sample(logits: jax.Array, sb: SamplingBatch, pen: Penalties) -> SampleOut:
     drawn = _draw(jnp.where(without_d.sum(axis=1, keepdims=True) > 0, without_d, q), u[:, 1])
     greedy = sb.temperature <= 0
     accepted = jnp.where(greedy, has_draft & (greedy_tok == d), accept_sampled)
-    token = jnp.where(accepted, d, jnp.where(greedy, greedy_tok, drawn))
-    lse = jax.nn.logsumexp(logits, axis=1)
-    logprob = jnp.take_along_axis(logits, token[:, None], axis=1)[:, 0] - lse
-    return SampleOut(token=token, logprob=logprob, accepted=accepted)
+    return jnp.where(accepted, d, jnp.where(greedy, greedy_tok, drawn)), accepted
 
 
 def top_logprobs(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
