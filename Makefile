@@ -11,7 +11,7 @@ MODEL  := artifacts/models/smol-135m/config.json
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[test]'
+	$(BIN)/python -m pip install -q -e '.[test,bench]'
 	touch $(STAMP)
 
 setup: $(STAMP)
