@@ -1,4 +1,4 @@
-"""`python -m bench <name> [args]` (also `tl bench ...`): runner | engine | http."""
+"""`python -m bench <name> [args]` (also `tl bench ...`): runner | engine | http | quant."""
 
 from __future__ import annotations
 
@@ -18,8 +18,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from bench.engine_bench import run
     elif name == "http":
         from bench.http_bench import run
+    elif name == "quant":
+        from bench.quant_bench import run
     else:
-        print(f"unknown benchmark {name!r}; choose runner, engine or http", file=sys.stderr)
+        print(f"unknown benchmark {name!r}; choose runner, engine, http or quant", file=sys.stderr)
         return 2
     return run(rest)
 

@@ -1,0 +1,127 @@
+"""Int8 weights vs float32: quality on a fixed prompt set and decode speed, side by side.
+
+Quality: for each prompt (fixed texts, tokenized with the model's tokenizer), the dense forward
+in both weight dtypes; reports teacher-forced greedy agreement (argmax equal at each position),
+greedy continuation agreement (first N generated tokens equal, runner path) and max |Δlogit|.
+Speed: the runner's decode step at each batch (every sequence decoding at a fixed context),
+float32 and int8 interleaved in one process so machine noise hits both. Prints its config.
+Run: `python -m bench quant`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Sequence
+
+from bench.report import print_table
+
+PROMPTS = (
+    "The capital of France is",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "Once upon a time, in a small village by the sea, there lived",
+    "Photosynthesis is the process by which plants",
+    "To make a cup of tea, first",
+    "The three primary colors are",
+    "import numpy as np\n\nx = np.arange(10)\nprint(",
+    "Q: What is 12 times 7?\nA:",
+)
+
+
+def run(argv: Sequence[str]) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench quant")
+    ap.add_argument("--model", default="artifacts/models/smol-135m")
+    ap.add_argument("--batches", default="1,64")
+    ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--gen", type=int, default=16, help="greedy tokens generated per prompt")
+    ap.add_argument("--repeat", type=int, default=6)
+    args = ap.parse_args(argv)
+    batches = [int(b) for b in args.batches.split(",")]
+    print("config:", json.dumps({**vars(args), "prompts": len(PROMPTS)}))
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from bench.runner_bench import _decode_plan
+    from tl.config import EngineConfig
+    from tl.model import llama
+    from tl.plan import SchedulerOutput, SeqWork
+    from tl.request import SamplingParams
+    from tl.runner import ModelRunner
+    from tl.tokenizer import Tokenizer
+
+    bs = 16
+    blocks = max(batches) * ((args.context + bs) // bs + 1) + 64
+    runners = {}
+    for wd in ("float32", "int8"):
+        cfg = EngineConfig(model_dir=args.model, weight_dtype=wd, num_kv_blocks=blocks, block_size=bs,  # type: ignore[arg-type]
+                           max_num_seqs=max(batches), seq_buckets=tuple(sorted(set(batches))),
+                           token_buckets=tuple(sorted(set(batches) | {64})), max_num_batched_tokens=64,
+                           prefill_chunk=64)
+        runners[wd] = ModelRunner.from_model_dir(cfg)
+    mc = runners["float32"].model_config
+    tok = Tokenizer.load(args.model)
+    dense = jax.jit(llama.forward_dense, static_argnums=1)
+
+    agree = total = gen_agree = gen_total = 0
+    max_diff = 0.0
+    for text in PROMPTS:
+        ids = list(tok.encode(text))
+        pad = np.zeros(64, np.int32)
+        pad[:len(ids)] = ids
+        logits = {wd: np.asarray(dense(r._params, mc, jnp.asarray(pad))[1])[:len(ids)] for wd, r in runners.items()}
+        agree += int((logits["float32"].argmax(-1) == logits["int8"].argmax(-1)).sum())
+        total += len(ids)
+        max_diff = max(max_diff, float(np.abs(logits["float32"] - logits["int8"]).max()))
+        outs = {wd: _greedy(r, ids, args.gen, SchedulerOutput, SeqWork, SamplingParams) for wd, r in runners.items()}
+        gen_agree += _common_prefix(outs["float32"], outs["int8"])
+        gen_total += args.gen
+    print_table([{"prompts": len(PROMPTS), "positions": total,
+                  "teacher-forced greedy agreement": round(agree / total, 4),
+                  "greedy continuation tokens equal (prefix)": f"{gen_agree}/{gen_total}",
+                  "max |Δlogit|": round(max_diff, 3)}])
+
+    rows = []
+    for b in batches:
+        plan = _decode_plan(b, args.context, bs, mc.vocab_size)
+        times: dict[str, list[float]] = {"float32": [], "int8": []}
+        for r in runners.values():
+            r.execute(plan)
+        for _ in range(args.repeat):
+            for wd, r in runners.items():
+                t0 = time.perf_counter()
+                r.execute(plan)
+                times[wd].append(time.perf_counter() - t0)
+        med = {wd: statistics.median(ts) for wd, ts in times.items()}
+        rows.append({"test": f"decode batch {b} @ctx {args.context}", "float32 tok/s": round(b / med["float32"], 1),
+                     "int8 tok/s": round(b / med["int8"], 1), "int8 / float32": round(med["float32"] / med["int8"], 2)})
+    print_table(rows)
+    return 0
+
+
+def _greedy(runner: object, prompt: list[int], n: int, so: type, sw: type, sp: type) -> list[int]:
+    """n greedy tokens through the runner (one prefill step, then one decode step per token)."""
+    from tl.runner import ModelRunner
+
+    assert isinstance(runner, ModelRunner)
+    table = tuple(range((len(prompt) + n + 15) // 16))
+    ids, out, start = list(prompt), [], 0
+    params = sp(temperature=0.0)
+    for _ in range(n):
+        w = sw(seq_id=0, token_ids=tuple(ids[start:]), start_pos=start, block_table=table, sample=True,
+               params=params, seed=0, num_generated=len(out))
+        res = runner.execute(so((w,))).results[0]
+        start = len(ids)
+        ids.append(res.token_ids[0])
+        out.append(res.token_ids[0])
+    return out
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
