@@ -1,7 +1,10 @@
 """The roofline line every benchmark prints: this machine's ceilings, measured in the same run.
 
 Owns: measuring fp32 GEMM FLOP/s (numpy matmul, 2048², best of a few) and memory read
-bandwidth (summing a large float32 array split across all cores, best of a few); counting a
+bandwidth (a BLAS dot of a large float32 array with itself, split across all cores, each
+thread its own slice, best of a few; a dot streams at the memory's rate where np.sum's
+pairwise summation was ~15% slower per core; on a shared machine any other busy process
+lowers this ceiling too, so compare fractions from one run); counting a
 Llama-family model's parameters from its config.json; and the achieved fractions
 
     FLOP fraction = FLOPs/token × tokens/s ÷ GEMM FLOP/s
@@ -37,7 +40,7 @@ import numpy as np
 @dataclass(frozen=True, slots=True)
 class Machine:
     gemm_flops_per_s: float  # fp32 numpy matmul, n×n, best of `repeat`
-    mem_read_bytes_per_s: float  # summing a float32 array across `threads` threads, best of `repeat`
+    mem_read_bytes_per_s: float  # x·x of a float32 array split across `threads` threads, best of `repeat`
     gemm_n: int
     mem_bytes: int
     threads: int
@@ -67,20 +70,24 @@ def measure_gemm(n: int = 2048, repeat: int = 5) -> float:
 
 
 def measure_mem_read(num_bytes: int = 256 << 20, threads: int | None = None, repeat: int = 5) -> float:
-    """Read bandwidth in bytes/s: each thread sums its slice (numpy drops the GIL in reductions)."""
+    """Read bandwidth in bytes/s: each thread dots its slice with itself (BLAS, GIL released)."""
     threads = threads or os.cpu_count() or 1
     x = np.ones(num_bytes // 4, dtype=np.float32)
     parts = np.array_split(x, threads)
+
+    def read(part: np.ndarray) -> float:
+        return float(np.dot(part, part))
+
     with ThreadPoolExecutor(threads) as pool:
         def read_all() -> None:
-            list(pool.map(np.sum, parts))
+            list(pool.map(read, parts))
 
         read_all()
         best = min(_seconds(read_all) for _ in range(repeat))
     return x.nbytes / best
 
 
-def measure_machine(gemm_n: int = 2048, mem_bytes: int = 256 << 20, repeat: int = 5) -> Machine:
+def measure_machine(gemm_n: int = 2048, mem_bytes: int = 256 << 20, repeat: int = 7) -> Machine:
     threads = os.cpu_count() or 1
     return Machine(measure_gemm(gemm_n, repeat), measure_mem_read(mem_bytes, threads, repeat),
                    gemm_n, mem_bytes, threads, repeat)
@@ -121,8 +128,8 @@ def fractions(machine: Machine, cost: ModelCost, tokens_per_s: float, steps_per_
 def roofline_line(machine: Machine, cost: ModelCost | None, model: str = "") -> str:
     """One line: the ceilings, the model's cost, and the decode limits they imply."""
     s = (f"roofline: fp32 GEMM {machine.gemm_flops_per_s / 1e9:.1f} GFLOP/s (numpy {machine.gemm_n}², best of "
-         f"{machine.repeat}); memory read {machine.mem_read_bytes_per_s / 1e9:.1f} GB/s (sum of "
-         f"{machine.mem_bytes >> 20} MiB float32 over {machine.threads} threads, best of {machine.repeat})")
+         f"{machine.repeat}); memory read {machine.mem_read_bytes_per_s / 1e9:.1f} GB/s ("
+         f"{machine.mem_bytes >> 20} MiB float32 x·x over {machine.threads} threads, best of {machine.repeat})")
     if cost is None:
         return s
     mem_tok_s = machine.mem_read_bytes_per_s / cost.weight_bytes
