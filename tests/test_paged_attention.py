@@ -89,6 +89,13 @@ def test_matches_naive_on_mixed_batch(seed: int, chunk_blocks: int) -> None:
     assert np.isfinite(got).all()  # padding rows too
 
 
+@pytest.mark.parametrize("seqs", [MIXED[:1], MIXED[2:6], MIXED[:4] + [(0, 2)]])
+def test_per_seq_and_per_token_forms_match_naive(seqs: list[tuple[int, int]]) -> None:
+    """S <= SEQ_DENSE_MAX_SEQS takes the per-sequence form, S above it the per-token form."""
+    c = build_case(np.random.default_rng(len(seqs)), seqs, pad=3)
+    assert np.abs(run(c, 2) - naive(c))[c["seq_idx"] >= 0].max() < 1e-5
+
+
 def test_fresh_prefill_only_and_decode_only() -> None:
     rng = np.random.default_rng(7)
     for seqs in ([(0, 9)], [(17, 1), (3, 1), (30, 1)]):
