@@ -150,5 +150,5 @@ def paged_attention(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_cache: j
     Hk = k_new.shape[1]
     qg = q.reshape(T, Hk, Hq // Hk, hd).astype(jnp.float32) * (hd ** -0.5)
     state = _local(qg, k_new.astype(jnp.float32), v_new.astype(jnp.float32), meta)
-    m, l, acc = _cached(qg, k_cache, v_cache, layer, meta, state)
+    _, l, acc = _cached(qg, k_cache, v_cache, layer, meta, state)
     return (acc / l[..., None]).reshape(T, Hq, hd).astype(q.dtype)
