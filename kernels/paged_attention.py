@@ -24,6 +24,7 @@ Cache layout: [L, num_blocks, block_size, Hk, hd]; uint16 caches hold bf16 bits.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import jax
@@ -42,11 +43,12 @@ class AttnMetadata:
     start_pos: jax.Array  # [S] int32: tokens of each sequence already in the cache before this step
     block_tables: jax.Array  # [S, max_blocks] int32: block ids, unused entries any valid block
     chunk_blocks: int = 8  # blocks read per iteration of the cached-part loop
+    head_rows: int = 0  # if 0 < head_rows < T: the per-token cached part runs rows [:head_rows] and the rest apart
 
 
 jax.tree_util.register_dataclass(
     AttnMetadata, data_fields=["seq_idx", "positions", "start_pos", "block_tables"],
-    meta_fields=["chunk_blocks"])
+    meta_fields=["chunk_blocks", "head_rows"])
 
 
 def load_kv(cache: jax.Array, layer: jax.Array, blocks: jax.Array, dtype: jnp.dtype) -> jax.Array:
@@ -131,11 +133,33 @@ def _cached_per_seq(qg: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer
     return m.swapaxes(0, 1), l.swapaxes(0, 1), acc.swapaxes(0, 1)
 
 
+def _cached_split(qg: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array, meta: AttnMetadata,
+                  state: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+    """`_cached_per_token` over rows [:H] and [H:] apart, each loop running to its own longest context.
+
+    The runner packs decode (and draft) tokens first, so the head holds the rows with long cached
+    contexts and the tail the prompt chunks, mostly fresh (context 0) or short prefix hits. The
+    per-token gather costs rows x trip count, so a mixed step of 60 decodes at context 256 and
+    450 fresh prompt tokens gathers 60 x 256 keys instead of 512 x 256. Exact for any split.
+    """
+    H = meta.head_rows
+
+    def part(rows: slice) -> tuple[jax.Array, ...]:
+        sub = dataclasses.replace(meta, seq_idx=meta.seq_idx[rows], positions=meta.positions[rows], head_rows=0)
+        return _cached_per_token(qg[rows], k_cache, v_cache, layer, sub, tuple(x[rows] for x in state))
+
+    head, tail = part(slice(0, H)), part(slice(H, None))
+    return tuple(jnp.concatenate([a, b]) for a, b in zip(head, tail, strict=True))
+
+
 def _cached(qg: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array, meta: AttnMetadata,
             state: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
-    """The cached part in the cheaper form for this step's (static) number of sequences."""
-    impl = _cached_per_seq if meta.block_tables.shape[0] <= SEQ_DENSE_MAX_SEQS else _cached_per_token
-    return impl(qg, k_cache, v_cache, layer, meta, state)
+    """The cached part in the cheaper form for this step's (static) numbers of sequences and rows."""
+    if meta.block_tables.shape[0] <= SEQ_DENSE_MAX_SEQS:
+        return _cached_per_seq(qg, k_cache, v_cache, layer, meta, state)
+    if 0 < meta.head_rows < qg.shape[0]:
+        return _cached_split(qg, k_cache, v_cache, layer, meta, state)
+    return _cached_per_token(qg, k_cache, v_cache, layer, meta, state)
 
 
 def paged_attention(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_cache: jax.Array, v_cache: jax.Array,

@@ -249,7 +249,7 @@ class ModelRunner:
                 r += k + 1
             t += n
         meta = AttnMetadata(seq_idx=seq_idx, positions=positions, start_pos=starts, block_tables=tables,
-                            chunk_blocks=self._chunk_blocks)
+                            chunk_blocks=self._chunk_blocks, head_rows=self.num_rows(t_pad, s_pad))
         inp = StepInputs(token_ids=tokens, positions=positions, kv_blocks=kv_blocks,
                          kv_offsets=np.where(seq_idx >= 0, positions % bs, 0).astype(np.int32), meta=meta,
                          row_token=row_token)  # type: ignore[arg-type]
