@@ -1,4 +1,4 @@
-"""`python -m bench <name> [args]` (also `tl bench ...`): runner | engine | http | quant."""
+"""`python -m bench <name> [args]` (also `tl bench ...`): runner | engine | mixed | http | quant."""
 
 from __future__ import annotations
 
@@ -16,12 +16,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         from bench.runner_bench import run
     elif name == "engine":
         from bench.engine_bench import run
+    elif name == "mixed":
+        from bench.mixed_step import run
     elif name == "http":
         from bench.http_bench import run
     elif name == "quant":
         from bench.quant_bench import run
     else:
-        print(f"unknown benchmark {name!r}; choose runner, engine, http or quant", file=sys.stderr)
+        print(f"unknown benchmark {name!r}; choose runner, engine, mixed, http or quant", file=sys.stderr)
         return 2
     return run(rest)
 
