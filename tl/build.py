@@ -1,12 +1,14 @@
 """Assembly: turn an EngineConfig into a ready Engine (and, for serve/, an AsyncEngine).
 
-Owns: the order of start-up (model dir -> runner -> engine -> warm-up) and nothing else.
+Owns: the order of start-up (jax.distributed on multi-host -> model dir -> runner -> engine ->
+warm-up), the start-up log of backend, devices and attention kernel, and nothing else.
 Must not hold state. Tested through tests/test_cli.py and the server tests.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import TYPE_CHECKING
 
@@ -26,12 +28,18 @@ def build_engine(cfg: EngineConfig, warmup: bool = True, warmup_embed: bool = Fa
     compiles; without it (the CLI's one-shot generate) buckets compile on first use.
     warmup_embed also compiles the embedding forward (the server's /v1/embeddings).
     """
+    from tl.backend import init_distributed
     from tl.engine import Engine
     from tl.runner import ModelRunner
 
+    init_distributed(cfg, os.environ)
     t0 = time.perf_counter()
     runner = ModelRunner.from_model_dir(cfg)
     log.info("loaded %s in %.1f s", cfg.model_dir, time.perf_counter() - t0)
+    b = runner.backend_info
+    log.info("backend %s: %d x %s over %d process(es), tensor_parallel %d (KV heads %s), dtype %s",
+             b.platform, b.device_count, b.device_kind, b.process_count, b.tensor_parallel, b.kv_heads, b.dtype)
+    log.info("attention: %s (%s)", b.attention_kernel, runner.attention.reason)
     if warmup:
         t0 = time.perf_counter()
         runner.warmup(embed=warmup_embed)

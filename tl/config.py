@@ -15,8 +15,10 @@ from typing import Literal
 
 PrefixCache = Literal["none", "radix"]
 Speculative = Literal["none", "prompt_lookup"]
-DType = Literal["float32", "bfloat16"]
+DType = Literal["auto", "float32", "bfloat16"]
 WeightDType = Literal["float32", "int8"]
+Backend = Literal["auto", "cpu", "gpu", "tpu"]
+AttentionKernel = Literal["auto", "reference", "pallas_tpu", "pallas_gpu"]
 
 
 class ConfigError(ValueError):
@@ -36,10 +38,22 @@ class EngineConfig:
     """Hugging Face style model directory (config.json, safetensors, tokenizer.json)."""
     model_id: str = ""
     """Name served in /v1/models and accepted in `model`; empty means the directory name."""
-    dtype: DType = "float32"
-    """Weight and activation dtype. float32 on CPU (bf16 is far slower there)."""
+    backend: Backend = "auto"
+    """JAX platform: "auto" picks the best present (tpu, then gpu, then cpu)."""
+    dtype: DType = "auto"
+    """Weight and activation dtype; "auto" is float32 on CPU (bf16 is far slower there), bfloat16 on GPU/TPU."""
     weight_dtype: WeightDType = "float32"
     """Linear and embedding weights: as `dtype`, or "int8" (per-output-channel scales, int8 dots)."""
+    tensor_parallel: int = 1
+    """Devices the model is sharded over (Megatron layout on the mesh's "model" axis)."""
+    attention_kernel: AttentionKernel = "auto"
+    """Paged attention: "auto" picks the Pallas kernel of the backend, else the jnp reference."""
+    coordinator_address: str = ""
+    """Multi-host: jax.distributed coordinator host:port; empty means JAX_COORDINATOR_ADDRESS or single host."""
+    num_processes: int = 0
+    """Multi-host: processes in the job; 0 means JAX_NUM_PROCESSES or auto-detection."""
+    process_id: int = -1
+    """Multi-host: this process's index; -1 means JAX_PROCESS_ID or auto-detection."""
     block_size: int = 16
     """Tokens per KV-cache block."""
     num_kv_blocks: int = 2048
@@ -86,8 +100,14 @@ class EngineConfig:
     """JAX persistent compilation cache; empty disables it."""
 
     def __post_init__(self) -> None:
-        _check(self.dtype in ("float32", "bfloat16"), f"dtype must be float32 or bfloat16, got {self.dtype!r}")
+        _check(self.dtype in ("auto", "float32", "bfloat16"), f"dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
         _check(self.weight_dtype in ("float32", "int8"), f"weight_dtype must be float32 or int8, got {self.weight_dtype!r}")
+        _check(self.backend in ("auto", "cpu", "gpu", "tpu"), f"backend must be auto, cpu, gpu or tpu, got {self.backend!r}")
+        _check(self.tensor_parallel >= 1, f"tensor_parallel must be >= 1, got {self.tensor_parallel}")
+        _check(self.attention_kernel in ("auto", "reference", "pallas_tpu", "pallas_gpu"),
+               f"attention_kernel must be auto, reference, pallas_tpu or pallas_gpu, got {self.attention_kernel!r}")
+        _check(self.num_processes >= 0, f"num_processes must be >= 0, got {self.num_processes}")
+        _check(self.process_id >= -1, f"process_id must be >= -1, got {self.process_id}")
         _check(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), f"block_size must be a power of two <= 128, got {self.block_size}")
         _check(self.num_kv_blocks >= 2, f"num_kv_blocks must be >= 2, got {self.num_kv_blocks}")
         _check(self.max_model_len >= 0, f"max_model_len must be >= 0, got {self.max_model_len}")
@@ -128,7 +148,8 @@ class EngineConfig:
 
     def compile_key(self) -> tuple[object, ...]:
         """The fields that change compiled shapes; equal keys may share compiled steps."""
-        return (self.dtype, self.weight_dtype, self.block_size, self.num_kv_blocks, self.max_model_len, self.token_buckets,
+        return (self.backend, self.dtype, self.weight_dtype, self.tensor_parallel, self.attention_kernel,
+                self.block_size, self.num_kv_blocks, self.max_model_len, self.token_buckets,
                 self.seq_buckets, self.spec_tokens, self.max_logprobs)
 
     def replace(self, **changes: object) -> EngineConfig:

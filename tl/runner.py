@@ -30,15 +30,18 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from kernels import select as attention_select
 from kernels.paged_attention import AttnMetadata
+from tl import backend
 from tl.config import EngineConfig
 from tl.model import llama
 from tl.model.config import ModelConfig, load_model_config
 from tl.plan import RunnerOutput, SchedulerOutput, SeqResult, SeqWork
 from tl.sampler import Penalties, SampleOut, SamplingBatch, pack_penalties, pack_rows, sample, top_logprobs
+from tl.stats import BackendInfo
 
 ATTN_CHUNK_TOKENS = 128  # keys per iteration of the cached-attention loop (rounded to whole blocks)
-KV_SPEC = P(None, None, None, "model", None)  # [L, blocks, block_size, Hk, hd]: KV heads split by TP
+KV_SPEC = backend.KV_SHARDED  # [L, blocks, block_size, Hk, hd]: KV heads split by TP (tl/backend.py)
 
 
 @dataclass(frozen=True)
@@ -81,11 +84,12 @@ def _bucket(n: int, buckets: Sequence[int], what: str) -> int:
 
 
 def _step(params: llama.Params, kv: tuple[jax.Array, jax.Array], inp: StepInputs, sb: SamplingBatch,
-          pen: Penalties, *, cfg: ModelConfig, on_trace: Any) -> tuple[Any, SampleOut, jax.Array]:
+          pen: Penalties, *, cfg: ModelConfig, on_trace: Any,
+          attention: Any) -> tuple[Any, SampleOut, jax.Array]:
     """Forward, KV write, sample-row selection and sampling; returns (kv, SampleOut, logits [R,V])."""
     on_trace()
     hidden, kv = llama.forward(params, cfg, inp.token_ids, inp.positions, kv, inp.kv_blocks, inp.kv_offsets,
-                               inp.meta)
+                               inp.meta, attention)
     logits = llama.lm_logits(params, cfg, hidden[inp.row_token])
     return kv, sample(logits, sb, pen), logits
 
@@ -124,8 +128,10 @@ class ModelRunner:
         self.num_kv_blocks = engine_cfg.num_kv_blocks
         self.max_model_len = engine_cfg.max_model_len or cfg.max_position_embeddings
         self.eos_token_ids = tuple(eos_token_ids) or cfg.eos_token_ids
-        self.mesh = mesh or default_mesh()
-        self.dtype = jnp.dtype(engine_cfg.dtype)
+        self.platform = backend.resolve_platform(engine_cfg.backend)
+        self.layout = backend.tp_layout(cfg, mesh.shape["model"] if mesh else engine_cfg.tensor_parallel)
+        self.mesh = mesh or backend.make_mesh(self.platform, engine_cfg.tensor_parallel)
+        self.dtype = jnp.dtype(backend.resolve_dtype(engine_cfg.dtype, self.platform))
         self._spec_tokens = engine_cfg.spec_tokens
         self._chunk_blocks = max(1, ATTN_CHUNK_TOKENS // self.block_size)
         blocks_per_seq = -(-self.max_model_len // self.block_size)
@@ -135,8 +141,10 @@ class ModelRunner:
         self._kv = self._alloc_kv()
         self._num_compilations = 0
         self._zero_penalties: dict[tuple[int, int], Penalties] = {}
-        kv_sh = NamedSharding(self.mesh, KV_SPEC)
-        self._step = jax.jit(functools.partial(_step, cfg=cfg, on_trace=self._count), donate_argnames=("kv",),
+        self.attention = self._select_attention()
+        kv_sh = NamedSharding(self.mesh, self.layout.kv_spec)
+        self._step = jax.jit(functools.partial(_step, cfg=cfg, on_trace=self._count, attention=self.attention.fn),
+                             donate_argnames=("kv",),
                              out_shardings=((kv_sh, kv_sh), self._replicated, self._replicated))
         self._embed = jax.jit(functools.partial(_embed, cfg=cfg, on_trace=self._count))
         self._top_lp = jax.jit(functools.partial(_top_logprobs, k=max(1, engine_cfg.max_logprobs),
@@ -162,8 +170,9 @@ class ModelRunner:
         if jax.tree.structure(tree) != jax.tree.structure(shapes):
             raise ValueError(f"parameter tree does not match the model layout: {jax.tree.structure(tree)}")
         host = jax.tree.map(lambda x, s: np.asarray(x, dtype=s.dtype), tree, shapes)
-        step = llama.step_params(host, self.model_config, self.engine_config.weight_dtype)
-        shardings = jax.tree.map(lambda s: NamedSharding(self.mesh, s), llama.step_partition_specs(step),
+        step = llama.step_params(host, self.model_config, self.engine_config.weight_dtype,
+                                 fused_qkv=self.layout.kv_sharded)
+        shardings = jax.tree.map(lambda s: NamedSharding(self.mesh, s), backend.partition_specs(step, self.layout),
                                  is_leaf=lambda x: isinstance(x, P))
         return jax.device_put(step, shardings)
 
@@ -175,7 +184,7 @@ class ModelRunner:
     def _alloc_kv(self) -> tuple[jax.Array, jax.Array]:
         c = self.model_config
         shape = (c.num_hidden_layers, self.num_kv_blocks + 1, self.block_size, c.num_key_value_heads, c.head_dim)
-        sh = NamedSharding(self.mesh, KV_SPEC)
+        sh = NamedSharding(self.mesh, self.layout.kv_spec)
         dtype = self.kv_storage_dtype
 
         def zeros() -> jax.Array:
@@ -183,6 +192,33 @@ class ModelRunner:
 
         alloc = jax.jit(zeros, out_shardings=sh)
         return alloc(), alloc()
+
+    # ---- backend ----
+
+    def _select_attention(self) -> attention_select.Choice:
+        """The paged-attention implementation, tried once at the smallest step shape."""
+        c, ec = self.model_config, self.engine_config
+        t, s = ec.token_buckets[0], ec.seq_buckets[0]
+
+        def sds(*shape: int, dtype: Any = self.dtype) -> jax.ShapeDtypeStruct:
+            return jax.ShapeDtypeStruct(shape, dtype)
+
+        i32 = jnp.int32
+        meta = AttnMetadata(seq_idx=sds(t, dtype=i32), positions=sds(t, dtype=i32), start_pos=sds(s, dtype=i32),
+                            block_tables=sds(s, self._max_blocks, dtype=i32), chunk_blocks=self._chunk_blocks)
+        kv = sds(*self._kv[0].shape, dtype=self._kv[0].dtype)
+        probe = (sds(t, c.num_attention_heads, c.head_dim), sds(t, c.num_key_value_heads, c.head_dim),
+                 sds(t, c.num_key_value_heads, c.head_dim), kv, kv, sds(dtype=i32), meta)
+        return attention_select.select(ec.attention_kernel, self.platform, self.mesh, self.layout.kv_sharded, probe)
+
+    @property
+    def backend_info(self) -> BackendInfo:
+        devices = self.mesh.devices.flat
+        return BackendInfo(platform=self.platform, device_kind=next(iter(devices)).device_kind,
+                           device_count=self.mesh.devices.size, tensor_parallel=self.mesh.shape["model"],
+                           process_count=jax.process_count(), dtype=self.dtype.name,
+                           attention_kernel=self.attention.name,
+                           kv_heads="sharded" if self.layout.kv_sharded else "replicated")
 
     @property
     def kv_cache(self) -> tuple[jax.Array, jax.Array]:

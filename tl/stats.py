@@ -1,6 +1,7 @@
 """EngineStats: the engine's counters and gauges at one instant, as /metrics and bench read them.
 
-Owns only the record. Pure data: must not import jax. Filled by tl/engine.py.
+Owns only the records. Pure data: must not import jax. EngineStats is filled by tl/engine.py,
+BackendInfo by tl/backend.py.
 """
 
 from __future__ import annotations
@@ -28,3 +29,22 @@ class EngineStats:
     @property
     def prefix_cache_hit_ratio(self) -> float:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class BackendInfo:
+    """Where the engine runs: logged at start, shown in /v1/models and as tl_engine_backend_info."""
+
+    platform: str = "cpu"  # the JAX platform: cpu, gpu or tpu
+    device_kind: str = ""  # e.g. "cpu", "NVIDIA H100 80GB HBM3", "TPU v5 lite"
+    device_count: int = 1  # devices in the engine's mesh
+    tensor_parallel: int = 1
+    process_count: int = 1  # jax.distributed processes (hosts) in the job
+    dtype: str = "float32"
+    attention_kernel: str = "reference"
+    kv_heads: str = "sharded"  # "sharded" over the model axis, or "replicated" when they do not divide
+
+    def labels(self) -> dict[str, str]:
+        return {"platform": self.platform, "device_kind": self.device_kind, "device_count": str(self.device_count),
+                "tensor_parallel": str(self.tensor_parallel), "process_count": str(self.process_count),
+                "dtype": self.dtype, "attention_kernel": self.attention_kernel, "kv_heads": self.kv_heads}

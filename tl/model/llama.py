@@ -15,13 +15,22 @@ bq/bk/bv [L,*] (Qwen2 only), wo [L,Hq*hd,D], mlp_norm [L,D], w_gate/w_up [L,D,F]
 final_norm [D]; lm_head [D,V] (absent when tied: embed.T is used).
 
 The runner compiles over a second, derived layout (`step_params`): a Python list of per-layer
-dicts {attn_norm, wqkv [D,q+2kv], bqkv?, wo, mlp_norm, w_gate_up [D,2F], w_down}. Why: inside a
-`lax.scan` XLA:CPU materialises each layer's dynamic slice of the stacked weights before the dot
-(a copy of every weight, every step: batch-1 decode ran at half speed), and one fused QKV and one
-gate-up matmul use the cores better than three and two. With weight_dtype "int8" every linear
-(and the embedding / tied head) is {"q": int8 [out,in], "scale": f32 [out]} per output channel,
-used by `linear` as an int8 x int8 -> int32 dot on activations quantized per row (XLA:CPU's
-int8 -> f32 convert runs ~10x slower than the f32 dot it would feed; its integer dot is fast).
+dicts {attn_norm, wqkv [D,Hk,G+2,hd], bqkv? [Hk,G+2,hd], wo, mlp_norm, w_gate_up [D,2,F], w_down}
+(G = Hq/Hk). Why: inside a `lax.scan` XLA:CPU materialises each layer's dynamic slice of the
+stacked weights before the dot (a copy of every weight, every step: batch-1 decode ran at half
+speed), and one fused QKV and one gate-up matmul use the cores better than three and two.
+The fused weights keep an axis that tensor parallelism can split (Megatron layout, tl/backend.py):
+wqkv is grouped by KV head (group g: its G query heads, then k head g, then v head g), so a split
+of the Hk axis over N devices hands each device whole groups, i.e. exactly its q, k and v heads,
+for every N dividing Hk; w_gate_up is [D,2,F] split on F, so each device holds matching gate and
+up columns. (Plain [q|k|v] or [gate|up] columns split N ways would give device 0 only query heads
+or only gate columns.) In memory [D,2,F] is [D,2F] = [gate|up]: at N = 1 the matmul is the same.
+When N does not divide Hk the KV heads are replicated and q cannot share a matrix with them: the
+layers then hold wq [D,Hq*hd] (split by column) and wk/wv [D,Hk*hd] (+ bq/bk/bv), see `fuse_qkv`.
+With weight_dtype "int8" every linear (and the embedding / tied head) is {"q": int8 [*out,in],
+"scale": f32 [*out]} per output channel (scales follow their columns, and their shards), used by
+`linear` as an int8 x int8 -> int32 dot on activations quantized per row (XLA:CPU's int8 -> f32
+convert runs ~10x slower than the f32 dot it would feed; its integer dot is fast).
 """
 
 from __future__ import annotations
@@ -156,25 +165,58 @@ def quantize_int8(w_out_in: np.ndarray) -> dict[str, np.ndarray]:
     return {"q": q, "scale": scale.astype(np.float32)}
 
 
-def step_params(params: Params, cfg: ModelConfig, weight_dtype: WeightDType = "float32") -> Params:
-    """Canonical stacked host params -> the per-layer, fused layout `forward` runs on (host numpy)."""
+def fuse_qkv(wq: Any, wk: Any, wv: Any, cfg: ModelConfig) -> Any:
+    """[..., Hq*hd], [..., Hk*hd] x2 -> [..., Hk, G+2, hd] grouped by KV head (numpy or jax).
+
+    Group g is [query heads g*G .. g*G+G-1 | k head g | v head g] (query head h reads KV head
+    h // G, as in the attention kernels): the Hk axis is what tensor parallelism splits.
+    """
+    xp = np if isinstance(wq, np.ndarray) else jnp
+    lead, hk, hd = wq.shape[:-1], cfg.num_key_value_heads, cfg.head_dim
+    return xp.concatenate([wq.reshape(*lead, hk, -1, hd), wk.reshape(*lead, hk, 1, hd),
+                           wv.reshape(*lead, hk, 1, hd)], axis=-2)
+
+
+def fuse_gate_up(w_gate: Any, w_up: Any) -> Any:
+    """[..., F] x2 -> [..., 2, F] (numpy or jax): split on F, each device keeps gate and up columns."""
+    xp = np if isinstance(w_gate, np.ndarray) else jnp
+    return xp.stack([w_gate, w_up], axis=-2)
+
+
+def step_params(params: Params, cfg: ModelConfig, weight_dtype: WeightDType = "float32",
+                fused_qkv: bool = True) -> Params:
+    """Canonical stacked host params -> the per-layer, fused layout `forward` runs on (host numpy).
+
+    fused_qkv=False keeps wq/wk/wv apart: for tensor parallelism with replicated KV heads.
+    """
     if weight_dtype not in ("float32", "int8"):
         raise ValueError(f"weight_dtype must be float32 or int8, got {weight_dtype!r}")
     int8 = weight_dtype == "int8"
 
-    def lin(w_in_out: np.ndarray) -> Any:
-        return quantize_int8(np.asarray(w_in_out).T) if int8 else np.ascontiguousarray(w_in_out)
+    def lin(w_in_out: np.ndarray) -> Any:  # [in, *out]
+        w = np.asarray(w_in_out)
+        if not int8:
+            return np.ascontiguousarray(w)
+        qw = quantize_int8(w.reshape(w.shape[0], -1).T)
+        return {"q": qw["q"].reshape(*w.shape[1:], w.shape[0]), "scale": qw["scale"].reshape(w.shape[1:])}
 
     ly = params["layers"]
     layers = []
     for i in range(cfg.num_hidden_layers):
-        lp = {"attn_norm": np.asarray(ly["attn_norm"][i]),
-              "wqkv": lin(np.concatenate([ly["wq"][i], ly["wk"][i], ly["wv"][i]], axis=-1)),
-              "wo": lin(ly["wo"][i]), "mlp_norm": np.asarray(ly["mlp_norm"][i]),
-              "w_gate_up": lin(np.concatenate([ly["w_gate"][i], ly["w_up"][i]], axis=-1)),
+        lp = {"attn_norm": np.asarray(ly["attn_norm"][i]), "wo": lin(ly["wo"][i]),
+              "mlp_norm": np.asarray(ly["mlp_norm"][i]),
+              "w_gate_up": lin(fuse_gate_up(np.asarray(ly["w_gate"][i]), np.asarray(ly["w_up"][i]))),
               "w_down": lin(ly["w_down"][i])}
-        if cfg.attention_bias:
-            lp["bqkv"] = np.concatenate([ly["bq"][i], ly["bk"][i], ly["bv"][i]], axis=-1)
+        if fused_qkv:
+            wq, wk, wv = (np.asarray(ly[n][i]) for n in ("wq", "wk", "wv"))
+            lp["wqkv"] = lin(fuse_qkv(wq, wk, wv, cfg))
+            if cfg.attention_bias:
+                bq, bk, bv = (np.asarray(ly[n][i]) for n in ("bq", "bk", "bv"))
+                lp["bqkv"] = fuse_qkv(bq, bk, bv, cfg)
+        else:
+            lp |= {n: lin(ly[n][i]) for n in ("wq", "wk", "wv")}
+            if cfg.attention_bias:
+                lp |= {n: np.asarray(ly[n][i]) for n in ("bq", "bk", "bv")}
         layers.append(lp)
     embed = quantize_int8(params["embed"]) if int8 else np.asarray(params["embed"])
     out: Params = {"embed": embed, "layers": layers, "final_norm": np.asarray(params["final_norm"])}
@@ -184,15 +226,17 @@ def step_params(params: Params, cfg: ModelConfig, weight_dtype: WeightDType = "f
 
 
 def linear(x: jax.Array, w: Any) -> jax.Array:
-    """x [N,in] @ w: a float [in,out] matrix, or int8 {"q" [out,in], "scale" [out]} (W8A8, f32 out)."""
+    """x [N,in] times w -> [N,*out]: a float [in,*out] array, or int8 {"q" [*out,in], "scale" [*out]}
+    (W8A8, f32 out). The out axes stay apart so that their sharding (tl/backend.py) carries over."""
     if not isinstance(w, dict):
-        return x @ w
-    n = x.shape[0]
+        return lax.dot_general(x, w, (((1,), (0,)), ((), ())))
+    n, q = x.shape[0], w["q"]
     xf = jnp.pad(x.astype(jnp.float32), ((0, max(0, _INT8_MIN_ROWS - n)), (0, 0)))
     x_scale = jnp.maximum(jnp.max(jnp.abs(xf), axis=1, keepdims=True), 1e-12) / 127.0
     xq = jnp.round(xf / x_scale).astype(jnp.int8)
-    acc = lax.dot_general(xq, w["q"], (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32)
-    return (acc[:n].astype(jnp.float32) * x_scale[:n] * w["scale"]).astype(x.dtype)
+    acc = lax.dot_general(xq, q, (((1,), (q.ndim - 1,)), ((), ())), preferred_element_type=jnp.int32)
+    row_scale = x_scale[:n].reshape((n,) + (1,) * (q.ndim - 1))
+    return (acc[:n].astype(jnp.float32) * row_scale * w["scale"]).astype(x.dtype)
 
 
 def embed_lookup(embed: Any, token_ids: jax.Array) -> jax.Array:
@@ -202,7 +246,7 @@ def embed_lookup(embed: Any, token_ids: jax.Array) -> jax.Array:
     return embed["q"][token_ids].astype(jnp.float32) * embed["scale"][token_ids][:, None]
 
 
-def _unstacked(params: Params) -> list[Params]:
+def _unstacked(params: Params, cfg: ModelConfig) -> list[Params]:
     """Per-layer dicts in the step layout from either layout (canonical: fused on the fly)."""
     ly = params["layers"]
     if isinstance(ly, list):
@@ -210,31 +254,41 @@ def _unstacked(params: Params) -> list[Params]:
     out = []
     for i in range(ly["wq"].shape[0]):
         lp = {"attn_norm": ly["attn_norm"][i], "wo": ly["wo"][i], "mlp_norm": ly["mlp_norm"][i],
-              "wqkv": jnp.concatenate([ly["wq"][i], ly["wk"][i], ly["wv"][i]], axis=-1),
-              "w_gate_up": jnp.concatenate([ly["w_gate"][i], ly["w_up"][i]], axis=-1), "w_down": ly["w_down"][i]}
+              "wqkv": fuse_qkv(ly["wq"][i], ly["wk"][i], ly["wv"][i], cfg),
+              "w_gate_up": fuse_gate_up(ly["w_gate"][i], ly["w_up"][i]), "w_down": ly["w_down"][i]}
         if "bq" in ly:
-            lp["bqkv"] = jnp.concatenate([ly["bq"][i], ly["bk"][i], ly["bv"][i]], axis=-1)
+            lp["bqkv"] = fuse_qkv(ly["bq"][i], ly["bk"][i], ly["bv"][i], cfg)
         out.append(lp)
     return out
 
 
-def step_partition_specs(step: Params) -> Params:
-    """PartitionSpecs for `step_params` output (replicated on a 1-wide "model" axis).
+def step_partition_specs(step: Params, replicated: frozenset[str] = frozenset()) -> Params:
+    """PartitionSpecs of `step_params` output over mesh axes ("data", "model"): Megatron layout.
 
-    Fused qkv/gate-up columns would need per-shard interleaving for a wider "model" axis; int8
-    leaves are replicated. Matches `param_partition_specs` for the unfused leaves.
+    Column-parallel wqkv (by KV-head group), wq/wk/wv, w_gate_up (by F) and their biases;
+    row-parallel wo/w_down (XLA all-reduces after them); embed and lm_head by vocab; norms
+    replicated. int8 {"q" [*out,in], "scale" [*out]} follow their float matrix's out axes
+    (embed's q is [V,D] as stored). Leaves named in `replicated` (tl/backend.py: KV weights when
+    KV heads do not divide, embed/lm_head when the vocab does not) are whole on every device.
     """
     from jax.sharding import PartitionSpec as P
 
-    def spec(path: Any, x: Any) -> P:
-        name = str(getattr(path[-1], "key", ""))
-        if name in ("wqkv", "w_gate_up"):
-            return P(None, "model")
-        if name in ("wo", "w_down"):
-            return P("model", None)
-        if name == "embed":
-            return P("model", None)
-        return P()
+    col = ("wq", "wk", "wv", "bq", "bk", "bv")
+    by_name = {"wqkv": (None, "model", None, None), "bqkv": ("model", None, None), "w_gate_up": (None, None, "model"),
+               "wo": ("model", None), "w_down": ("model", None), "embed": ("model", None), "lm_head": (None, "model"),
+               **{n: (None, "model") if n.startswith("w") else ("model",) for n in col}}
+
+    def spec(path: Any, _: Any) -> P:
+        keys = [str(getattr(k, "key", "")) for k in path]
+        int8_part = keys[-1] if keys[-1] in ("q", "scale") and len(keys) > 1 and keys[-2] in by_name else ""
+        name = keys[-2] if int8_part else keys[-1]
+        if name not in by_name or name in replicated:
+            return P()
+        axes = by_name[name]
+        if name == "embed" or not int8_part:  # embed is stored [V,D] in both forms
+            return P(*axes) if int8_part != "scale" else P(axes[0])
+        out_axes = axes[1:]  # a float [in,*out] matrix's out axes
+        return P(*out_axes, axes[0]) if int8_part == "q" else P(*out_axes)
 
     return jax.tree_util.tree_map_with_path(spec, step)
 
@@ -263,22 +317,26 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 
 def mlp(x: jax.Array, lp: Params) -> jax.Array:
-    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up as one [D,2F] matmul."""
-    gu = linear(x, lp["w_gate_up"])
-    f = gu.shape[-1] // 2
-    return linear(jax.nn.silu(gu[:, :f]) * gu[:, f:], lp["w_down"])
+    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up as one [D,2,F] matmul."""
+    gu = linear(x, lp["w_gate_up"])  # [T, 2, F]
+    return linear(jax.nn.silu(gu[:, 0]) * gu[:, 1], lp["w_down"])
 
 
 def _qkv(h: jax.Array, lp: Params, cfg: ModelConfig,
          rope: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array, jax.Array]:
-    T, hd, q_size, kv_size = h.shape[0], cfg.head_dim, cfg.q_size, cfg.kv_size
-    qkv = linear(h, lp["wqkv"])
-    if cfg.attention_bias:
-        qkv = qkv + lp["bqkv"]
-    q, k, v = qkv[:, :q_size], qkv[:, q_size:q_size + kv_size], qkv[:, q_size + kv_size:]
-    q = apply_rope(q.reshape(T, cfg.num_attention_heads, hd), *rope)
-    k = apply_rope(k.reshape(T, cfg.num_key_value_heads, hd), *rope)
-    return q, k, v.reshape(T, cfg.num_key_value_heads, hd)
+    T, hd, hq, hk = h.shape[0], cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+    if "wqkv" in lp:  # [D, Hk, G+2, hd]: per KV head, its G query heads, its k, its v
+        qkv = linear(h, lp["wqkv"])
+        if cfg.attention_bias:
+            qkv = qkv + lp["bqkv"]
+        g = hq // hk
+        q, k, v = qkv[:, :, :g].reshape(T, hq, hd), qkv[:, :, g], qkv[:, :, g + 1]
+    else:  # tensor parallel with replicated KV heads: q split by head, k/v whole on each device
+        q, k, v = linear(h, lp["wq"]), linear(h, lp["wk"]), linear(h, lp["wv"])
+        if cfg.attention_bias:
+            q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
+        q, k, v = q.reshape(T, hq, hd), k.reshape(T, hk, hd), v.reshape(T, hk, hd)
+    return apply_rope(q, *rope), apply_rope(k, *rope), v
 
 
 def _layer(x: jax.Array, lp: Params, cfg: ModelConfig, rope: tuple[jax.Array, jax.Array],
@@ -300,25 +358,27 @@ def lm_logits(params: Params, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
 
 def forward(params: Params, cfg: ModelConfig, token_ids: jax.Array, positions: jax.Array,
             kv: tuple[jax.Array, jax.Array], kv_blocks: jax.Array, kv_offsets: jax.Array,
-            meta: AttnMetadata) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+            meta: AttnMetadata, attention: Callable[..., jax.Array] = paged_attention,
+            ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """Paged forward over a flat token axis.
 
     token_ids, positions, kv_blocks, kv_offsets: [T] (the cache slot of token t is
     (kv_blocks[t], kv_offsets[t])). kv: (k, v) each [L, num_blocks, block_size, Hk, hd]; each
     layer's new keys are written in place (donated buffers) before its attention reads them.
     params: the `step_params` layout (the canonical stacked one also works, slowly: for tests).
+    attention: kernels.paged_attention.paged_attention's interface (kernels/select.py picks one).
     Returns (hidden [T,D] before the final norm, updated kv).
     """
     rope = rope_tables(positions, cfg.head_dim, cfg.rope_theta)
     x = embed_lookup(params["embed"], token_ids).astype(_act_dtype(params))
     k_cache, v_cache = kv
-    for layer, lp in enumerate(_unstacked(params)):  # unrolled: see the module docstring
+    for layer, lp in enumerate(_unstacked(params, cfg)):  # unrolled: see the module docstring
 
         def attend(q: jax.Array, k: jax.Array, v: jax.Array, layer: int = layer) -> jax.Array:
             nonlocal k_cache, v_cache
             k_cache = k_cache.at[layer, kv_blocks, kv_offsets].set(_to_storage(k, k_cache.dtype))
             v_cache = v_cache.at[layer, kv_blocks, kv_offsets].set(_to_storage(v, v_cache.dtype))
-            return paged_attention(q, k, v, k_cache, v_cache, jnp.int32(layer), meta)
+            return attention(q, k, v, k_cache, v_cache, jnp.int32(layer), meta)
 
         x = _layer(x, lp, cfg, rope, attend)
     return x, (k_cache, v_cache)
@@ -351,7 +411,7 @@ def forward_dense(params: Params, cfg: ModelConfig, token_ids: jax.Array) -> tup
     positions = jnp.arange(token_ids.shape[0], dtype=jnp.int32)
     rope = rope_tables(positions, cfg.head_dim, cfg.rope_theta)
     x = embed_lookup(params["embed"], token_ids).astype(_act_dtype(params))
-    for lp in _unstacked(params):
+    for lp in _unstacked(params, cfg):
         x = _layer(x, lp, cfg, rope, dense_attention)
     return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), lm_logits(params, cfg, x)
 

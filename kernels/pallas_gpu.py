@@ -1,0 +1,61 @@
+"""GPU paged attention: jax's Pallas (Triton) `paged_attention` behind our interface.
+
+Owns: adapting our ragged token axis and cache layout to the kernel jax ships in
+`jax.experimental.pallas.ops.gpu.paged_attention`. Must not: write the cache or know about
+requests. Tested in Pallas interpret mode on CPU by tests/test_pallas_attention.py against
+kernels/paged_attention.py's reference; natively by bench/gpu_check.sh.
+
+Adaptation. The kernel is a decode kernel: one query row per batch entry, keys [0, length)
+read through the entry's block table. Every token of our flat axis becomes one entry whose
+table is its sequence's and whose length is its position + 1: keys at positions <= its own,
+so causal masking of prefill chunks falls out of the length and one call covers prefill
+chunks, decodes, drafts and mixed lengths (this step's keys are already in the cache).
+Padding tokens get length 1 and their rows are ignored. The kernel wants pages
+[Hk, pages, block_size, hd]; ours are [L, pages, block_size, Hk, hd], so each call
+transposes one layer of the cache (a copy of that layer: the price of a layout shared with
+the reference and the TPU kernel). Softmax scale 1/sqrt(hd) is folded into q.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from kernels.paged_attention import AttnMetadata
+
+
+def _load_layer(cache: jax.Array, layer: jax.Array, dtype: Any) -> jax.Array:
+    """cache[layer] [pages, bs, Hk, hd] decoded (uint16 caches hold bf16 bits)."""
+    x = cache[layer]
+    return lax.bitcast_convert_type(x, jnp.bfloat16).astype(dtype) if x.dtype == jnp.uint16 else x.astype(dtype)
+
+
+def _pick_pages_per_block(max_blocks: int, block_size: int) -> int:
+    """Largest of 8, 4, 2, 1 dividing the table width, with >= 16 keys per block (Triton dots)."""
+    for n in (8, 4, 2, 1):
+        if max_blocks % n == 0 and (n * block_size >= 16 or n == 1):
+            return n
+    return 1
+
+
+def paged_attention(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
+                    layer: jax.Array, meta: AttnMetadata, *, interpret: bool = False) -> jax.Array:
+    """Same contract as kernels.paged_attention.paged_attention; reads this step's keys from the cache."""
+    from jax.experimental.pallas.ops.gpu import paged_attention as gpu
+
+    del k_new, v_new
+    T, Hq, hd = q.shape
+    dtype = jnp.bfloat16 if q.dtype == jnp.bfloat16 else jnp.float32
+    real = meta.seq_idx >= 0
+    tables = meta.block_tables[jnp.where(real, meta.seq_idx, 0)]  # [T, MB]
+    lengths = jnp.where(real, meta.positions + 1, 1).astype(jnp.int32)  # [T]
+    k_pages = _load_layer(k_cache, layer, dtype).transpose(2, 0, 1, 3)  # [Hk, NB, bs, hd]
+    v_pages = _load_layer(v_cache, layer, dtype).transpose(2, 0, 1, 3)
+    qs = (q.astype(jnp.float32) * hd ** -0.5).astype(dtype)
+    out = gpu.paged_attention(qs, k_pages, v_pages, tables, lengths, k_splits=1,
+                              pages_per_compute_block=_pick_pages_per_block(tables.shape[1], k_cache.shape[2]),
+                              interpret=interpret)
+    return out.astype(q.dtype)

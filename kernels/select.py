@@ -1,0 +1,86 @@
+"""Which paged-attention implementation a runner uses, and why.
+
+Owns: the choice between the jnp reference (kernels/paged_attention.py) and the Pallas kernels
+(kernels/pallas_tpu.py, kernels/pallas_gpu.py) from `[engine].attention_kernel` and the
+platform, the shard_map that runs a kernel per device under tensor parallelism (a Pallas call
+is opaque to XLA's partitioner), and a trial trace at the real shapes so that a kernel that
+refuses them falls back to the reference with the kernel's own message as the reason.
+Must not: write the cache. Tested by tests/test_pallas_attention.py.
+
+"auto": pallas_tpu on TPU, pallas_gpu on GPU, the reference on CPU (Pallas runs on CPU only
+interpreted, far slower than the reference). Naming a kernel of another platform runs it in
+interpret mode (tests do this).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from kernels.paged_attention import AttnMetadata, paged_attention
+
+PagedAttention = Callable[..., jax.Array]
+"""(q [T,Hq,hd], k_new, v_new [T,Hk,hd], k_cache, v_cache [L,NB,bs,Hk,hd], layer, meta) -> [T,Hq,hd]."""
+NATIVE = {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}
+
+
+@dataclass(frozen=True)
+class Choice:
+    fn: PagedAttention
+    name: str  # "reference", "pallas_tpu" or "pallas_gpu" (+ " (interpret)")
+    reason: str  # why, for the start-up log
+
+
+def _kernel(name: str, interpret: bool) -> PagedAttention:
+    if name == "pallas_tpu":
+        from kernels import pallas_tpu
+
+        return functools.partial(pallas_tpu.paged_attention, interpret=interpret)
+    from kernels import pallas_gpu
+
+    return functools.partial(pallas_gpu.paged_attention, interpret=interpret)
+
+
+def _per_device(fn: PagedAttention, mesh: Mesh) -> PagedAttention:
+    """Run fn on each device's heads: q/k/v split by head over "model", metadata replicated."""
+    heads, kv = P(None, "model", None), P(None, None, None, "model", None)
+
+    def call(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
+             layer: jax.Array, meta: AttnMetadata) -> jax.Array:
+        meta_spec = jax.tree.map(lambda _: P(), meta)
+        return jax.shard_map(fn, mesh=mesh, in_specs=(heads, heads, heads, kv, kv, P(), meta_spec),
+                             out_specs=heads, check_vma=False)(q, k_new, v_new, k_cache, v_cache, layer, meta)
+
+    return call
+
+
+def select(requested: str, platform: str, mesh: Mesh, kv_sharded: bool, probe: tuple[Any, ...]) -> Choice:
+    """The implementation for `requested` ("auto", "reference", "pallas_tpu", "pallas_gpu").
+
+    probe: ShapeDtypeStructs of one call (q, k_new, v_new, k_cache, v_cache, layer, meta) used
+    for the trial trace.
+    """
+    name = NATIVE.get(platform, "reference") if requested == "auto" else requested
+    if name == "reference":
+        why = "configured" if requested == "reference" else f"no Pallas kernel is used on {platform}"
+        return Choice(paged_attention, "reference", why)
+    tp = mesh.shape["model"]
+    if tp > 1 and not kv_sharded:
+        return Choice(paged_attention, "reference",
+                      f"{name} needs KV heads split over tensor_parallel={tp}; they are replicated")
+    interpret = NATIVE.get(platform) != name
+    fn = _kernel(name, interpret)
+    if tp > 1:
+        fn = _per_device(fn, mesh)
+    try:
+        jax.eval_shape(fn, *probe)
+    except Exception as e:  # the kernel refuses these shapes: its message is the reason
+        return Choice(paged_attention, "reference", f"{name} refused the model's shapes: {type(e).__name__}: {e}")
+    label = name + (" (interpret)" if interpret else "")
+    return Choice(fn, label, "configured" if requested != "auto" else f"native kernel for {platform}")
