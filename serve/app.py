@@ -44,6 +44,7 @@ from serve.params import ModelInfo
 from serve.routes import Ctx, match
 from tl.async_engine import AsyncEngine
 from tl.config import EngineConfig
+from tl.stats import BackendInfo
 
 log = logging.getLogger("serve")
 DEFAULT_FACTORY = "tl.build:build_async_engine"
@@ -85,7 +86,7 @@ class App:
         self.start_health = start_health
         self.engine: AsyncEngine | None = None
         self.info: ModelInfo | None = None
-        self.metrics = Metrics(self._stats)
+        self.metrics = Metrics(self._stats, self._backend)
         self.health = HealthServer(self.metrics, self.is_ready)
         self.draining = False
         self.inflight = 0
@@ -95,6 +96,9 @@ class App:
 
     def _stats(self):  # type: ignore[no-untyped-def]
         return self.engine.stats() if self.engine is not None else None
+
+    def _backend(self) -> BackendInfo | None:
+        return self.info.backend if self.info is not None else None
 
     def is_ready(self) -> bool:
         return self.engine is not None and self.engine.ready and not self.draining
@@ -141,7 +145,7 @@ class App:
         tok = engine.tokenizer
         vocab_size = int(getattr(tok, "vocab_size", 2**31 - 1))
         self.info = ModelInfo(engine.model_id, engine.max_model_len, cfg.max_logprobs, vocab_size,
-                              tok, engine.chat_template)  # type: ignore[arg-type]
+                              tok, engine.chat_template, getattr(engine, "backend_info", None))  # type: ignore[arg-type]
         if self.handle_signals:
             loop.add_signal_handler(signal.SIGTERM, self.begin_drain)
         log.info("serving %s (context %d) ready", engine.model_id, engine.max_model_len)

@@ -1,7 +1,8 @@
 """Prometheus metrics of one server process, on a custom CollectorRegistry.
 
-Owns: the engine gauges and counters (read from the AsyncEngine's stats snapshot at
-scrape time, so the engine thread is never touched), latency histograms (time to first
+Owns: the backend info metric (tl_engine_backend_info: platform, device kind and count,
+tensor parallelism, dtype, attention kernel), the engine gauges and counters (read from the
+AsyncEngine's stats snapshot at scrape time, so the engine thread is never touched), latency histograms (time to first
 token, time per output token, end-to-end, queue time = submit until the engine thread
 admitted the request) and request counters by endpoint and status.
 Tested by the /metrics checks in tests/test_serve_app.py.
@@ -12,20 +13,26 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, exposition
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
 
-from tl.stats import EngineStats
+from tl.stats import BackendInfo, EngineStats
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
 class _EngineCollector(Collector):
-    def __init__(self, stats: Callable[[], EngineStats | None]) -> None:
+    def __init__(self, stats: Callable[[], EngineStats | None],
+                 backend: Callable[[], BackendInfo | None] | None = None) -> None:
         self._stats = stats
+        self._backend = backend
 
-    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily | InfoMetricFamily]:
+        b = self._backend() if self._backend else None
+        if b is not None:
+            yield InfoMetricFamily("tl_engine_backend", "Platform, devices, parallelism and kernel of the engine",
+                                   value=b.labels())
         s = self._stats() or EngineStats()
         blocks = GaugeMetricFamily("tl_engine_kv_blocks", "KV-cache blocks by state", labels=["state"])
         blocks.add_metric(["free"], s.kv_blocks_free)
@@ -51,9 +58,10 @@ class _EngineCollector(Collector):
 
 
 class Metrics:
-    def __init__(self, stats: Callable[[], EngineStats | None]) -> None:
+    def __init__(self, stats: Callable[[], EngineStats | None],
+                 backend: Callable[[], BackendInfo | None] | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(_EngineCollector(stats))
+        self.registry.register(_EngineCollector(stats, backend))
         r = self.registry
         self.ttft = Histogram("tl_request_time_to_first_token_seconds", "Arrival to first token",
                               buckets=LATENCY_BUCKETS, registry=r)

@@ -47,6 +47,7 @@ class ModelInfo:
     vocab_size: int
     tokenizer: TokenizerLike
     template: TemplateLike
+    backend: BackendInfo | None = None  # where the engine runs (None for fake engines)
 
 
 @dataclass(frozen=True, slots=True)

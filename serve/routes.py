@@ -31,6 +31,7 @@ from serve.params import (
     render_chat,
 )
 from serve.wire import (
+    BackendCard,
     ChatRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -167,7 +168,10 @@ async def detokenize(ctx: Ctx) -> None:
 
 
 def _card(ctx: Ctx) -> ModelCard:
-    return ModelCard(ctx.info.model_id, "model", STARTED_AT, "tl", ctx.info.max_model_len)
+    b = ctx.info.backend
+    card = None if b is None else BackendCard(b.platform, b.device_kind, b.device_count, b.tensor_parallel,
+                                              b.process_count, b.dtype, b.attention_kernel, b.kv_heads)
+    return ModelCard(ctx.info.model_id, "model", STARTED_AT, "tl", ctx.info.max_model_len, card)
 
 
 async def models(ctx: Ctx) -> None:

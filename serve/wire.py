@@ -223,12 +223,26 @@ class EmbeddingList(Struct, frozen=True):
     usage: EmbeddingUsage
 
 
+class BackendCard(Struct, frozen=True):
+    """tl's extension of the model card: where the engine runs (tl.stats.BackendInfo)."""
+
+    platform: str
+    device_kind: str
+    device_count: int
+    tensor_parallel: int
+    process_count: int
+    dtype: str
+    attention_kernel: str
+    kv_heads: str
+
+
 class ModelCard(Struct, frozen=True):
     id: str
     object: str
     created: int
     owned_by: str
     max_model_len: int
+    backend: BackendCard | None = None
 
 
 class ModelList(Struct, frozen=True):

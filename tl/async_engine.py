@@ -23,7 +23,7 @@ from typing import Protocol, TypeVar
 
 from tl.config import EngineConfig
 from tl.request import GenRequest, QueueFullError, RequestError, TokenOut
-from tl.stats import EngineStats
+from tl.stats import BackendInfo, EngineStats
 
 log = logging.getLogger("tl.async_engine")
 T = TypeVar("T")
@@ -104,6 +104,7 @@ class AsyncEngine:
         self.max_model_len = int(engine.max_model_len)
         runner = getattr(engine, "runner", None)
         self.eos_token_ids: tuple[int, ...] = tuple(getattr(runner, "eos_token_ids", ()) or ())
+        self.backend_info: BackendInfo | None = getattr(runner, "backend_info", None)  # None: a fake runner
         self.ready = False
         self._cmds: queue.SimpleQueue[tuple[object, ...]] = queue.SimpleQueue()
         self._lock = threading.Lock()

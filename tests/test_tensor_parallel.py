@@ -1,0 +1,32 @@
+"""Tensor parallelism on 8 fake CPU devices: runs tests/tp_cases.py in a subprocess.
+
+XLA_FLAGS=--xla_force_host_platform_device_count=8 must be set before jax is imported, and the
+rest of the suite assumes one device, so the cases run in their own pytest process.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _run(select: str) -> None:
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/tp_cases.py",
+                           "-k", select], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+
+
+def test_tiny_engine_and_http() -> None:
+    _run("eight_devices or tiny or http")
+
+
+@pytest.mark.slow
+def test_smollm2() -> None:
+    _run("smol")
