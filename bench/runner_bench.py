@@ -50,7 +50,10 @@ def _prefill_plan(n: int, vocab: int, block_size: int) -> SchedulerOutput:
 def run(argv: Sequence[str]) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench runner")
     ap.add_argument("--model", default="artifacts/models/smol-135m")
-    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--dtype", default="auto", help="auto: float32 on CPU, bfloat16 on GPU/TPU")
+    ap.add_argument("--backend", default="auto")
+    ap.add_argument("--attention-kernel", default="auto")
+    ap.add_argument("--tensor-parallel", type=int, default=1)
     ap.add_argument("--context", type=int, default=256, help="context length of each decoding sequence")
     ap.add_argument("--prefill", type=int, default=512)
     ap.add_argument("--batches", default="1,4,16,64")
@@ -63,14 +66,22 @@ def run(argv: Sequence[str]) -> int:
 
     bs = 16
     blocks = max(b for b in batches) * ((args.context + bs) // bs + 1) + 64
-    cfg = EngineConfig(model_dir=args.model, dtype=args.dtype, num_kv_blocks=blocks, block_size=bs,
+    cfg = EngineConfig(model_dir=args.model, dtype=args.dtype, backend=args.backend,
+                       attention_kernel=args.attention_kernel, tensor_parallel=args.tensor_parallel,
+                       num_kv_blocks=blocks, block_size=bs,
                        max_num_seqs=max(batches), seq_buckets=tuple(sorted(set(batches))),
                        token_buckets=tuple(sorted(set(batches) | {args.prefill})),
                        max_num_batched_tokens=max(args.prefill, max(batches)), prefill_chunk=args.prefill)
-    print("config:", json.dumps({"model": args.model, "dtype": args.dtype, "context": args.context,
+    print("config:", json.dumps({"model": args.model, "dtype": args.dtype, "backend": args.backend,
+                                 "attention_kernel": args.attention_kernel, "tensor_parallel": args.tensor_parallel,
+                                 "context": args.context,
                                  "prefill": args.prefill, "batches": batches, "repeat": args.repeat,
                                  "num_kv_blocks": blocks, "block_size": bs}))
     runner = ModelRunner.from_model_dir(cfg)
+    b_info = runner.backend_info
+    print("backend:", json.dumps({"platform": b_info.platform, "device_kind": b_info.device_kind,
+                                  "devices": b_info.device_count, "dtype": b_info.dtype,
+                                  "attention": b_info.attention_kernel, "why": runner.attention.reason}))
     vocab = runner.model_config.vocab_size
     rows: list[dict[str, object]] = []
 
@@ -96,5 +107,5 @@ def run(argv: Sequence[str]) -> int:
 
     # Each row's steps/s is exact here: one compiled step per timed call.
     items = [(str(r["test"]), float(str(r["tokens/s"])), 1e3 / float(str(r["step ms p50"]))) for r in rows]
-    print_offline_roofline(args.model, items, bytes_per_param=2 if args.dtype == "bfloat16" else 4)
+    print_offline_roofline(args.model, items, bytes_per_param=2 if b_info.dtype == "bfloat16" else 4)
     return 0

@@ -47,7 +47,7 @@ def paged_attention(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_cache: j
     from jax.experimental.pallas.ops.gpu import paged_attention as gpu
 
     del k_new, v_new
-    T, Hq, hd = q.shape
+    hd = q.shape[-1]
     dtype = jnp.bfloat16 if q.dtype == jnp.bfloat16 else jnp.float32
     real = meta.seq_idx >= 0
     tables = meta.block_tables[jnp.where(real, meta.seq_idx, 0)]  # [T, MB]

@@ -64,7 +64,7 @@ def paged_attention(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_cache: j
     from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel
 
     del k_new, v_new
-    T, Hq, hd = q.shape
+    T, _, hd = q.shape
     dtype = jnp.bfloat16 if q.dtype == jnp.bfloat16 else jnp.float32
     kv_lens, cu_q_lens, num_seqs = ragged_inputs(meta)
     pages = combined_pages(k_cache, v_cache, layer, dtype)

@@ -80,7 +80,7 @@ def select(requested: str, platform: str, mesh: Mesh, kv_sharded: bool, probe: t
         fn = _per_device(fn, mesh)
     try:
         jax.eval_shape(fn, *probe)
-    except Exception as e:  # the kernel refuses these shapes: its message is the reason
+    except Exception as e:  # noqa: BLE001 -- any refusal by the kernel falls back; its message is the reason
         return Choice(paged_attention, "reference", f"{name} refused the model's shapes: {type(e).__name__}: {e}")
     label = name + (" (interpret)" if interpret else "")
     return Choice(fn, label, "configured" if requested != "auto" else f"native kernel for {platform}")

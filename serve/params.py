@@ -22,6 +22,7 @@ from serve.wire import (
     SamplingFields,
 )
 from tl.request import MAX_SEED, RequestError, SamplingParams
+from tl.stats import BackendInfo
 
 Kind = Literal["chat", "completion"]
 

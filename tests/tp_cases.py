@@ -21,10 +21,10 @@ from typing import Any
 
 import httpx
 import pytest
-
 from differential import Arrival, drive, token_ids
 from test_engine import BASE_CFG, check_engine, workload
 from test_engine_runner import NarrowKV
+
 from tl.config import ConfigError, EngineConfig
 from tl.engine import Engine
 from tl.request import GenRequest, SamplingParams

@@ -1,0 +1,70 @@
+"""tl/backend.py on one CPU device: platform and dtype resolution, the tensor-parallel checks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.models import tiny_config
+from tl import backend
+from tl.config import ConfigError
+from tl.model.config import ModelConfig
+
+
+def test_platform_and_dtype() -> None:
+    assert backend.resolve_platform("auto") == "cpu" == backend.resolve_platform("cpu")
+    with pytest.raises(ConfigError, match="backend 'tpu' has no devices here; present: cpu"):
+        backend.resolve_platform("tpu")
+    assert backend.resolve_dtype("auto", "cpu") == "float32"
+    assert backend.resolve_dtype("auto", "gpu") == backend.resolve_dtype("auto", "tpu") == "bfloat16"
+    assert backend.resolve_dtype("float32", "tpu") == "float32"
+
+
+def test_tensor_parallel_layout() -> None:
+    cfg = tiny_config()  # 4 heads, 2 KV heads, FFN 128, vocab 259
+    assert backend.tp_layout(cfg, 2) == backend.TPLayout(2, kv_sharded=True, vocab_sharded=False)
+    assert backend.tp_layout(cfg, 4).kv_sharded is False  # KV heads replicated
+    with pytest.raises(ConfigError, match="tensor_parallel=3 does not divide the model's 4 attention heads"):
+        backend.tp_layout(cfg, 3)
+    specs = backend.partition_specs(_step(cfg, "float32", fused_qkv=False), backend.tp_layout(cfg, 4))
+    assert specs["layers"][0]["wk"] == backend.P() and specs["embed"] == backend.P()
+    assert specs["layers"][0]["wq"] == backend.P(None, "model")
+    assert specs["layers"][0]["w_gate_up"] == backend.P(None, None, "model")  # [D, 2, F]: by F
+    with pytest.raises(ConfigError, match="needs 2 cpu devices; 1 present"):
+        backend.make_mesh("cpu", 2)
+
+
+def _step(cfg: ModelConfig, weight_dtype: str, fused_qkv: bool = True) -> Any:
+    import jax
+    import numpy as np
+
+    from tl.model import llama
+
+    host = jax.tree.map(np.asarray, llama.init_params(cfg, jax.random.key(0)))
+    return llama.step_params(host, cfg, weight_dtype, fused_qkv=fused_qkv)
+
+
+def test_fused_and_int8_specs_follow_their_axes() -> None:
+    """Fused wqkv [D,Hk,G+2,hd] splits by KV-head group; int8 q [*out,in] and scale [*out] by out."""
+    cfg = tiny_config(vocab_size=264)
+    layout = backend.tp_layout(cfg, 2)
+    f32 = backend.partition_specs(_step(cfg, "float32"), layout)["layers"][0]
+    assert f32["wqkv"] == backend.P(None, "model", None, None) and f32["wo"] == backend.P("model", None)
+    i8 = backend.partition_specs(_step(cfg, "int8"), layout)
+    lp = i8["layers"][0]
+    assert lp["wqkv"] == {"q": backend.P("model", None, None, None), "scale": backend.P("model", None, None)}
+    assert lp["w_gate_up"] == {"q": backend.P(None, "model", None), "scale": backend.P(None, "model")}
+    assert lp["wo"] == {"q": backend.P(None, "model"), "scale": backend.P(None)}  # row-parallel: in split
+    assert i8["embed"] == {"q": backend.P("model", None), "scale": backend.P("model")}
+
+
+def test_smollm2_shapes() -> None:
+    smol = ModelConfig(architecture="LlamaForCausalLM", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                       num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+                       rope_theta=100000.0, rms_norm_eps=1e-5, max_position_embeddings=8192,
+                       tie_word_embeddings=True, attention_bias=False, bos_token_id=1, eos_token_ids=(2,))
+    assert backend.tp_layout(smol, 3) == backend.TPLayout(3, kv_sharded=True, vocab_sharded=True)
+    for n in (2, 4):
+        with pytest.raises(ConfigError, match="9 attention heads"):
+            backend.tp_layout(smol, n)
