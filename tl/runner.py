@@ -36,6 +36,7 @@ from tl import backend
 from tl.config import EngineConfig
 from tl.model import llama
 from tl.model.config import ModelConfig, load_model_config
+from tl.model.files import load_generation_config, read_tensors
 from tl.plan import RunnerOutput, SchedulerOutput, SeqResult, SeqWork
 from tl.sampler import Penalties, SampleOut, SamplingBatch, pack_penalties, pack_rows, sample, top_logprobs
 from tl.stats import BackendInfo
@@ -153,14 +154,8 @@ class ModelRunner:
     @classmethod
     def from_model_dir(cls, engine_cfg: EngineConfig, mesh: Mesh | None = None) -> ModelRunner:
         cfg = load_model_config(engine_cfg.model_dir)
-        eos = list(cfg.eos_token_ids)
-        try:
-            from tl.model.files import load_generation_config
-
-            eos += [t for t in load_generation_config(engine_cfg.model_dir).eos_token_ids if t not in eos]
-        except ImportError:
-            pass
-        return cls(cfg, llama.read_tensors(engine_cfg.model_dir), engine_cfg, eos_token_ids=eos, mesh=mesh)
+        eos = dict.fromkeys((*cfg.eos_token_ids, *load_generation_config(engine_cfg.model_dir).eos_token_ids))
+        return cls(cfg, read_tensors(engine_cfg.model_dir), engine_cfg, eos_token_ids=tuple(eos), mesh=mesh)
 
     # ---- placement ----
 

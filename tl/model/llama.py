@@ -46,6 +46,7 @@ from jax import lax
 
 from kernels.paged_attention import AttnMetadata, paged_attention
 from tl.model.config import ModelConfig, ModelDirError
+from tl.model.files import read_tensors
 
 Params = dict[str, Any]
 """The weight pytree: nested dicts of arrays, keys as in the module docstring."""
@@ -416,19 +417,6 @@ def forward_dense(params: Params, cfg: ModelConfig, token_ids: jax.Array) -> tup
     for lp in _unstacked(params, cfg):
         x = _layer(x, lp, cfg, rope, dense_attention)
     return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), lm_logits(params, cfg, x)
-
-
-def read_tensors(model_dir: str) -> dict[str, np.ndarray]:
-    """HF-named float32 tensors of a model dir (tl/model/files.py; safetensors directly until it lands)."""
-    try:
-        from tl.model import files
-    except ImportError:
-        from pathlib import Path
-
-        from safetensors.numpy import load_file
-
-        return load_file(str(Path(model_dir) / "model.safetensors"))
-    return files.read_tensors(model_dir)
 
 
 def load_params(model_dir: str, dtype: str = "float32") -> tuple[Params, ModelConfig]:
