@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,16 +22,9 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from granian_server import ROOT, free_port, granian_argv, running
 
-ROOT = Path(__file__).resolve().parent.parent
-GRANIAN = str(Path(sys.executable).parent / "granian")
 CHAT = {"model": "succ", "messages": [{"role": "user", "content": "a"}], "max_tokens": 3, "temperature": 0}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -57,34 +49,13 @@ def server(tmp_path: Path, extra: str = "", env: dict[str, str] | None = None,
                    f'health_listen = "127.0.0.1:{hport}"\n{extra}')
     full_env = {**os.environ, "TL_CONFIG": str(cfg), "TL_ENGINE_FACTORY": "fake_engine:make_real_async_engine",
                 "PYTHONPATH": f"{ROOT / 'tests'}{os.pathsep}{ROOT}", **(env or {})}
-    argv = [GRANIAN, "--interface", "asgi", "--host", "127.0.0.1", "--port", str(port), "--workers", "1", "--http",
-            "1", "--no-ws", "serve.app:app"]
+    argv = granian_argv(port)
     if via_cli:  # `tl serve --config`: checks the config, then execs granian in its place
         argv = [sys.executable, "-c", f"import sys; from tl.cli import main; sys.exit(main(['serve', '--config', "
                                       f"{str(cfg)!r}]))"]
-    proc = subprocess.Popen(argv,
-                            cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    srv = Server(proc, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{hport}")
-    try:
-        if expect_ready:
-            deadline = time.monotonic() + 20
-            while True:
-                assert proc.poll() is None, proc.stdout.read().decode()  # type: ignore[union-attr]
-                try:
-                    if httpx.get(f"{srv.api}/healthz", timeout=1).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                assert time.monotonic() < deadline, "server did not start"
-                time.sleep(0.05)
-        yield srv
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(10)
-        assert proc.stdout is not None
-        proc.stdout.close()
+    ready = f"http://127.0.0.1:{port}/healthz" if expect_ready else None
+    with running(argv, full_env, ready, timeout_s=20) as proc:
+        yield Server(proc, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{hport}")
 
 
 def test_health_port_tokenize_models_and_openai_client(tmp_path: Path) -> None:

@@ -12,16 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 from differential import Arrival, drive, token_ids
+from granian_server import ROOT, free_port, granian_argv, running
 from test_engine import BASE_CFG, check_engine, workload
 from test_engine_runner import NarrowKV
 
@@ -30,7 +27,6 @@ from tl.engine import Engine
 from tl.request import GenRequest, SamplingParams
 
 jax = pytest.importorskip("jax")
-ROOT = Path(__file__).resolve().parent.parent
 CFG = BASE_CFG.replace(token_buckets=(8, 32), seq_buckets=(1, 4), max_logprobs=0, compile_cache_dir="",
                        speculative="prompt_lookup")
 VARIANTS = {"plain": {"speculative": "none"},
@@ -163,16 +159,8 @@ def test_smol_identical_for_tp_1_3_and_2_refused(smol_dir: Path) -> None:
     assert results[1] == results[3]
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _serve_and_complete(model_dir: Path, tmp: Path, n: int) -> tuple[str, dict[str, Any], str]:
-    port, hport = _free_port(), _free_port()
+    port, hport = free_port(), free_port()
     cfg = tmp / f"runtime-{n}.toml"
     cfg.write_text(f'[engine]\nmodel_dir = "{model_dir}"\nblock_size = 4\nnum_kv_blocks = 64\nmax_num_seqs = 4\n'
                    f'max_num_batched_tokens = 32\ntoken_buckets = [8, 32]\nseq_buckets = [1, 4]\n'
@@ -180,30 +168,12 @@ def _serve_and_complete(model_dir: Path, tmp: Path, n: int) -> tuple[str, dict[s
                    f'health_listen = "127.0.0.1:{hport}"\n')
     env = {**os.environ, "TL_CONFIG": str(cfg), "PYTHONPATH": f"{ROOT}"}
     env.pop("TL_ENGINE_FACTORY", None)
-    granian = str(Path(sys.executable).parent / "granian")
-    proc = subprocess.Popen([granian, "--interface", "asgi", "--host", "127.0.0.1", "--port", str(port),
-                             "--workers", "1", "--no-ws", "serve.app:app"], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stdout.read().decode()  # type: ignore[union-attr]
-            try:
-                if httpx.get(f"http://127.0.0.1:{hport}/readyz", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "server did not become ready"
-            time.sleep(0.2)
+    with running(granian_argv(port), env, f"http://127.0.0.1:{hport}/readyz", timeout_s=120):
         body = {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 12, "temperature": 0}
         model = httpx.get(f"http://127.0.0.1:{port}/v1/models").json()["data"][0]
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60).json()
         metrics = httpx.get(f"http://127.0.0.1:{hport}/metrics").text
         return r["choices"][0]["text"], model, metrics
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(10)
-        proc.stdout.close()  # type: ignore[union-attr]
 
 
 def test_http_identical_for_tp_1_2(tmp_path: Path) -> None:

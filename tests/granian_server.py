@@ -1,0 +1,59 @@
+"""Starting and stopping a granian server subprocess for tests (one place for the boilerplate).
+
+Owns: free loopback ports, the granian argv for serve.app:app, waiting for a URL to answer
+200, and killing the process group at the end whatever happened.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+GRANIAN = str(Path(sys.executable).parent / "granian")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def granian_argv(port: int) -> list[str]:
+    return [GRANIAN, "--interface", "asgi", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+            "--http", "1", "--no-ws", "serve.app:app"]
+
+
+@contextmanager
+def running(argv: Sequence[str], env: Mapping[str, str], ready_url: str | None,
+            timeout_s: float) -> Iterator[subprocess.Popen[bytes]]:
+    """Run argv in its own session; wait until ready_url answers 200 (if given); kill it at the end."""
+    proc = subprocess.Popen(list(argv), cwd=ROOT, env=dict(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while ready_url is not None:
+            assert proc.poll() is None, proc.stdout.read().decode()  # type: ignore[union-attr]
+            try:
+                if httpx.get(ready_url, timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, f"server did not answer {ready_url}"
+            time.sleep(0.05)
+        yield proc
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        assert proc.stdout is not None
+        proc.stdout.close()
