@@ -19,24 +19,37 @@ its own in its sequence. Those keys are split in two parts, merged by log-sum-ex
   matmul and masked: cost ~ T x S x context in FLOPs). Per layer, context 256-384: a 512-token
   chunk over 4 sequences 85 -> 14 ms, one sequence with 5 draft rows 1.6 -> 0.4 ms; at S = 16
   the two are even and at S = 64 per token is 9x cheaper.
-Cache layout: [L, num_blocks, block_size, Hk, hd]; uint16 caches hold bf16 bits.
+Cache layout. Logically K and V are [L, num_blocks, block_size, Hk, hd]; stored, each block keeps
+its KV heads outermost, K transposed: K [L, NB, Hk, hd, bs], V [L, NB, Hk, bs, hd] (`K_AXES`,
+`V_AXES`; `cache_shape`, `write_kv`, `to_stored`, `layer_pages` are the only places that know).
+Why: the cached part gathers blocks with `lax.gather` straight into the operand forms XLA's
+batched dots take without a copy (K as [.., Hk, hd, keys], V as [.., Hk, keys, hd]); gathered
+from the logical layout, XLA:CPU fused the gather with a transpose of every gathered key and the
+cached part cost 25% more at 16-64 decoding sequences (30 layers, context 256, batch 64:
+193 -> 147 ms). uint16 caches hold bf16 bits.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 SEQ_DENSE_MAX_SEQS = 4  # up to this many sequences per step the cached part is computed per sequence
+LOCAL_BLOCK = 128  # rows per block of the local part (steps of >= 2 blocks skip keys after each block)
 
 
 @dataclass(frozen=True)
 class AttnMetadata:
-    """Per-step layout of the token axis (a pytree; `chunk_blocks` is static)."""
+    """Per-step layout of the token axis (a pytree; `chunk_blocks` is static).
+
+    Each sequence's tokens are contiguous on the axis and in position order, padding last
+    (tl/runner.py packs them so; the local part and the TPU kernel rely on it).
+    """
 
     seq_idx: jax.Array  # [T] int32: sequence of each token, -1 for padding
     positions: jax.Array  # [T] int32: position of each token in its sequence
@@ -51,33 +64,110 @@ jax.tree_util.register_dataclass(
     meta_fields=["chunk_blocks", "head_rows"])
 
 
-def load_kv(cache: jax.Array, layer: jax.Array, blocks: jax.Array, dtype: jnp.dtype) -> jax.Array:
-    """cache[layer, blocks] (one gather, never cache[layer][blocks]: that copies the layer), decoded."""
-    x = cache[layer, blocks]
+K_AXES = (0, 1, 3, 4, 2)  # stored K axes, as logical [L, NB, bs, Hk, hd] axes: [L, NB, Hk, hd, bs]
+V_AXES = (0, 1, 3, 2, 4)  # stored V: [L, NB, Hk, bs, hd]
+
+
+def _axes(kind: str) -> tuple[int, ...]:
+    if kind not in ("k", "v"):
+        raise ValueError(f"kind must be 'k' or 'v', got {kind!r}")
+    return K_AXES if kind == "k" else V_AXES
+
+
+def cache_shape(kind: str, layers: int, blocks: int, block_size: int, kv_heads: int, head_dim: int) -> tuple[int, ...]:
+    """The stored shape of the K or V cache."""
+    logical = (layers, blocks, block_size, kv_heads, head_dim)
+    return tuple(logical[a] for a in _axes(kind))
+
+
+def to_stored(kind: str, logical: Any) -> Any:
+    """A logical [L, NB, bs, Hk, hd] cache (numpy or jax) in the stored layout (tests, tools)."""
+    return logical.transpose(_axes(kind))
+
+
+def layer_pages(cache: jax.Array, kind: str, layer: jax.Array) -> jax.Array:
+    """One layer of a stored cache as logical pages [NB, bs, Hk, hd] (a copy: for kernels with their own layout)."""
+    x = cache[layer]
+    return x.transpose(0, 3, 1, 2) if kind == "k" else x.transpose(0, 2, 1, 3)
+
+
+def write_kv(cache: jax.Array, kind: str, layer: int | jax.Array, blocks: jax.Array, offsets: jax.Array,
+             x: jax.Array) -> jax.Array:
+    """cache with x [T, Hk, hd] written at slots (blocks[t], offsets[t]) of `layer` (in place when donated)."""
+    x = x.astype(cache.dtype)
+    if kind == "k":
+        return cache.at[layer, blocks, :, :, offsets].set(x)
+    _axes(kind)
+    return cache.at[layer, blocks, :, offsets].set(x)
+
+
+def _decode(x: jax.Array, dtype: Any) -> jax.Array:
     return lax.bitcast_convert_type(x, jnp.bfloat16).astype(dtype) if x.dtype == jnp.uint16 else x.astype(dtype)
+
+
+def load_kv(cache: jax.Array, kind: str, layer: jax.Array, blocks: jax.Array, dtype: Any, heads_first: bool = False,
+            ) -> jax.Array:
+    """Blocks [N, C] of one layer, gathered and decoded into a dot operand (one gather, no copy of the layer).
+
+    K: [N, Hk, hd, C*bs], V: [N, Hk, C*bs, hd]; with heads_first, K: [Hk, hd, N*C*bs], V: [Hk, N*C*bs, hd].
+    """
+    N, C = blocks.shape
+    idx = jnp.stack([jnp.broadcast_to(jnp.asarray(layer, blocks.dtype), blocks.shape), blocks], axis=-1)
+    slice_sizes = (1, 1, *cache.shape[2:])
+    if kind == "k":  # slice [Hk, hd, bs]
+        offset_dims = (0, 1, 4) if heads_first else (1, 2, 4)
+    else:  # slice [Hk, bs, hd]
+        _axes(kind)
+        offset_dims = (0, 3, 4) if heads_first else (1, 3, 4)
+    dn = lax.GatherDimensionNumbers(offset_dims=offset_dims, collapsed_slice_dims=(0, 1), start_index_map=(0, 1))
+    x = lax.gather(cache, idx, dn, slice_sizes, mode=lax.GatherScatterMode.PROMISE_IN_BOUNDS)
+    hk = cache.shape[2]
+    if heads_first:
+        shape = (hk, cache.shape[3], -1) if kind == "k" else (hk, -1, cache.shape[4])
+    else:
+        shape = (N, hk, cache.shape[3], -1) if kind == "k" else (N, hk, -1, cache.shape[4])
+    return _decode(x.reshape(shape), dtype)
 
 
 def _local(qg: jax.Array, k: jax.Array, v: jax.Array, meta: AttnMetadata) -> tuple[jax.Array, ...]:
     """Softmax state (m, l [T,Hk,G], acc [T,Hk,G,hd]) of each token over this step's tokens.
 
-    Computed as Hk matmuls [T*G, hd] x [hd, T] (query rows of a KV head stacked): the direct
+    Rows go in blocks of LOCAL_BLOCK; block [a, b) scores keys [0, b) only: a token never sees a
+    later token of the axis (each sequence's tokens are contiguous and in position order), so a
+    512-token prefill computes 10/16 of the [T,T] square.
+    """
+    T = qg.shape[0]
+    if T < 2 * LOCAL_BLOCK:
+        return _local_rows(qg, k, v, meta, 0, T)
+    parts = [_local_rows(qg, k, v, meta, a, min(a + LOCAL_BLOCK, T)) for a in range(0, T, LOCAL_BLOCK)]
+    return tuple(jnp.concatenate(xs) for xs in zip(*parts, strict=True))
+
+
+def _local_rows(qg: jax.Array, k: jax.Array, v: jax.Array, meta: AttnMetadata, a: int, b: int,
+                ) -> tuple[jax.Array, ...]:
+    """`_local` for rows [a, b) over keys [0, b).
+
+    Computed as Hk matmuls [rows*G, hd] x [hd, keys] (query rows of a KV head stacked): the direct
     "tkgd,ukd->tkgu" einsum lowers to tiny per-token dots on XLA:CPU, 4x slower at T=512.
     """
-    T, Hk, G, hd = qg.shape
-    q2 = qg.transpose(1, 0, 2, 3).reshape(Hk, T * G, hd)
-    s = jnp.einsum("kmd,ukd->kmu", q2, k).reshape(Hk, T, G, T)
-    same = (meta.seq_idx[:, None] == meta.seq_idx[None, :]) & (meta.positions[None, :] <= meta.positions[:, None])
+    _, Hk, G, hd = qg.shape
+    R = b - a
+    q2 = qg[a:b].transpose(1, 0, 2, 3).reshape(Hk, R * G, hd)
+    k, v = k[:b], v[:b]
+    s = jnp.einsum("kmd,ukd->kmu", q2, k).reshape(Hk, R, G, b)
+    seq, pos = meta.seq_idx, meta.positions
+    same = (seq[a:b, None] == seq[None, :b]) & (pos[None, :b] <= pos[a:b, None])
     s = jnp.where(same[None, :, None, :], s, -jnp.inf)  # the diagonal is always kept: m is finite
     m = s.max(axis=-1)
     p = jnp.exp(s - m[..., None])
-    acc = jnp.einsum("kmu,ukd->kmd", p.reshape(Hk, T * G, T), v).reshape(Hk, T, G, hd)
+    acc = jnp.einsum("kmu,ukd->kmd", p.reshape(Hk, R * G, b), v).reshape(Hk, R, G, hd)
     return m.transpose(1, 0, 2), p.sum(axis=-1).transpose(1, 0, 2), acc.transpose(1, 0, 2, 3)
 
 
 def _cached_per_token(qg: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array, meta: AttnMetadata,
             state: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
     """Fold keys at positions < start_pos into the softmax state, chunk_blocks blocks at a time."""
-    C, bs = meta.chunk_blocks, k_cache.shape[2]
+    C, bs = meta.chunk_blocks, k_cache.shape[4]
     real = meta.seq_idx >= 0
     seq = jnp.where(real, meta.seq_idx, 0)
     ctx = jnp.where(real, meta.start_pos[seq], 0)  # [T]
@@ -89,16 +179,15 @@ def _cached_per_token(qg: jax.Array, k_cache: jax.Array, v_cache: jax.Array, lay
     def body(i: jax.Array, st: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
         m, l, acc = st
         blocks = lax.dynamic_slice_in_dim(tables, i * C, C, axis=1)  # [T, C]
-        T = blocks.shape[0]
-        kc = load_kv(k_cache, layer, blocks, qg.dtype).reshape(T, C * bs, *k_cache.shape[3:])
-        vc = load_kv(v_cache, layer, blocks, qg.dtype).reshape(T, C * bs, *v_cache.shape[3:])
-        s = jnp.einsum("tkgd,tckd->tkgc", qg, kc)
+        kc = load_kv(k_cache, "k", layer, blocks, qg.dtype)  # [T, Hk, hd, C*bs]
+        vc = load_kv(v_cache, "v", layer, blocks, qg.dtype)  # [T, Hk, C*bs, hd]
+        s = jnp.einsum("tkgd,tkdc->tkgc", qg, kc)
         valid = i * C * bs + jnp.arange(C * bs)[None, :] < ctx[:, None]
         s = jnp.where(valid[:, None, None, :], s, -jnp.inf)
         m_new = jnp.maximum(m, s.max(axis=-1))
         corr = jnp.exp(m - m_new)
         p = jnp.exp(s - m_new[..., None])
-        return m_new, l * corr + p.sum(axis=-1), acc * corr[..., None] + jnp.einsum("tkgc,tckd->tkgd", p, vc)
+        return m_new, l * corr + p.sum(axis=-1), acc * corr[..., None] + jnp.einsum("tkgc,tkcd->tkgd", p, vc)
 
     return lax.fori_loop(0, num_chunks, body, state)
 
@@ -106,7 +195,7 @@ def _cached_per_token(qg: jax.Array, k_cache: jax.Array, v_cache: jax.Array, lay
 def _cached_per_seq(qg: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array, meta: AttnMetadata,
                     state: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
     """As `_cached_per_token`, gathering each sequence's chunk once: scores [Hk, T*G, S*c], masked."""
-    C, bs = meta.chunk_blocks, k_cache.shape[2]
+    C, bs = meta.chunk_blocks, k_cache.shape[4]
     T, Hk, G, hd = qg.shape
     S, c = meta.block_tables.shape[0], C * bs
     tables = jnp.pad(meta.block_tables, ((0, 0), (0, -meta.block_tables.shape[1] % C)), mode="edge")
@@ -118,15 +207,15 @@ def _cached_per_seq(qg: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer
     def body(i: jax.Array, st: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
         m, l, acc = st  # [Hk, T, G], [Hk, T, G], [Hk, T, G, hd]
         blocks = lax.dynamic_slice_in_dim(tables, i * C, C, axis=1)  # [S, C]
-        kc = load_kv(k_cache, layer, blocks, qg.dtype).reshape(S * c, Hk, hd)
-        vc = load_kv(v_cache, layer, blocks, qg.dtype).reshape(S * c, Hk, hd)
-        s = jnp.einsum("kmd,nkd->kmn", q2, kc).reshape(Hk, T, G, S, c)
+        kc = load_kv(k_cache, "k", layer, blocks, qg.dtype, heads_first=True)  # [Hk, hd, S*c]
+        vc = load_kv(v_cache, "v", layer, blocks, qg.dtype, heads_first=True)  # [Hk, S*c, hd]
+        s = jnp.einsum("kmd,kdn->kmn", q2, kc).reshape(Hk, T, G, S, c)
         valid = own[:, :, None] & (i * c + jnp.arange(c)[None, None, :] < ctx[None, :, None])  # [T, S, c]
         s = jnp.where(valid[None, :, None], s, -jnp.inf).reshape(Hk, T, G, S * c)
         m_new = jnp.maximum(m, s.max(axis=-1))  # m is finite: the local part kept the diagonal
         corr = jnp.exp(m - m_new)
         p = jnp.exp(s - m_new[..., None])
-        pv = jnp.einsum("kmn,nkd->kmd", p.reshape(Hk, T * G, S * c), vc).reshape(Hk, T, G, hd)
+        pv = jnp.einsum("kmn,knd->kmd", p.reshape(Hk, T * G, S * c), vc).reshape(Hk, T, G, hd)
         return m_new, l * corr + p.sum(axis=-1), acc * corr[..., None] + pv
 
     m, l, acc = lax.fori_loop(0, num_chunks, body, tuple(x.swapaxes(0, 1) for x in state))
@@ -165,7 +254,7 @@ def _cached(qg: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: jax.Ar
 def paged_attention(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                     layer: jax.Array, meta: AttnMetadata) -> jax.Array:
     """Reference: q [T,Hq,hd], k_new/v_new [T,Hk,hd] (this step's keys, already written to the
-    cache), k_cache/v_cache [L,NB,bs,Hk,hd], layer: scalar int32 -> [T,Hq,hd] in q's dtype.
+    cache), k_cache [L,NB,Hk,hd,bs] / v_cache [L,NB,Hk,bs,hd] (stored layout), layer: scalar int32 -> [T,Hq,hd] in q's dtype.
 
     Softmax scale 1/sqrt(hd); GQA groups Hq/Hk consecutive query heads per KV head. Computed in
     float32. Kernels may read this step's keys from the cache instead of k_new/v_new.

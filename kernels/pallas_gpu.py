@@ -11,9 +11,10 @@ table is its sequence's and whose length is its position + 1: keys at positions 
 so causal masking of prefill chunks falls out of the length and one call covers prefill
 chunks, decodes, drafts and mixed lengths (this step's keys are already in the cache).
 Padding tokens get length 1 and their rows are ignored. The kernel wants pages
-[Hk, pages, block_size, hd]; ours are [L, pages, block_size, Hk, hd], so each call
-transposes one layer of the cache (a copy of that layer: the price of a layout shared with
-the reference and the TPU kernel). Softmax scale 1/sqrt(hd) is folded into q.
+[Hk, pages, block_size, hd]; ours are stored as kernels/paged_attention.py lays them out
+(K [L, pages, Hk, hd, bs], V [L, pages, Hk, bs, hd]), so each call transposes one layer of
+the cache (a copy of that layer: the price of a layout shared with the reference and the TPU
+kernel). Softmax scale 1/sqrt(hd) is folded into q.
 """
 
 from __future__ import annotations
@@ -24,12 +25,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from kernels.paged_attention import AttnMetadata
+from kernels.paged_attention import AttnMetadata, layer_pages
 
 
-def _load_layer(cache: jax.Array, layer: jax.Array, dtype: Any) -> jax.Array:
-    """cache[layer] [pages, bs, Hk, hd] decoded (uint16 caches hold bf16 bits)."""
-    x = cache[layer]
+def _load_layer(cache: jax.Array, kind: str, layer: jax.Array, dtype: Any) -> jax.Array:
+    """One layer as logical pages [pages, bs, Hk, hd], decoded (uint16 caches hold bf16 bits)."""
+    x = layer_pages(cache, kind, layer)
     return lax.bitcast_convert_type(x, jnp.bfloat16).astype(dtype) if x.dtype == jnp.uint16 else x.astype(dtype)
 
 
@@ -52,10 +53,10 @@ def paged_attention(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_cache: j
     real = meta.seq_idx >= 0
     tables = meta.block_tables[jnp.where(real, meta.seq_idx, 0)]  # [T, MB]
     lengths = jnp.where(real, meta.positions + 1, 1).astype(jnp.int32)  # [T]
-    k_pages = _load_layer(k_cache, layer, dtype).transpose(2, 0, 1, 3)  # [Hk, NB, bs, hd]
-    v_pages = _load_layer(v_cache, layer, dtype).transpose(2, 0, 1, 3)
+    k_pages = _load_layer(k_cache, "k", layer, dtype).transpose(2, 0, 1, 3)  # [Hk, NB, bs, hd]
+    v_pages = _load_layer(v_cache, "v", layer, dtype).transpose(2, 0, 1, 3)
     qs = (q.astype(jnp.float32) * hd ** -0.5).astype(dtype)
     out = gpu.paged_attention(qs, k_pages, v_pages, tables, lengths, k_splits=1,
-                              pages_per_compute_block=_pick_pages_per_block(tables.shape[1], k_cache.shape[2]),
+                              pages_per_compute_block=_pick_pages_per_block(tables.shape[1], k_pages.shape[2]),
                               interpret=interpret)
     return out.astype(q.dtype)

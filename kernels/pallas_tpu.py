@@ -12,8 +12,8 @@ q_len positions end at kv_len, keys read through page_indices from one combined 
 [pages, block_size, 2*Hk, hd] with K at even and V at odd head slots. Our runner packs each
 sequence's tokens contiguously in sequence order with padding at the end, so
 q_len = tokens of the sequence, kv_len = start_pos + q_len, page_indices = our block tables,
-num_seqs = sequences with tokens. Our cache keeps K and V apart ([L, pages, bs, Hk, hd]), so
-each call interleaves one layer (a copy of that layer). Padding tokens come back as zeros.
+num_seqs = sequences with tokens. Our cache keeps K and V apart (kernels/paged_attention.py's stored
+layout), so each call interleaves one layer (a copy of that layer). Padding tokens come back as zeros.
 """
 
 from __future__ import annotations
@@ -25,12 +25,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from kernels.paged_attention import AttnMetadata
+from kernels.paged_attention import AttnMetadata, layer_pages
 
 
-def _load_layer(cache: jax.Array, layer: jax.Array, dtype: Any) -> jax.Array:
-    """cache[layer] [pages, bs, Hk, hd] decoded (uint16 caches hold bf16 bits)."""
-    x = cache[layer]
+def _load_layer(cache: jax.Array, kind: str, layer: jax.Array, dtype: Any) -> jax.Array:
+    """One layer as logical pages [pages, bs, Hk, hd], decoded (uint16 caches hold bf16 bits)."""
+    x = layer_pages(cache, kind, layer)
     return lax.bitcast_convert_type(x, jnp.bfloat16).astype(dtype) if x.dtype == jnp.uint16 else x.astype(dtype)
 
 
@@ -47,7 +47,7 @@ def ragged_inputs(meta: AttnMetadata) -> tuple[jax.Array, jax.Array, jax.Array]:
 
 def combined_pages(k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array, dtype: Any) -> jax.Array:
     """One layer as the kernel's [pages, block_size, 2*Hk, hd]: K at even head slots, V at odd."""
-    k, v = _load_layer(k_cache, layer, dtype), _load_layer(v_cache, layer, dtype)
+    k, v = _load_layer(k_cache, "k", layer, dtype), _load_layer(v_cache, "v", layer, dtype)
     NB, bs, Hk, hd = k.shape
     return jnp.stack([k, v], axis=3).reshape(NB, bs, 2 * Hk, hd)
 

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels.paged_attention import AttnMetadata, paged_attention
+from kernels.paged_attention import AttnMetadata, paged_attention, to_stored
 
 L, BS, NB, HK, G, HD = 2, 4, 40, 2, 2, 8
 
@@ -65,7 +65,7 @@ def naive(c: dict) -> np.ndarray:
 
 
 def run(c: dict, chunk_blocks: int, bf16: bool = False, head_rows: int = 0) -> np.ndarray:
-    kc, vc = jnp.asarray(c["k_cache"]), jnp.asarray(c["v_cache"])
+    kc, vc = to_stored("k", jnp.asarray(c["k_cache"])), to_stored("v", jnp.asarray(c["v_cache"]))
     if bf16:
         kc = jax.lax.bitcast_convert_type(kc.astype(jnp.bfloat16), jnp.uint16)
         vc = jax.lax.bitcast_convert_type(vc.astype(jnp.bfloat16), jnp.uint16)
@@ -94,6 +94,19 @@ def test_per_seq_and_per_token_forms_match_naive(seqs: list[tuple[int, int]]) ->
     """S <= SEQ_DENSE_MAX_SEQS takes the per-sequence form, S above it the per-token form."""
     c = build_case(np.random.default_rng(len(seqs)), seqs, pad=3)
     assert np.abs(run(c, 2) - naive(c))[c["seq_idx"] >= 0].max() < 1e-5
+
+
+@pytest.mark.parametrize("block", [1, 4, 5])
+def test_local_part_in_row_blocks_matches_naive(block: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Row blocks of the local part skip the keys after each block: exact for any block size."""
+    import kernels.paged_attention as pa
+
+    monkeypatch.setattr(pa, "LOCAL_BLOCK", block)
+    for seqs in (MIXED, [(0, 9)], MIXED[:4] + [(0, 2)]):
+        c = build_case(np.random.default_rng(block), seqs, pad=3)
+        got = run(c, 2)
+        assert np.abs(got - naive(c))[c["seq_idx"] >= 0].max() < 1e-5
+        assert np.isfinite(got).all()
 
 
 @pytest.mark.parametrize("head_rows", [1, 3, 9, 14])

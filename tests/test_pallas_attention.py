@@ -15,7 +15,7 @@ import pytest
 from test_paged_attention import MIXED, build_case, run
 
 from kernels import pallas_gpu, pallas_tpu, select
-from kernels.paged_attention import AttnMetadata
+from kernels.paged_attention import AttnMetadata, to_stored
 
 NOT_GPU = jax.default_backend() != "gpu"  # on a GPU (bench/gpu_check.sh) the kernel runs natively
 CASES = {"mixed": (MIXED, 3), "decodes": ([(3, 1), (17, 1), (0, 1), (30, 1)], 0),
@@ -23,7 +23,7 @@ CASES = {"mixed": (MIXED, 3), "decodes": ([(3, 1), (17, 1), (0, 1), (30, 1)], 0)
 
 
 def _inputs(c: dict, bf16: bool) -> tuple:
-    kc, vc = jnp.asarray(c["k_cache"]), jnp.asarray(c["v_cache"])
+    kc, vc = to_stored("k", jnp.asarray(c["k_cache"])), to_stored("v", jnp.asarray(c["v_cache"]))
     if bf16:
         kc = jax.lax.bitcast_convert_type(kc.astype(jnp.bfloat16), jnp.uint16)
         vc = jax.lax.bitcast_convert_type(vc.astype(jnp.bfloat16), jnp.uint16)

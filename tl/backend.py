@@ -34,7 +34,7 @@ from tl.model.config import ModelConfig
 
 log = logging.getLogger("tl.backend")
 PLATFORMS = ("tpu", "gpu", "cpu")  # "auto" takes the first present
-KV_SHARDED = P(None, None, None, "model", None)  # [L, blocks, block_size, Hk, hd]
+KV_SHARDED = P(None, None, "model", None, None)  # stored K [L, NB, Hk, hd, bs] and V [L, NB, Hk, bs, hd]
 KV_REPLICATED = P()
 
 

@@ -31,6 +31,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from kernels import select as attention_select
+from kernels import paged_attention
 from kernels.paged_attention import AttnMetadata
 from tl import backend
 from tl.config import EngineConfig
@@ -42,7 +43,7 @@ from tl.sampler import Penalties, SampleOut, SamplingBatch, pack_penalties, pack
 from tl.stats import BackendInfo
 
 ATTN_CHUNK_TOKENS = 128  # keys per iteration of the cached-attention loop (rounded to whole blocks)
-KV_SPEC = backend.KV_SHARDED  # [L, blocks, block_size, Hk, hd]: KV heads split by TP (tl/backend.py)
+KV_SPEC = backend.KV_SHARDED  # KV heads split by TP (tl/backend.py)
 
 
 @dataclass(frozen=True)
@@ -178,15 +179,14 @@ class ModelRunner:
 
     def _alloc_kv(self) -> tuple[jax.Array, jax.Array]:
         c = self.model_config
-        shape = (c.num_hidden_layers, self.num_kv_blocks + 1, self.block_size, c.num_key_value_heads, c.head_dim)
+        dims = (c.num_hidden_layers, self.num_kv_blocks + 1, self.block_size, c.num_key_value_heads, c.head_dim)
         sh = NamedSharding(self.mesh, self.layout.kv_spec)
         dtype = self.kv_storage_dtype
 
-        def zeros() -> jax.Array:
-            return jnp.zeros(shape, dtype)
+        def alloc(kind: str) -> jax.Array:
+            return jax.jit(lambda: jnp.zeros(paged_attention.cache_shape(kind, *dims), dtype), out_shardings=sh)()
 
-        alloc = jax.jit(zeros, out_shardings=sh)
-        return alloc(), alloc()
+        return alloc("k"), alloc("v")
 
     # ---- backend ----
 
@@ -201,9 +201,9 @@ class ModelRunner:
         i32 = jnp.int32
         meta = AttnMetadata(seq_idx=sds(t, dtype=i32), positions=sds(t, dtype=i32), start_pos=sds(s, dtype=i32),
                             block_tables=sds(s, self._max_blocks, dtype=i32), chunk_blocks=self._chunk_blocks)
-        kv = sds(*self._kv[0].shape, dtype=self._kv[0].dtype)
+        k, v = (sds(*x.shape, dtype=x.dtype) for x in self._kv)
         probe = (sds(t, c.num_attention_heads, c.head_dim), sds(t, c.num_key_value_heads, c.head_dim),
-                 sds(t, c.num_key_value_heads, c.head_dim), kv, kv, sds(dtype=i32), meta)
+                 sds(t, c.num_key_value_heads, c.head_dim), k, v, sds(dtype=i32), meta)
         return attention_select.select(ec.attention_kernel, self.platform, self.mesh, self.layout.kv_sharded, probe)
 
     @property

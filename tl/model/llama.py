@@ -44,7 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from kernels.paged_attention import AttnMetadata, paged_attention
+from kernels.paged_attention import AttnMetadata, paged_attention, write_kv
 from tl.model.config import ModelConfig, ModelDirError
 from tl.model.files import read_tensors
 
@@ -366,7 +366,7 @@ def forward(params: Params, cfg: ModelConfig, token_ids: jax.Array, positions: j
     """Paged forward over a flat token axis.
 
     token_ids, positions, kv_blocks, kv_offsets: [T] (the cache slot of token t is
-    (kv_blocks[t], kv_offsets[t])). kv: (k, v) each [L, num_blocks, block_size, Hk, hd]; each
+    (kv_blocks[t], kv_offsets[t])). kv: (k, v) in kernels/paged_attention.py's stored layout; each
     layer's new keys are written in place (donated buffers) before its attention reads them.
     params: the `step_params` layout (the canonical stacked one also works, slowly: for tests).
     attention: kernels.paged_attention.paged_attention's interface (kernels/select.py picks one).
@@ -379,8 +379,8 @@ def forward(params: Params, cfg: ModelConfig, token_ids: jax.Array, positions: j
 
         def attend(q: jax.Array, k: jax.Array, v: jax.Array, layer: int = layer) -> jax.Array:
             nonlocal k_cache, v_cache
-            k_cache = k_cache.at[layer, kv_blocks, kv_offsets].set(_to_storage(k, k_cache.dtype))
-            v_cache = v_cache.at[layer, kv_blocks, kv_offsets].set(_to_storage(v, v_cache.dtype))
+            k_cache = write_kv(k_cache, "k", layer, kv_blocks, kv_offsets, _to_storage(k, k_cache.dtype))
+            v_cache = write_kv(v_cache, "v", layer, kv_blocks, kv_offsets, _to_storage(v, v_cache.dtype))
             return attention(q, k, v, k_cache, v_cache, jnp.int32(layer), meta)
 
         x = _layer(x, lp, cfg, rope, attend)
