@@ -40,7 +40,6 @@ import jax.numpy as jnp
 from jax import lax
 
 SEQ_DENSE_MAX_SEQS = 4  # up to this many sequences per step the cached part is computed per sequence
-LOCAL_BLOCK = 128  # rows per block of the local part (steps of >= 2 blocks skip keys after each block)
 
 
 @dataclass(frozen=True)
@@ -48,7 +47,7 @@ class AttnMetadata:
     """Per-step layout of the token axis (a pytree; `chunk_blocks` is static).
 
     Each sequence's tokens are contiguous on the axis and in position order, padding last
-    (tl/runner.py packs them so; the local part and the TPU kernel rely on it).
+    (tl/runner.py packs them so; the TPU kernel relies on it).
     """
 
     seq_idx: jax.Array  # [T] int32: sequence of each token, -1 for padding
@@ -132,35 +131,19 @@ def load_kv(cache: jax.Array, kind: str, layer: jax.Array, blocks: jax.Array, dt
 def _local(qg: jax.Array, k: jax.Array, v: jax.Array, meta: AttnMetadata) -> tuple[jax.Array, ...]:
     """Softmax state (m, l [T,Hk,G], acc [T,Hk,G,hd]) of each token over this step's tokens.
 
-    Rows go in blocks of LOCAL_BLOCK; block [a, b) scores keys [0, b) only: a token never sees a
-    later token of the axis (each sequence's tokens are contiguous and in position order), so a
-    512-token prefill computes 10/16 of the [T,T] square.
-    """
-    T = qg.shape[0]
-    if T < 2 * LOCAL_BLOCK:
-        return _local_rows(qg, k, v, meta, 0, T)
-    parts = [_local_rows(qg, k, v, meta, a, min(a + LOCAL_BLOCK, T)) for a in range(0, T, LOCAL_BLOCK)]
-    return tuple(jnp.concatenate(xs) for xs in zip(*parts, strict=True))
-
-
-def _local_rows(qg: jax.Array, k: jax.Array, v: jax.Array, meta: AttnMetadata, a: int, b: int,
-                ) -> tuple[jax.Array, ...]:
-    """`_local` for rows [a, b) over keys [0, b).
-
-    Computed as Hk matmuls [rows*G, hd] x [hd, keys] (query rows of a KV head stacked): the direct
+    Computed as Hk matmuls [T*G, hd] x [hd, T] (query rows of a KV head stacked): the direct
     "tkgd,ukd->tkgu" einsum lowers to tiny per-token dots on XLA:CPU, 4x slower at T=512.
+    (Row blocks that skip the keys after each block were tried: 36/64 of the work at T=512, no
+    measurable change to a whole prefill step, ~5 s more compile per large variant.)
     """
-    _, Hk, G, hd = qg.shape
-    R = b - a
-    q2 = qg[a:b].transpose(1, 0, 2, 3).reshape(Hk, R * G, hd)
-    k, v = k[:b], v[:b]
-    s = jnp.einsum("kmd,ukd->kmu", q2, k).reshape(Hk, R, G, b)
-    seq, pos = meta.seq_idx, meta.positions
-    same = (seq[a:b, None] == seq[None, :b]) & (pos[None, :b] <= pos[a:b, None])
+    T, Hk, G, hd = qg.shape
+    q2 = qg.transpose(1, 0, 2, 3).reshape(Hk, T * G, hd)
+    s = jnp.einsum("kmd,ukd->kmu", q2, k).reshape(Hk, T, G, T)
+    same = (meta.seq_idx[:, None] == meta.seq_idx[None, :]) & (meta.positions[None, :] <= meta.positions[:, None])
     s = jnp.where(same[None, :, None, :], s, -jnp.inf)  # the diagonal is always kept: m is finite
     m = s.max(axis=-1)
     p = jnp.exp(s - m[..., None])
-    acc = jnp.einsum("kmu,ukd->kmd", p.reshape(Hk, R * G, b), v).reshape(Hk, R, G, hd)
+    acc = jnp.einsum("kmu,ukd->kmd", p.reshape(Hk, T * G, T), v).reshape(Hk, T, G, hd)
     return m.transpose(1, 0, 2), p.sum(axis=-1).transpose(1, 0, 2), acc.transpose(1, 0, 2, 3)
 
 

@@ -96,19 +96,6 @@ def test_per_seq_and_per_token_forms_match_naive(seqs: list[tuple[int, int]]) ->
     assert np.abs(run(c, 2) - naive(c))[c["seq_idx"] >= 0].max() < 1e-5
 
 
-@pytest.mark.parametrize("block", [1, 4, 5])
-def test_local_part_in_row_blocks_matches_naive(block: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Row blocks of the local part skip the keys after each block: exact for any block size."""
-    import kernels.paged_attention as pa
-
-    monkeypatch.setattr(pa, "LOCAL_BLOCK", block)
-    for seqs in (MIXED, [(0, 9)], MIXED[:4] + [(0, 2)]):
-        c = build_case(np.random.default_rng(block), seqs, pad=3)
-        got = run(c, 2)
-        assert np.abs(got - naive(c))[c["seq_idx"] >= 0].max() < 1e-5
-        assert np.isfinite(got).all()
-
-
 @pytest.mark.parametrize("head_rows", [1, 3, 9, 14])
 def test_split_rows_match_naive(head_rows: int) -> None:
     """The per-token form over rows [:H] and [H:] apart (decodes first, then chunks) is exact for any H."""
