@@ -18,7 +18,7 @@ Speculative = Literal["none", "prompt_lookup"]
 DType = Literal["auto", "float32", "bfloat16"]
 WeightDType = Literal["float32", "int8"]
 Backend = Literal["auto", "cpu", "gpu", "tpu"]
-AttentionKernel = Literal["auto", "reference", "pallas_tpu", "pallas_gpu"]
+AttentionKernel = Literal["auto", "reference", "cpu_native", "pallas_tpu", "pallas_gpu"]
 
 
 class ConfigError(ValueError):
@@ -104,8 +104,9 @@ class EngineConfig:
         _check(self.weight_dtype in ("float32", "int8"), f"weight_dtype must be float32 or int8, got {self.weight_dtype!r}")
         _check(self.backend in ("auto", "cpu", "gpu", "tpu"), f"backend must be auto, cpu, gpu or tpu, got {self.backend!r}")
         _check(self.tensor_parallel >= 1, f"tensor_parallel must be >= 1, got {self.tensor_parallel}")
-        _check(self.attention_kernel in ("auto", "reference", "pallas_tpu", "pallas_gpu"),
-               f"attention_kernel must be auto, reference, pallas_tpu or pallas_gpu, got {self.attention_kernel!r}")
+        _check(self.attention_kernel in ("auto", "reference", "cpu_native", "pallas_tpu", "pallas_gpu"),
+               "attention_kernel must be auto, reference, cpu_native, pallas_tpu or pallas_gpu, "
+               f"got {self.attention_kernel!r}")
         _check(self.num_processes >= 0, f"num_processes must be >= 0, got {self.num_processes}")
         _check(self.process_id >= -1, f"process_id must be >= -1, got {self.process_id}")
         _check(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), f"block_size must be a power of two <= 128, got {self.block_size}")

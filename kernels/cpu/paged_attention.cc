@@ -1,0 +1,213 @@
+// The cached part of paged attention on the CPU, as an XLA FFI custom call.
+//
+// Owns: folding each token's keys at positions [0, start_pos of its sequence) into a softmax
+// state (m, l, acc), reading the blocks of the stored cache layout (kernels/paged_attention.py:
+// K [L, NB, Hk, hd, bs], V [L, NB, Hk, bs, hd]) in place, one token range per thread of XLA's
+// intra-op pool. Must not: write anything but its outputs. Built and loaded by
+// kernels/cpu_native.py; tested by tests/test_cpu_native.py against the jnp reference.
+//
+// Why: XLA:CPU gathers cached blocks element by element (~3 GB/s a thread) and then runs tiny
+// batched dots over the copy; here every block is read once, where it lies.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <mutex>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+struct Problem {
+  const float* q;           // [T, Hk, G, hd], already scaled by 1/sqrt(hd)
+  const float* k;           // [L, NB, Hk, hd, bs]
+  const float* v;           // [L, NB, Hk, bs, hd]
+  const int32_t* seq_idx;   // [T], -1 for padding
+  const int32_t* start_pos; // [S]
+  const int32_t* tables;    // [S, MB]
+  float* m;                 // [T, Hk, G]
+  float* l;                 // [T, Hk, G]
+  float* acc;               // [T, Hk, G, hd]
+  int64_t T, Hk, G, hd, NB, bs, S, MB, layer;
+};
+
+constexpr int64_t kMaxBlock = 64;   // block_size limit of the score buffer
+constexpr int64_t kMaxHeadDim = 256;
+
+// One block of one KV head folded into the softmax state of its G query heads. BS and HD are
+// compile-time block size and head dim for the common shapes (0: runtime bs, hd), so that a
+// block's scores of one query head and its output row stay in registers.
+template <int64_t BS, int64_t HD>
+inline void fold_block(const float* q, const float* K, const float* V, int64_t n, int64_t G, int64_t bs_rt,
+                       int64_t hd_rt, float* m, float* l, float* acc) {
+  const int64_t bs = BS ? BS : bs_rt;
+  const int64_t hd = HD ? HD : hd_rt;
+  float s[kMaxBlock];
+  float a[kMaxHeadDim];
+  for (int64_t g = 0; g < G; ++g) {
+    const float* qg = q + g * hd;
+    for (int64_t j = 0; j < bs; ++j) s[j] = 0.0f;
+    for (int64_t d = 0; d < hd; ++d) {  // K is [hd, bs]: one row of keys per dimension
+      const float qd = qg[d];
+      const float* kd = K + d * bs;
+      for (int64_t j = 0; j < bs; ++j) s[j] += qd * kd[j];
+    }
+    float bm = s[0];
+    for (int64_t j = 1; j < n; ++j) bm = std::max(bm, s[j]);
+    const float mn = std::max(m[g], bm);
+    const float corr = std::exp(m[g] - mn);  // 0 on the first block (m = -inf)
+    float sum = 0.0f;
+    for (int64_t j = 0; j < n; ++j) {
+      s[j] = std::exp(s[j] - mn);
+      sum += s[j];
+    }
+    l[g] = l[g] * corr + sum;
+    m[g] = mn;
+    float* ag = acc + g * hd;
+    for (int64_t x = 0; x < hd; ++x) a[x] = ag[x] * corr;
+    for (int64_t j = 0; j < n; ++j) {  // V is [bs, hd]
+      const float w = s[j];
+      const float* vj = V + j * hd;
+      for (int64_t x = 0; x < hd; ++x) a[x] += w * vj[x];
+    }
+    for (int64_t x = 0; x < hd; ++x) ag[x] = a[x];
+  }
+}
+
+// One token: every KV head over the cached blocks of its sequence, block by block (a block's
+// heads lie together: one contiguous run of K and one of V), the next block prefetched.
+template <int64_t BS, int64_t HD>
+void fold_token(const Problem& p, int64_t t) {
+  const int64_t G = p.G, Hk = p.Hk;
+  const int64_t bs = BS ? BS : p.bs;
+  const int64_t hd = HD ? HD : p.hd;
+  float* m = p.m + t * Hk * G;
+  float* l = p.l + t * Hk * G;
+  float* acc = p.acc + t * Hk * G * hd;
+  std::fill(m, m + Hk * G, -std::numeric_limits<float>::infinity());
+  std::fill(l, l + Hk * G, 0.0f);
+  std::fill(acc, acc + Hk * G * hd, 0.0f);
+  const int32_t seq = p.seq_idx[t];
+  if (seq < 0) return;
+  const int64_t ctx = p.start_pos[seq];
+  const int64_t block_floats = Hk * hd * bs;
+  const float* q = p.q + t * Hk * G * hd;
+  const int32_t* table = p.tables + seq * p.MB;
+  const int64_t nblocks = (ctx + bs - 1) / bs;
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const int64_t base = (p.layer * p.NB + table[b]) * block_floats;
+    if (b + 1 < nblocks) {
+      const int64_t next = (p.layer * p.NB + table[b + 1]) * block_floats;
+      for (int64_t x = 0; x < block_floats; x += 16) {
+        __builtin_prefetch(p.k + next + x);
+        __builtin_prefetch(p.v + next + x);
+      }
+    }
+    const int64_t n = std::min(bs, ctx - b * bs);
+    for (int64_t h = 0; h < Hk; ++h) {
+      fold_block<BS, HD>(q + h * G * hd, p.k + base + h * hd * bs, p.v + base + h * bs * hd, n, G, bs, hd,
+                         m + h * G, l + h * G, acc + h * G * hd);
+    }
+  }
+}
+
+using FoldFn = void (*)(const Problem&, int64_t);
+
+FoldFn pick(const Problem& p) {
+  if (p.bs == 16 && p.hd == 64) return fold_token<16, 64>;
+  if (p.bs == 16 && p.hd == 128) return fold_token<16, 128>;
+  if (p.bs == 32 && p.hd == 64) return fold_token<32, 64>;
+  if (p.bs == 32 && p.hd == 128) return fold_token<32, 128>;
+  return fold_token<0, 0>;
+}
+
+void fold_range(const Problem& p, int64_t t0, int64_t t1) {
+  const FoldFn fold = pick(p);
+  for (int64_t t = t0; t < t1; ++t) fold(p, t);
+}
+
+// Every table entry a token will read must name a block of the cache: a bad table is an
+// error, never an out-of-bounds read.
+ffi::Error check(const Problem& p) {
+  if (p.bs > kMaxBlock) return ffi::Error::InvalidArgument("block_size above 64");
+  if (p.hd > kMaxHeadDim) return ffi::Error::InvalidArgument("head_dim above 256");
+  if (p.layer < 0) return ffi::Error::InvalidArgument("negative layer");
+  for (int64_t t = 0; t < p.T; ++t) {
+    const int32_t seq = p.seq_idx[t];
+    if (seq < 0) continue;
+    if (seq >= p.S) return ffi::Error::InvalidArgument("seq_idx out of range");
+    const int64_t ctx = p.start_pos[seq];
+    if (ctx < 0 || ctx > p.MB * p.bs) return ffi::Error::InvalidArgument("start_pos beyond the block table");
+    for (int64_t b = 0; b * p.bs < ctx; ++b) {
+      const int32_t blk = p.tables[seq * p.MB + b];
+      if (blk < 0 || blk >= p.NB) return ffi::Error::InvalidArgument("block id out of range");
+    }
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error Cached(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cache,
+                  ffi::Buffer<ffi::F32> v_cache, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> seq_idx,
+                  ffi::Buffer<ffi::S32> start_pos, ffi::Buffer<ffi::S32> tables,
+                  ffi::ResultBuffer<ffi::F32> m, ffi::ResultBuffer<ffi::F32> l,
+                  ffi::ResultBuffer<ffi::F32> acc) {
+  const auto qd = q.dimensions();
+  const auto kd = k_cache.dimensions();
+  const auto td = tables.dimensions();
+  if (qd.size() != 4 || kd.size() != 5 || td.size() != 2)
+    return ffi::Error::InvalidArgument("expected q [T,Hk,G,hd], k_cache [L,NB,Hk,hd,bs], tables [S,MB]");
+  Problem p{q.typed_data(), k_cache.typed_data(), v_cache.typed_data(), seq_idx.typed_data(),
+            start_pos.typed_data(), tables.typed_data(), m->typed_data(), l->typed_data(),
+            acc->typed_data(), qd[0], qd[1], qd[2], qd[3], kd[1], kd[4], td[0], td[1],
+            static_cast<int64_t>(layer.typed_data()[0])};
+  if (kd[2] != p.Hk || kd[3] != p.hd) return ffi::Error::InvalidArgument("cache heads or head_dim differ from q");
+  if (p.layer >= kd[0]) return ffi::Error::InvalidArgument("layer out of range");
+  if (ffi::Error err = check(p); err.failure()) return err;
+
+  // Split the tokens over the pool's threads; this thread takes the first range itself.
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), p.T));
+  const int64_t per = (p.T + threads - 1) / threads;
+  std::mutex mu;
+  std::condition_variable cv;
+  int64_t pending = 0;
+  for (int64_t i = 1; i < threads; ++i) {
+    const int64_t t0 = i * per, t1 = std::min(p.T, t0 + per);
+    if (t0 >= t1) break;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      ++pending;
+    }
+    pool.Schedule([&, t0, t1] {
+      fold_range(p, t0, t1);
+      std::lock_guard<std::mutex> lock(mu);
+      if (--pending == 0) cv.notify_one();
+    });
+  }
+  fold_range(p, 0, std::min(p.T, per));
+  std::unique_lock<std::mutex> lock(mu);
+  cv.wait(lock, [&] { return pending == 0; });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TlPagedAttentionCached, Cached,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // q
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // k_cache
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // v_cache
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // layer
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // seq_idx
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // start_pos
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // block_tables
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // m
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // l
+                                  .Ret<ffi::Buffer<ffi::F32>>()); // acc

@@ -1,0 +1,140 @@
+"""CPU paged attention: the reference's local part plus a native (C++, XLA FFI) cached part.
+
+Owns: building kernels/cpu/paged_attention.cc into a shared library on first use (g++, cached
+per source, jaxlib version and CPU), registering it as the FFI target `tl_paged_attention_cached`,
+and `paged_attention` with the reference's contract. Must not: write the cache, know about
+requests. Tested by tests/test_cpu_native.py against kernels/paged_attention.py's reference.
+
+Why: on XLA:CPU the cached part (keys already in the cache) is a gather of every block into a
+copy, element by element, then tiny batched dots; it was half of a decode step at 64
+sequences. The native part reads each block where it lies and keeps an online softmax per
+token and KV head, one token range per thread of XLA's intra-op pool. This step's own tokens
+(the local part) stay in jnp: they are a dense matmul, which XLA does well.
+
+The library is built with -O3 -march=native -ffast-math into $TL_NATIVE_CACHE (default
+~/.cache/tl/native), named by a hash of the source, the compiler flags, jaxlib's version and
+the CPU's flags, and renamed into place when complete (concurrent builders are harmless).
+float32 caches only: a bf16 (uint16) cache or a missing compiler raises `NativeUnavailable`,
+and kernels/select.py falls back to the reference with that reason.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from kernels.paged_attention import AttnMetadata, _local
+
+SOURCE = Path(__file__).parent / "cpu" / "paged_attention.cc"
+TARGET = "tl_paged_attention_cached"
+FLAGS = ("-O3", "-march=native", "-ffast-math", "-std=c++17", "-shared", "-fPIC")
+
+
+class NativeUnavailable(RuntimeError):
+    """The native kernel cannot run here (no compiler, a failed build, an unsupported dtype)."""
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("TL_NATIVE_CACHE") or Path.home() / ".cache" / "tl" / "native")
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def library_path() -> Path:
+    """Where the library for this source, jaxlib and CPU lives (built or not)."""
+    import jaxlib
+
+    key = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), jaxlib.__version__.encode(),
+                 platform.machine().encode(), _cpu_flags().encode()):
+        key.update(part)
+    return cache_dir() / f"paged_attention-{key.hexdigest()[:16]}.so"
+
+
+def build() -> Path:
+    """The library, compiled now if this machine has none yet. Raises NativeUnavailable."""
+    out = library_path()
+    if out.exists():
+        return out
+    want = os.environ.get("CXX") or "g++"
+    cxx = shutil.which(want) or (None if os.environ.get("CXX") else shutil.which("c++"))
+    if not cxx:
+        raise NativeUnavailable(f"no C++ compiler ({want!r} not found) to build kernels/cpu/paged_attention.cc")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    cmd = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", tmp]
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        if res.returncode != 0:
+            raise NativeUnavailable(f"building {SOURCE.name} failed: {res.stderr.strip()[-2000:]}")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+_registered = False
+
+
+def register() -> None:
+    """Build (if needed), load and register the FFI target, once per process."""
+    global _registered
+    if _registered:
+        return
+    lib = ctypes.cdll.LoadLibrary(str(build()))
+    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.TlPagedAttentionCached), platform="cpu")
+    _registered = True
+
+
+def cached_state(qg: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array,
+                 meta: AttnMetadata) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(m, l [T,Hk,G], acc [T,Hk,G,hd]) of each token over its cached keys (m = -inf, l = 0 if none)."""
+    if k_cache.dtype != jnp.float32 or v_cache.dtype != jnp.float32:
+        raise NativeUnavailable(f"the native kernel reads float32 caches, not {k_cache.dtype}")
+    register()
+    T, Hk, G, hd = qg.shape
+    f32 = jnp.float32
+    call = jax.ffi.ffi_call(TARGET, (jax.ShapeDtypeStruct((T, Hk, G), f32), jax.ShapeDtypeStruct((T, Hk, G), f32),
+                                     jax.ShapeDtypeStruct((T, Hk, G, hd), f32)))
+    i32 = jnp.int32
+    return call(qg.astype(f32), k_cache, v_cache, jnp.asarray(layer, i32).reshape(1), meta.seq_idx.astype(i32),
+                meta.start_pos.astype(i32), meta.block_tables.astype(i32))
+
+
+def paged_attention(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
+                    layer: jax.Array, meta: AttnMetadata) -> jax.Array:
+    """Same contract as kernels.paged_attention.paged_attention (float32 caches)."""
+    T, Hq, hd = q.shape
+    Hk = k_new.shape[1]
+    qg = q.reshape(T, Hk, Hq // Hk, hd).astype(jnp.float32) * (hd ** -0.5)
+    m1, l1, acc1 = _local(qg, k_new.astype(jnp.float32), v_new.astype(jnp.float32), meta)
+
+    def with_cached() -> jax.Array:
+        m2, l2, acc2 = cached_state(qg, k_cache, v_cache, layer, meta)
+        m = jnp.maximum(m1, m2)  # m1 is finite: the local part keeps the diagonal
+        c1, c2 = jnp.exp(m1 - m), jnp.exp(m2 - m)
+        return (acc1 * c1[..., None] + acc2 * c2[..., None]) / (l1 * c1 + l2 * c2)[..., None]
+
+    # A step of fresh prompts only (no cached keys anywhere) skips the call and its merge.
+    out = lax.cond(jnp.any(meta.start_pos > 0), with_cached, lambda: acc1 / l1[..., None])
+    return out.reshape(T, Hq, hd).astype(q.dtype)

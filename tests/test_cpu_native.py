@@ -1,0 +1,121 @@
+"""kernels/cpu_native.py: the C++ cached part against the naive and the jnp reference attention.
+
+The small cases of tests/test_paged_attention.py (block size 4, head dim 8: the kernel's generic
+path) against the naive dense attention; SmolLM2's shapes (block size 16, head dim 64, 3 query
+heads per KV head: a specialised path) against the reference over long cached contexts; bad
+block tables refused with an error; the fallbacks when the kernel cannot be built or used.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+from test_paged_attention import MIXED, build_case, naive
+
+from kernels import cpu_native, select
+from kernels.paged_attention import AttnMetadata, paged_attention, to_stored
+
+
+def _meta(c: dict) -> AttnMetadata:
+    return AttnMetadata(seq_idx=jnp.asarray(c["seq_idx"]), positions=jnp.asarray(c["positions"]),
+                        start_pos=jnp.asarray(c["start"]), block_tables=jnp.asarray(c["tables"]), chunk_blocks=2)
+
+
+def _native(c: dict) -> np.ndarray:
+    kc, vc = to_stored("k", jnp.asarray(c["k_cache"])), to_stored("v", jnp.asarray(c["v_cache"]))
+    out = jax.jit(cpu_native.paged_attention)(jnp.asarray(c["q"]), jnp.asarray(c["k_new"]), jnp.asarray(c["v_new"]),
+                                              kc, vc, jnp.int32(c["layer"]), _meta(c))
+    return np.asarray(out)
+
+
+@pytest.mark.parametrize("seqs", [MIXED, [(0, 9), (0, 2)], [(3, 1), (17, 1), (0, 1), (30, 1)], MIXED[:4] + [(0, 2)]],
+                         ids=["mixed", "fresh_prefill", "decodes", "with_padding_seq"])
+def test_matches_naive(seqs: list[tuple[int, int]]) -> None:
+    c = build_case(np.random.default_rng(len(seqs)), seqs, pad=3)
+    got = _native(c)
+    real = c["seq_idx"] >= 0
+    assert np.abs(got - naive(c))[real].max() < 1e-5
+    assert np.isfinite(got).all()  # padding rows too
+
+
+def _smol_case(rng: np.random.Generator, contexts: list[int], new: int) -> tuple:
+    """SmolLM2 attention shapes: Hk 3, G 3, hd 64, block 16; each sequence decodes `new` tokens."""
+    L, NB, BS, HK, G, HD = 2, 96, 16, 3, 3, 64
+    k = rng.standard_normal((L, NB, BS, HK, HD)).astype(np.float32)
+    v = rng.standard_normal((L, NB, BS, HK, HD)).astype(np.float32)
+    free = rng.permutation(NB - 1)
+    mb = max(-(-(c + new) // BS) for c in contexts)
+    tables = np.full((len(contexts), mb), NB - 1, np.int32)
+    used, seq_idx, positions = 0, [], []
+    for s, ctx in enumerate(contexts):
+        n = -(-(ctx + new) // BS)
+        tables[s, :n] = free[used:used + n]
+        used += n
+        seq_idx += [s] * new
+        positions += list(range(ctx, ctx + new))
+    T = len(seq_idx)
+    q = rng.standard_normal((T, HK * G, HD)).astype(np.float32)
+    kn = rng.standard_normal((T, HK, HD)).astype(np.float32)
+    vn = rng.standard_normal((T, HK, HD)).astype(np.float32)
+    layer = 1
+    for t in range(T):  # the model writes this step's keys before attention
+        b, o = tables[seq_idx[t], positions[t] // BS], positions[t] % BS
+        k[layer, b, o], v[layer, b, o] = kn[t], vn[t]
+    meta = AttnMetadata(seq_idx=jnp.asarray(seq_idx, jnp.int32), positions=jnp.asarray(positions, jnp.int32),
+                        start_pos=jnp.asarray(contexts, jnp.int32), block_tables=jnp.asarray(tables), chunk_blocks=8)
+    return (jnp.asarray(q), jnp.asarray(kn), jnp.asarray(vn), to_stored("k", jnp.asarray(k)),
+            to_stored("v", jnp.asarray(v)), jnp.int32(layer), meta)
+
+
+@pytest.mark.parametrize("contexts,new", [([300, 5, 16, 0, 129], 1), ([47, 200], 4)], ids=["decodes", "drafts"])
+def test_smollm2_shapes_match_reference(contexts: list[int], new: int) -> None:
+    args = _smol_case(np.random.default_rng(7), contexts, new)
+    got = np.asarray(jax.jit(cpu_native.paged_attention)(*args))
+    want = np.asarray(jax.jit(paged_attention)(*args))
+    assert np.abs(got - want).max() < 1e-5
+
+
+def test_bad_block_table_is_an_error_not_a_read() -> None:
+    q, kn, vn, kc, vc, layer, meta = _smol_case(np.random.default_rng(1), [40, 3], 1)
+    bad = meta.block_tables.at[0, 1].set(10_000)
+    meta = AttnMetadata(seq_idx=meta.seq_idx, positions=meta.positions, start_pos=meta.start_pos, block_tables=bad)
+    with pytest.raises(Exception, match="block id out of range"):
+        jax.block_until_ready(jax.jit(cpu_native.paged_attention)(q, kn, vn, kc, vc, layer, meta))
+
+
+def _probe(dtype: jnp.dtype) -> tuple:
+    q, kn, vn, kc, vc, layer, meta = _smol_case(np.random.default_rng(2), [20], 1)
+    return (q, kn, vn, kc.astype(dtype), vc.astype(dtype), layer, meta)
+
+
+def _mesh() -> Mesh:
+    return Mesh(np.array(jax.devices("cpu")[:1]).reshape(1, 1), ("data", "model"))
+
+
+def test_auto_picks_native_on_cpu() -> None:
+    choice = select.select("auto", "cpu", _mesh(), True, _probe(jnp.float32))
+    assert choice.name == "cpu_native"
+
+
+def test_falls_back_without_a_compiler(tmp_path: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TL_NATIVE_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    monkeypatch.setattr(cpu_native, "_registered", False)  # as in a fresh process
+    jax.clear_caches()  # the trial trace of an earlier test at these shapes would be reused
+    choice = select.select("auto", "cpu", _mesh(), True, _probe(jnp.float32))
+    assert choice.name == "reference"
+    assert "cpu_native refused" in choice.reason and "paged_attention.cc" in choice.reason
+
+
+def test_bf16_cache_falls_back_with_the_reason() -> None:
+    choice = select.select("cpu_native", "cpu", _mesh(), True, _probe(jnp.uint16))
+    assert choice.name == "reference"
+    assert "float32" in choice.reason
+
+
+def test_not_offered_off_cpu() -> None:
+    choice = select.select("cpu_native", "gpu", _mesh(), True, _probe(jnp.float32))
+    assert choice.name == "reference" and "runs on cpu" in choice.reason
