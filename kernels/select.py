@@ -37,6 +37,25 @@ class Choice:
     reason: str  # why, for the start-up log
 
 
+@dataclass(frozen=True)
+class MatmulChoice:
+    fn: Callable[[jax.Array, jax.Array], jax.Array] | None  # None: XLA's dot
+    name: str  # "xla" or "cpu_native"
+    reason: str
+
+
+def select_matmul(attention: Choice, mesh: Mesh) -> MatmulChoice:
+    """The layers' float matmul: cpu_native's few-row kernel goes with cpu_native attention on one
+    device (under tensor parallelism an opaque call would need the whole, sharded weights)."""
+    if attention.name != "cpu_native":
+        return MatmulChoice(None, "xla", f"attention is {attention.name}")
+    if mesh.shape["model"] > 1:
+        return MatmulChoice(None, "xla", "tensor parallel: XLA partitions its own dot")
+    from kernels import cpu_native
+
+    return MatmulChoice(cpu_native.small_matmul, "cpu_native", f"rows <= {cpu_native.GEMV_MAX_ROWS} on CPU")
+
+
 def _kernel(name: str, interpret: bool) -> PagedAttention:
     if name == "cpu_native":
         from kernels import cpu_native

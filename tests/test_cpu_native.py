@@ -107,7 +107,7 @@ def test_falls_back_without_a_compiler(tmp_path: object, monkeypatch: pytest.Mon
     jax.clear_caches()  # the trial trace of an earlier test at these shapes would be reused
     choice = select.select("auto", "cpu", _mesh(), True, _probe(jnp.float32))
     assert choice.name == "reference"
-    assert "cpu_native refused" in choice.reason and "paged_attention.cc" in choice.reason
+    assert "cpu_native refused" in choice.reason and "native.cc" in choice.reason
 
 
 def test_bf16_cache_falls_back_with_the_reason() -> None:
@@ -119,3 +119,32 @@ def test_bf16_cache_falls_back_with_the_reason() -> None:
 def test_not_offered_off_cpu() -> None:
     choice = select.select("cpu_native", "gpu", _mesh(), True, _probe(jnp.float32))
     assert choice.name == "reference" and "runs on cpu" in choice.reason
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("shape", [(576, 960), (37, 5, 3), (1536, 576), (3, 2)], ids=["qkv", "odd_3d", "down", "tiny"])
+def test_small_matmul_matches_xla(rows: int, shape: tuple[int, ...]) -> None:
+    """Row counts that do and do not divide the kernel's 4-row unroll or the thread split, 3-d w."""
+    rng = np.random.default_rng(rows)
+    x = jnp.asarray(rng.standard_normal((rows, shape[0]), dtype=np.float32))
+    w = jnp.asarray(rng.standard_normal(shape, dtype=np.float32))
+    got = np.asarray(jax.jit(cpu_native.small_matmul)(x, w))
+    want = np.einsum("nk,k...->n...", np.asarray(x, np.float64), np.asarray(w, np.float64))
+    assert got.shape == want.shape
+    assert np.abs(got - want).max() < 1e-3 * max(1.0, np.abs(want).max())
+
+
+def test_small_matmul_leaves_many_rows_and_bf16_to_xla() -> None:
+    x = jnp.ones((cpu_native.GEMV_MAX_ROWS + 1, 8), jnp.float32)
+    w = jnp.ones((8, 4), jnp.float32)
+    assert "ffi" not in str(jax.make_jaxpr(cpu_native.small_matmul)(x, w))
+    assert "ffi" in str(jax.make_jaxpr(cpu_native.small_matmul)(x[:2], w))
+    assert "ffi" not in str(jax.make_jaxpr(cpu_native.small_matmul)(x[:2].astype(jnp.bfloat16), w.astype(jnp.bfloat16)))
+
+
+def test_matmul_choice_follows_attention() -> None:
+    mesh = _mesh()
+    native = select.select("auto", "cpu", mesh, True, _probe(jnp.float32))
+    assert select.select_matmul(native, mesh).name == "cpu_native"
+    ref = select.select("reference", "cpu", mesh, True, _probe(jnp.float32))
+    assert select.select_matmul(ref, mesh).fn is None

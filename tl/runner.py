@@ -87,11 +87,11 @@ def _bucket(n: int, buckets: Sequence[int], what: str) -> int:
 
 def _step(params: llama.Params, kv: tuple[jax.Array, jax.Array], inp: StepInputs, sb: SamplingBatch,
           pen: Penalties, *, cfg: ModelConfig, on_trace: Any,
-          attention: Any) -> tuple[Any, SampleOut, jax.Array]:
+          attention: Any, matmul: Any) -> tuple[Any, SampleOut, jax.Array]:
     """Forward, KV write, sample-row selection and sampling; returns (kv, SampleOut, logits [R,V])."""
     on_trace()
     hidden, kv = llama.forward(params, cfg, inp.token_ids, inp.positions, kv, inp.kv_blocks, inp.kv_offsets,
-                               inp.meta, attention)
+                               inp.meta, attention, matmul)
     logits = llama.lm_logits(params, cfg, hidden[inp.row_token])
     return kv, sample(logits, sb, pen), logits
 
@@ -144,8 +144,10 @@ class ModelRunner:
         self._num_compilations = 0
         self._zero_penalties: dict[tuple[int, int], Penalties] = {}
         self.attention = self._select_attention()
+        self.matmul = attention_select.select_matmul(self.attention, self.mesh)
         kv_sh = NamedSharding(self.mesh, self.layout.kv_spec)
-        self._step = jax.jit(functools.partial(_step, cfg=cfg, on_trace=self._count, attention=self.attention.fn),
+        self._step = jax.jit(functools.partial(_step, cfg=cfg, on_trace=self._count, attention=self.attention.fn,
+                                               matmul=self.matmul.fn),
                              donate_argnames=("kv",),
                              out_shardings=((kv_sh, kv_sh), self._replicated, self._replicated))
         self._embed = jax.jit(functools.partial(_embed, cfg=cfg, on_trace=self._count))

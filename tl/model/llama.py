@@ -226,10 +226,17 @@ def step_params(params: Params, cfg: ModelConfig, weight_dtype: WeightDType = "f
     return out
 
 
-def linear(x: jax.Array, w: Any) -> jax.Array:
+Matmul = Callable[[jax.Array, jax.Array], jax.Array]
+"""x [N,in], float w [in,*out] -> [N,*out]: a backend's matmul for float weights (kernels/select.py)."""
+
+
+def linear(x: jax.Array, w: Any, matmul: Matmul | None = None) -> jax.Array:
     """x [N,in] times w -> [N,*out]: a float [in,*out] array, or int8 {"q" [*out,in], "scale" [*out]}
-    (W8A8, f32 out). The out axes stay apart so that their sharding (tl/backend.py) carries over."""
+    (W8A8, f32 out). The out axes stay apart so that their sharding (tl/backend.py) carries over.
+    matmul, if given, does the float case (e.g. the native CPU kernel for few rows)."""
     if not isinstance(w, dict):
+        if matmul is not None:
+            return matmul(x, w)
         return lax.dot_general(x, w, (((1,), (0,)), ((), ())))
     n, q = x.shape[0], w["q"]
     xf = jnp.pad(x.astype(jnp.float32), ((0, max(0, _INT8_MIN_ROWS - n)), (0, 0)))
@@ -317,23 +324,23 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return out.astype(x.dtype)
 
 
-def mlp(x: jax.Array, lp: Params) -> jax.Array:
+def mlp(x: jax.Array, lp: Params, matmul: Matmul | None = None) -> jax.Array:
     """SwiGLU: down(silu(gate(x)) * up(x)), gate and up as one [D,2,F] matmul."""
-    gu = linear(x, lp["w_gate_up"])  # [T, 2, F]
-    return linear(jax.nn.silu(gu[:, 0]) * gu[:, 1], lp["w_down"])
+    gu = linear(x, lp["w_gate_up"], matmul)  # [T, 2, F]
+    return linear(jax.nn.silu(gu[:, 0]) * gu[:, 1], lp["w_down"], matmul)
 
 
-def _qkv(h: jax.Array, lp: Params, cfg: ModelConfig,
-         rope: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array, jax.Array]:
+def _qkv(h: jax.Array, lp: Params, cfg: ModelConfig, rope: tuple[jax.Array, jax.Array],
+         matmul: Matmul | None) -> tuple[jax.Array, jax.Array, jax.Array]:
     T, hd, hq, hk = h.shape[0], cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
     if "wqkv" in lp:  # [D, Hk, G+2, hd]: per KV head, its G query heads, its k, its v
-        qkv = linear(h, lp["wqkv"])
+        qkv = linear(h, lp["wqkv"], matmul)
         if cfg.attention_bias:
             qkv = qkv + lp["bqkv"]
         g = hq // hk
         q, k, v = qkv[:, :, :g].reshape(T, hq, hd), qkv[:, :, g], qkv[:, :, g + 1]
     else:  # tensor parallel with replicated KV heads: q split by head, k/v whole on each device
-        q, k, v = linear(h, lp["wq"]), linear(h, lp["wk"]), linear(h, lp["wv"])
+        q, k, v = linear(h, lp["wq"], matmul), linear(h, lp["wk"], matmul), linear(h, lp["wv"], matmul)
         if cfg.attention_bias:
             q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
         q, k, v = q.reshape(T, hq, hd), k.reshape(T, hk, hd), v.reshape(T, hk, hd)
@@ -341,11 +348,11 @@ def _qkv(h: jax.Array, lp: Params, cfg: ModelConfig,
 
 
 def _layer(x: jax.Array, lp: Params, cfg: ModelConfig, rope: tuple[jax.Array, jax.Array],
-           attend: Attend) -> jax.Array:
+           attend: Attend, matmul: Matmul | None = None) -> jax.Array:
     h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
-    o = attend(*_qkv(h, lp, cfg, rope))
-    x = x + linear(o.reshape(x.shape[0], cfg.q_size), lp["wo"])
-    return x + mlp(rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps), lp)
+    o = attend(*_qkv(h, lp, cfg, rope, matmul))
+    x = x + linear(o.reshape(x.shape[0], cfg.q_size), lp["wo"], matmul)
+    return x + mlp(rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps), lp, matmul)
 
 
 def lm_logits(params: Params, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
@@ -362,14 +369,15 @@ def lm_logits(params: Params, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
 def forward(params: Params, cfg: ModelConfig, token_ids: jax.Array, positions: jax.Array,
             kv: tuple[jax.Array, jax.Array], kv_blocks: jax.Array, kv_offsets: jax.Array,
             meta: AttnMetadata, attention: Callable[..., jax.Array] = paged_attention,
-            ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+            matmul: Matmul | None = None) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """Paged forward over a flat token axis.
 
     token_ids, positions, kv_blocks, kv_offsets: [T] (the cache slot of token t is
     (kv_blocks[t], kv_offsets[t])). kv: (k, v) in kernels/paged_attention.py's stored layout; each
     layer's new keys are written in place (donated buffers) before its attention reads them.
     params: the `step_params` layout (the canonical stacked one also works, slowly: for tests).
-    attention: kernels.paged_attention.paged_attention's interface (kernels/select.py picks one).
+    attention: kernels.paged_attention.paged_attention's interface (kernels/select.py picks one);
+    matmul: the float layer matmuls' implementation (None: XLA's dot; kernels/select.py).
     Returns (hidden [T,D] before the final norm, updated kv).
     """
     rope = rope_tables(positions, cfg.head_dim, cfg.rope_theta)
@@ -383,7 +391,7 @@ def forward(params: Params, cfg: ModelConfig, token_ids: jax.Array, positions: j
             v_cache = write_kv(v_cache, "v", layer, kv_blocks, kv_offsets, _to_storage(v, v_cache.dtype))
             return attention(q, k, v, k_cache, v_cache, jnp.int32(layer), meta)
 
-        x = _layer(x, lp, cfg, rope, attend)
+        x = _layer(x, lp, cfg, rope, attend, matmul)
     return x, (k_cache, v_cache)
 
 
