@@ -253,15 +253,15 @@ ffi::Error Gemv(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::
     float* out = task == 0 ? Y : partial.data() + (task - 1) * N * O;
     std::fill(out, out + N * O, 0.0f);
     int64_t k = k0;
-    for (; k + 4 <= k1; k += 4) {
+    for (; k + 8 <= k1; k += 8) {
       const float* w0 = W + k * O;
-      const float* w1 = w0 + O;
-      const float* w2 = w1 + O;
-      const float* w3 = w2 + O;
       for (int64_t n = 0; n < N; ++n) {
-        const float x0 = X[n * K + k], x1 = X[n * K + k + 1], x2 = X[n * K + k + 2], x3 = X[n * K + k + 3];
+        const float* xk = X + n * K + k;
+        const float x0 = xk[0], x1 = xk[1], x2 = xk[2], x3 = xk[3], x4 = xk[4], x5 = xk[5], x6 = xk[6], x7 = xk[7];
         float* a = out + n * O;
-        for (int64_t o = 0; o < O; ++o) a[o] += x0 * w0[o] + x1 * w1[o] + x2 * w2[o] + x3 * w3[o];
+        for (int64_t o = 0; o < O; ++o)
+          a[o] += (x0 * w0[o] + x1 * w0[O + o]) + (x2 * w0[2 * O + o] + x3 * w0[3 * O + o]) +
+                  (x4 * w0[4 * O + o] + x5 * w0[5 * O + o]) + (x6 * w0[6 * O + o] + x7 * w0[7 * O + o]);
       }
     }
     for (; k < k1; ++k) {
