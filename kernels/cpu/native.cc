@@ -59,12 +59,23 @@ inline void fold_block(const float* q, const float* K, const float* V, int64_t n
   float a[kMaxHeadDim];
   for (int64_t g = 0; g < G; ++g) {
     const float* qg = q + g * hd;
-    for (int64_t j = 0; j < bs; ++j) s[j] = 0.0f;
-    for (int64_t d = 0; d < hd; ++d) {  // K is [hd, bs]: one row of keys per dimension
-      const float qd = qg[d];
+    // K is [hd, bs]: one row of keys per dimension; four partial sums break the FMA chain.
+    float s1[kMaxBlock], s2[kMaxBlock], s3[kMaxBlock];
+    for (int64_t j = 0; j < bs; ++j) s[j] = s1[j] = s2[j] = s3[j] = 0.0f;
+    int64_t d = 0;
+    for (; d + 4 <= hd; d += 4) {
       const float* kd = K + d * bs;
-      for (int64_t j = 0; j < bs; ++j) s[j] += qd * kd[j];
+      const float q0 = qg[d], q1 = qg[d + 1], q2 = qg[d + 2], q3 = qg[d + 3];
+      for (int64_t j = 0; j < bs; ++j) {
+        s[j] += q0 * kd[j];
+        s1[j] += q1 * kd[bs + j];
+        s2[j] += q2 * kd[2 * bs + j];
+        s3[j] += q3 * kd[3 * bs + j];
+      }
     }
+    for (; d < hd; ++d)
+      for (int64_t j = 0; j < bs; ++j) s[j] += qg[d] * K[d * bs + j];
+    for (int64_t j = 0; j < bs; ++j) s[j] += (s1[j] + s2[j]) + s3[j];
     float bm = s[0];
     for (int64_t j = 1; j < n; ++j) bm = std::max(bm, s[j]);
     const float mn = std::max(m[g], bm);
