@@ -4,6 +4,8 @@ Measures, on one model: compile time per (token bucket, seq bucket) variant used
 tokens/s at each sequence bucket (every sequence decoding one token per step at a fixed
 context length), and prefill tokens/s of one 512-token prompt. Prints its full config,
 then a Markdown table; `--json` also writes JSON lines. Run: `python -m bench runner`.
+`--compare-kernel reference` builds a second runner with that attention kernel and times the
+two alternately, step by step, in one process: the ratios hold on a noisy machine.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ def run(argv: Sequence[str]) -> int:
     ap.add_argument("--batches", default="1,4,16,64")
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument("--json", default="", help="also append JSON lines to this file")
+    ap.add_argument("--compare-kernel", default="", help="also time a runner with this attention_kernel, alternately")
     args = ap.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
 
@@ -76,29 +79,41 @@ def run(argv: Sequence[str]) -> int:
                                  "attention_kernel": args.attention_kernel, "tensor_parallel": args.tensor_parallel,
                                  "context": args.context,
                                  "prefill": args.prefill, "batches": batches, "repeat": args.repeat,
+                                 "compare_kernel": args.compare_kernel,
                                  "num_kv_blocks": blocks, "block_size": bs}))
     runner = ModelRunner.from_model_dir(cfg)
+    runners = [("", runner)]
+    if args.compare_kernel:
+        other = ModelRunner.from_model_dir(cfg.replace(attention_kernel=args.compare_kernel))
+        runners = [(runner.attention.name, runner), (other.attention.name, other)]
     b_info = runner.backend_info
     print("backend:", json.dumps({"platform": b_info.platform, "device_kind": b_info.device_kind,
                                   "devices": b_info.device_count, "dtype": b_info.dtype,
-                                  "attention": b_info.attention_kernel, "why": runner.attention.reason}))
+                                  "attention": b_info.attention_kernel, "why": runner.attention.reason,
+                                  "matmul": runner.matmul.name}))
     vocab = runner.model_config.vocab_size
     rows: list[dict[str, object]] = []
-
-    pre = _prefill_plan(args.prefill, vocab, bs)
-    first = _timed(lambda: runner.execute(pre), 1)[0]
-    times = _timed(lambda: runner.execute(pre), max(3, args.repeat // 3))
-    med = statistics.median(times)
-    rows.append({"test": f"prefill {args.prefill}", "tokens/s": round(args.prefill / med, 1),
-                 "step ms p50": round(med * 1e3, 1), "compile s": round(first - med, 2)})
-    for b in batches:
-        plan = _decode_plan(b, args.context, bs, vocab)
-        first = _timed(lambda: runner.execute(plan), 1)[0]
-        times = _timed(lambda: runner.execute(plan), args.repeat)
-        med = statistics.median(times)
-        rows.append({"test": f"decode batch {b} @ctx {args.context}", "tokens/s": round(b / med, 1),
-                     "step ms p50": round(med * 1e3, 1), "compile s": round(first - med, 2)})
+    plans = [(f"prefill {args.prefill}", args.prefill, _prefill_plan(args.prefill, vocab, bs), max(3, args.repeat // 3))]
+    plans += [(f"decode batch {b} @ctx {args.context}", b, _decode_plan(b, args.context, bs, vocab), args.repeat)
+              for b in batches]
+    ratios: list[dict[str, object]] = []
+    for test, tokens, plan, repeat in plans:
+        first = {label: _timed(lambda r=r: r.execute(plan), 1)[0] for label, r in runners}
+        times: dict[str, list[float]] = {label: [] for label, _ in runners}
+        for _ in range(repeat):  # alternate the runners step by step
+            for label, r in runners:
+                times[label] += _timed(lambda r=r: r.execute(plan), 1)
+        for label, _ in runners:
+            med = statistics.median(times[label])
+            rows.append({"test": test + (f" [{label}]" if label else ""), "tokens/s": round(tokens / med, 1),
+                         "step ms p50": round(med * 1e3, 1), "compile s": round(first[label] - med, 2)})
+        if len(runners) == 2:
+            (a, _), (b, _) = runners
+            ratios.append({"test": test, f"{a} / {b} speed": round(statistics.median(times[b])
+                                                                     / statistics.median(times[a]), 3)})
     print_table(rows)
+    if ratios:
+        print_table(ratios)
     if args.json:
         with open(args.json, "a") as f:
             for r in rows:
