@@ -66,7 +66,7 @@ class EngineConfig:
     """Token budget of one step (prefill chunks + decodes + drafts)."""
     prefill_chunk: int = 512
     """Longest piece of one prompt computed in one step; 0 disables chunking."""
-    token_buckets: tuple[int, ...] = (1, 4, 16, 32, 64, 128, 256, 512)
+    token_buckets: tuple[int, ...] = (1, 4, 8, 16, 32, 64, 128, 256, 512)
     """Padded token counts of the compiled step, ascending; the last >= max_num_batched_tokens."""
     seq_buckets: tuple[int, ...] = (1, 4, 16, 64)
     """Padded sequence counts of the compiled step, ascending; the last >= max_num_seqs."""
