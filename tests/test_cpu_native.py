@@ -86,6 +86,17 @@ def test_bad_block_table_is_an_error_not_a_read() -> None:
         jax.block_until_ready(jax.jit(cpu_native.paged_attention)(q, kn, vn, kc, vc, layer, meta))
 
 
+def test_mismatched_cache_shapes_are_an_error() -> None:
+    q, kn, vn, kc, vc, layer, meta = _smol_case(np.random.default_rng(1), [40, 3], 1)
+    qg = q.reshape(q.shape[0], 3, 3, 64) * 0.125
+    with pytest.raises(Exception, match="v_cache is not"):
+        jax.block_until_ready(cpu_native.cached_state(qg, kc, vc[:, :-1], layer, meta))
+    with pytest.raises(Exception, match="start_pos is not"):
+        short = AttnMetadata(seq_idx=meta.seq_idx, positions=meta.positions, start_pos=meta.start_pos[:1],
+                             block_tables=meta.block_tables)
+        jax.block_until_ready(cpu_native.cached_state(qg, kc, vc, layer, short))
+
+
 def _probe(dtype: jnp.dtype) -> tuple:
     q, kn, vn, kc, vc, layer, meta = _smol_case(np.random.default_rng(2), [20], 1)
     return (q, kn, vn, kc.astype(dtype), vc.astype(dtype), layer, meta)

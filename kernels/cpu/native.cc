@@ -185,6 +185,13 @@ ffi::Error Cached(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi
             acc->typed_data(), qd[0], qd[1], qd[2], qd[3], kd[1], kd[4], td[0], td[1],
             static_cast<int64_t>(layer.typed_data()[0])};
   if (kd[2] != p.Hk || kd[3] != p.hd) return ffi::Error::InvalidArgument("cache heads or head_dim differ from q");
+  const auto vd = v_cache.dimensions();
+  if (vd.size() != 5 || vd[0] != kd[0] || vd[1] != kd[1] || vd[2] != kd[2] || vd[3] != kd[4] || vd[4] != kd[3])
+    return ffi::Error::InvalidArgument("v_cache is not [L,NB,Hk,bs,hd] of k_cache's sizes");
+  if (seq_idx.dimensions().size() != 1 || seq_idx.dimensions()[0] != p.T)
+    return ffi::Error::InvalidArgument("seq_idx is not [T]");
+  if (start_pos.dimensions().size() != 1 || start_pos.dimensions()[0] != p.S)
+    return ffi::Error::InvalidArgument("start_pos is not [S] of the block tables' S");
   if (p.layer >= kd[0]) return ffi::Error::InvalidArgument("layer out of range");
   if (ffi::Error err = check(p); err.failure()) return err;
 
