@@ -22,7 +22,8 @@ and kernels/select.py falls back to the reference with that reason.
 Why small_matmul: XLA:CPU runs a matrix-vector product on one thread; a decode step of one
 sequence is 120 of them in a dependent chain (~19 GB/s of weights). Split by rows of w over both
 threads, 8 rows of w per pass: 1.24x at 1 row, 1.40x at 2, 1.50x at 4, 1.25x at 8, even at 16
-(30 SmolLM2 layers' matmuls alone).
+(30 SmolLM2 layers' matmuls alone). int8 weights, one row: 1.36x XLA's int8 dot (which pads
+to 4 rows; at 4 and 8 rows XLA's is 1.6-2.2x faster than this kernel, so it keeps them).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +47,7 @@ from kernels.paged_attention import AttnMetadata, _local
 SOURCE = Path(__file__).parent / "cpu" / "native.cc"
 TARGET = "tl_paged_attention_cached"
 GEMV_TARGET = "tl_gemv"
+GEMV_INT8_TARGET = "tl_gemv_int8"
 GEMV_MAX_ROWS = 8  # above this XLA's own dot is as fast
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-std=c++17", "-shared", "-fPIC")
 
@@ -113,13 +116,25 @@ def register() -> None:
     lib = ctypes.cdll.LoadLibrary(str(build()))
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.TlPagedAttentionCached), platform="cpu")
     jax.ffi.register_ffi_target(GEMV_TARGET, jax.ffi.pycapsule(lib.TlGemv), platform="cpu")
+    jax.ffi.register_ffi_target(GEMV_INT8_TARGET, jax.ffi.pycapsule(lib.TlGemvInt8), platform="cpu")
     _registered = True
 
 
-def small_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [N,K] @ w [K,*out] -> [N,*out]: the native kernel for few float32 rows, else XLA's dot."""
-    if x.shape[0] > GEMV_MAX_ROWS or x.dtype != jnp.float32 or w.dtype != jnp.float32:
-        return lax.dot_general(x, w, (((1,), (0,)), ((), ())))
+def small_matmul(x: jax.Array, w: Any) -> jax.Array | None:
+    """x [N,K] times w -> [N,*out] by the native kernels for few float32 rows, else None (the
+    caller's own matmul). w: float32 [K,*out], or int8 {"q" [*out,K], "scale" [*out]} (as in
+    tl/model/llama.py, with its W8A8 arithmetic bit for bit)."""
+    if x.shape[0] > GEMV_MAX_ROWS or x.dtype != jnp.float32:
+        return None
+    if isinstance(w, dict):
+        q, scale = w["q"], w["scale"]
+        if x.shape[0] > 1 or q.dtype != jnp.int8 or scale.dtype != jnp.float32:
+            return None  # one row only: XLA's int8 dot pads to 4 rows and is faster from 2 rows on
+        register()
+        out = jax.ShapeDtypeStruct((x.shape[0], *q.shape[:-1]), jnp.float32)
+        return jax.ffi.ffi_call(GEMV_INT8_TARGET, out)(x, q, scale)
+    if w.dtype != jnp.float32:
+        return None
     register()
     out = jax.ShapeDtypeStruct((x.shape[0], *w.shape[1:]), jnp.float32)
     return jax.ffi.ffi_call(GEMV_TARGET, out)(x, w)

@@ -39,7 +39,7 @@ class Choice:
 
 @dataclass(frozen=True)
 class MatmulChoice:
-    fn: Callable[[jax.Array, jax.Array], jax.Array] | None  # None: XLA's dot
+    fn: Callable[[jax.Array, Any], jax.Array | None] | None  # None: XLA's dot (so where fn returns None)
     name: str  # "xla" or "cpu_native"
     reason: str
 

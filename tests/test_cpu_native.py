@@ -148,9 +148,31 @@ def test_small_matmul_matches_xla(rows: int, shape: tuple[int, ...]) -> None:
 def test_small_matmul_leaves_many_rows_and_bf16_to_xla() -> None:
     x = jnp.ones((cpu_native.GEMV_MAX_ROWS + 1, 8), jnp.float32)
     w = jnp.ones((8, 4), jnp.float32)
-    assert "ffi" not in str(jax.make_jaxpr(cpu_native.small_matmul)(x, w))
+    assert cpu_native.small_matmul(x, w) is None
+    assert cpu_native.small_matmul(x[:2].astype(jnp.bfloat16), w.astype(jnp.bfloat16)) is None
     assert "ffi" in str(jax.make_jaxpr(cpu_native.small_matmul)(x[:2], w))
-    assert "ffi" not in str(jax.make_jaxpr(cpu_native.small_matmul)(x[:2].astype(jnp.bfloat16), w.astype(jnp.bfloat16)))
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("shape", [(576, 960), (3, 5, 64), (7, 3), (37, 2)], ids=["qkv", "3d_out", "tiny", "odd_k"])
+def test_small_matmul_int8_is_bitwise_xla_w8a8(rows: int, shape: tuple[int, ...]) -> None:
+    """The native int8 kernel (one row; more rows stay with XLA) reproduces llama.linear's W8A8
+    arithmetic exactly."""
+    from tl.model import llama
+
+    rng = np.random.default_rng(rows)
+    w = rng.standard_normal((shape[0], int(np.prod(shape[1:]))), dtype=np.float32)  # [in, out]
+    qw = llama.quantize_int8(w.T)
+    q = jnp.asarray(qw["q"].reshape(*shape[1:], shape[0]))
+    wq = {"q": q, "scale": jnp.asarray(qw["scale"].reshape(shape[1:]))}
+    x = jnp.asarray(rng.standard_normal((rows, shape[0]), dtype=np.float32)) * 3
+    if rows > 1:
+        assert cpu_native.small_matmul(x, wq) is None
+        return
+    got = np.asarray(jax.jit(cpu_native.small_matmul)(x, wq))
+    want = np.asarray(jax.jit(llama.linear)(x, wq))
+    assert got.shape == want.shape
+    np.testing.assert_array_equal(got, want)
 
 
 def test_matmul_choice_follows_attention() -> None:

@@ -92,7 +92,7 @@ def _step(params: llama.Params, kv: tuple[jax.Array, jax.Array], inp: StepInputs
     on_trace()
     hidden, kv = llama.forward(params, cfg, inp.token_ids, inp.positions, kv, inp.kv_blocks, inp.kv_offsets,
                                inp.meta, attention, matmul)
-    logits = llama.lm_logits(params, cfg, hidden[inp.row_token])
+    logits = llama.lm_logits(params, cfg, hidden[inp.row_token], matmul)
     return kv, sample(logits, sb, pen), logits
 
 

@@ -5,7 +5,8 @@
 // sequence) into a softmax state (m, l, acc), reading the blocks of the stored cache layout
 // (kernels/paged_attention.py: K [L, NB, Hk, hd, bs], V [L, NB, Hk, bs, hd]) in place, token
 // ranges on the threads of XLA's intra-op pool. (2) TlGemv: y [N, O] = x [N, K] @ w [K, O] for
-// N <= 16, w's rows split into contiguous ranges over the threads.
+// N <= 16, w's rows split into contiguous ranges over the threads. (3) TlGemvInt8: the same for
+// int8 weights stored [O, K] with a scale per output row (W8A8, XLA's arithmetic exactly).
 // Must not: write anything but its outputs. Built and loaded by kernels/cpu_native.py; tested
 // by tests/test_cpu_native.py against the jnp reference and XLA's dot.
 //
@@ -24,6 +25,10 @@
 #include <mutex>
 #include <thread>
 #include <vector>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 #include "xla/ffi/api/ffi.h"
 
@@ -298,6 +303,78 @@ ffi::Error Gemv(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::
   return ffi::Error::Success();
 }
 
+// y [N, O] = x [N, K] @ (q [O, K] * scale [O])^T for a few rows N, int8 weights stored one row
+// per output (tl/model/llama.py's int8 linears), with exactly the arithmetic of llama.linear's
+// W8A8 path: each x row quantized to int8 by its max |x| / 127 (round half to even), an exact
+// int32 dot per output, then float(acc) * x_scale * scale. Compiled without fast-math, so that
+// division and the two products round as XLA's do: the result is bit for bit XLA's.
+#define TL_STRICT_MATH __attribute__((optimize("no-fast-math")))
+
+// Exact int32 dot of two int8 vectors (AVX2: widened to int16, multiply-added in pairs).
+inline int32_t dot_i8(const int8_t* a, const int8_t* b, int64_t K) {
+  int64_t k = 0;
+  int32_t r = 0;
+#if defined(__AVX2__)
+  __m256i acc = _mm256_setzero_si256();
+  for (; k + 16 <= K; k += 16) {
+    const __m256i va = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a + k)));
+    const __m256i vb = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + k)));
+    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(va, vb));
+  }
+  __m128i h = _mm_add_epi32(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
+  h = _mm_hadd_epi32(h, h);
+  h = _mm_hadd_epi32(h, h);
+  r = _mm_cvtsi128_si32(h);
+#endif
+  for (; k < K; ++k) r += static_cast<int32_t>(a[k]) * static_cast<int32_t>(b[k]);
+  return r;
+}
+
+TL_STRICT_MATH void quantize_rows(const float* X, int64_t N, int64_t K, int8_t* xq, float* x_scale) {
+  for (int64_t n = 0; n < N; ++n) {
+    float mx = 0.0f;
+    for (int64_t k = 0; k < K; ++k) mx = std::max(mx, std::fabs(X[n * K + k]));
+    const float sc = std::max(mx, 1e-12f) / 127.0f;
+    x_scale[n] = sc;
+    for (int64_t k = 0; k < K; ++k) xq[n * K + k] = static_cast<int8_t>(std::nearbyint(X[n * K + k] / sc));
+  }
+}
+
+TL_STRICT_MATH float rescale(int32_t acc, float x_scale, float w_scale) {
+  const float t = static_cast<float>(acc) * x_scale;
+  return t * w_scale;
+}
+
+ffi::Error GemvInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> q,
+                    ffi::Buffer<ffi::F32> scale, ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions();
+  const auto qd = q.dimensions();
+  if (xd.size() != 2 || qd.size() < 2 || xd[1] != qd[qd.size() - 1])
+    return ffi::Error::InvalidArgument("expected x [N,K] and q [...,K]");
+  const int64_t N = xd[0], K = xd[1];
+  const int64_t O = static_cast<int64_t>(q.element_count()) / K;
+  if (static_cast<int64_t>(scale.element_count()) != O) return ffi::Error::InvalidArgument("scale is not [...] of q's rows");
+  if (N > 16) return ffi::Error::InvalidArgument("gemv takes at most 16 rows");
+  std::vector<int8_t> xq(static_cast<size_t>(N * K));
+  float x_scale[16];
+  quantize_rows(x.typed_data(), N, K, xq.data(), x_scale);
+  const int8_t* Q = q.typed_data();
+  const float* S = scale.typed_data();
+  float* Y = y->typed_data();
+  constexpr int64_t kRows = 256;  // output rows per task
+  const int64_t tasks = (O + kRows - 1) / kRows;
+  parallel_for(pool, tasks, [&](int64_t task) {
+    const int64_t o0 = task * kRows, o1 = std::min(O, o0 + kRows);
+    for (int64_t o = o0; o < o1; ++o) {
+      const int8_t* row = Q + o * K;
+      for (int64_t n = 0; n < N; ++n) {
+        Y[n * O + o] = rescale(dot_i8(xq.data() + n * K, row, K), x_scale[n], S[o]);
+      }
+    }
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TlPagedAttentionCached, Cached,
@@ -319,4 +396,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TlGemv, Gemv,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()   // x [N, K]
                                   .Arg<ffi::Buffer<ffi::F32>>()   // w [K, ...]
+                                  .Ret<ffi::Buffer<ffi::F32>>()); // y [N, ...]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TlGemvInt8, GemvInt8,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // x [N, K]
+                                  .Arg<ffi::Buffer<ffi::S8>>()    // q [..., K]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // scale [...]
                                   .Ret<ffi::Buffer<ffi::F32>>()); // y [N, ...]

@@ -226,17 +226,18 @@ def step_params(params: Params, cfg: ModelConfig, weight_dtype: WeightDType = "f
     return out
 
 
-Matmul = Callable[[jax.Array, jax.Array], jax.Array]
-"""x [N,in], float w [in,*out] -> [N,*out]: a backend's matmul for float weights (kernels/select.py)."""
+Matmul = Callable[[jax.Array, Any], "jax.Array | None"]
+"""(x [N,in], w as `linear` takes it) -> [N,*out], or None where it does not apply: a backend's
+matmul (kernels/select.py; the native CPU kernels for few rows)."""
 
 
 def linear(x: jax.Array, w: Any, matmul: Matmul | None = None) -> jax.Array:
     """x [N,in] times w -> [N,*out]: a float [in,*out] array, or int8 {"q" [*out,in], "scale" [*out]}
     (W8A8, f32 out). The out axes stay apart so that their sharding (tl/backend.py) carries over.
-    matmul, if given, does the float case (e.g. the native CPU kernel for few rows)."""
+    matmul, if given, goes first; where it returns None XLA's dot does the work."""
+    if matmul is not None and (y := matmul(x, w)) is not None:
+        return y.astype(x.dtype)
     if not isinstance(w, dict):
-        if matmul is not None:
-            return matmul(x, w)
         return lax.dot_general(x, w, (((1,), (0,)), ((), ())))
     n, q = x.shape[0], w["q"]
     xf = jnp.pad(x.astype(jnp.float32), ((0, max(0, _INT8_MIN_ROWS - n)), (0, 0)))
@@ -355,12 +356,12 @@ def _layer(x: jax.Array, lp: Params, cfg: ModelConfig, rope: tuple[jax.Array, ja
     return x + mlp(rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps), lp, matmul)
 
 
-def lm_logits(params: Params, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
-    """Final norm then the LM head: hidden [N,D] -> float32 logits [N,V]."""
+def lm_logits(params: Params, cfg: ModelConfig, hidden: jax.Array, matmul: Matmul | None = None) -> jax.Array:
+    """Final norm then the LM head: hidden [N,D] -> float32 logits [N,V] (matmul: int8 heads only)."""
     h = rms_norm(hidden, params["final_norm"], cfg.rms_norm_eps)
     w = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
     if isinstance(w, dict):  # int8 [V,D]: already [out,in]
-        return linear(h, w).astype(jnp.float32)
+        return linear(h, w, matmul).astype(jnp.float32)
     if cfg.tie_word_embeddings:  # contract with embed [V,D] directly: `h @ embed.T` copied 113 MB a step
         return lax.dot_general(h, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
     return jnp.dot(h, w, preferred_element_type=jnp.float32)
