@@ -2,7 +2,9 @@
 
 The step shape continuous batching produces under load (decodes first, then prefill work).
 Times it with the cached-attention row split on (the default) and off, interleaved in one run,
-and prints both medians and their ratio. Run: `python -m bench mixed`.
+and prints both medians and their ratio. The split is a form of the jnp reference's cached part,
+so the runner uses `--attention-kernel reference` unless told otherwise (cpu_native reads each
+token's blocks itself and ignores it). Run: `python -m bench mixed`.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ def run(argv: Sequence[str]) -> int:
     ap.add_argument("--prompt", type=int, default=452)
     ap.add_argument("--repeat", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--attention-kernel", default="reference", help="the row split applies to the reference")
     args = ap.parse_args(argv)
     print("config:", json.dumps(vars(args)))
 
@@ -48,7 +51,8 @@ def run(argv: Sequence[str]) -> int:
     bs, tokens = 16, args.decodes + args.prompt
     blocks = args.decodes * (args.context // bs + 2) + args.prompt // bs + 8
     cfg = EngineConfig(model_dir=args.model, num_kv_blocks=blocks, token_buckets=(tokens,),
-                       seq_buckets=(args.decodes + 1,), max_num_seqs=args.decodes + 1, max_num_batched_tokens=tokens)
+                       seq_buckets=(args.decodes + 1,), max_num_seqs=args.decodes + 1, max_num_batched_tokens=tokens,
+                       attention_kernel=args.attention_kernel)
     runner = ModelRunner.from_model_dir(cfg)
     plan = _plan(args.decodes, args.context, args.prompt, bs)
     split = ModelRunner._pack_tokens
