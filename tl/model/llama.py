@@ -243,7 +243,10 @@ def linear(x: jax.Array, w: Any, matmul: Matmul | None = None) -> jax.Array:
     xf = jnp.pad(x.astype(jnp.float32), ((0, max(0, _INT8_MIN_ROWS - n)), (0, 0)))
     x_scale = jnp.maximum(jnp.max(jnp.abs(xf), axis=1, keepdims=True), 1e-12) / 127.0
     xq = jnp.round(xf / x_scale).astype(jnp.int8)
-    acc = lax.dot_general(xq, q, (((1,), (q.ndim - 1,)), ((), ())), preferred_element_type=jnp.int32)
+    # q as the left operand ([*out, in] is then the dot's natural [M, K]): with q on the right,
+    # XLA:CPU copied every int8 weight into [in, out] every step (44 of 61 ms at 4 rows).
+    acc = jnp.moveaxis(lax.dot_general(q, xq, (((q.ndim - 1,), (1,)), ((), ())), preferred_element_type=jnp.int32),
+                       -1, 0)
     row_scale = x_scale[:n].reshape((n,) + (1,) * (q.ndim - 1))
     return (acc[:n].astype(jnp.float32) * row_scale * w["scale"]).astype(x.dtype)
 
