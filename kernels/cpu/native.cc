@@ -18,11 +18,9 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
-#include <condition_variable>
 #include <cstdint>
 #include <cstring>
 #include <limits>
-#include <mutex>
 #include <thread>
 #include <vector>
 
@@ -150,9 +148,25 @@ FoldFn pick(const Problem& p) {
   return fold_token<0, 0>;
 }
 
-void fold_range(const Problem& p, int64_t t0, int64_t t1) {
-  const FoldFn fold = pick(p);
-  for (int64_t t = t0; t < t1; ++t) fold(p, t);
+// Runs fn(i) for i in [0, n) over the pool's threads, this thread taking part; returns when
+// all are done (every helper has left: the work items live on this thread's stack). The
+// waiting is a spin (the other pool thread is usually idle).
+template <typename F>
+void parallel_for(ffi::ThreadPool& pool, int64_t n, F&& fn) {
+  std::atomic<int64_t> next{0};
+  auto work = [&] {
+    for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) fn(i);
+  };
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), n) - 1;
+  std::atomic<int64_t> helpers_out{std::max<int64_t>(helpers, 0)};
+  for (int64_t h = 0; h < helpers; ++h) {
+    pool.Schedule([&] {
+      work();
+      helpers_out.fetch_sub(1, std::memory_order_release);
+    });
+  }
+  work();
+  while (helpers_out.load(std::memory_order_acquire) > 0) std::this_thread::yield();
 }
 
 // Every table entry a token will read must name a block of the cache: a bad table is an
@@ -200,60 +214,15 @@ ffi::Error Cached(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi
   if (p.layer >= kd[0]) return ffi::Error::InvalidArgument("layer out of range");
   if (ffi::Error err = check(p); err.failure()) return err;
 
-  // Split the tokens over the pool's threads; this thread takes the first range itself.
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), p.T));
-  const int64_t per = (p.T + threads - 1) / threads;
-  std::mutex mu;
-  std::condition_variable cv;
-  int64_t pending = 0;
-  for (int64_t i = 1; i < threads; ++i) {
-    const int64_t t0 = i * per, t1 = std::min(p.T, t0 + per);
-    if (t0 >= t1) break;
-    {
-      std::lock_guard<std::mutex> lock(mu);
-      ++pending;
-    }
-    pool.Schedule([&, t0, t1] {
-      fold_range(p, t0, t1);
-      std::lock_guard<std::mutex> lock(mu);
-      if (--pending == 0) cv.notify_one();
-    });
-  }
-  fold_range(p, 0, std::min(p.T, per));
-  std::unique_lock<std::mutex> lock(mu);
-  cv.wait(lock, [&] { return pending == 0; });
+  // Token ranges over the pool's threads (a few per thread: padding tokens cost nothing).
+  const FoldFn fold = pick(p);
+  constexpr int64_t kTokens = 8;
+  parallel_for(pool, (p.T + kTokens - 1) / kTokens, [&](int64_t i) {
+    for (int64_t t = i * kTokens; t < std::min(p.T, (i + 1) * kTokens); ++t) fold(p, t);
+  });
   return ffi::Error::Success();
 }
 
-
-// Runs fn(i) for i in [0, n) over the pool's threads, this thread taking part; returns when
-// all are done. The waiting is a spin on an atomic (the other pool thread is usually idle).
-template <typename F>
-void parallel_for(ffi::ThreadPool& pool, int64_t n, F&& fn) {
-  if (n <= 1) {
-    if (n == 1) fn(0);
-    return;
-  }
-  std::atomic<int64_t> next{0}, done{0};
-  auto work = [&] {
-    for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) {
-      fn(i);
-      done.fetch_add(1, std::memory_order_release);
-    }
-  };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), n) - 1;
-  std::atomic<int64_t> helpers_out{helpers};
-  for (int64_t h = 0; h < helpers; ++h) {
-    pool.Schedule([&] {
-      work();
-      helpers_out.fetch_sub(1, std::memory_order_release);
-    });
-  }
-  work();
-  while (done.load(std::memory_order_acquire) < n || helpers_out.load(std::memory_order_acquire) > 0) {
-    std::this_thread::yield();
-  }
-}
 
 // y [N, O] = x [N, K] @ w [K, O] for a few rows N: w's rows split into contiguous ranges over
 // the threads (each streams its part of w once, front to back), partial sums added at the end.
