@@ -3,8 +3,8 @@
 Owns: building kernels/cpu/native.cc into a shared library on first use (g++, cached per
 source, jaxlib version and CPU), registering its FFI targets, `paged_attention` with the
 reference's contract (the reference's local part plus the native cached part) and
-`small_matmul` (x [N,K] @ w [K,...]: native for N <= GEMV_MAX_ROWS float32 rows, XLA's dot
-otherwise). Must not: write the cache, know about requests. Tested by tests/test_cpu_native.py
+`small_matmul` (x [N,K] @ w: native for N <= GEMV_MAX_ROWS float32 rows, one row for int8
+weights; None otherwise, and the caller's own dot runs). Must not: write the cache, know about requests. Tested by tests/test_cpu_native.py
 against kernels/paged_attention.py's reference and XLA's dot.
 
 Why: on XLA:CPU the cached part (keys already in the cache) is a gather of every block into a
@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from kernels.paged_attention import AttnMetadata, _local
+from kernels.paged_attention import AttnMetadata, local_state
 
 SOURCE = Path(__file__).parent / "cpu" / "native.cc"
 TARGET = "tl_paged_attention_cached"
@@ -95,7 +95,7 @@ def build() -> Path:
     os.close(fd)
     cmd = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", tmp]
     try:
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
         if res.returncode != 0:
             raise NativeUnavailable(f"building {SOURCE.name} failed: {res.stderr.strip()[-2000:]}")
         os.replace(tmp, out)
@@ -161,7 +161,7 @@ def paged_attention(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_cache: j
     T, Hq, hd = q.shape
     Hk = k_new.shape[1]
     qg = q.reshape(T, Hk, Hq // Hk, hd).astype(jnp.float32) * (hd ** -0.5)
-    m1, l1, acc1 = _local(qg, k_new.astype(jnp.float32), v_new.astype(jnp.float32), meta)
+    m1, l1, acc1 = local_state(qg, k_new.astype(jnp.float32), v_new.astype(jnp.float32), meta)
 
     def with_cached() -> jax.Array:
         m2, l2, acc2 = cached_state(qg, k_cache, v_cache, layer, meta)

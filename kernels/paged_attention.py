@@ -67,10 +67,14 @@ K_AXES = (0, 1, 3, 4, 2)  # stored K axes, as logical [L, NB, bs, Hk, hd] axes: 
 V_AXES = (0, 1, 3, 2, 4)  # stored V: [L, NB, Hk, bs, hd]
 
 
-def _axes(kind: str) -> tuple[int, ...]:
+def _is_k(kind: str) -> bool:
     if kind not in ("k", "v"):
         raise ValueError(f"kind must be 'k' or 'v', got {kind!r}")
-    return K_AXES if kind == "k" else V_AXES
+    return kind == "k"
+
+
+def _axes(kind: str) -> tuple[int, ...]:
+    return K_AXES if _is_k(kind) else V_AXES
 
 
 def cache_shape(kind: str, layers: int, blocks: int, block_size: int, kv_heads: int, head_dim: int) -> tuple[int, ...]:
@@ -87,16 +91,15 @@ def to_stored(kind: str, logical: Any) -> Any:
 def layer_pages(cache: jax.Array, kind: str, layer: jax.Array) -> jax.Array:
     """One layer of a stored cache as logical pages [NB, bs, Hk, hd] (a copy: for kernels with their own layout)."""
     x = cache[layer]
-    return x.transpose(0, 3, 1, 2) if kind == "k" else x.transpose(0, 2, 1, 3)
+    return x.transpose(0, 3, 1, 2) if _is_k(kind) else x.transpose(0, 2, 1, 3)
 
 
 def write_kv(cache: jax.Array, kind: str, layer: int | jax.Array, blocks: jax.Array, offsets: jax.Array,
              x: jax.Array) -> jax.Array:
     """cache with x [T, Hk, hd] written at slots (blocks[t], offsets[t]) of `layer` (in place when donated)."""
     x = x.astype(cache.dtype)
-    if kind == "k":
+    if _is_k(kind):
         return cache.at[layer, blocks, :, :, offsets].set(x)
-    _axes(kind)
     return cache.at[layer, blocks, :, offsets].set(x)
 
 
@@ -110,25 +113,25 @@ def load_kv(cache: jax.Array, kind: str, layer: jax.Array, blocks: jax.Array, dt
 
     K: [N, Hk, hd, C*bs], V: [N, Hk, C*bs, hd]; with heads_first, K: [Hk, hd, N*C*bs], V: [Hk, N*C*bs, hd].
     """
-    N, C = blocks.shape
+    N = blocks.shape[0]
     idx = jnp.stack([jnp.broadcast_to(jnp.asarray(layer, blocks.dtype), blocks.shape), blocks], axis=-1)
     slice_sizes = (1, 1, *cache.shape[2:])
-    if kind == "k":  # slice [Hk, hd, bs]
+    is_k = _is_k(kind)
+    if is_k:  # slice [Hk, hd, bs]
         offset_dims = (0, 1, 4) if heads_first else (1, 2, 4)
     else:  # slice [Hk, bs, hd]
-        _axes(kind)
         offset_dims = (0, 3, 4) if heads_first else (1, 3, 4)
     dn = lax.GatherDimensionNumbers(offset_dims=offset_dims, collapsed_slice_dims=(0, 1), start_index_map=(0, 1))
     x = lax.gather(cache, idx, dn, slice_sizes, mode=lax.GatherScatterMode.PROMISE_IN_BOUNDS)
     hk = cache.shape[2]
     if heads_first:
-        shape = (hk, cache.shape[3], -1) if kind == "k" else (hk, -1, cache.shape[4])
+        shape = (hk, cache.shape[3], -1) if is_k else (hk, -1, cache.shape[4])
     else:
-        shape = (N, hk, cache.shape[3], -1) if kind == "k" else (N, hk, -1, cache.shape[4])
+        shape = (N, hk, cache.shape[3], -1) if is_k else (N, hk, -1, cache.shape[4])
     return _decode(x.reshape(shape), dtype)
 
 
-def _local(qg: jax.Array, k: jax.Array, v: jax.Array, meta: AttnMetadata) -> tuple[jax.Array, ...]:
+def local_state(qg: jax.Array, k: jax.Array, v: jax.Array, meta: AttnMetadata) -> tuple[jax.Array, ...]:
     """Softmax state (m, l [T,Hk,G], acc [T,Hk,G,hd]) of each token over this step's tokens.
 
     Computed as Hk matmuls [T*G, hd] x [hd, T] (query rows of a KV head stacked): the direct
@@ -245,6 +248,6 @@ def paged_attention(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_cache: j
     T, Hq, hd = q.shape
     Hk = k_new.shape[1]
     qg = q.reshape(T, Hk, Hq // Hk, hd).astype(jnp.float32) * (hd ** -0.5)
-    state = _local(qg, k_new.astype(jnp.float32), v_new.astype(jnp.float32), meta)
+    state = local_state(qg, k_new.astype(jnp.float32), v_new.astype(jnp.float32), meta)
     _, l, acc = _cached(qg, k_cache, v_cache, layer, meta, state)
     return (acc / l[..., None]).reshape(T, Hq, hd).astype(q.dtype)

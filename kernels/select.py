@@ -53,7 +53,7 @@ def select_matmul(attention: Choice, mesh: Mesh) -> MatmulChoice:
         return MatmulChoice(None, "xla", "tensor parallel: XLA partitions its own dot")
     from kernels import cpu_native
 
-    return MatmulChoice(cpu_native.small_matmul, "cpu_native", f"rows <= {cpu_native.GEMV_MAX_ROWS} on CPU")
+    return MatmulChoice(cpu_native.small_matmul, "cpu_native", f"CPU: float rows <= {cpu_native.GEMV_MAX_ROWS}, int8 one row")
 
 
 def _kernel(name: str, interpret: bool) -> PagedAttention:

@@ -30,8 +30,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from kernels import select as attention_select
 from kernels import paged_attention
+from kernels import select as attention_select
 from kernels.paged_attention import AttnMetadata
 from tl import backend
 from tl.config import EngineConfig
