@@ -13,22 +13,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import Mesh
-from test_paged_attention import MIXED, build_case, naive
+from test_paged_attention import MIXED, build_case, inputs, naive
 
 from kernels import cpu_native, select
 from kernels.paged_attention import AttnMetadata, paged_attention, to_stored
 
 
-def _meta(c: dict) -> AttnMetadata:
-    return AttnMetadata(seq_idx=jnp.asarray(c["seq_idx"]), positions=jnp.asarray(c["positions"]),
-                        start_pos=jnp.asarray(c["start"]), block_tables=jnp.asarray(c["tables"]), chunk_blocks=2)
-
-
 def _native(c: dict) -> np.ndarray:
-    kc, vc = to_stored("k", jnp.asarray(c["k_cache"])), to_stored("v", jnp.asarray(c["v_cache"]))
-    out = jax.jit(cpu_native.paged_attention)(jnp.asarray(c["q"]), jnp.asarray(c["k_new"]), jnp.asarray(c["v_new"]),
-                                              kc, vc, jnp.int32(c["layer"]), _meta(c))
-    return np.asarray(out)
+    return np.asarray(jax.jit(cpu_native.paged_attention)(*inputs(c)))
 
 
 @pytest.mark.parametrize("seqs", [MIXED, [(0, 9), (0, 2)], [(3, 1), (17, 1), (0, 1), (30, 1)], MIXED[:4] + [(0, 2)]],
@@ -87,7 +79,7 @@ def test_bad_block_table_is_an_error_not_a_read() -> None:
 
 
 def test_mismatched_cache_shapes_are_an_error() -> None:
-    q, kn, vn, kc, vc, layer, meta = _smol_case(np.random.default_rng(1), [40, 3], 1)
+    q, _, _, kc, vc, layer, meta = _smol_case(np.random.default_rng(1), [40, 3], 1)
     qg = q.reshape(q.shape[0], 3, 3, 64) * 0.125
     with pytest.raises(Exception, match="v_cache is not"):
         jax.block_until_ready(cpu_native.cached_state(qg, kc, vc[:, :-1], layer, meta))

@@ -64,7 +64,8 @@ def naive(c: dict) -> np.ndarray:
     return out
 
 
-def run(c: dict, chunk_blocks: int, bf16: bool = False, head_rows: int = 0) -> np.ndarray:
+def inputs(c: dict, chunk_blocks: int = 2, bf16: bool = False, head_rows: int = 0) -> tuple:
+    """A case as the arguments of the attention interface (stored cache layout; bf16 as uint16 bits)."""
     kc, vc = to_stored("k", jnp.asarray(c["k_cache"])), to_stored("v", jnp.asarray(c["v_cache"]))
     if bf16:
         kc = jax.lax.bitcast_convert_type(kc.astype(jnp.bfloat16), jnp.uint16)
@@ -72,9 +73,11 @@ def run(c: dict, chunk_blocks: int, bf16: bool = False, head_rows: int = 0) -> n
     meta = AttnMetadata(seq_idx=jnp.asarray(c["seq_idx"]), positions=jnp.asarray(c["positions"]),
                         start_pos=jnp.asarray(c["start"]), block_tables=jnp.asarray(c["tables"]),
                         chunk_blocks=chunk_blocks, head_rows=head_rows)
-    out = jax.jit(paged_attention)(jnp.asarray(c["q"]), jnp.asarray(c["k_new"]), jnp.asarray(c["v_new"]),
-                                   kc, vc, jnp.int32(c["layer"]), meta)
-    return np.asarray(out)
+    return (jnp.asarray(c["q"]), jnp.asarray(c["k_new"]), jnp.asarray(c["v_new"]), kc, vc, jnp.int32(c["layer"]), meta)
+
+
+def run(c: dict, chunk_blocks: int, bf16: bool = False, head_rows: int = 0) -> np.ndarray:
+    return np.asarray(jax.jit(paged_attention)(*inputs(c, chunk_blocks, bf16, head_rows)))
 
 
 MIXED = [(0, 7), (13, 1), (5, 1), (9, 4), (0, 1), (22, 3)]  # prefill, decodes, cached-prefix chunks

@@ -12,24 +12,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_paged_attention import MIXED, build_case, run
+from test_paged_attention import MIXED, build_case, inputs, run
 
 from kernels import pallas_gpu, pallas_tpu, select
-from kernels.paged_attention import AttnMetadata, to_stored
 
 NOT_GPU = jax.default_backend() != "gpu"  # on a GPU (bench/gpu_check.sh) the kernel runs natively
 CASES = {"mixed": (MIXED, 3), "decodes": ([(3, 1), (17, 1), (0, 1), (30, 1)], 0),
          "prefill": ([(0, 9), (0, 2)], 5), "padded_seq": ([(6, 2), (0, 0)], 2)}
-
-
-def _inputs(c: dict, bf16: bool) -> tuple:
-    kc, vc = to_stored("k", jnp.asarray(c["k_cache"])), to_stored("v", jnp.asarray(c["v_cache"]))
-    if bf16:
-        kc = jax.lax.bitcast_convert_type(kc.astype(jnp.bfloat16), jnp.uint16)
-        vc = jax.lax.bitcast_convert_type(vc.astype(jnp.bfloat16), jnp.uint16)
-    meta = AttnMetadata(seq_idx=jnp.asarray(c["seq_idx"]), positions=jnp.asarray(c["positions"]),
-                        start_pos=jnp.asarray(c["start"]), block_tables=jnp.asarray(c["tables"]), chunk_blocks=2)
-    return (jnp.asarray(c["q"]), jnp.asarray(c["k_new"]), jnp.asarray(c["v_new"]), kc, vc, jnp.int32(c["layer"]), meta)
 
 
 def _real(c: dict, x: np.ndarray) -> np.ndarray:
@@ -42,7 +31,7 @@ def test_gpu_kernel_matches_reference(case: str, bf16: bool) -> None:
     seqs, pad = CASES[case]
     c = build_case(np.random.default_rng(len(case)), seqs, pad)
     ref = run(c, chunk_blocks=2, bf16=bf16)
-    out = jax.jit(lambda *a: pallas_gpu.paged_attention(*a, interpret=NOT_GPU))(*_inputs(c, bf16))
+    out = jax.jit(lambda *a: pallas_gpu.paged_attention(*a, interpret=NOT_GPU))(*inputs(c, bf16=bf16))
     tol = 2e-2 if bf16 else 2e-5
     np.testing.assert_allclose(_real(c, np.asarray(out)), _real(c, ref), atol=tol, rtol=tol)
 
@@ -56,7 +45,7 @@ def test_tpu_adaptation_matches_reference(case: str, bf16: bool) -> None:
     seqs, pad = CASES[case]
     c = build_case(np.random.default_rng(len(case)), seqs, pad)
     ref = run(c, chunk_blocks=2, bf16=bf16)
-    out = pallas_tpu.paged_attention(*_inputs(c, bf16), impl=kernel.ref_ragged_paged_attention)
+    out = pallas_tpu.paged_attention(*inputs(c, bf16=bf16), impl=kernel.ref_ragged_paged_attention)
     tol = 2e-2 if bf16 else 2e-5
     np.testing.assert_allclose(_real(c, np.asarray(out)), _real(c, ref), atol=tol, rtol=tol)
     assert not np.asarray(out)[c["seq_idx"] < 0].any()
@@ -69,12 +58,12 @@ def test_tpu_kernel_in_interpret_mode() -> None:
     seqs, pad = CASES["mixed"]
     c = build_case(np.random.default_rng(5), seqs, pad)
     ref = run(c, chunk_blocks=2)
-    out = pallas_tpu.paged_attention(*_inputs(c, False), interpret=True)
+    out = pallas_tpu.paged_attention(*inputs(c), interpret=True)
     np.testing.assert_allclose(_real(c, np.asarray(out)), _real(c, ref), atol=2e-5, rtol=2e-5)
 
 
 def _probe(c: dict) -> tuple:
-    return tuple(jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), _inputs(c, False)))
+    return tuple(jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), inputs(c)))
 
 
 def test_selection_rules() -> None:
