@@ -85,6 +85,9 @@ def run(argv: Sequence[str]) -> int:
     runners = [("", runner)]
     if args.compare_kernel:
         other = ModelRunner.from_model_dir(cfg.replace(attention_kernel=args.compare_kernel))
+        if other.attention.name == runner.attention.name:
+            raise SystemExit(f"--compare-kernel: both runners use {runner.attention.name} "
+                             f"({other.attention.reason}); compare two different kernels")
         runners = [(runner.attention.name, runner), (other.attention.name, other)]
     b_info = runner.backend_info
     print("backend:", json.dumps({"platform": b_info.platform, "device_kind": b_info.device_kind,
@@ -98,11 +101,11 @@ def run(argv: Sequence[str]) -> int:
               for b in batches]
     ratios: list[dict[str, object]] = []
     for test, tokens, plan, repeat in plans:
-        first = {label: _timed(lambda r=r: r.execute(plan), 1)[0] for label, r in runners}
+        first = {label: _timed(lambda r=r, plan=plan: r.execute(plan), 1)[0] for label, r in runners}
         times: dict[str, list[float]] = {label: [] for label, _ in runners}
-        for _ in range(repeat):  # alternate the runners step by step
-            for label, r in runners:
-                times[label] += _timed(lambda r=r: r.execute(plan), 1)
+        for i in range(repeat):  # alternate the runners step by step, each going first in turn
+            for label, r in runners[:: 1 if i % 2 == 0 else -1]:
+                times[label] += _timed(lambda r=r, plan=plan: r.execute(plan), 1)
         for label, _ in runners:
             med = statistics.median(times[label])
             rows.append({"test": test + (f" [{label}]" if label else ""), "tokens/s": round(tokens / med, 1),
