@@ -39,7 +39,8 @@ def build_engine(cfg: EngineConfig, warmup: bool = True, warmup_embed: bool = Fa
     b = runner.backend_info
     log.info("backend %s: %d x %s over %d process(es), tensor_parallel %d (KV heads %s), dtype %s",
              b.platform, b.device_count, b.device_kind, b.process_count, b.tensor_parallel, b.kv_heads, b.dtype)
-    log.info("attention: %s (%s)", b.attention_kernel, runner.attention.reason)
+    log.info("attention: %s (%s); layer matmuls: %s (%s)", b.attention_kernel, runner.attention.reason,
+             runner.matmul.name, runner.matmul.reason)
     if warmup:
         t0 = time.perf_counter()
         runner.warmup(embed=warmup_embed)

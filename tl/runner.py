@@ -43,7 +43,6 @@ from tl.sampler import Penalties, SampleOut, SamplingBatch, pack_penalties, pack
 from tl.stats import BackendInfo
 
 ATTN_CHUNK_TOKENS = 128  # keys per iteration of the cached-attention loop (rounded to whole blocks)
-KV_SPEC = backend.KV_SHARDED  # KV heads split by TP (tl/backend.py)
 
 
 @dataclass(frozen=True)
