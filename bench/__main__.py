@@ -1,4 +1,4 @@
-"""`python -m bench <name> [args]` (also `tl bench ...`): runner | engine | mixed | http | quant."""
+"""`python -m bench <name> [args]` (also `tl bench ...`): runner | engine | mixed | http | quant | kernels."""
 
 from __future__ import annotations
 
@@ -22,8 +22,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from bench.http_bench import run
     elif name == "quant":
         from bench.quant_bench import run
+    elif name == "kernels":
+        from bench.kernels_bench import run
     else:
-        print(f"unknown benchmark {name!r}; choose runner, engine, mixed, http or quant", file=sys.stderr)
+        print(f"unknown benchmark {name!r}; choose runner, engine, mixed, http, quant or kernels", file=sys.stderr)
         return 2
     return run(rest)
 
