@@ -134,7 +134,8 @@ def run(argv: Sequence[str]) -> int:
         xla, nat_mm = _linear_chain(None), _linear_chain(cpu_native.small_matmul)
         for n in row_counts:
             x = jnp.asarray(rng.standard_normal((n, D), dtype=np.float32))
-            med = _alternate({"xla": lambda x=x: xla(ws, x), "native": lambda x=x: nat_mm(ws, x)}, args.repeat)
+            med = _alternate({"xla": lambda x=x, f=xla, ws=ws: f(ws, x),
+                              "native": lambda x=x, f=nat_mm, ws=ws: f(ws, x)}, args.repeat)
             add(f"layer matmuls {'int8' if int8 else 'float32'}, {n} row{'s' if n > 1 else ''}", med, "xla", "native")
     print_table(rows)
     return 0

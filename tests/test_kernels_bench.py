@@ -13,6 +13,6 @@ def test_kernels_bench_prints_every_row(capsys: pytest.CaptureFixture[str]) -> N
     assert kernels_bench.run(["--batch", "2", "--context", "32", "--rows", "1,2", "--repeat", "1"]) == 0
     out = capsys.readouterr().out
     tests = re.findall(r"^\| (attention|layer matmuls)[^|]*\| (reference|xla) \| [\d.]+ \| [\d.]+ \| ([\d.]+) \|$",
-                       out, re.M)
+                       out, re.MULTILINE)
     assert len(tests) == 4, out  # attention, float32 x 2 row counts, int8
     assert all(float(speedup) > 0 for *_, speedup in tests)
