@@ -8,6 +8,8 @@ kernels/select.py and one runner step with the GPU kernel inside the compiled pr
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -25,30 +27,34 @@ def _real(c: dict, x: np.ndarray) -> np.ndarray:
     return x[c["seq_idx"] >= 0]
 
 
-@pytest.mark.parametrize("bf16", [False, True], ids=["f32", "bf16"])
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_gpu_kernel_matches_reference(case: str, bf16: bool) -> None:
+def _assert_matches_reference(case: str, bf16: bool, kernel: Callable[..., jax.Array]) -> np.ndarray:
+    """Run `kernel` on one of CASES; its real rows must match the reference's. Returns its output."""
     seqs, pad = CASES[case]
     c = build_case(np.random.default_rng(len(case)), seqs, pad)
-    ref = run(c, chunk_blocks=2, bf16=bf16)
-    out = jax.jit(lambda *a: pallas_gpu.paged_attention(*a, interpret=NOT_GPU))(*inputs(c, bf16=bf16))
+    out = np.asarray(kernel(*inputs(c, bf16=bf16)))
     tol = 2e-2 if bf16 else 2e-5
-    np.testing.assert_allclose(_real(c, np.asarray(out)), _real(c, ref), atol=tol, rtol=tol)
+    np.testing.assert_allclose(_real(c, out), _real(c, run(c, chunk_blocks=2, bf16=bf16)), atol=tol, rtol=tol)
+    return out[c["seq_idx"] < 0]
 
 
-@pytest.mark.parametrize("bf16", [False, True], ids=["f32", "bf16"])
+BOTH_DTYPES = pytest.mark.parametrize("bf16", [False, True], ids=["f32", "bf16"])
+
+
+@BOTH_DTYPES
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_gpu_kernel_matches_reference(case: str, bf16: bool) -> None:
+    _assert_matches_reference(case, bf16, jax.jit(lambda *a: pallas_gpu.paged_attention(*a, interpret=NOT_GPU)))
+
+
+@BOTH_DTYPES
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_tpu_adaptation_matches_reference(case: str, bf16: bool) -> None:
     """Our inputs -> the ragged kernel's inputs, checked with jax's own reference in the kernel's place."""
     from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel
 
-    seqs, pad = CASES[case]
-    c = build_case(np.random.default_rng(len(case)), seqs, pad)
-    ref = run(c, chunk_blocks=2, bf16=bf16)
-    out = pallas_tpu.paged_attention(*inputs(c, bf16=bf16), impl=kernel.ref_ragged_paged_attention)
-    tol = 2e-2 if bf16 else 2e-5
-    np.testing.assert_allclose(_real(c, np.asarray(out)), _real(c, ref), atol=tol, rtol=tol)
-    assert not np.asarray(out)[c["seq_idx"] < 0].any()
+    padding_rows = _assert_matches_reference(
+        case, bf16, lambda *a: pallas_tpu.paged_attention(*a, impl=kernel.ref_ragged_paged_attention))
+    assert not padding_rows.any()
 
 
 @pytest.mark.xfail(raises=Exception, strict=True,
