@@ -1,17 +1,25 @@
-"""Native CPU kernels (C++, XLA FFI): paged attention's cached part, and matmuls of a few rows.
+"""Native CPU kernels (C++, XLA FFI): paged attention (both parts), and matmuls of a few rows.
 
 Owns: building kernels/cpu/native.cc into a shared library on first use (g++, cached per
 source, jaxlib version and CPU), registering its FFI targets, `paged_attention` with the
-reference's contract (the reference's local part plus the native cached part) and
+reference's contract (native local and cached parts, merged by log-sum-exp) and
 `small_matmul` (x [N,K] @ w: native for N <= GEMV_MAX_ROWS float32 rows, one row for int8
-weights; None otherwise, and the caller's own dot runs). Must not: write the cache, know about requests. Tested by tests/test_cpu_native.py
-against kernels/paged_attention.py's reference and XLA's dot.
+weights; None otherwise, and the caller's own dot runs). Must not: write the cache, know about
+requests. Tested by tests/test_cpu_native.py against kernels/paged_attention.py's reference
+and XLA's dot.
 
-Why: on XLA:CPU the cached part (keys already in the cache) is a gather of every block into a
-copy, element by element, then tiny batched dots; it was half of a decode step at 64
-sequences. The native part reads each block where it lies and keeps an online softmax per
-token and KV head, one token range per thread of XLA's intra-op pool. This step's own tokens
-(the local part) stay in jnp: they are a dense matmul, which XLA does well.
+Why the cached part: on XLA:CPU it is a gather of every block into a copy, element by element,
+then tiny batched dots; it was half of a decode step at 64 sequences. The native part reads
+each block where it lies and keeps an online softmax per token and KV head, one token range
+per thread of XLA's intra-op pool.
+
+Why the local part (this step's own keys): in jnp it is a dense [T,T] masked softmax per KV
+head, and XLA:CPU runs its elementwise passes (mask, max, exp, sum over 9.4 MB of scores a
+layer at T=512) on one thread: 4.7-7 ms a layer, ~20% of a 512-token prefill. The native one
+is a flash-attention forward over tiles of 16 query tokens x 64 keys that visits only the key
+chunks a tile can see (a causal prompt: half; a batch of decodes: its diagonal): 1.8 ms a layer
+at T=512; prefill of 512 tokens 610 -> 489 ms a step (`python -m bench runner`). Head dims
+other than 32/64/128 keep the jnp local part.
 
 The library is built with -O3 -march=native -ffast-math into $TL_NATIVE_CACHE (default
 ~/.cache/tl/native), named by a hash of the source, the compiler flags, jaxlib's version and
@@ -48,6 +56,8 @@ SOURCE = Path(__file__).parent / "cpu" / "native.cc"
 TARGET = "tl_paged_attention_cached"
 GEMV_TARGET = "tl_gemv"
 GEMV_INT8_TARGET = "tl_gemv_int8"
+LOCAL_TARGET = "tl_local_attention"
+LOCAL_HEAD_DIMS = (32, 64, 128)  # the native local part's head dims; others keep the jnp one
 GEMV_MAX_ROWS = 8  # above this XLA's own dot is as fast
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-std=c++17", "-shared", "-fPIC")
 
@@ -117,6 +127,7 @@ def register() -> None:
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.TlPagedAttentionCached), platform="cpu")
     jax.ffi.register_ffi_target(GEMV_TARGET, jax.ffi.pycapsule(lib.TlGemv), platform="cpu")
     jax.ffi.register_ffi_target(GEMV_INT8_TARGET, jax.ffi.pycapsule(lib.TlGemvInt8), platform="cpu")
+    jax.ffi.register_ffi_target(LOCAL_TARGET, jax.ffi.pycapsule(lib.TlLocalAttention), platform="cpu")
     _registered = True
 
 
@@ -155,13 +166,26 @@ def cached_state(qg: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: j
                 meta.start_pos.astype(i32), meta.block_tables.astype(i32))
 
 
+def local_state_native(qg: jax.Array, k: jax.Array, v: jax.Array, meta: AttnMetadata) -> tuple[jax.Array, ...]:
+    """kernels.paged_attention.local_state by the native kernel (float32, head dim in
+    LOCAL_HEAD_DIMS; padding rows get m 0, l 1, acc 0); other head dims take the jnp one."""
+    T, Hk, G, hd = qg.shape
+    if hd not in LOCAL_HEAD_DIMS:
+        return local_state(qg, k, v, meta)
+    register()
+    f32, i32 = jnp.float32, jnp.int32
+    call = jax.ffi.ffi_call(LOCAL_TARGET, (jax.ShapeDtypeStruct((T, Hk, G), f32), jax.ShapeDtypeStruct((T, Hk, G), f32),
+                                           jax.ShapeDtypeStruct((T, Hk, G, hd), f32)))
+    return call(qg.astype(f32), k.astype(f32), v.astype(f32), meta.seq_idx.astype(i32), meta.positions.astype(i32))
+
+
 def paged_attention(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                     layer: jax.Array, meta: AttnMetadata) -> jax.Array:
     """Same contract as kernels.paged_attention.paged_attention (float32 caches)."""
     T, Hq, hd = q.shape
     Hk = k_new.shape[1]
     qg = q.reshape(T, Hk, Hq // Hk, hd).astype(jnp.float32) * (hd ** -0.5)
-    m1, l1, acc1 = local_state(qg, k_new.astype(jnp.float32), v_new.astype(jnp.float32), meta)
+    m1, l1, acc1 = local_state_native(qg, k_new.astype(jnp.float32), v_new.astype(jnp.float32), meta)
 
     def with_cached() -> jax.Array:
         m2, l2, acc2 = cached_state(qg, k_cache, v_cache, layer, meta)

@@ -16,7 +16,7 @@ from jax.sharding import Mesh
 from test_paged_attention import MIXED, build_case, inputs, naive
 
 from kernels import cpu_native, select
-from kernels.paged_attention import AttnMetadata, paged_attention, to_stored
+from kernels.paged_attention import AttnMetadata, local_state, paged_attention, to_stored
 
 
 def _native(c: dict) -> np.ndarray:
@@ -87,6 +87,53 @@ def test_mismatched_cache_shapes_are_an_error() -> None:
         short = AttnMetadata(seq_idx=meta.seq_idx, positions=meta.positions, start_pos=meta.start_pos[:1],
                              block_tables=meta.block_tables)
         jax.block_until_ready(cpu_native.cached_state(qg, kc, vc, layer, short))
+
+
+def _local_case(runs: list[tuple[int, int]], pad: int, hk: int, g: int, hd: int) -> tuple:
+    """This step's tokens only: runs of (first position, tokens) per sequence, then padding."""
+    rng = np.random.default_rng(hk * 100 + g * 10 + hd + pad)
+    seq_idx = [s for s, (_, n) in enumerate(runs) for _ in range(n)] + [-1] * pad
+    positions = [p for start, n in runs for p in range(start, start + n)] + [0] * pad
+    T = len(seq_idx)
+    qg = jnp.asarray(rng.standard_normal((T, hk, g, hd), dtype=np.float32) * hd ** -0.25)
+    k = jnp.asarray(rng.standard_normal((T, hk, hd), dtype=np.float32) * hd ** -0.25)
+    v = jnp.asarray(rng.standard_normal((T, hk, hd), dtype=np.float32))
+    meta = AttnMetadata(seq_idx=jnp.asarray(seq_idx, jnp.int32), positions=jnp.asarray(positions, jnp.int32),
+                        start_pos=jnp.asarray([s for s, _ in runs], jnp.int32),
+                        block_tables=jnp.zeros((len(runs), 1), jnp.int32))
+    return qg, k, v, meta
+
+
+@pytest.mark.parametrize("runs,pad,hk,g,hd", [
+    ([(0, 150)], 0, 3, 3, 64),  # a fresh prompt: causal tiles, a partial last key chunk
+    ([(5, 70), (0, 1), (30, 90), (0, 17)], 22, 3, 3, 64),  # chunks and a decode mixed, padding
+    ([(9, 1)] * 20, 0, 3, 3, 64),  # decodes only: every token sees itself
+    ([(0, 40)], 3, 2, 7, 128),  # 7 query heads per KV head: tiles of 9 tokens
+    ([(3, 33), (0, 4)], 1, 4, 1, 32),
+], ids=["prompt", "mixed", "decodes", "hd128_g7", "hd32_mha"])
+def test_local_part_matches_jnp(runs: list[tuple[int, int]], pad: int, hk: int, g: int, hd: int) -> None:
+    """The native local part (this step's own keys) against local_state's dense masked softmax."""
+    qg, k, v, meta = _local_case(runs, pad, hk, g, hd)
+    m1, l1, a1 = jax.jit(local_state)(qg, k, v, meta)
+    m2, l2, a2 = jax.jit(cpu_native.local_state_native)(qg, k, v, meta)
+    real = np.asarray(meta.seq_idx) >= 0
+    want, got = np.asarray(a1 / l1[..., None]), np.asarray(a2 / l2[..., None])
+    assert np.abs(got - want)[real].max() < 1e-5
+    assert np.abs(np.asarray(m2) - np.asarray(m1))[real].max() < 1e-5  # the same running max: merges agree
+    assert np.isfinite(got).all() and (got[~real] == 0).all()
+
+
+@pytest.mark.parametrize("seq_idx,positions,msg", [
+    ([0, 1, 0], [0, 0, 1], "not contiguous"),
+    ([0, 0, 0], [0, 2, 1], "not increasing"),
+])
+def test_local_part_refuses_a_layout_it_would_misread(seq_idx: list[int], positions: list[int], msg: str) -> None:
+    """The kernel relies on each sequence being one run in position order; anything else is an error."""
+    qg, k, v, meta = _local_case([(0, 3)], 0, 3, 3, 64)
+    meta = AttnMetadata(seq_idx=jnp.asarray(seq_idx, jnp.int32), positions=jnp.asarray(positions, jnp.int32),
+                        start_pos=jnp.zeros(2, jnp.int32), block_tables=jnp.zeros((2, 1), jnp.int32))
+    with pytest.raises(Exception, match=msg):
+        jax.block_until_ready(cpu_native.local_state_native(qg, k, v, meta))
 
 
 def _probe(dtype: jnp.dtype) -> tuple:

@@ -1,5 +1,5 @@
-// Native CPU kernels as XLA FFI custom calls: the cached part of paged attention, and matmuls
-// of a few rows.
+// Native CPU kernels as XLA FFI custom calls: the cached and the local part of paged attention,
+// and matmuls of a few rows.
 //
 // Owns: (1) TlPagedAttentionCached: folding each token's keys at positions [0, start_pos of its
 // sequence) into a softmax state (m, l, acc), reading the blocks of the stored cache layout
@@ -7,6 +7,8 @@
 // ranges on the threads of XLA's intra-op pool. (2) TlGemv: y [N, O] = x [N, K] @ w [K, O] for
 // N <= 16, w's rows split into contiguous ranges over the threads. (3) TlGemvInt8: the same for
 // int8 weights stored [O, K] with a scale per output row (W8A8, XLA's arithmetic exactly).
+// (4) TlLocalAttention: the softmax state of each token over this step's own keys (same
+// sequence, causal), tiles of query tokens x KV head on the pool's threads.
 // Must not: write anything but its outputs. Built and loaded by kernels/cpu_native.py; tested
 // by tests/test_cpu_native.py against the jnp reference and XLA's dot.
 //
@@ -224,6 +226,253 @@ ffi::Error Cached(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi
 }
 
 
+
+// ---- The local part: every token over this step's own keys (same sequence, causal) ----------
+//
+// A flash-attention forward on the CPU. Tokens of a sequence are one contiguous run of the
+// token axis in position order (AttnMetadata's contract, checked here), so token t's keys are
+// tokens [lo(t), t] of its run. Work items are (tile of query tokens, KV head): the tile's rows
+// (its tokens x the G query heads of the KV head) are scored against 16 keys at a time, folded
+// into an online softmax, and only key chunks some row can see are visited (a causal 512-token
+// prompt does ~half of the dense [T,T] work, a batch of decodes almost none).
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v16u __attribute__((vector_size(64), aligned(4)));  // unaligned load/store
+typedef int32_t i16v __attribute__((vector_size(64)));
+
+inline v16 load16(const float* p) { return *reinterpret_cast<const v16u*>(p); }
+inline void store16(float* p, v16 x) { *reinterpret_cast<v16u*>(p) = x; }
+inline v16 splat(float x) { return v16{} + x; }
+
+inline float hmax(v16 x) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_max_ps(x);
+#else
+  float r = x[0];
+  for (int i = 1; i < 16; ++i) r = std::max(r, x[i]);
+  return r;
+#endif
+}
+inline float hsum(v16 x) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_add_ps(x);
+#else
+  float r = 0.0f;
+  for (int i = 0; i < 16; ++i) r += x[i];
+  return r;
+#endif
+}
+inline v16 vmax(v16 a, v16 b) { return a > b ? a : b; }
+
+// e^x for x <= 0 (scores minus their running max), relative error ~2e-7; x below -87 gives ~0.
+inline v16 vexp(v16 x) {
+  x = x < -87.0f ? splat(-87.0f) : x;
+  const v16 t = x * 1.44269504088896341f;
+  v16 n = __builtin_convertvector(__builtin_convertvector(t, i16v), v16);  // trunc toward 0
+  n = n > t ? n - 1.0f : n;                                                 // floor
+  const v16 r = (x - n * 0.693145751953125f) - n * 1.428606765330187045e-06f;  // in [0, ln 2)
+  v16 p = splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const i16v e = (__builtin_convertvector(n, i16v) + 127) << 23;
+  v16 scale;
+  std::memcpy(&scale, &e, sizeof scale);
+  return p * scale;
+}
+
+struct Local {
+  const float* q;       // [T, Hk, G, hd], already scaled by 1/sqrt(hd)
+  const float* kt;      // [Hk, hd, Tp]: this step's keys transposed, zero beyond T
+  const float* v;       // [T, Hk, hd]
+  const int32_t* lo;    // [T]: first token of t's run; -1 for padding
+  float* m;             // [T, Hk, G]
+  float* l;             // [T, Hk, G]
+  float* acc;           // [T, Hk, G, hd]
+  int64_t T, Tp, Hk, G, hd, tile;
+};
+
+constexpr int64_t kLocalRows = 64;  // rows (tokens x query heads) of a tile, at most
+constexpr int64_t kKeys = 64;       // keys per chunk: 4 vectors of 16
+constexpr float kNoScore = -1e30f;
+
+// One tile of query tokens [t0, t1) and one KV head; HV = hd / 16 (a row of V is HV vectors).
+template <int HV>
+void local_tile(const Local& p, int64_t t0, int64_t t1, int64_t h) {
+  constexpr int64_t hd = HV * 16;
+  constexpr int KV = kKeys / 16;
+  const int64_t G = p.G, Hk = p.Hk;
+  const int64_t R = (t1 - t0) * G;
+  const int64_t Rp = (R + 3) / 4 * 4;
+  alignas(64) static thread_local float zeros[hd] = {};
+  const float* qrow[kLocalRows];
+  int32_t row_lo[kLocalRows], row_hi[kLocalRows];
+  alignas(64) float acc[kLocalRows * hd];
+  alignas(64) float P[kLocalRows * kKeys];
+  float m[kLocalRows], l[kLocalRows];
+  int64_t key_lo = t1, key_hi = t0 - 1;
+  for (int64_t r = 0; r < Rp; ++r) {
+    const int64_t t = t0 + r / G, g = r % G;
+    if (r < R && p.lo[t] >= 0) {
+      qrow[r] = p.q + ((t * Hk + h) * G + g) * hd;
+      row_lo[r] = p.lo[t];
+      row_hi[r] = static_cast<int32_t>(t);
+      key_lo = std::min<int64_t>(key_lo, p.lo[t]);
+      key_hi = std::max<int64_t>(key_hi, t);
+    } else {  // padding rows see no key
+      qrow[r] = zeros;
+      row_lo[r] = 1;
+      row_hi[r] = 0;
+    }
+    m[r] = kNoScore;
+    l[r] = 0.0f;
+  }
+  std::fill(acc, acc + Rp * hd, 0.0f);
+  const i16v iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const float* kt = p.kt + h * hd * p.Tp;
+  for (int64_t u0 = key_lo; u0 <= key_hi; u0 += kKeys) {
+    const int64_t n = std::min<int64_t>(kKeys, key_hi + 1 - u0);  // keys of this chunk some row may see
+    // Scores of 4 rows x 64 keys at a time: a row of transposed keys per dimension, q broadcast.
+    for (int64_t r0 = 0; r0 < Rp; r0 += 4) {
+      v16 s[4][KV] = {};
+      const float* kd = kt + u0;
+      const float *q0 = qrow[r0], *q1 = qrow[r0 + 1], *q2 = qrow[r0 + 2], *q3 = qrow[r0 + 3];
+      for (int64_t d = 0; d < hd; ++d, kd += p.Tp) {
+        v16 kv[KV];
+        for (int c = 0; c < KV; ++c) kv[c] = load16(kd + 16 * c);
+        const float a0 = q0[d], a1 = q1[d], a2 = q2[d], a3 = q3[d];
+        for (int c = 0; c < KV; ++c) {
+          s[0][c] += a0 * kv[c];
+          s[1][c] += a1 * kv[c];
+          s[2][c] += a2 * kv[c];
+          s[3][c] += a3 * kv[c];
+        }
+      }
+      for (int i = 0; i < 4; ++i) {
+        const int64_t r = r0 + i;
+        v16 bmv = splat(kNoScore);
+        for (int c = 0; c < KV; ++c) {
+          const i16v u = iota + static_cast<int32_t>(u0 + 16 * c);
+          s[i][c] = (u >= row_lo[r]) & (u <= row_hi[r]) ? s[i][c] : splat(kNoScore);
+          bmv = vmax(bmv, s[i][c]);
+        }
+        const float bm = hmax(bmv);
+        float* pr = P + r * kKeys;
+        if (bm <= kNoScore) {  // no key of this chunk for this row
+          for (int c = 0; c < KV; ++c) store16(pr + 16 * c, v16{});
+          continue;
+        }
+        const float mn = std::max(m[r], bm);
+        const float corr = std::exp(m[r] - mn);
+        v16 sum{};
+        for (int c = 0; c < KV; ++c) {
+          const v16 e = s[i][c] > kNoScore ? vexp(s[i][c] - mn) : v16{};
+          sum += e;
+          store16(pr + 16 * c, e);
+        }
+        l[r] = l[r] * corr + hsum(sum);
+        m[r] = mn;
+        if (corr != 1.0f) {
+          float* a = acc + r * hd;
+          for (int x = 0; x < HV; ++x) store16(a + 16 * x, load16(a + 16 * x) * corr);
+        }
+      }
+    }
+    // acc += P V, 16 / HV rows at a time so that their accumulators stay in registers.
+    constexpr int RB = HV >= 16 ? 1 : 16 / HV;
+    for (int64_t r0 = 0; r0 < Rp; r0 += RB) {
+      const int rb = static_cast<int>(std::min<int64_t>(RB, Rp - r0));
+      v16 a[RB][HV];
+      for (int i = 0; i < rb; ++i)
+        for (int x = 0; x < HV; ++x) a[i][x] = load16(acc + (r0 + i) * hd + 16 * x);
+      for (int64_t j = 0; j < n; ++j) {
+        const float* vr = p.v + ((u0 + j) * Hk + h) * hd;
+        v16 vv[HV];
+        for (int x = 0; x < HV; ++x) vv[x] = load16(vr + 16 * x);
+        for (int i = 0; i < rb; ++i) {
+          const float w = P[(r0 + i) * kKeys + j];
+          for (int x = 0; x < HV; ++x) a[i][x] += w * vv[x];
+        }
+      }
+      for (int i = 0; i < rb; ++i)
+        for (int x = 0; x < HV; ++x) store16(acc + (r0 + i) * hd + 16 * x, a[i][x]);
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t t = t0 + r / G, g = r % G;
+    const int64_t o = (t * Hk + h) * G + g;
+    if (p.lo[t] < 0) {  // padding: an all-zero output, finite
+      p.m[o] = 0.0f;
+      p.l[o] = 1.0f;
+      std::fill(p.acc + o * hd, p.acc + (o + 1) * hd, 0.0f);
+      continue;
+    }
+    p.m[o] = m[r];
+    p.l[o] = l[r];
+    std::copy(acc + r * hd, acc + (r + 1) * hd, p.acc + o * hd);
+  }
+}
+
+ffi::Error LocalAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                          ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> seq_idx, ffi::Buffer<ffi::S32> positions,
+                          ffi::ResultBuffer<ffi::F32> m, ffi::ResultBuffer<ffi::F32> l,
+                          ffi::ResultBuffer<ffi::F32> acc) {
+  const auto qd = q.dimensions();
+  const auto kd = k.dimensions();
+  const auto vd = v.dimensions();
+  if (qd.size() != 4 || kd.size() != 3 || vd.size() != 3)
+    return ffi::Error::InvalidArgument("expected q [T,Hk,G,hd], k and v [T,Hk,hd]");
+  const int64_t T = qd[0], Hk = qd[1], G = qd[2], hd = qd[3];
+  if (kd[0] != T || kd[1] != Hk || kd[2] != hd || vd[0] != T || vd[1] != Hk || vd[2] != hd)
+    return ffi::Error::InvalidArgument("k or v is not [T,Hk,hd] of q's sizes");
+  if (seq_idx.dimensions().size() != 1 || seq_idx.dimensions()[0] != T || positions.dimensions().size() != 1 ||
+      positions.dimensions()[0] != T)
+    return ffi::Error::InvalidArgument("seq_idx or positions is not [T]");
+  if (hd != 32 && hd != 64 && hd != 128) return ffi::Error::InvalidArgument("local attention takes head_dim 32, 64 or 128");
+  if (G > kLocalRows) return ffi::Error::InvalidArgument("more than 64 query heads per KV head");
+  // Runs: each sequence one contiguous run of tokens, positions increasing within it.
+  const int32_t* seq = seq_idx.typed_data();
+  const int32_t* pos = positions.typed_data();
+  std::vector<int32_t> lo(static_cast<size_t>(T));
+  std::vector<char> seen;
+  for (int64_t t = 0; t < T; ++t) {
+    if (seq[t] < 0) {
+      lo[t] = -1;
+      continue;
+    }
+    if (t > 0 && seq[t] == seq[t - 1]) {
+      if (pos[t] <= pos[t - 1]) return ffi::Error::InvalidArgument("positions of a sequence are not increasing");
+      lo[t] = lo[t - 1];
+      continue;
+    }
+    if (static_cast<size_t>(seq[t]) >= seen.size()) seen.resize(static_cast<size_t>(seq[t]) + 1, 0);
+    if (seen[seq[t]]) return ffi::Error::InvalidArgument("tokens of a sequence are not contiguous");
+    seen[seq[t]] = 1;
+    lo[t] = static_cast<int32_t>(t);
+  }
+  // Keys transposed per KV head, [Hk, hd, Tp], zero beyond T (a chunk may read past the end).
+  const int64_t Tp = (T + 15) / 16 * 16 + kKeys;
+  std::vector<float> kt(static_cast<size_t>(Hk * hd * Tp), 0.0f);
+  const float* K = k.typed_data();
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t h = 0; h < Hk; ++h)
+      for (int64_t d = 0; d < hd; ++d) kt[(h * hd + d) * Tp + t] = K[(t * Hk + h) * hd + d];
+  const int64_t tile = std::max<int64_t>(1, std::min<int64_t>(16, kLocalRows / G));
+  Local p{q.typed_data(), kt.data(), v.typed_data(), lo.data(), m->typed_data(), l->typed_data(),
+          acc->typed_data(), T, Tp, Hk, G, hd, tile};
+  const int64_t tiles = (T + tile - 1) / tile;
+  auto fn = hd == 32 ? local_tile<2> : hd == 64 ? local_tile<4> : local_tile<8>;
+  // Later tiles see more keys: hand them out first.
+  parallel_for(pool, tiles * Hk, [&](int64_t i) {
+    const int64_t ti = tiles - 1 - i / Hk, h = i % Hk;
+    fn(p, ti * tile, std::min(T, (ti + 1) * tile), h);
+  });
+  return ffi::Error::Success();
+}
+
 // y [N, O] = x [N, K] @ w [K, O] for a few rows N: w's rows split into contiguous ranges over
 // the threads (each streams its part of w once, front to back), partial sums added at the end.
 ffi::Error Gemv(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> y) {
@@ -374,3 +623,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TlGemvInt8, GemvInt8,
                                   .Arg<ffi::Buffer<ffi::S8>>()    // q [..., K]
                                   .Arg<ffi::Buffer<ffi::F32>>()   // scale [...]
                                   .Ret<ffi::Buffer<ffi::F32>>()); // y [N, ...]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TlLocalAttention, LocalAttention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // q [T, Hk, G, hd], scaled
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // k [T, Hk, hd]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // v [T, Hk, hd]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // seq_idx [T]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // positions [T]
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // m
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // l
+                                  .Ret<ffi::Buffer<ffi::F32>>()); // acc
