@@ -171,10 +171,10 @@ def test_not_offered_off_cpu() -> None:
     assert choice.name == "reference" and "runs on cpu" in choice.reason
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 8])
-@pytest.mark.parametrize("shape", [(576, 960), (37, 5, 3), (1536, 576), (3, 2)], ids=["qkv", "odd_3d", "down", "tiny"])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 8, 13, 16])
+@pytest.mark.parametrize("shape", [(576, 960), (37, 5, 3), (1536, 576), (3, 2), (40, 23)], ids=["qkv", "odd_3d", "down", "tiny", "odd_k_and_o"])
 def test_small_matmul_matches_xla(rows: int, shape: tuple[int, ...]) -> None:
-    """Row counts that do and do not divide the kernel's 4-row unroll or the thread split, 3-d w."""
+    """Row counts up to the limit; K not a multiple of the 8-row pass, O not of the 16-wide vector; 3-d w."""
     rng = np.random.default_rng(rows)
     x = jnp.asarray(rng.standard_normal((rows, shape[0]), dtype=np.float32))
     w = jnp.asarray(rng.standard_normal(shape, dtype=np.float32))

@@ -474,7 +474,70 @@ ffi::Error LocalAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
 }
 
 // y [N, O] = x [N, K] @ w [K, O] for a few rows N: w's rows split into contiguous ranges over
-// the threads (each streams its part of w once, front to back), partial sums added at the end.
+// the threads, each streaming its part of w once, front to back, 8 rows of w per pass (one
+// vector of 16 outputs at a time: the 8 rows' vectors loaded once and used for every x row,
+// where the loop before re-read them per x row: 1.15-1.5x at 2-8 rows) while prefetching the
+// next pass's lines; partial sums added at the end.
+typedef float g16 __attribute__((vector_size(64)));
+typedef float g16u __attribute__((vector_size(64), aligned(4)));
+
+inline void gemv_rows(const float* X, const float* W, float* out, int64_t N, int64_t K, int64_t O, int64_t k0,
+                      int64_t k1) {
+  std::fill(out, out + N * O, 0.0f);
+  int64_t k = k0;
+  const int64_t O16 = O / 16 * 16;
+  for (int64_t x = 0; x < std::min<int64_t>(8, k1 - k0) * O; x += 16) __builtin_prefetch(W + k0 * O + x);
+  for (; k + 8 <= k1; k += 8) {
+    const float* w0 = W + k * O;
+    const float* next = w0 + 8 * O;
+    const bool ahead = k + 16 <= k1;
+    for (int64_t o = 0; o < O16; o += 16) {
+      if (ahead)
+        for (int i = 0; i < 8; ++i) __builtin_prefetch(next + i * O + o);
+      g16 w[8];
+      for (int i = 0; i < 8; ++i) w[i] = *reinterpret_cast<const g16u*>(w0 + i * O + o);
+      for (int64_t n = 0; n < N; ++n) {
+        const float* xk = X + n * K + k;
+        g16u* a = reinterpret_cast<g16u*>(out + n * O + o);
+        *a += ((xk[0] * w[0] + xk[1] * w[1]) + (xk[2] * w[2] + xk[3] * w[3])) +
+              ((xk[4] * w[4] + xk[5] * w[5]) + (xk[6] * w[6] + xk[7] * w[7]));
+      }
+    }
+    for (int64_t o = O16; o < O; ++o)
+      for (int64_t n = 0; n < N; ++n) {
+        const float* xk = X + n * K + k;
+        float acc = 0.0f;
+        for (int i = 0; i < 8; ++i) acc += xk[i] * w0[i * O + o];
+        out[n * O + o] += acc;
+      }
+  }
+  for (; k < k1; ++k) {
+    const float* w0 = W + k * O;
+    for (int64_t n = 0; n < N; ++n) {
+      const float x0 = X[n * K + k];
+      float* a = out + n * O;
+      for (int64_t o = 0; o < O; ++o) a[o] += x0 * w0[o];
+    }
+  }
+}
+
+// One row of x: the loop GCC vectorizes itself, 8 rows of w per pass (for one x row this
+// streamed faster than gemv_rows' vectors, ~5%).
+inline void gemv_one_row(const float* X, const float* W, float* out, int64_t O, int64_t k0, int64_t k1) {
+  std::fill(out, out + O, 0.0f);
+  int64_t k = k0;
+  for (; k + 8 <= k1; k += 8) {
+    const float* w0 = W + k * O;
+    const float* xk = X + k;
+    const float x0 = xk[0], x1 = xk[1], x2 = xk[2], x3 = xk[3], x4 = xk[4], x5 = xk[5], x6 = xk[6], x7 = xk[7];
+    for (int64_t o = 0; o < O; ++o)
+      out[o] += (x0 * w0[o] + x1 * w0[O + o]) + (x2 * w0[2 * O + o] + x3 * w0[3 * O + o]) +
+                (x4 * w0[4 * O + o] + x5 * w0[5 * O + o]) + (x6 * w0[6 * O + o] + x7 * w0[7 * O + o]);
+  }
+  for (; k < k1; ++k)
+    for (int64_t o = 0; o < O; ++o) out[o] += X[k] * W[k * O + o];
+}
+
 ffi::Error Gemv(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
@@ -490,29 +553,12 @@ ffi::Error Gemv(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::
   const int64_t tasks = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), K / 16));
   std::vector<float> partial(static_cast<size_t>((tasks - 1) * N * O));
   parallel_for(pool, tasks, [&](int64_t task) {
-    const int64_t k0 = K * task / tasks, k1 = K * (task + 1) / tasks;
     float* out = task == 0 ? Y : partial.data() + (task - 1) * N * O;
-    std::fill(out, out + N * O, 0.0f);
-    int64_t k = k0;
-    for (; k + 8 <= k1; k += 8) {
-      const float* w0 = W + k * O;
-      for (int64_t n = 0; n < N; ++n) {
-        const float* xk = X + n * K + k;
-        const float x0 = xk[0], x1 = xk[1], x2 = xk[2], x3 = xk[3], x4 = xk[4], x5 = xk[5], x6 = xk[6], x7 = xk[7];
-        float* a = out + n * O;
-        for (int64_t o = 0; o < O; ++o)
-          a[o] += (x0 * w0[o] + x1 * w0[O + o]) + (x2 * w0[2 * O + o] + x3 * w0[3 * O + o]) +
-                  (x4 * w0[4 * O + o] + x5 * w0[5 * O + o]) + (x6 * w0[6 * O + o] + x7 * w0[7 * O + o]);
-      }
-    }
-    for (; k < k1; ++k) {
-      const float* w0 = W + k * O;
-      for (int64_t n = 0; n < N; ++n) {
-        const float x0 = X[n * K + k];
-        float* a = out + n * O;
-        for (int64_t o = 0; o < O; ++o) a[o] += x0 * w0[o];
-      }
-    }
+    const int64_t k0 = K * task / tasks, k1 = K * (task + 1) / tasks;
+    if (N == 1)
+      gemv_one_row(X, W, out, O, k0, k1);
+    else
+      gemv_rows(X, W, out, N, K, O, k0, k1);
   });
   for (int64_t t = 1; t < tasks; ++t) {
     const float* part = partial.data() + (t - 1) * N * O;
