@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <thread>
 #include <vector>
 
@@ -297,13 +298,66 @@ struct Local {
 
 constexpr int64_t kLocalRows = 64;  // rows (tokens x query heads) of a tile, at most
 constexpr int64_t kKeys = 64;       // keys per chunk: 4 vectors of 16
+constexpr int64_t kLocalSerialPairs = 8192;  // below this many (query row, key) pairs: one thread
 constexpr float kNoScore = -1e30f;
+
+// Rows [r0, r0 + 4) of a tile against the KV vectors of 16 keys from key u0: scores (a row of
+// transposed keys per dimension, q broadcast), masked to each row's keys, folded into the
+// row's online softmax (m, l, acc rescaled); the probabilities go to P [row][kKeys].
+template <int KV, int HV>
+inline void score_rows(const Local& p, const float* kt, int64_t u0, int64_t r0, const float* const* qrow,
+                       const int32_t* row_lo, const int32_t* row_hi, float* m, float* l, float* acc, float* P) {
+  constexpr int64_t hd = HV * 16;
+  const i16v iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  v16 s[4][KV] = {};
+  const float* kd = kt + u0;
+  const float *q0 = qrow[r0], *q1 = qrow[r0 + 1], *q2 = qrow[r0 + 2], *q3 = qrow[r0 + 3];
+  for (int64_t d = 0; d < hd; ++d, kd += p.Tp) {
+    v16 kv[KV];
+    for (int c = 0; c < KV; ++c) kv[c] = load16(kd + 16 * c);
+    const float a0 = q0[d], a1 = q1[d], a2 = q2[d], a3 = q3[d];
+    for (int c = 0; c < KV; ++c) {
+      s[0][c] += a0 * kv[c];
+      s[1][c] += a1 * kv[c];
+      s[2][c] += a2 * kv[c];
+      s[3][c] += a3 * kv[c];
+    }
+  }
+  for (int i = 0; i < 4; ++i) {
+    const int64_t r = r0 + i;
+    v16 bmv = splat(kNoScore);
+    for (int c = 0; c < KV; ++c) {
+      const i16v u = iota + static_cast<int32_t>(u0 + 16 * c);
+      s[i][c] = (u >= row_lo[r]) & (u <= row_hi[r]) ? s[i][c] : splat(kNoScore);
+      bmv = vmax(bmv, s[i][c]);
+    }
+    const float bm = hmax(bmv);
+    float* pr = P + r * kKeys;
+    if (bm <= kNoScore) {  // no key of this chunk for this row
+      for (int c = 0; c < KV; ++c) store16(pr + 16 * c, v16{});
+      continue;
+    }
+    const float mn = std::max(m[r], bm);
+    const float corr = std::exp(m[r] - mn);
+    v16 sum{};
+    for (int c = 0; c < KV; ++c) {
+      const v16 e = s[i][c] > kNoScore ? vexp(s[i][c] - mn) : v16{};
+      sum += e;
+      store16(pr + 16 * c, e);
+    }
+    l[r] = l[r] * corr + hsum(sum);
+    m[r] = mn;
+    if (corr != 1.0f) {
+      float* a = acc + r * hd;
+      for (int x = 0; x < HV; ++x) store16(a + 16 * x, load16(a + 16 * x) * corr);
+    }
+  }
+}
 
 // One tile of query tokens [t0, t1) and one KV head; HV = hd / 16 (a row of V is HV vectors).
 template <int HV>
 void local_tile(const Local& p, int64_t t0, int64_t t1, int64_t h) {
   constexpr int64_t hd = HV * 16;
-  constexpr int KV = kKeys / 16;
   const int64_t G = p.G, Hk = p.Hk;
   const int64_t R = (t1 - t0) * G;
   const int64_t Rp = (R + 3) / 4 * 4;
@@ -331,54 +385,18 @@ void local_tile(const Local& p, int64_t t0, int64_t t1, int64_t h) {
     l[r] = 0.0f;
   }
   std::fill(acc, acc + Rp * hd, 0.0f);
-  const i16v iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   const float* kt = p.kt + h * hd * p.Tp;
   for (int64_t u0 = key_lo; u0 <= key_hi; u0 += kKeys) {
     const int64_t n = std::min<int64_t>(kKeys, key_hi + 1 - u0);  // keys of this chunk some row may see
-    // Scores of 4 rows x 64 keys at a time: a row of transposed keys per dimension, q broadcast.
+    // Scores and softmax state of every row over this chunk's keys (only the vectors of 16 keys
+    // that hold one: a batch of decodes needs 1 of the 4).
+    const int nk = static_cast<int>((n + 15) / 16);
     for (int64_t r0 = 0; r0 < Rp; r0 += 4) {
-      v16 s[4][KV] = {};
-      const float* kd = kt + u0;
-      const float *q0 = qrow[r0], *q1 = qrow[r0 + 1], *q2 = qrow[r0 + 2], *q3 = qrow[r0 + 3];
-      for (int64_t d = 0; d < hd; ++d, kd += p.Tp) {
-        v16 kv[KV];
-        for (int c = 0; c < KV; ++c) kv[c] = load16(kd + 16 * c);
-        const float a0 = q0[d], a1 = q1[d], a2 = q2[d], a3 = q3[d];
-        for (int c = 0; c < KV; ++c) {
-          s[0][c] += a0 * kv[c];
-          s[1][c] += a1 * kv[c];
-          s[2][c] += a2 * kv[c];
-          s[3][c] += a3 * kv[c];
-        }
-      }
-      for (int i = 0; i < 4; ++i) {
-        const int64_t r = r0 + i;
-        v16 bmv = splat(kNoScore);
-        for (int c = 0; c < KV; ++c) {
-          const i16v u = iota + static_cast<int32_t>(u0 + 16 * c);
-          s[i][c] = (u >= row_lo[r]) & (u <= row_hi[r]) ? s[i][c] : splat(kNoScore);
-          bmv = vmax(bmv, s[i][c]);
-        }
-        const float bm = hmax(bmv);
-        float* pr = P + r * kKeys;
-        if (bm <= kNoScore) {  // no key of this chunk for this row
-          for (int c = 0; c < KV; ++c) store16(pr + 16 * c, v16{});
-          continue;
-        }
-        const float mn = std::max(m[r], bm);
-        const float corr = std::exp(m[r] - mn);
-        v16 sum{};
-        for (int c = 0; c < KV; ++c) {
-          const v16 e = s[i][c] > kNoScore ? vexp(s[i][c] - mn) : v16{};
-          sum += e;
-          store16(pr + 16 * c, e);
-        }
-        l[r] = l[r] * corr + hsum(sum);
-        m[r] = mn;
-        if (corr != 1.0f) {
-          float* a = acc + r * hd;
-          for (int x = 0; x < HV; ++x) store16(a + 16 * x, load16(a + 16 * x) * corr);
-        }
+      switch (nk) {
+        case 1: score_rows<1, HV>(p, kt, u0, r0, qrow, row_lo, row_hi, m, l, acc, P); break;
+        case 2: score_rows<2, HV>(p, kt, u0, r0, qrow, row_lo, row_hi, m, l, acc, P); break;
+        case 3: score_rows<3, HV>(p, kt, u0, r0, qrow, row_lo, row_hi, m, l, acc, P); break;
+        default: score_rows<4, HV>(p, kt, u0, r0, qrow, row_lo, row_hi, m, l, acc, P); break;
       }
     }
     // acc += P V, 16 / HV rows at a time so that their accumulators stay in registers.
@@ -453,23 +471,34 @@ ffi::Error LocalAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
     seen[seq[t]] = 1;
     lo[t] = static_cast<int32_t>(t);
   }
+  int64_t pairs = 0;  // (query token, key) pairs of the step
+  for (int64_t t = 0; t < T; ++t) pairs += lo[t] >= 0 ? t - lo[t] + 1 : 0;
   // Keys transposed per KV head, [Hk, hd, Tp], zero beyond T (a chunk may read past the end).
   const int64_t Tp = (T + 15) / 16 * 16 + kKeys;
-  std::vector<float> kt(static_cast<size_t>(Hk * hd * Tp), 0.0f);
+  std::unique_ptr<float[]> kt(new float[static_cast<size_t>(Hk * hd * Tp)]);
   const float* K = k.typed_data();
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t h = 0; h < Hk; ++h)
-      for (int64_t d = 0; d < hd; ++d) kt[(h * hd + d) * Tp + t] = K[(t * Hk + h) * hd + d];
+  for (int64_t h = 0; h < Hk; ++h)
+    for (int64_t d = 0; d < hd; ++d) {
+      float* row = kt.get() + (h * hd + d) * Tp;
+      for (int64_t t = 0; t < T; ++t) row[t] = K[(t * Hk + h) * hd + d];
+      std::fill(row + T, row + Tp, 0.0f);
+    }
   const int64_t tile = std::max<int64_t>(1, std::min<int64_t>(16, kLocalRows / G));
-  Local p{q.typed_data(), kt.data(), v.typed_data(), lo.data(), m->typed_data(), l->typed_data(),
+  Local p{q.typed_data(), kt.get(), v.typed_data(), lo.data(), m->typed_data(), l->typed_data(),
           acc->typed_data(), T, Tp, Hk, G, hd, tile};
   const int64_t tiles = (T + tile - 1) / tile;
   auto fn = hd == 32 ? local_tile<2> : hd == 64 ? local_tile<4> : local_tile<8>;
-  // Later tiles see more keys: hand them out first.
-  parallel_for(pool, tiles * Hk, [&](int64_t i) {
+  // Later tiles see more keys: hand them out first. A step whose tokens see few keys of this
+  // step (decodes, short chunks) runs on this thread: waking a helper costs more than it saves.
+  auto item = [&](int64_t i) {
     const int64_t ti = tiles - 1 - i / Hk, h = i % Hk;
     fn(p, ti * tile, std::min(T, (ti + 1) * tile), h);
-  });
+  };
+  if (pairs * G < kLocalSerialPairs) {
+    for (int64_t i = 0; i < tiles * Hk; ++i) item(i);
+  } else {
+    parallel_for(pool, tiles * Hk, item);
+  }
   return ffi::Error::Success();
 }
 
