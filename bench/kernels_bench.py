@@ -3,7 +3,7 @@
 Random weights and caches with SmolLM2-135M's shapes (30 layers, hidden 576, FFN 1536, 9 query
 and 3 KV heads of 64, block 16), each op chained over the 30 layers so that one layer waits for
 the last, as in a step. Measures: paged attention (jnp reference vs cpu_native) at a batch of
-decoding sequences, and the layers' matmuls (XLA's dot vs the native few-row kernel) at 1-8
+decoding sequences, and the layers' matmuls (XLA's dot vs the native few-row kernel) at 1-16
 rows, float32 and int8. Each pair is timed alternately in one process; prints the config, a
 Markdown table and the ratios. Run: `python -m bench kernels`.
 """
@@ -93,10 +93,10 @@ def _weights(int8: bool, seed: int) -> list[dict[str, Any]]:
     rng = np.random.default_rng(seed)
 
     def w(i: int, o: int) -> Any:
-        x = rng.standard_normal((i, o), dtype=np.float32) / np.sqrt(i)
+        x = rng.standard_normal((o, i), dtype=np.float32) / np.sqrt(i)  # [out, in], as llama.linear takes it
         if not int8:
             return jnp.asarray(x)
-        q = llama.quantize_int8(x.T)
+        q = llama.quantize_int8(x)
         return {"q": jnp.asarray(q["q"]), "scale": jnp.asarray(q["scale"])}
 
     return [{"qkv": w(D, (HQ + 2 * HK) * HD), "o": w(HQ * HD, D), "gu": w(D, 2 * F), "d": w(F, D)} for _ in range(L)]
@@ -106,7 +106,7 @@ def run(argv: Sequence[str]) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench kernels")
     ap.add_argument("--batch", type=int, default=64, help="decoding sequences in the attention test")
     ap.add_argument("--context", type=int, default=256)
-    ap.add_argument("--rows", default="1,2,4,8", help="rows of the float32 matmul tests")
+    ap.add_argument("--rows", default="1,2,4,8,16", help="rows of the float32 matmul tests")
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)

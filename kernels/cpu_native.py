@@ -135,8 +135,8 @@ def register() -> None:
 
 def small_matmul(x: jax.Array, w: Any) -> jax.Array | None:
     """x [N,K] times w -> [N,*out] by the native kernels for few float32 rows, else None (the
-    caller's own matmul). w: float32 [K,*out], or int8 {"q" [*out,K], "scale" [*out]} (as in
-    tl/model/llama.py, with its W8A8 arithmetic bit for bit)."""
+    caller's own matmul). w as tl/model/llama.py's `linear` takes it: float32 [*out,K], or int8
+    {"q" [*out,K], "scale" [*out]} (with its W8A8 arithmetic bit for bit)."""
     if x.shape[0] > GEMV_MAX_ROWS or x.dtype != jnp.float32:
         return None
     if isinstance(w, dict):
@@ -149,7 +149,7 @@ def small_matmul(x: jax.Array, w: Any) -> jax.Array | None:
     if w.dtype != jnp.float32:
         return None
     register()
-    out = jax.ShapeDtypeStruct((x.shape[0], *w.shape[1:]), jnp.float32)
+    out = jax.ShapeDtypeStruct((x.shape[0], *w.shape[:-1]), jnp.float32)
     return jax.ffi.ffi_call(GEMV_TARGET, out)(x, w)
 
 

@@ -29,8 +29,8 @@ def test_tensor_parallel_layout() -> None:
         backend.tp_layout(cfg, 3)
     specs = backend.partition_specs(_step(cfg, "float32", fused_qkv=False), backend.tp_layout(cfg, 4))
     assert specs["layers"][0]["wk"] == backend.P() and specs["embed"] == backend.P()
-    assert specs["layers"][0]["wq"] == backend.P(None, "model")
-    assert specs["layers"][0]["w_gate_up"] == backend.P(None, None, "model")  # [D, 2, F]: by F
+    assert specs["layers"][0]["wq"] == backend.P("model", None)  # [Hq*hd, D]: by output
+    assert specs["layers"][0]["w_gate_up"] == backend.P("model", None, None)  # [F, 2, D]: by F
     with pytest.raises(ConfigError, match="needs 2 cpu devices; 1 present"):
         backend.make_mesh("cpu", 2)
 
@@ -46,15 +46,15 @@ def _step(cfg: ModelConfig, weight_dtype: str, fused_qkv: bool = True) -> Any:
 
 
 def test_fused_and_int8_specs_follow_their_axes() -> None:
-    """Fused wqkv [D,Hk,G+2,hd] splits by KV-head group; int8 q [*out,in] and scale [*out] by out."""
+    """Fused wqkv [Hk,G+2,hd,D] splits by KV-head group; float and int8 q [*out,in] and scale [*out] by out."""
     cfg = tiny_config(vocab_size=264)
     layout = backend.tp_layout(cfg, 2)
     f32 = backend.partition_specs(_step(cfg, "float32"), layout)["layers"][0]
-    assert f32["wqkv"] == backend.P(None, "model", None, None) and f32["wo"] == backend.P("model", None)
+    assert f32["wqkv"] == backend.P("model", None, None, None) and f32["wo"] == backend.P(None, "model")
     i8 = backend.partition_specs(_step(cfg, "int8"), layout)
     lp = i8["layers"][0]
     assert lp["wqkv"] == {"q": backend.P("model", None, None, None), "scale": backend.P("model", None, None)}
-    assert lp["w_gate_up"] == {"q": backend.P(None, "model", None), "scale": backend.P(None, "model")}
+    assert lp["w_gate_up"] == {"q": backend.P("model", None, None), "scale": backend.P("model", None)}
     assert lp["wo"] == {"q": backend.P(None, "model"), "scale": backend.P(None)}  # row-parallel: in split
     assert i8["embed"] == {"q": backend.P("model", None), "scale": backend.P("model")}
 

@@ -172,21 +172,23 @@ def test_not_offered_off_cpu() -> None:
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 8, 13, 16])
-@pytest.mark.parametrize("shape", [(576, 960), (37, 5, 3), (1536, 576), (3, 2), (40, 23)], ids=["qkv", "odd_3d", "down", "tiny", "odd_k_and_o"])
+@pytest.mark.parametrize("shape", [(3, 5, 64, 576), (5, 3, 37), (576, 1536), (2, 3), (23, 40), (6, 33)],
+                         ids=["qkv", "odd_3d", "down", "tiny", "odd_k_and_o", "o_multiple_of_4"])
 def test_small_matmul_matches_xla(rows: int, shape: tuple[int, ...]) -> None:
-    """Row counts up to the limit; K not a multiple of the 8-row pass, O not of the 16-wide vector; 3-d w."""
+    """Row counts up to the limit (and not multiples of the 4-row blocks); K not a multiple of the
+    16-wide vector, O not of the 4-output blocks; w with several out axes."""
     rng = np.random.default_rng(rows)
-    x = jnp.asarray(rng.standard_normal((rows, shape[0]), dtype=np.float32))
-    w = jnp.asarray(rng.standard_normal(shape, dtype=np.float32))
+    x = jnp.asarray(rng.standard_normal((rows, shape[-1]), dtype=np.float32))
+    w = jnp.asarray(rng.standard_normal(shape, dtype=np.float32))  # [*out, K], as llama.linear takes it
     got = np.asarray(jax.jit(cpu_native.small_matmul)(x, w))
-    want = np.einsum("nk,k...->n...", np.asarray(x, np.float64), np.asarray(w, np.float64))
+    want = np.einsum("nk,...k->n...", np.asarray(x, np.float64), np.asarray(w, np.float64))
     assert got.shape == want.shape
     assert np.abs(got - want).max() < 1e-3 * max(1.0, np.abs(want).max())
 
 
 def test_small_matmul_leaves_many_rows_and_bf16_to_xla() -> None:
     x = jnp.ones((cpu_native.GEMV_MAX_ROWS + 1, 8), jnp.float32)
-    w = jnp.ones((8, 4), jnp.float32)
+    w = jnp.ones((4, 8), jnp.float32)
     assert cpu_native.small_matmul(x, w) is None
     assert cpu_native.small_matmul(x[:2].astype(jnp.bfloat16), w.astype(jnp.bfloat16)) is None
     assert "ffi" in str(jax.make_jaxpr(cpu_native.small_matmul)(x[:2], w))

@@ -64,27 +64,28 @@ def _shard0(x: Any) -> Any:
 def _check_megatron_shards(runner: Any, params: Any, cfg: Any, n: int) -> None:
     """Device 0 holds exactly its Megatron share of layer 0: query heads 0..Hq/N-1 with their KV
     heads (the fused wqkv is grouped by KV head) or, KV replicated, all KV heads; gate and up
-    columns 0..F/N-1 (w_gate_up is [D,2,F]); rows 0..q/N-1 of wo."""
+    rows 0..F/N-1 (w_gate_up is [F,2,D]); input columns 0..q/N-1 of wo ([D, q]). Step-layout
+    matrices are [*out, in]; the canonical params here are [in, out]."""
     import numpy as np
 
     lp, ly = runner._params["layers"][0], params["layers"]
     hq, hk, hd, f = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size
-    q0 = ly["wq"][0][:, :cfg.q_size // n]
+    q0 = ly["wq"][0][:, :cfg.q_size // n].T
     if hk % n == 0:
-        got = _shard0(lp["wqkv"])  # [D, Hk/N, G+2, hd]
+        got = _shard0(lp["wqkv"])  # [Hk/N, G+2, hd, D]
         g = hq // hk
-        assert got.shape == (cfg.hidden_size, hk // n, g + 2, hd)
-        np.testing.assert_array_equal(got[:, :, :g].reshape(cfg.hidden_size, -1), q0)
-        np.testing.assert_array_equal(got[:, :, g].reshape(cfg.hidden_size, -1), ly["wk"][0][:, :cfg.kv_size // n])
-        np.testing.assert_array_equal(got[:, :, g + 1].reshape(cfg.hidden_size, -1), ly["wv"][0][:, :cfg.kv_size // n])
+        assert got.shape == (hk // n, g + 2, hd, cfg.hidden_size)
+        np.testing.assert_array_equal(got[:, :g].reshape(-1, cfg.hidden_size), q0)
+        np.testing.assert_array_equal(got[:, g].reshape(-1, cfg.hidden_size), ly["wk"][0][:, :cfg.kv_size // n].T)
+        np.testing.assert_array_equal(got[:, g + 1].reshape(-1, cfg.hidden_size), ly["wv"][0][:, :cfg.kv_size // n].T)
     else:
         assert "wqkv" not in lp
         np.testing.assert_array_equal(_shard0(lp["wq"]), q0)
-        np.testing.assert_array_equal(_shard0(lp["wk"]), ly["wk"][0])  # replicated
-    gate_up = _shard0(lp["w_gate_up"])  # [D, 2, F/N]
-    np.testing.assert_array_equal(gate_up[:, 0], ly["w_gate"][0][:, :f // n])
-    np.testing.assert_array_equal(gate_up[:, 1], ly["w_up"][0][:, :f // n])
-    np.testing.assert_array_equal(_shard0(lp["wo"]), ly["wo"][0][:cfg.q_size // n])
+        np.testing.assert_array_equal(_shard0(lp["wk"]), ly["wk"][0].T)  # replicated
+    gate_up = _shard0(lp["w_gate_up"])  # [F/N, 2, D]
+    np.testing.assert_array_equal(gate_up[:, 0], ly["w_gate"][0][:, :f // n].T)
+    np.testing.assert_array_equal(gate_up[:, 1], ly["w_up"][0][:, :f // n].T)
+    np.testing.assert_array_equal(_shard0(lp["wo"]), ly["wo"][0][:cfg.q_size // n].T)
 
 
 def test_tiny_engine_identical_for_tp_1_2_4() -> None:
@@ -127,7 +128,7 @@ def test_tiny_int8_identical_for_tp_1_2_4() -> None:
         lp = runner._params["layers"][0]
         qkv = lp["wqkv"] if n < 4 else lp["wq"]
         assert _shard0(qkv["scale"]).shape[:1] == ((cfg.num_key_value_heads // n,) if n < 4 else (cfg.q_size // n,))
-        assert _shard0(lp["w_gate_up"]["q"]).shape == (2, cfg.intermediate_size // n, cfg.hidden_size)
+        assert _shard0(lp["w_gate_up"]["q"]).shape == (cfg.intermediate_size // n, 2, cfg.hidden_size)
         results[n] = [token_ids(o) for o in drive(Engine(runner, engine_cfg), greedy_workload(), check=check_engine)]
     assert results[1] == results[2] == results[4]
     assert all(len(t) > 0 for t in results[1])

@@ -4,8 +4,8 @@
 // Owns: (1) TlPagedAttentionCached: folding each token's keys at positions [0, start_pos of its
 // sequence) into a softmax state (m, l, acc), reading the blocks of the stored cache layout
 // (kernels/paged_attention.py: K [L, NB, Hk, hd, bs], V [L, NB, Hk, bs, hd]) in place, token
-// ranges on the threads of XLA's intra-op pool. (2) TlGemv: y [N, O] = x [N, K] @ w [K, O] for
-// N <= 16, w's rows split into contiguous ranges over the threads. (3) TlGemvInt8: the same for
+// ranges on the threads of XLA's intra-op pool. (2) TlGemv: y [N, O] = x [N, K] @ w^T, w [O, K],
+// for N <= 16, w's rows (one per output) split into contiguous ranges over the threads. (3) TlGemvInt8: the same for
 // int8 weights stored [O, K] with a scale per output row (W8A8, XLA's arithmetic exactly).
 // (4) TlLocalAttention: the softmax state of each token over this step's own keys (same
 // sequence, causal), tiles of query tokens x KV head on the pool's threads.
@@ -502,97 +502,76 @@ ffi::Error LocalAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
   return ffi::Error::Success();
 }
 
-// y [N, O] = x [N, K] @ w [K, O] for a few rows N: w's rows split into contiguous ranges over
-// the threads, each streaming its part of w once, front to back, 8 rows of w per pass (one
-// vector of 16 outputs at a time: the 8 rows' vectors loaded once and used for every x row,
-// where the loop before re-read them per x row: 1.15-1.5x at 2-8 rows) while prefetching the
-// next pass's lines; partial sums added at the end.
+// y [N, O] = x [N, K] @ w^T for w [O, K] (one row of K weights per output: how every float
+// linear is stored, tl/model/llama.py) and a few rows N: output rows split into contiguous
+// ranges over the threads, each streaming its part of w front to back, MO = 4 outputs at a time
+// (their 4 rows read together, 16 weights per load, the next 4 rows prefetched as they go),
+// x rows in blocks of NB <= 4 against them: 16 dot products accumulate in registers, reduced
+// across lanes at the end.
 typedef float g16 __attribute__((vector_size(64)));
 typedef float g16u __attribute__((vector_size(64), aligned(4)));
 
-inline void gemv_rows(const float* X, const float* W, float* out, int64_t N, int64_t K, int64_t O, int64_t k0,
-                      int64_t k1) {
-  std::fill(out, out + N * O, 0.0f);
-  int64_t k = k0;
-  const int64_t O16 = O / 16 * 16;
-  for (int64_t x = 0; x < std::min<int64_t>(8, k1 - k0) * O; x += 16) __builtin_prefetch(W + k0 * O + x);
-  for (; k + 8 <= k1; k += 8) {
-    const float* w0 = W + k * O;
-    const float* next = w0 + 8 * O;
-    const bool ahead = k + 16 <= k1;
-    for (int64_t o = 0; o < O16; o += 16) {
-      if (ahead)
-        for (int i = 0; i < 8; ++i) __builtin_prefetch(next + i * O + o);
-      g16 w[8];
-      for (int i = 0; i < 8; ++i) w[i] = *reinterpret_cast<const g16u*>(w0 + i * O + o);
-      for (int64_t n = 0; n < N; ++n) {
-        const float* xk = X + n * K + k;
-        g16u* a = reinterpret_cast<g16u*>(out + n * O + o);
-        *a += ((xk[0] * w[0] + xk[1] * w[1]) + (xk[2] * w[2] + xk[3] * w[3])) +
-              ((xk[4] * w[4] + xk[5] * w[5]) + (xk[6] * w[6] + xk[7] * w[7]));
-      }
-    }
-    for (int64_t o = O16; o < O; ++o)
-      for (int64_t n = 0; n < N; ++n) {
-        const float* xk = X + n * K + k;
-        float acc = 0.0f;
-        for (int i = 0; i < 8; ++i) acc += xk[i] * w0[i * O + o];
-        out[n * O + o] += acc;
-      }
-  }
-  for (; k < k1; ++k) {
-    const float* w0 = W + k * O;
-    for (int64_t n = 0; n < N; ++n) {
-      const float x0 = X[n * K + k];
-      float* a = out + n * O;
-      for (int64_t o = 0; o < O; ++o) a[o] += x0 * w0[o];
+template <int NB, int MO>
+inline void gemv_block(const float* X, int64_t K, const float* W, int64_t O, float* Y, int64_t n0, int64_t o0,
+                       bool prefetch) {
+  g16 acc[NB][MO];
+  for (int i = 0; i < NB; ++i)
+    for (int j = 0; j < MO; ++j) acc[i][j] = g16{};
+  const int64_t K16 = K / 16 * 16;
+  const float* w = W + o0 * K;
+  const float* x = X + n0 * K;
+  for (int64_t k = 0; k < K16; k += 16) {
+    if (prefetch)
+      for (int j = 0; j < MO; ++j) __builtin_prefetch(w + (MO + j) * K + k);
+    g16 wv[MO];
+    for (int j = 0; j < MO; ++j) wv[j] = *reinterpret_cast<const g16u*>(w + j * K + k);
+    for (int i = 0; i < NB; ++i) {
+      const g16 xv = *reinterpret_cast<const g16u*>(x + i * K + k);
+      for (int j = 0; j < MO; ++j) acc[i][j] += xv * wv[j];
     }
   }
+  for (int i = 0; i < NB; ++i)
+    for (int j = 0; j < MO; ++j) {
+      float r = hsum(acc[i][j]);
+      for (int64_t k = K16; k < K; ++k) r += x[i * K + k] * w[j * K + k];
+      Y[(n0 + i) * O + o0 + j] = r;
+    }
 }
 
-// One row of x: the loop GCC vectorizes itself, 8 rows of w per pass (for one x row this
-// streamed faster than gemv_rows' vectors, ~5%).
-inline void gemv_one_row(const float* X, const float* W, float* out, int64_t O, int64_t k0, int64_t k1) {
-  std::fill(out, out + O, 0.0f);
-  int64_t k = k0;
-  for (; k + 8 <= k1; k += 8) {
-    const float* w0 = W + k * O;
-    const float* xk = X + k;
-    const float x0 = xk[0], x1 = xk[1], x2 = xk[2], x3 = xk[3], x4 = xk[4], x5 = xk[5], x6 = xk[6], x7 = xk[7];
-    for (int64_t o = 0; o < O; ++o)
-      out[o] += (x0 * w0[o] + x1 * w0[O + o]) + (x2 * w0[2 * O + o] + x3 * w0[3 * O + o]) +
-                (x4 * w0[4 * O + o] + x5 * w0[5 * O + o]) + (x6 * w0[6 * O + o] + x7 * w0[7 * O + o]);
+template <int MO>
+inline void gemv_outputs(const float* X, int64_t N, int64_t K, const float* W, int64_t O, float* Y, int64_t o0,
+                         bool prefetch) {
+  int64_t n = 0;
+  for (; n + 4 <= N; n += 4) {  // the MO rows of w stay in L1 after the first block of x rows
+    gemv_block<4, MO>(X, K, W, O, Y, n, o0, prefetch && n == 0);
   }
-  for (; k < k1; ++k)
-    for (int64_t o = 0; o < O; ++o) out[o] += X[k] * W[k * O + o];
+  switch (N - n) {
+    case 3: gemv_block<3, MO>(X, K, W, O, Y, n, o0, prefetch && n == 0); break;
+    case 2: gemv_block<2, MO>(X, K, W, O, Y, n, o0, prefetch && n == 0); break;
+    case 1: gemv_block<1, MO>(X, K, W, O, Y, n, o0, prefetch && n == 0); break;
+    default: break;
+  }
 }
 
 ffi::Error Gemv(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() < 2 || xd[1] != wd[0])
-    return ffi::Error::InvalidArgument("expected x [N,K] and w [K,...]");
+  if (xd.size() != 2 || wd.size() < 2 || xd[1] != wd[wd.size() - 1])
+    return ffi::Error::InvalidArgument("expected x [N,K] and w [...,K]");
   const int64_t N = xd[0], K = xd[1];
-  int64_t O = 1;
-  for (size_t i = 1; i < wd.size(); ++i) O *= wd[i];
+  const int64_t O = K > 0 ? static_cast<int64_t>(w.element_count()) / K : 0;
   if (N > 16) return ffi::Error::InvalidArgument("gemv takes at most 16 rows");
   const float* X = x.typed_data();
   const float* W = w.typed_data();
   float* Y = y->typed_data();
-  const int64_t tasks = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), K / 16));
-  std::vector<float> partial(static_cast<size_t>((tasks - 1) * N * O));
+  const int64_t blocks = O / 4;  // of 4 outputs; the last O % 4 one by one
+  const int64_t tasks = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), blocks));
   parallel_for(pool, tasks, [&](int64_t task) {
-    float* out = task == 0 ? Y : partial.data() + (task - 1) * N * O;
-    const int64_t k0 = K * task / tasks, k1 = K * (task + 1) / tasks;
-    if (N == 1)
-      gemv_one_row(X, W, out, O, k0, k1);
-    else
-      gemv_rows(X, W, out, N, K, O, k0, k1);
+    const int64_t b0 = blocks * task / tasks, b1 = blocks * (task + 1) / tasks;
+    for (int64_t b = b0; b < b1; ++b) gemv_outputs<4>(X, N, K, W, O, Y, 4 * b, b + 1 < b1);
+    if (task == tasks - 1)
+      for (int64_t o = 4 * blocks; o < O; ++o) gemv_outputs<1>(X, N, K, W, O, Y, o, false);
   });
-  for (int64_t t = 1; t < tasks; ++t) {
-    const float* part = partial.data() + (t - 1) * N * O;
-    for (int64_t i = 0; i < N * O; ++i) Y[i] += part[i];
-  }
   return ffi::Error::Success();
 }
 
@@ -688,7 +667,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TlGemv, Gemv,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()   // x [N, K]
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // w [K, ...]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // w [..., K]
                                   .Ret<ffi::Buffer<ffi::F32>>()); // y [N, ...]
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TlGemvInt8, GemvInt8,
