@@ -33,9 +33,9 @@ def test_matches_naive(seqs: list[tuple[int, int]]) -> None:
     assert np.isfinite(got).all()  # padding rows too
 
 
-def _smol_case(rng: np.random.Generator, contexts: list[int], new: int) -> tuple:
-    """SmolLM2 attention shapes: Hk 3, G 3, hd 64, block 16; each sequence decodes `new` tokens."""
-    L, NB, BS, HK, G, HD = 2, 96, 16, 3, 3, 64
+def _smol_case(rng: np.random.Generator, contexts: list[int], new: int, HK: int = 3, G: int = 3, HD: int = 64) -> tuple:
+    """SmolLM2 attention shapes (Hk 3, G 3, hd 64, block 16) unless given; each sequence decodes `new` tokens."""
+    L, NB, BS = 2, 96, 16
     k = rng.standard_normal((L, NB, BS, HK, HD)).astype(np.float32)
     v = rng.standard_normal((L, NB, BS, HK, HD)).astype(np.float32)
     free = rng.permutation(NB - 1)
@@ -62,9 +62,13 @@ def _smol_case(rng: np.random.Generator, contexts: list[int], new: int) -> tuple
             to_stored("v", jnp.asarray(v)), jnp.int32(layer), meta)
 
 
-@pytest.mark.parametrize("contexts,new", [([300, 5, 16, 0, 129], 1), ([47, 200], 4)], ids=["decodes", "drafts"])
-def test_smollm2_shapes_match_reference(contexts: list[int], new: int) -> None:
-    args = _smol_case(np.random.default_rng(7), contexts, new)
+@pytest.mark.parametrize("contexts,new,shape", [([300, 5, 16, 0, 129], 1, (3, 3, 64)), ([47, 200], 4, (3, 3, 64)),
+                                              ([100, 17, 0], 2, (2, 2, 128)), ([33, 64], 1, (4, 1, 64)),
+                                              ([70, 3], 3, (2, 5, 64))],
+                         ids=["decodes", "drafts", "hd128_g2", "mha", "g5_generic"])
+def test_smollm2_shapes_match_reference(contexts: list[int], new: int, shape: tuple[int, int, int]) -> None:
+    """The vectorised cached part (block 16, G x hd/16 accumulators in registers) and the generic one."""
+    args = _smol_case(np.random.default_rng(7), contexts, new, *shape)
     got = np.asarray(jax.jit(cpu_native.paged_attention)(*args))
     want = np.asarray(jax.jit(paged_attention)(*args))
     assert np.abs(got - want).max() < 1e-5

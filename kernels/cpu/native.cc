@@ -37,6 +37,58 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+constexpr float kNoScore = -1e30f;  // a masked score (finite: built with -ffast-math)
+
+// ---- 16-float vectors (GCC vector extensions: zmm with AVX-512, pairs of ymm with AVX2) -------
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v16u __attribute__((vector_size(64), aligned(4)));  // unaligned load/store
+typedef int32_t i16v __attribute__((vector_size(64)));
+
+inline v16 load16(const float* p) { return *reinterpret_cast<const v16u*>(p); }
+inline void store16(float* p, v16 x) { *reinterpret_cast<v16u*>(p) = x; }
+inline v16 splat(float x) { return v16{} + x; }
+
+inline float hmax(v16 x) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_max_ps(x);
+#else
+  float r = x[0];
+  for (int i = 1; i < 16; ++i) r = std::max(r, x[i]);
+  return r;
+#endif
+}
+inline float hsum(v16 x) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_add_ps(x);
+#else
+  float r = 0.0f;
+  for (int i = 0; i < 16; ++i) r += x[i];
+  return r;
+#endif
+}
+inline v16 vmax(v16 a, v16 b) { return a > b ? a : b; }
+
+// e^x for x <= 0 (scores minus their running max), relative error ~2e-7; x below -87 gives ~0.
+inline v16 vexp(v16 x) {
+  x = x < -87.0f ? splat(-87.0f) : x;
+  const v16 t = x * 1.44269504088896341f;
+  v16 n = __builtin_convertvector(__builtin_convertvector(t, i16v), v16);  // trunc toward 0
+  n = n > t ? n - 1.0f : n;                                                 // floor
+  const v16 r = (x - n * 0.693145751953125f) - n * 1.428606765330187045e-06f;  // in [0, ln 2)
+  v16 p = splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const i16v e = (__builtin_convertvector(n, i16v) + 127) << 23;
+  v16 scale;
+  std::memcpy(&scale, &e, sizeof scale);
+  return p * scale;
+}
+
 struct Problem {
   const float* q;           // [T, Hk, G, hd], already scaled by 1/sqrt(hd)
   const float* k;           // [L, NB, Hk, hd, bs]
@@ -141,9 +193,91 @@ void fold_token(const Problem& p, int64_t t) {
   }
 }
 
+// fold_token for block size 16 with the G query heads of a KV head together: per block, a row
+// of 16 keys per dimension against the G queries (one vector of scores each), one vector exp
+// per query head, and the G x HV accumulator vectors kept in registers over all the blocks of
+// the head. (The scalar-loop fold_block spent most of a 64-sequence step in exp and reloads.)
+template <int G, int HV>
+void fold_token_vec(const Problem& p, int64_t t) {
+  constexpr int64_t hd = HV * 16, bs = 16;
+  const int64_t Hk = p.Hk;
+  float* m_out = p.m + t * Hk * G;
+  float* l_out = p.l + t * Hk * G;
+  float* acc_out = p.acc + t * Hk * G * hd;
+  const int32_t seq = p.seq_idx[t];
+  const int64_t ctx = seq < 0 ? 0 : p.start_pos[seq];
+  const int64_t nblocks = (ctx + bs - 1) / bs;
+  const int32_t* table = seq < 0 ? nullptr : p.tables + seq * p.MB;
+  const int64_t block_floats = Hk * hd * bs;
+  const i16v iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  for (int64_t h = 0; h < Hk; ++h) {
+    const float* q = p.q + (t * Hk + h) * G * hd;
+    v16 acc[G][HV];
+    float m[G], l[G];
+    for (int g = 0; g < G; ++g) {
+      m[g] = kNoScore;
+      l[g] = 0.0f;
+      for (int x = 0; x < HV; ++x) acc[g][x] = v16{};
+    }
+    for (int64_t b = 0; b < nblocks; ++b) {
+      const int64_t base = (p.layer * p.NB + table[b]) * block_floats + h * hd * bs;
+      const float* K = p.k + base;  // [hd, bs]
+      const float* V = p.v + base;  // [bs, hd]
+      if (b + 1 < nblocks) {
+        const int64_t next = (p.layer * p.NB + table[b + 1]) * block_floats + h * hd * bs;
+        for (int64_t x = 0; x < hd * bs; x += 16) {
+          __builtin_prefetch(p.k + next + x);
+          __builtin_prefetch(p.v + next + x);
+        }
+      }
+      v16 s[G];
+      for (int g = 0; g < G; ++g) s[g] = v16{};
+      for (int64_t d = 0; d < hd; ++d) {
+        const v16 kd = load16(K + d * bs);
+        for (int g = 0; g < G; ++g) s[g] += q[g * hd + d] * kd;
+      }
+      const int32_t n = static_cast<int32_t>(std::min(bs, ctx - b * bs));
+      const auto valid = iota < n;
+      alignas(64) float pr[G][16];
+      for (int g = 0; g < G; ++g) {
+        const v16 sc = valid ? s[g] : splat(kNoScore);
+        const float mn = std::max(m[g], hmax(sc));
+        const float corr = std::exp(m[g] - mn);
+        const v16 e = valid ? vexp(sc - mn) : v16{};
+        l[g] = l[g] * corr + hsum(e);
+        m[g] = mn;
+        for (int x = 0; x < HV; ++x) acc[g][x] *= corr;
+        store16(pr[g], e);
+      }
+      for (int32_t j = 0; j < n; ++j) {
+        v16 vv[HV];
+        for (int x = 0; x < HV; ++x) vv[x] = load16(V + j * hd + 16 * x);
+        for (int g = 0; g < G; ++g)
+          for (int x = 0; x < HV; ++x) acc[g][x] += pr[g][j] * vv[x];
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      // No cached key: m = -inf, l = 0 (the merge with the local part then ignores this part).
+      m_out[h * G + g] = nblocks ? m[g] : -std::numeric_limits<float>::infinity();
+      l_out[h * G + g] = l[g];
+      for (int x = 0; x < HV; ++x) store16(acc_out + (h * G + g) * hd + 16 * x, acc[g][x]);
+    }
+  }
+}
+
 using FoldFn = void (*)(const Problem&, int64_t);
 
 FoldFn pick(const Problem& p) {
+  if (p.bs == 16 && p.hd == 64) {
+    switch (p.G) {
+      case 1: return fold_token_vec<1, 4>;
+      case 2: return fold_token_vec<2, 4>;
+      case 3: return fold_token_vec<3, 4>;
+      case 4: return fold_token_vec<4, 4>;
+      default: return fold_token<16, 64>;
+    }
+  }
+  if (p.bs == 16 && p.hd == 128 && p.G <= 2) return p.G == 1 ? fold_token_vec<1, 8> : fold_token_vec<2, 8>;
   if (p.bs == 16 && p.hd == 64) return fold_token<16, 64>;
   if (p.bs == 16 && p.hd == 128) return fold_token<16, 128>;
   if (p.bs == 32 && p.hd == 64) return fold_token<32, 64>;
@@ -237,54 +371,6 @@ ffi::Error Cached(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi
 // into an online softmax, and only key chunks some row can see are visited (a causal 512-token
 // prompt does ~half of the dense [T,T] work, a batch of decodes almost none).
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef float v16u __attribute__((vector_size(64), aligned(4)));  // unaligned load/store
-typedef int32_t i16v __attribute__((vector_size(64)));
-
-inline v16 load16(const float* p) { return *reinterpret_cast<const v16u*>(p); }
-inline void store16(float* p, v16 x) { *reinterpret_cast<v16u*>(p) = x; }
-inline v16 splat(float x) { return v16{} + x; }
-
-inline float hmax(v16 x) {
-#if defined(__AVX512F__)
-  return _mm512_reduce_max_ps(x);
-#else
-  float r = x[0];
-  for (int i = 1; i < 16; ++i) r = std::max(r, x[i]);
-  return r;
-#endif
-}
-inline float hsum(v16 x) {
-#if defined(__AVX512F__)
-  return _mm512_reduce_add_ps(x);
-#else
-  float r = 0.0f;
-  for (int i = 0; i < 16; ++i) r += x[i];
-  return r;
-#endif
-}
-inline v16 vmax(v16 a, v16 b) { return a > b ? a : b; }
-
-// e^x for x <= 0 (scores minus their running max), relative error ~2e-7; x below -87 gives ~0.
-inline v16 vexp(v16 x) {
-  x = x < -87.0f ? splat(-87.0f) : x;
-  const v16 t = x * 1.44269504088896341f;
-  v16 n = __builtin_convertvector(__builtin_convertvector(t, i16v), v16);  // trunc toward 0
-  n = n > t ? n - 1.0f : n;                                                 // floor
-  const v16 r = (x - n * 0.693145751953125f) - n * 1.428606765330187045e-06f;  // in [0, ln 2)
-  v16 p = splat(1.9875691500e-4f);
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const i16v e = (__builtin_convertvector(n, i16v) + 127) << 23;
-  v16 scale;
-  std::memcpy(&scale, &e, sizeof scale);
-  return p * scale;
-}
-
 struct Local {
   const float* q;       // [T, Hk, G, hd], already scaled by 1/sqrt(hd)
   const float* kt;      // [Hk, hd, Tp]: this step's keys transposed, zero beyond T
@@ -299,7 +385,6 @@ struct Local {
 constexpr int64_t kLocalRows = 64;  // rows (tokens x query heads) of a tile, at most
 constexpr int64_t kKeys = 64;       // keys per chunk: 4 vectors of 16
 constexpr int64_t kLocalSerialPairs = 8192;  // below this many (query row, key) pairs: one thread
-constexpr float kNoScore = -1e30f;
 
 // Rows [r0, r0 + 4) of a tile against the KV vectors of 16 keys from key u0: scores (a row of
 // transposed keys per dimension, q broadcast), masked to each row's keys, folded into the
