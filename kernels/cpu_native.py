@@ -59,6 +59,7 @@ TARGET = "tl_paged_attention_cached"
 GEMV_TARGET = "tl_gemv"
 GEMV_INT8_TARGET = "tl_gemv_int8"
 LOCAL_TARGET = "tl_local_attention"
+ARGMAX_LSE_TARGET = "tl_argmax_lse"
 LOCAL_HEAD_DIMS = (32, 64, 128)  # the native local part's head dims; others keep the jnp one
 GEMV_MAX_ROWS = 16  # the FFI kernel takes at most 16 rows; at 16 it is still 1.3x XLA
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-std=c++17", "-shared", "-fPIC")
@@ -129,6 +130,7 @@ def register() -> None:
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.TlPagedAttentionCached), platform="cpu")
     jax.ffi.register_ffi_target(GEMV_TARGET, jax.ffi.pycapsule(lib.TlGemv), platform="cpu")
     jax.ffi.register_ffi_target(GEMV_INT8_TARGET, jax.ffi.pycapsule(lib.TlGemvInt8), platform="cpu")
+    jax.ffi.register_ffi_target(ARGMAX_LSE_TARGET, jax.ffi.pycapsule(lib.TlArgmaxLse), platform="cpu")
     jax.ffi.register_ffi_target(LOCAL_TARGET, jax.ffi.pycapsule(lib.TlLocalAttention), platform="cpu")
     _registered = True
 
@@ -166,6 +168,15 @@ def cached_state(qg: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: j
     i32 = jnp.int32
     return call(qg.astype(f32), k_cache, v_cache, jnp.asarray(layer, i32).reshape(1), meta.seq_idx.astype(i32),
                 meta.start_pos.astype(i32), meta.block_tables.astype(i32))
+
+
+def argmax_lse(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(first index of each row's max [R] int32, log-sum-exp of each row [R] f32) of float32
+    logits x [R,V]: jnp.argmax and jax.nn.logsumexp in one native pass (finite logits)."""
+    register()
+    call = jax.ffi.ffi_call(ARGMAX_LSE_TARGET, (jax.ShapeDtypeStruct(x.shape[:1], jnp.int32),
+                                                jax.ShapeDtypeStruct(x.shape[:1], jnp.float32)))
+    return call(x.astype(jnp.float32))
 
 
 def local_state_native(qg: jax.Array, k: jax.Array, v: jax.Array, meta: AttnMetadata) -> tuple[jax.Array, ...]:

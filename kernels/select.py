@@ -42,6 +42,9 @@ class MatmulChoice:
     fn: Callable[[jax.Array, Any], jax.Array | None] | None  # None: XLA's dot (so where fn returns None)
     name: str  # "xla" or "cpu_native"
     reason: str
+    # The sampler's argmax and logsumexp of the logits rows in one pass (None: jnp's), chosen
+    # with the matmul: an opaque call needs whole (unsharded) rows.
+    argmax_lse: Callable[[jax.Array], tuple[jax.Array, jax.Array]] | None = None
 
 
 def select_matmul(attention: Choice, mesh: Mesh) -> MatmulChoice:
@@ -53,7 +56,8 @@ def select_matmul(attention: Choice, mesh: Mesh) -> MatmulChoice:
         return MatmulChoice(None, "xla", "tensor parallel: XLA partitions its own dot")
     from kernels import cpu_native
 
-    return MatmulChoice(cpu_native.small_matmul, "cpu_native", f"CPU: float rows <= {cpu_native.GEMV_MAX_ROWS}, int8 one row")
+    return MatmulChoice(cpu_native.small_matmul, "cpu_native", f"CPU: float rows <= {cpu_native.GEMV_MAX_ROWS}, int8 one row",
+                        argmax_lse=cpu_native.argmax_lse)
 
 
 def _kernel(name: str, interpret: bool) -> PagedAttention:

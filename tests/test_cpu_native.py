@@ -226,3 +226,40 @@ def test_matmul_choice_follows_attention() -> None:
     assert select.select_matmul(native, mesh).name == "cpu_native"
     ref = select.select("reference", "cpu", mesh, True, _probe(jnp.float32))
     assert select.select_matmul(ref, mesh).fn is None
+
+
+@pytest.mark.parametrize("rows,vocab", [(1, 49152), (7, 1000), (3, 37), (2, 16), (4, 5)])
+def test_argmax_lse_matches_jnp(rows: int, vocab: int) -> None:
+    """First index of the max (ties placed across vector lanes and the scalar tail) and logsumexp."""
+    rng = np.random.default_rng(vocab)
+    x = rng.standard_normal((rows, vocab)).astype(np.float32) * 8
+    top = x.max(axis=1)
+    x[0, vocab - 1] = top[0]  # a tie with a later index: the first one wins
+    if rows > 1:
+        x[1, :] = x[1, 0]  # all equal: index 0
+    tok, lse = jax.jit(cpu_native.argmax_lse)(jnp.asarray(x))
+    np.testing.assert_array_equal(np.asarray(tok), np.argmax(x, axis=1))
+    want = np.log(np.exp(x.astype(np.float64) - top[:, None]).sum(axis=1)) + top
+    assert np.abs(np.asarray(lse) - want).max() < 2e-5 * max(1.0, np.abs(want).max())
+
+
+def test_sample_with_the_native_argmax_lse_is_the_jnp_sample() -> None:
+    """tl.sampler.sample with the native one-pass argmax/logsumexp: same tokens, acceptances and
+    (to rounding) logprobs as with jnp's, greedy and sampled rows, drafts, penalties on and off."""
+    from tl.request import SamplingParams
+    from tl.sampler import pack_penalties, pack_rows, sample
+
+    rng = np.random.default_rng(3)
+    R, V = 6, 300
+    logits = jnp.asarray(rng.standard_normal((R, V)).astype(np.float32) * 3)
+    greedy, hot = SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_p=0.9)
+    penal = SamplingParams(temperature=0.0, frequency_penalty=1.5)
+    for params in ([greedy] * R, [greedy, hot] * 3, [penal, greedy] * 3):
+        drafts = [int(np.argmax(np.asarray(logits[0]))), 5, -1, -1, 7, -1]
+        sb = pack_rows(params, list(range(R)), [0] * R, drafts, R)
+        pen = pack_penalties(params, [[1, 2, 2]] * R, list(range(R)), [[]] * R, R, R, 1, V)
+        want = jax.jit(sample)(logits, sb, pen)
+        got = jax.jit(lambda lg, s, p: sample(lg, s, p, cpu_native.argmax_lse))(logits, sb, pen)
+        np.testing.assert_array_equal(np.asarray(got.token), np.asarray(want.token))
+        np.testing.assert_array_equal(np.asarray(got.accepted), np.asarray(want.accepted))
+        assert np.abs(np.asarray(got.logprob) - np.asarray(want.logprob)).max() < 1e-5

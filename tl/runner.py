@@ -86,13 +86,13 @@ def _bucket(n: int, buckets: Sequence[int], what: str) -> int:
 
 def _step(params: llama.Params, kv: tuple[jax.Array, jax.Array], inp: StepInputs, sb: SamplingBatch,
           pen: Penalties, *, cfg: ModelConfig, on_trace: Any,
-          attention: Any, matmul: Any) -> tuple[Any, SampleOut, jax.Array]:
+          attention: Any, matmul: Any, argmax_lse: Any = None) -> tuple[Any, SampleOut, jax.Array]:
     """Forward, KV write, sample-row selection and sampling; returns (kv, SampleOut, logits [R,V])."""
     on_trace()
     hidden, kv = llama.forward(params, cfg, inp.token_ids, inp.positions, kv, inp.kv_blocks, inp.kv_offsets,
                                inp.meta, attention, matmul)
     logits = llama.lm_logits(params, cfg, hidden[inp.row_token], matmul)
-    return kv, sample(logits, sb, pen), logits
+    return kv, sample(logits, sb, pen, argmax_lse), logits
 
 
 def _embed(params: llama.Params, token_ids: jax.Array, length: jax.Array, *, cfg: ModelConfig,
@@ -146,7 +146,7 @@ class ModelRunner:
         self.matmul = attention_select.select_matmul(self.attention, self.mesh)
         kv_sh = NamedSharding(self.mesh, self.layout.kv_spec)
         self._step = jax.jit(functools.partial(_step, cfg=cfg, on_trace=self._count, attention=self.attention.fn,
-                                               matmul=self.matmul.fn),
+                                               matmul=self.matmul.fn, argmax_lse=self.matmul.argmax_lse),
                              donate_argnames=("kv",),
                              out_shardings=((kv_sh, kv_sh), self._replicated, self._replicated))
         self._embed = jax.jit(functools.partial(_embed, cfg=cfg, on_trace=self._count))

@@ -19,7 +19,7 @@ samples do not depend on its batch neighbours.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import jax
@@ -143,34 +143,43 @@ def _uniforms(sb: SamplingBatch) -> jax.Array:
     return jax.vmap(lambda k: jax.random.uniform(k, (2,)))(keys)
 
 
-def sample(logits: jax.Array, sb: SamplingBatch, pen: Penalties) -> SampleOut:
-    """Choose one token per row of logits [R,V] (float32), verifying drafts where present.
+ArgmaxLse = Callable[[jax.Array], tuple[jax.Array, jax.Array]]
+"""logits [R,V] -> (first argmax [R] int32, logsumexp [R] f32): a backend's one-pass kernel."""
+
+
+def _argmax_lse(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    return jnp.argmax(x, axis=1).astype(jnp.int32), jax.nn.logsumexp(x, axis=1)
+
+
+def sample(logits: jax.Array, sb: SamplingBatch, pen: Penalties, argmax_lse: ArgmaxLse | None = None) -> SampleOut:
+    """Tokens for each row of logits [R,V] (float32).
 
     Greedy rows accept a draft iff it is the argmax. Sampled rows accept draft d with
     probability q(d) under the processed, truncated, renormalised distribution q, else draw
     from q with d removed and renormalised: the result is distributed exactly as q (drafts
     are deterministic proposals). The logprob is of the RAW distribution, log_softmax(logits)
     before penalties, temperature and truncation (what OpenAI's `logprobs` reports).
+    argmax_lse: the argmax and logsumexp of the raw logits in one pass (kernels/select.py:
+    the native CPU kernel; default jnp). Penalised rows take a jnp argmax of their own.
     """
+    raw_tok, lse = (argmax_lse or _argmax_lse)(logits)
     x = lax.cond(pen.enabled, apply_penalties, lambda lg, _: lg, logits, pen)
+    greedy_tok = lax.cond(pen.enabled, lambda: jnp.argmax(x, axis=1).astype(jnp.int32), lambda: raw_tok)
     # All rows greedy (the common serving case): argmax only, skipping the softmax, the
     # truncation bisections and the draw (41 ms of a 64-row step on 2 cores).
-    token, accepted = lax.cond(jnp.all(sb.temperature <= 0), _greedy, _sampled, x, sb)
-    lse = jax.nn.logsumexp(logits, axis=1)
+    token, accepted = lax.cond(jnp.all(sb.temperature <= 0), _greedy, _sampled, x, greedy_tok, sb)
     logprob = jnp.take_along_axis(logits, token[:, None], axis=1)[:, 0] - lse
     return SampleOut(token=token, logprob=logprob, accepted=accepted)
 
 
-def _greedy(x: jax.Array, sb: SamplingBatch) -> tuple[jax.Array, jax.Array]:
+def _greedy(x: jax.Array, greedy_tok: jax.Array, sb: SamplingBatch) -> tuple[jax.Array, jax.Array]:
     """(token, accepted) when every row is greedy: a draft is accepted iff it is the argmax."""
-    greedy_tok = jnp.argmax(x, axis=1).astype(jnp.int32)
     accepted = (sb.draft >= 0) & (greedy_tok == sb.draft)
     return jnp.where(accepted, sb.draft, greedy_tok), accepted
 
 
-def _sampled(x: jax.Array, sb: SamplingBatch) -> tuple[jax.Array, jax.Array]:
+def _sampled(x: jax.Array, greedy_tok: jax.Array, sb: SamplingBatch) -> tuple[jax.Array, jax.Array]:
     """(token, accepted) for a batch with at least one sampled row (greedy rows as in `_greedy`)."""
-    greedy_tok = jnp.argmax(x, axis=1).astype(jnp.int32)
     temp = jnp.where(sb.temperature > 0, sb.temperature, 1.0)
     q = _truncate(jax.nn.softmax(x / temp[:, None], axis=1), sb)
     has_draft = sb.draft >= 0
