@@ -163,11 +163,17 @@ def sample(logits: jax.Array, sb: SamplingBatch, pen: Penalties, argmax_lse: Arg
     the native CPU kernel; default jnp). Penalised rows take a jnp argmax of their own.
     """
     raw_tok, lse = (argmax_lse or _argmax_lse)(logits)
-    x = lax.cond(pen.enabled, apply_penalties, lambda lg, _: lg, logits, pen)
-    greedy_tok = lax.cond(pen.enabled, lambda: jnp.argmax(x, axis=1).astype(jnp.int32), lambda: raw_tok)
-    # All rows greedy (the common serving case): argmax only, skipping the softmax, the
-    # truncation bisections and the draw (41 ms of a 64-row step on 2 cores).
-    token, accepted = lax.cond(jnp.all(sb.temperature <= 0), _greedy, _sampled, x, greedy_tok, sb)
+
+    def general() -> tuple[jax.Array, jax.Array]:
+        x = lax.cond(pen.enabled, apply_penalties, lambda lg, _: lg, logits, pen)
+        greedy_tok = lax.cond(pen.enabled, lambda: jnp.argmax(x, axis=1).astype(jnp.int32), lambda: raw_tok)
+        return lax.cond(jnp.all(sb.temperature <= 0), _greedy, _sampled, x, greedy_tok, sb)
+
+    # All rows greedy without penalties (the common serving case): the raw argmax only, skipping
+    # the softmax, the truncation bisections and the draw (41 ms of a 64-row step on 2 cores),
+    # and the conds' copies of the logits (~0.9 ms of a one-row step).
+    token, accepted = lax.cond(jnp.all(sb.temperature <= 0) & ~pen.enabled,
+                               lambda: _greedy(logits, raw_tok, sb), general)
     logprob = jnp.take_along_axis(logits, token[:, None], axis=1)[:, 0] - lse
     return SampleOut(token=token, logprob=logprob, accepted=accepted)
 
