@@ -5,9 +5,9 @@ source, jaxlib version and CPU), registering its FFI targets, `paged_attention` 
 reference's contract (native local and cached parts, merged by log-sum-exp),
 `small_matmul` (x [N,K] @ w: native for N <= GEMV_MAX_ROWS float32 rows, one row for int8
 weights; None otherwise, and the caller's own dot runs) and `argmax_lse` (the sampler's greedy
-token and logsumexp of each logits row in one pass: 8.1 -> 0.8 ms at 64 rows of 49152). Must not: write the cache, know about
-requests. Tested by tests/test_cpu_native.py against kernels/paged_attention.py's reference
-and XLA's dot.
+token and logsumexp of each logits row in one pass: 8.1 -> 0.8 ms at 64 rows of 49152).
+Must not: write the cache, know about requests. Tested by tests/test_cpu_native.py against
+kernels/paged_attention.py's reference, XLA's dot and jnp's argmax/logsumexp.
 
 Why the cached part: on XLA:CPU it is a gather of every block into a copy, element by element,
 then tiny batched dots; it was half of a decode step at 64 sequences. The native part reads
