@@ -90,8 +90,8 @@ HostLayout = tuple[Any, tuple[str, ...], tuple[tuple[int, int, tuple[int, ...]],
 
 def _to_host_buffers(tree: Any) -> tuple[tuple[np.ndarray, ...], HostLayout]:
     """A pytree of host arrays as one flat buffer per dtype, and the layout to undo it (static:
-    the same for every step of a bucket). One device_put of 3 buffers costs ~0.1 ms where one of
-    a step's 16 small arrays cost ~1 ms."""
+    the same for every step of a bucket). Packing plus one device_put of the 3 buffers took
+    ~0.6 ms a step, the device_put of a step's 16 small arrays ~0.95 ms."""
     leaves, treedef = jax.tree.flatten(tree)
     groups: dict[str, list[np.ndarray]] = {}
     sizes: dict[str, int] = {}
