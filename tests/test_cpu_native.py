@@ -130,6 +130,7 @@ def test_local_part_matches_jnp(runs: list[tuple[int, int]], pad: int, hk: int, 
 @pytest.mark.parametrize("seq_idx,positions,msg", [
     ([0, 1, 0], [0, 0, 1], "not contiguous"),
     ([0, 0, 0], [0, 2, 1], "not increasing"),
+    ([0, 0, 1 << 30], [0, 1, 0], "seq_idx out of range"),  # not a huge allocation
 ])
 def test_local_part_refuses_a_layout_it_would_misread(seq_idx: list[int], positions: list[int], msg: str) -> None:
     """The kernel relies on each sequence being one run in position order; anything else is an error."""

@@ -5,18 +5,20 @@
 // sequence) into a softmax state (m, l, acc), reading the blocks of the stored cache layout
 // (kernels/paged_attention.py: K [L, NB, Hk, hd, bs], V [L, NB, Hk, bs, hd]) in place, token
 // ranges on the threads of XLA's intra-op pool. (2) TlGemv: y [N, O] = x [N, K] @ w^T, w [O, K],
-// for N <= 16, w's rows (one per output) split into contiguous ranges over the threads. (3) TlGemvInt8: the same for
-// int8 weights stored [O, K] with a scale per output row (W8A8, XLA's arithmetic exactly).
-// (4) TlLocalAttention: the softmax state of each token over this step's own keys (same
-// sequence, causal), tiles of query tokens x KV head on the pool's threads. (5) TlArgmaxLse:
-// each logits row's first argmax and log-sum-exp, rows on the threads.
+// for N <= 16, w's rows (one per output) split into contiguous ranges over the threads.
+// (3) TlGemvInt8: the same for int8 weights stored [O, K] with a scale per output row (W8A8,
+// XLA's arithmetic exactly). (4) TlLocalAttention: the softmax state of each token over this
+// step's own keys (same sequence, causal), tiles of query tokens x KV head on the pool's
+// threads. (5) TlArgmaxLse: each logits row's first argmax and log-sum-exp, rows on the threads.
 // Must not: write anything but its outputs. Built and loaded by kernels/cpu_native.py; tested
-// by tests/test_cpu_native.py against the jnp reference and XLA's dot.
+// by tests/test_cpu_native.py against the jnp reference, XLA's dot and jnp's argmax/logsumexp.
 //
 // Why: XLA:CPU gathers cached blocks element by element (~3 GB/s a thread) and then runs tiny
-// batched dots over the copy; here every block is read once, where it lies. And XLA:CPU runs a
-// matrix-vector product on one thread (~19 GB/s of weights in a chain of dependent products);
-// split by rows over both threads it streams ~21 GB/s at 1 row, 1.4-1.5x XLA at 2-4 rows.
+// batched dots over the copy; here every block is read once, where it lies. XLA:CPU runs a
+// matrix-vector product on one thread; split by output rows over both threads the 30 SmolLM2
+// layers' matmuls run 1.27x XLA at 1 row and 1.5-2.2x at 2-16 rows (`python -m bench kernels`).
+// And XLA:CPU runs the elementwise passes of a masked softmax, argmax and logsumexp on one
+// thread.
 
 #include <algorithm>
 #include <atomic>
@@ -88,6 +90,14 @@ inline v16 vexp(v16 x) {
   v16 scale;
   std::memcpy(&scale, &e, sizeof scale);
   return p * scale;
+}
+
+// Asks for n floats from each of a and b to be brought into cache, one line at a time.
+inline void prefetch_pair(const float* a, const float* b, int64_t n) {
+  for (int64_t x = 0; x < n; x += 16) {
+    __builtin_prefetch(a + x);
+    __builtin_prefetch(b + x);
+  }
 }
 
 struct Problem {
@@ -181,10 +191,7 @@ void fold_token(const Problem& p, int64_t t) {
     const int64_t base = (p.layer * p.NB + table[b]) * block_floats;
     if (b + 1 < nblocks) {
       const int64_t next = (p.layer * p.NB + table[b + 1]) * block_floats;
-      for (int64_t x = 0; x < block_floats; x += 16) {
-        __builtin_prefetch(p.k + next + x);
-        __builtin_prefetch(p.v + next + x);
-      }
+      prefetch_pair(p.k + next, p.v + next, block_floats);
     }
     const int64_t n = std::min(bs, ctx - b * bs);
     for (int64_t h = 0; h < Hk; ++h) {
@@ -226,10 +233,7 @@ void fold_token_vec(const Problem& p, int64_t t) {
       const float* V = p.v + base;  // [bs, hd]
       if (b + 1 < nblocks) {
         const int64_t next = (p.layer * p.NB + table[b + 1]) * block_floats + h * hd * bs;
-        for (int64_t x = 0; x < hd * bs; x += 16) {
-          __builtin_prefetch(p.k + next + x);
-          __builtin_prefetch(p.v + next + x);
-        }
+        prefetch_pair(p.k + next, p.v + next, hd * bs);
       }
       v16 s[G];
       for (int g = 0; g < G; ++g) s[g] = v16{};
@@ -279,7 +283,6 @@ FoldFn pick(const Problem& p) {
     }
   }
   if (p.bs == 16 && p.hd == 128 && p.G <= 2) return p.G == 1 ? fold_token_vec<1, 8> : fold_token_vec<2, 8>;
-  if (p.bs == 16 && p.hd == 64) return fold_token<16, 64>;
   if (p.bs == 16 && p.hd == 128) return fold_token<16, 128>;
   if (p.bs == 32 && p.hd == 64) return fold_token<32, 64>;
   if (p.bs == 32 && p.hd == 128) return fold_token<32, 128>;
@@ -368,8 +371,8 @@ ffi::Error Cached(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi
 // A flash-attention forward on the CPU. Tokens of a sequence are one contiguous run of the
 // token axis in position order (AttnMetadata's contract, checked here), so token t's keys are
 // tokens [lo(t), t] of its run. Work items are (tile of query tokens, KV head): the tile's rows
-// (its tokens x the G query heads of the KV head) are scored against 16 keys at a time, folded
-// into an online softmax, and only key chunks some row can see are visited (a causal 512-token
+// (its tokens x the G query heads of the KV head) are scored against 64 keys at a time (4
+// vectors of 16), folded into an online softmax, and only key chunks some row can see are visited (a causal 512-token
 // prompt does ~half of the dense [T,T] work, a batch of decodes almost none).
 
 struct Local {
@@ -547,6 +550,7 @@ ffi::Error LocalAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
       lo[t] = -1;
       continue;
     }
+    if (seq[t] >= T) return ffi::Error::InvalidArgument("seq_idx out of range");  // a step has < T sequences
     if (t > 0 && seq[t] == seq[t - 1]) {
       if (pos[t] <= pos[t - 1]) return ffi::Error::InvalidArgument("positions of a sequence are not increasing");
       lo[t] = lo[t - 1];
@@ -709,6 +713,7 @@ ffi::Error GemvInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
   if (xd.size() != 2 || qd.size() < 2 || xd[1] != qd[qd.size() - 1])
     return ffi::Error::InvalidArgument("expected x [N,K] and q [...,K]");
   const int64_t N = xd[0], K = xd[1];
+  if (K < 1) return ffi::Error::InvalidArgument("q has no columns");
   const int64_t O = static_cast<int64_t>(q.element_count()) / K;
   if (static_cast<int64_t>(scale.element_count()) != O) return ffi::Error::InvalidArgument("scale is not [...] of q's rows");
   if (N > 16) return ffi::Error::InvalidArgument("gemv takes at most 16 rows");
@@ -739,7 +744,7 @@ ffi::Error GemvInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
 void argmax_lse_row(const float* x, int64_t V, int32_t* tok, float* lse) {
   const int64_t V16 = V / 16 * 16;
   const i16v iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-  float best = -std::numeric_limits<float>::max();
+  float best = x[0];
   int64_t arg = 0;
   if (V16 > 0) {
     v16 mv = load16(x);
@@ -755,8 +760,8 @@ void argmax_lse_row(const float* x, int64_t V, int32_t* tok, float* lse) {
     for (int j = 0; j < 16; ++j)
       if (mv[j] == best) arg = std::min<int64_t>(arg, iv[j]);
   }
-  for (int64_t i = V16; i < V; ++i)
-    if (x[i] > best || (i == 0)) {
+  for (int64_t i = std::max<int64_t>(V16, 1); i < V; ++i)
+    if (x[i] > best) {
       best = x[i];
       arg = i;
     }
