@@ -29,12 +29,12 @@ float32 caches only: a bf16 (uint16) cache or a missing compiler raises `NativeU
 and kernels/select.py falls back to the reference with that reason.
 
 Why small_matmul: XLA:CPU runs a matrix-vector product on one thread; a decode step of one
-sequence is 120 of them in a dependent chain (~19 GB/s of weights). Split by rows of w over both
-threads, 8 rows of w per pass, each pass's vectors of w loaded once for every x row and the next
-pass prefetched: against XLA's dot on the 30 SmolLM2 layers' matmuls alone, 1.2x at 1 row,
-1.6x at 2, 2.0x at 4 and 2.1x at 8, 1.8x at 12 and 1.3x at 16 (hence GEMV_MAX_ROWS). int8
-weights, one row: 1.36x XLA's int8 dot (which pads to 4 rows; at 4 and 8 rows XLA's is
-1.6-2.2x faster than this kernel, so it keeps them).
+sequence is 120 of them in a dependent chain. The native kernel splits w's rows (one per
+output, [O,K] as llama.linear stores them) over both threads, 4 outputs x up to 4 x rows in
+registers, the next rows prefetched: against XLA's dot on the 30 SmolLM2 layers' matmuls alone
+(`python -m bench kernels`), 1.27x at 1 row, 2.03x at 2, 2.15x at 4, 1.89x at 8 and 1.45x at
+16 (hence GEMV_MAX_ROWS). int8 weights, one row: 1.27-1.37x XLA's int8 dot (which pads to 4
+rows; at 4 and 8 rows XLA's is 1.6-2.2x faster than this kernel, so it keeps them).
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ GEMV_INT8_TARGET = "tl_gemv_int8"
 LOCAL_TARGET = "tl_local_attention"
 ARGMAX_LSE_TARGET = "tl_argmax_lse"
 LOCAL_HEAD_DIMS = (32, 64, 128)  # the native local part's head dims; others keep the jnp one
-GEMV_MAX_ROWS = 16  # the FFI kernel takes at most 16 rows; at 16 it is still 1.3x XLA
+GEMV_MAX_ROWS = 16  # the FFI kernel takes at most 16 rows; at 16 it is still 1.45x XLA
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-std=c++17", "-shared", "-fPIC")
 
 
