@@ -18,7 +18,8 @@ The runner compiles over a second, derived layout (`step_params`): a Python list
 dicts {attn_norm, wqkv [Hk,G+2,hd,D], bqkv? [Hk,G+2,hd], wo [D,Hq*hd], mlp_norm, w_gate_up
 [F,2,D], w_down [D,F]} (G = Hq/Hk), and lm_head [V,D]: every matrix [*out, in], as PyTorch
 stores them (`linear` says why), the axis tensor parallelism splits first among the out axes
-(so that `linear` can flatten them into one without resharding). Why: inside a `lax.scan` XLA:CPU materialises each layer's dynamic slice of the
+(so that `linear` can flatten them into one without resharding).
+Why per-layer dicts: inside a `lax.scan` XLA:CPU materialises each layer's dynamic slice of the
 stacked weights before the dot (a copy of every weight, every step: batch-1 decode ran at half
 speed), and one fused QKV and one gate-up matmul use the cores better than three and two.
 The fused weights keep an axis that tensor parallelism can split (Megatron layout, tl/backend.py):
@@ -241,7 +242,8 @@ def linear(x: jax.Array, w: Any, matmul: Matmul | None = None) -> jax.Array:
     matmul, if given, goes first; where it returns None XLA's dot does the work.
     Why [*out,in] (PyTorch's layout): XLA:CPU's dot transposed an [in,out] weight on every call
     (ynn::transpose, 11% of a 64-sequence decode step); contracting the last axes, the 30 layers'
-    matmuls ran 1.25-1.39x faster at 32-128 rows and 1.1x at 512."""
+    matmuls alone ran 1.25-1.39x faster at 32-128 rows and 1.1x at 512, a whole 64-sequence
+    decode step 1.05x (both layouts alternated in one process)."""
     if matmul is not None and (y := matmul(x, w)) is not None:
         return y.astype(x.dtype)
     if not isinstance(w, dict):  # out axes flattened: XLA:CPU's dot ran 2.5x slower on [2,F,D] than [2F,D]
@@ -293,7 +295,8 @@ def step_partition_specs(step: Params, replicated: frozenset[str] = frozenset())
     Column-parallel wqkv (by KV-head group), wq/wk/wv, w_gate_up (by F) and their biases;
     row-parallel wo/w_down (XLA all-reduces after them); embed and lm_head by vocab; norms
     replicated. `by_name` gives each matrix's axes as [in, *out]; stored ([*out, in], float
-    or int8 "q"; "scale" [*out]) they are rotated to match (embed is [V,D] as stored). Leaves named in `replicated` (tl/backend.py: KV weights when
+    or int8 "q"; "scale" [*out]) they are rotated to match (embed is [V,D] as stored).
+    Leaves named in `replicated` (tl/backend.py: KV weights when
     KV heads do not divide, embed/lm_head when the vocab does not) are whole on every device.
     """
     from jax.sharding import PartitionSpec as P
