@@ -1,10 +1,14 @@
-"""Greedy equality of the accelerator path with the CPU path on SmolLM2 (fp32 and bf16).
+"""Greedy equality of the accelerator path with the CPU path, on models built here.
 
-Runs a few chat prompts through the Engine twice per dtype, backend="cpu" and backend=<accel>
-(attention kernel "auto": Pallas on the accelerator), and prints, per prompt, the first
-position where the greedy tokens differ. fp32 must match exactly (exit 1 otherwise); bf16 is
-reported only (bf16 rounding differs across platforms, so long greedy runs may drift).
-Run by bench/gpu_check.sh; `python -m bench.gpu_check --backend gpu`.
+No model hub and no room to carry SmolLM2's weights to a lent GPU machine, so the check builds its
+models (tests/models.py): the successor-byte model (hand-checkable, logit margin 16: greedy must
+be identical in fp32 and bf16), a random 2-layer Llama, and a random-weight model of SmolLM2-135M's
+exact shape (the one `bench runner` times; `--make-smol DIR` writes it and exits). Each model runs
+a few prompts through the Engine with backend="cpu" and backend=<accel> (attention "auto": the
+Pallas kernel on the accelerator), and one JSON line per (model, dtype) gives the first position
+where the greedy tokens differ per prompt. Random weights give near-tied logits, so on those a
+difference is reported, not failed (the accelerator's fp32 matmuls may round differently).
+Exit 1 when the successor model differs. Run by bench/gpu_check.sh.
 """
 
 from __future__ import annotations
@@ -12,13 +16,44 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 from tl.config import EngineConfig
+from tl.model.config import ModelConfig
 from tl.request import GenRequest, SamplingParams
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "Count to ten.",
            "Explain what a paged KV cache is in one sentence."]
+SMOL_SHAPE = dict(architecture="LlamaForCausalLM", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                  num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+                  rope_theta=100000.0, rms_norm_eps=1e-5, max_position_embeddings=8192, tie_word_embeddings=True,
+                  attention_bias=False, bos_token_id=1, eos_token_ids=(2,))
+
+
+def make_smol_shaped(path: Path) -> Path:
+    """A random-weight model dir of SmolLM2-135M's shape (byte tokenizer; weights of std 0.02)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    import numpy as np
+    from models import CHATML_TEMPLATE, _write_dir
+
+    cfg = ModelConfig(**SMOL_SHAPE)  # type: ignore[arg-type]
+    rng = np.random.default_rng(0)
+    d, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+
+    def normal(*shape: int, std: float = 0.02) -> np.ndarray:
+        return rng.standard_normal(shape, dtype=np.float32) * np.float32(std)
+
+    t = {"model.embed_tokens.weight": normal(v, d, std=0.3), "model.norm.weight": 1 + normal(d)}
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        t |= {p + "input_layernorm.weight": 1 + normal(d), p + "post_attention_layernorm.weight": 1 + normal(d),
+              p + "self_attn.q_proj.weight": normal(cfg.q_size, d), p + "self_attn.k_proj.weight": normal(cfg.kv_size, d),
+              p + "self_attn.v_proj.weight": normal(cfg.kv_size, d), p + "self_attn.o_proj.weight": normal(d, cfg.q_size),
+              p + "mlp.gate_proj.weight": normal(f, d), p + "mlp.up_proj.weight": normal(f, d),
+              p + "mlp.down_proj.weight": normal(d, f)}
+    return _write_dir(path, cfg, t, sharded=False, bos="<|im_start|>", eos="<|im_end|>", chat_template=CHATML_TEMPLATE)
 
 
 def _greedy(cfg: EngineConfig, max_tokens: int) -> tuple[list[list[int]], str]:
@@ -41,25 +76,39 @@ def _greedy(cfg: EngineConfig, max_tokens: int) -> tuple[list[list[int]], str]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="artifacts/models/smol-135m")
+    ap = argparse.ArgumentParser(prog="python -m bench.gpu_check")
     ap.add_argument("--backend", default="gpu")
     ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--smol", default="", help="a SmolLM2-shaped model dir to check too (made by --make-smol)")
+    ap.add_argument("--make-smol", default="", help="write a random SmolLM2-shaped model dir here and exit")
     args = ap.parse_args()
-    base = EngineConfig(model_dir=args.model, num_kv_blocks=256, max_num_seqs=4, max_num_batched_tokens=256,
-                        token_buckets=(16, 64, 256), seq_buckets=(1, 4), prefill_chunk=256, compile_cache_dir="")
+    if args.make_smol:
+        print("wrote", make_smol_shaped(Path(args.make_smol)))
+        return 0
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from models import make_succ, make_tiny_llama
+
+    tmp = Path(tempfile.mkdtemp(prefix="tl-gpu-check-"))
+    models = {"succ": make_succ(tmp / "succ"), "tiny": make_tiny_llama(tmp / "tiny")}
+    if args.smol:
+        models["smol_shaped"] = Path(args.smol)
     ok = True
-    for dtype in ("float32", "bfloat16"):
-        t0 = time.perf_counter()
-        cpu, _ = _greedy(base.replace(backend="cpu", dtype=dtype), args.max_tokens)
-        acc, kernel = _greedy(base.replace(backend=args.backend, dtype=dtype), args.max_tokens)
-        first_diff = [next((i for i, (a, b) in enumerate(zip(x, y, strict=False)) if a != b),
-                           None if len(x) == len(y) else min(len(x), len(y))) for x, y in zip(cpu, acc, strict=True)]
-        same = all(d is None for d in first_diff)
-        print(json.dumps({"check": "greedy_vs_cpu", "dtype": dtype, "backend": args.backend, "attention": kernel,
-                          "identical": same, "first_diff_per_prompt": first_diff,
-                          "seconds": round(time.perf_counter() - t0, 1)}), flush=True)
-        ok &= same or dtype == "bfloat16"
+    for name, path in models.items():
+        base = EngineConfig(model_dir=str(path), num_kv_blocks=256, max_num_seqs=4, max_num_batched_tokens=256,
+                            token_buckets=(16, 64, 256), seq_buckets=(1, 4), prefill_chunk=256, compile_cache_dir="")
+        for dtype in ("float32", "bfloat16"):
+            t0 = time.perf_counter()
+            cpu, _ = _greedy(base.replace(backend="cpu", dtype=dtype), args.max_tokens)
+            acc, kernel = _greedy(base.replace(backend=args.backend, dtype=dtype), args.max_tokens)
+            first_diff = [next((i for i, (a, b) in enumerate(zip(x, y, strict=False)) if a != b),
+                               None if len(x) == len(y) else min(len(x), len(y)))
+                          for x, y in zip(cpu, acc, strict=True)]
+            same = all(d is None for d in first_diff)
+            print(json.dumps({"check": "greedy_vs_cpu", "model": name, "dtype": dtype, "backend": args.backend,
+                              "attention": kernel, "identical": same, "first_diff_per_prompt": first_diff,
+                              "tokens": [len(x) for x in acc], "seconds": round(time.perf_counter() - t0, 1)}),
+                  flush=True)
+            ok &= same or name != "succ"
     return 0 if ok else 1
 
 

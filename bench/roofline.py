@@ -20,7 +20,9 @@ count minus the norms. Steps/s is exact only for single-stream decode (= tokens/
 say how they estimate it elsewhere.
 
 Imports numpy and the stdlib only (reads config.json itself, so a peer's model dir works
-without tl). Used by bench/http_bench.py, bench/runner_bench.py, bench/engine_bench.py.
+without tl); `measure_device_machine`, for runs on a GPU or TPU, imports jax when called: there the
+ceilings are the accelerator's (a matmul in the step's dtype, and a sum streaming a large float32
+array from device memory), not the host's. Used by bench/http_bench.py, bench/runner_bench.py, bench/engine_bench.py.
 Tested by tests/test_bench_harness.py.
 """
 
@@ -45,6 +47,8 @@ class Machine:
     mem_bytes: int
     threads: int
     repeat: int
+    where: str = "numpy"  # what measured it: "numpy" (host), or "jax <platform> <dtype>" (accelerator)
+    gemm_dtype: str = "fp32"
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +91,28 @@ def measure_mem_read(num_bytes: int = 256 << 20, threads: int | None = None, rep
     return x.nbytes / best
 
 
+def measure_device_machine(dtype: str, gemm_n: int = 8192, mem_bytes: int = 1 << 30, repeat: int = 7) -> Machine:
+    """The two ceilings on JAX's default accelerator: an n×n matmul in `dtype` ("bfloat16" or
+    "float32", at JAX's default precision, which on NVIDIA GPUs is TF32 for float32) and the
+    read bandwidth of a sum over a float32 array in device memory; best of `repeat`, timed to
+    block_until_ready."""
+    import jax
+    import jax.numpy as jnp
+
+    kx, ky = jax.random.split(jax.random.key(0))
+    a = jax.random.normal(kx, (gemm_n, gemm_n), dtype=dtype)
+    b = jax.random.normal(ky, (gemm_n, gemm_n), dtype=dtype)
+    x = jnp.ones(mem_bytes // 4, dtype=jnp.float32)
+    mm, total = jax.jit(jnp.matmul), jax.jit(jnp.sum)
+    mm(a, b).block_until_ready()
+    total(x).block_until_ready()
+    gemm = min(_seconds(lambda: mm(a, b).block_until_ready()) for _ in range(repeat))
+    read = min(_seconds(lambda: total(x).block_until_ready()) for _ in range(repeat))
+    platform = jax.default_backend()
+    return Machine(2 * gemm_n**3 / gemm, x.nbytes / read, gemm_n, int(x.nbytes), 1, repeat,
+                   where=f"jax {platform}", gemm_dtype="bf16" if dtype == "bfloat16" else "fp32")
+
+
 def measure_machine(gemm_n: int = 2048, mem_bytes: int = 256 << 20, repeat: int = 7) -> Machine:
     threads = os.cpu_count() or 1
     return Machine(measure_gemm(gemm_n, repeat), measure_mem_read(mem_bytes, threads, repeat),
@@ -127,9 +153,11 @@ def fractions(machine: Machine, cost: ModelCost, tokens_per_s: float, steps_per_
 
 def roofline_line(machine: Machine, cost: ModelCost | None, model: str = "") -> str:
     """One line: the ceilings, the model's cost, and the decode limits they imply."""
-    s = (f"roofline: fp32 GEMM {machine.gemm_flops_per_s / 1e9:.1f} GFLOP/s (numpy {machine.gemm_n}², best of "
-         f"{machine.repeat}); memory read {machine.mem_read_bytes_per_s / 1e9:.1f} GB/s ("
-         f"{machine.mem_bytes >> 20} MiB float32 x·x over {machine.threads} threads, best of {machine.repeat})")
+    how = (f"{machine.mem_bytes >> 20} MiB float32 x·x over {machine.threads} threads" if machine.where == "numpy"
+           else f"{machine.mem_bytes >> 20} MiB float32 sum")
+    s = (f"roofline: {machine.gemm_dtype} GEMM {machine.gemm_flops_per_s / 1e9:.1f} GFLOP/s ({machine.where} "
+         f"{machine.gemm_n}², best of {machine.repeat}); memory read {machine.mem_read_bytes_per_s / 1e9:.1f} GB/s "
+         f"({how}, best of {machine.repeat})")
     if cost is None:
         return s
     mem_tok_s = machine.mem_read_bytes_per_s / cost.weight_bytes
@@ -150,11 +178,13 @@ def roofline_rows(machine: Machine, cost: ModelCost, items: list[tuple[str, floa
     return rows
 
 
-def print_offline_roofline(model_dir: str, items: list[tuple[str, float, float]], bytes_per_param: int = 4) -> None:
-    """What runner_bench and engine_bench print at their end: the line and a fractions table."""
+def print_offline_roofline(model_dir: str, items: list[tuple[str, float, float]], bytes_per_param: int = 4,
+                           platform: str = "cpu", dtype: str = "float32") -> None:
+    """What runner_bench and engine_bench print at their end: the line and a fractions table,
+    against the host's ceilings, or the accelerator's when `platform` is not "cpu"."""
     from bench.report import print_table
 
-    machine = measure_machine()
+    machine = measure_machine() if platform == "cpu" else measure_device_machine(dtype)
     try:
         cost: ModelCost | None = load_model_cost(model_dir, bytes_per_param)
     except (OSError, KeyError, ValueError):

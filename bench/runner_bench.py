@@ -125,5 +125,6 @@ def run(argv: Sequence[str]) -> int:
 
     # Each row's steps/s is exact here: one compiled step per timed call.
     items = [(str(r["test"]), float(str(r["tokens/s"])), 1e3 / float(str(r["step ms p50"]))) for r in rows]
-    print_offline_roofline(args.model, items, bytes_per_param=2 if b_info.dtype == "bfloat16" else 4)
+    print_offline_roofline(args.model, items, bytes_per_param=2 if b_info.dtype == "bfloat16" else 4,
+                           platform=b_info.platform, dtype=b_info.dtype)
     return 0

@@ -15,10 +15,22 @@ Padding tokens get length 1 and their rows are ignored. The kernel wants pages
 (K [L, pages, Hk, hd, bs], V [L, pages, Hk, bs, hd]), so each call transposes one layer of
 the cache (a copy of that layer: the price of a layout shared with the reference and the TPU
 kernel). Softmax scale 1/sqrt(hd) is folded into q.
+
+Shapes. Compiled for a GPU, the kernel's Triton dots need every dimension >= 16: head_dim, and
+the keys of a compute block (pages_per_compute_block x block_size). Below that the compiled kernel
+returned wrong numbers, not an error (head_dim 8 with 4-key blocks: every output doubled, on an
+H200 with jax 0.11.2), so such shapes are refused at trace time and selection falls back to the
+reference; interpret mode, which computes in jnp, takes any shape.
+
+jax 0.11 deprecates the module (a DeprecationWarning at import; it still ran there, on jax 0.11.2
+on an H200 with bench/gpu_check.sh): the import silences that one warning, so that a process
+turning warnings into errors (pytest here) does not take it for a refusal. When jax drops the
+module, this file has to carry the kernel itself.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import jax
@@ -45,7 +57,10 @@ def _pick_pages_per_block(max_blocks: int, block_size: int) -> int:
 def paged_attention(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                     layer: jax.Array, meta: AttnMetadata, *, interpret: bool = False) -> jax.Array:
     """Same contract as kernels.paged_attention.paged_attention; reads this step's keys from the cache."""
-    from jax.experimental.pallas.ops.gpu import paged_attention as gpu
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "jax.experimental.pallas.ops.gpu.paged_attention is deprecated",
+                                DeprecationWarning)
+        from jax.experimental.pallas.ops.gpu import paged_attention as gpu
 
     del k_new, v_new
     hd = q.shape[-1]
@@ -55,8 +70,12 @@ def paged_attention(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_cache: j
     lengths = jnp.where(real, meta.positions + 1, 1).astype(jnp.int32)  # [T]
     k_pages = _load_layer(k_cache, "k", layer, dtype).transpose(2, 0, 1, 3)  # [Hk, NB, bs, hd]
     v_pages = _load_layer(v_cache, "v", layer, dtype).transpose(2, 0, 1, 3)
+    bs = k_pages.shape[2]
+    per_block = _pick_pages_per_block(tables.shape[1], bs)
+    if not interpret and (hd < 16 or per_block * bs < 16):
+        raise ValueError(f"pallas_gpu needs head_dim >= 16 and >= 16 keys a compute block (Triton dots); got "
+                         f"head_dim {hd} and {per_block} page(s) of {bs} tokens")
     qs = (q.astype(jnp.float32) * hd ** -0.5).astype(dtype)
-    out = gpu.paged_attention(qs, k_pages, v_pages, tables, lengths, k_splits=1,
-                              pages_per_compute_block=_pick_pages_per_block(tables.shape[1], k_pages.shape[2]),
+    out = gpu.paged_attention(qs, k_pages, v_pages, tables, lengths, k_splits=1, pages_per_compute_block=per_block,
                               interpret=interpret)
     return out.astype(q.dtype)

@@ -16,49 +16,51 @@ from kernels.paged_attention import AttnMetadata, paged_attention, to_stored
 L, BS, NB, HK, G, HD = 2, 4, 40, 2, 2, 8
 
 
-def build_case(rng: np.random.Generator, seqs: list[tuple[int, int]], pad: int, max_blocks: int = 10) -> dict:
+def build_case(rng: np.random.Generator, seqs: list[tuple[int, int]], pad: int, max_blocks: int = 10,
+               bs: int = BS, hd: int = HD) -> dict:
     """seqs: (start_pos, num_new) per sequence. Returns cache, step tensors and full per-seq K/V."""
-    k_cache = rng.standard_normal((L, NB, BS, HK, HD)).astype(np.float32)
-    v_cache = rng.standard_normal((L, NB, BS, HK, HD)).astype(np.float32)
+    k_cache = rng.standard_normal((L, NB, bs, HK, hd)).astype(np.float32)
+    v_cache = rng.standard_normal((L, NB, bs, HK, hd)).astype(np.float32)
     free = rng.permutation(NB - 1)  # last block is scratch, never in a table
     tables = np.full((len(seqs), max_blocks), NB - 1, np.int32)
     seq_idx, positions, k_new, v_new = [], [], [], []
     used = 0
     layer = 1
     for s, (start, n) in enumerate(seqs):
-        nblk = -(-(start + n) // BS)
+        nblk = -(-(start + n) // bs)
         tables[s, :nblk] = free[used:used + nblk]
         used += nblk
-        kn = rng.standard_normal((n, HK, HD)).astype(np.float32)
-        vn = rng.standard_normal((n, HK, HD)).astype(np.float32)
+        kn = rng.standard_normal((n, HK, hd)).astype(np.float32)
+        vn = rng.standard_normal((n, HK, hd)).astype(np.float32)
         for i in range(n):  # the model writes this step's keys before attention
             p = start + i
-            k_cache[layer, tables[s, p // BS], p % BS] = kn[i]
-            v_cache[layer, tables[s, p // BS], p % BS] = vn[i]
+            k_cache[layer, tables[s, p // bs], p % bs] = kn[i]
+            v_cache[layer, tables[s, p // bs], p % bs] = vn[i]
         seq_idx += [s] * n
         positions += list(range(start, start + n))
         k_new.append(kn)
         v_new.append(vn)
-    k_new.append(rng.standard_normal((pad, HK, HD)).astype(np.float32))
-    v_new.append(rng.standard_normal((pad, HK, HD)).astype(np.float32))
+    k_new.append(rng.standard_normal((pad, HK, hd)).astype(np.float32))
+    v_new.append(rng.standard_normal((pad, HK, hd)).astype(np.float32))
     T = len(seq_idx) + pad
-    return dict(k_cache=k_cache, v_cache=v_cache, tables=tables, layer=layer,
+    return dict(k_cache=k_cache, v_cache=v_cache, tables=tables, layer=layer, bs=bs, hd=hd,
                 seq_idx=np.array(seq_idx + [-1] * pad, np.int32), positions=np.array(positions + [0] * pad, np.int32),
                 start=np.array([s for s, _ in seqs], np.int32), k_new=np.concatenate(k_new),
-                v_new=np.concatenate(v_new), q=rng.standard_normal((T, HK * G, HD)).astype(np.float32))
+                v_new=np.concatenate(v_new), q=rng.standard_normal((T, HK * G, hd)).astype(np.float32))
 
 
 def naive(c: dict) -> np.ndarray:
     """Each real token: gather its sequence's keys 0..pos from the cache, softmax, weighted sum."""
     out = np.zeros_like(c["q"])
+    bs, hd = c["bs"], c["hd"]
     for t, (s, p) in enumerate(zip(c["seq_idx"], c["positions"], strict=True)):
         if s < 0:
             continue
-        slots = [(c["tables"][s, j // BS], j % BS) for j in range(p + 1)]
-        k = np.stack([c["k_cache"][c["layer"], b, o] for b, o in slots])  # [P, HK, HD]
+        slots = [(c["tables"][s, j // bs], j % bs) for j in range(p + 1)]
+        k = np.stack([c["k_cache"][c["layer"], b, o] for b, o in slots])  # [P, HK, hd]
         v = np.stack([c["v_cache"][c["layer"], b, o] for b, o in slots])
         for h in range(HK * G):
-            sc = k[:, h // G] @ c["q"][t, h] / np.sqrt(HD)
+            sc = k[:, h // G] @ c["q"][t, h] / np.sqrt(hd)
             w = np.exp(sc - sc.max())
             out[t, h] = (w / w.sum()) @ v[:, h // G]
     return out
