@@ -35,6 +35,9 @@ registers, the next rows prefetched: against XLA's dot on the 30 SmolLM2 layers'
 (`python -m bench kernels`), 1.27x at 1 row, 2.03x at 2, 2.15x at 4, 1.89x at 8 and 1.45x at
 16 (hence GEMV_MAX_ROWS). int8 weights, one row: 1.27-1.37x XLA's int8 dot (which pads to 4
 rows; at 4 and 8 rows XLA's is 1.6-2.2x faster than this kernel, so it keeps them).
+After a one-row matmul its helper thread lingers, spinning up to 200 us for the next one
+(native.cc says why): a one-row decode step 1.07-1.08x (runner, alternated with it off), 1.09-1.10x
+over HTTP (`bench http --compare` against a server with $TL_NATIVE_LINGER_US=0).
 """
 
 from __future__ import annotations
@@ -120,14 +123,26 @@ def build() -> Path:
 
 
 _registered = False
+_lib: ctypes.CDLL | None = None
+
+
+def set_linger_us(us: float) -> None:
+    """How long a helper thread of the one-row matmul spins for the next one (native.cc's
+    lingering helpers; default 200 us, 0 = off; $TL_NATIVE_LINGER_US sets it at load): for
+    benchmarks that compare values."""
+    register()
+    assert _lib is not None
+    _lib.TlSetLingerNs(ctypes.c_int64(int(us * 1000)))
 
 
 def register() -> None:
     """Build (if needed), load and register the FFI targets, once per process."""
-    global _registered
+    global _registered, _lib
     if _registered:
         return
-    lib = ctypes.cdll.LoadLibrary(str(build()))
+    lib = _lib = ctypes.cdll.LoadLibrary(str(build()))
+    if os.environ.get("TL_NATIVE_LINGER_US"):  # A/B of whole servers (bench http --compare)
+        lib.TlSetLingerNs(ctypes.c_int64(int(float(os.environ["TL_NATIVE_LINGER_US"]) * 1000)))
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.TlPagedAttentionCached), platform="cpu")
     jax.ffi.register_ffi_target(GEMV_TARGET, jax.ffi.pycapsule(lib.TlGemv), platform="cpu")
     jax.ffi.register_ffi_target(GEMV_INT8_TARGET, jax.ffi.pycapsule(lib.TlGemvInt8), platform="cpu")

@@ -191,6 +191,46 @@ def test_small_matmul_matches_xla(rows: int, shape: tuple[int, ...]) -> None:
     assert np.abs(got - want).max() < 1e-3 * max(1.0, np.abs(want).max())
 
 
+@pytest.mark.parametrize("linger_us", [0.0, 0.001, 200.0], ids=["off", "expires_at_once", "default"])
+def test_one_row_matmul_chain_with_lingering_helpers(linger_us: float) -> None:
+    """One-row matmuls in a dependent chain (a decode step's shape), from two Python threads at
+    once: every hand-off to a lingering helper (or a fresh pool task when the slot is taken or
+    its helper has just left) computes the same numbers as the helper-free path."""
+    import threading
+
+    rng = np.random.default_rng(0)
+    ws = [jnp.asarray(rng.standard_normal(s, dtype=np.float32) / 16) for s in ((256, 128), (128, 128), (512, 128))]
+
+    @jax.jit
+    def chain(x: jax.Array) -> jax.Array:
+        for _ in range(8):
+            for w in ws:
+                x = cpu_native.small_matmul(x, w)
+                x = jnp.tanh(x[:, :128])
+        return x
+
+    xs = [jnp.asarray(rng.standard_normal((1, 128), dtype=np.float32)) for _ in range(2)]
+    try:
+        cpu_native.set_linger_us(0)
+        want = [np.asarray(chain(x)) for x in xs]
+        cpu_native.set_linger_us(linger_us)
+        got: list[list[np.ndarray]] = [[], []]
+
+        def run(i: int) -> None:
+            for _ in range(20):
+                got[i].append(np.asarray(chain(xs[i])))
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        cpu_native.set_linger_us(200)
+    for i in range(2):
+        assert len(got[i]) == 20 and all(np.array_equal(g, want[i]) for g in got[i])
+
+
 def test_small_matmul_leaves_many_rows_and_bf16_to_xla() -> None:
     x = jnp.ones((cpu_native.GEMV_MAX_ROWS + 1, 8), jnp.float32)
     w = jnp.ones((4, 8), jnp.float32)
