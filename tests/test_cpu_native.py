@@ -19,15 +19,22 @@ from kernels import cpu_native, select
 from kernels.paged_attention import AttnMetadata, local_state, paged_attention, to_stored
 
 
-def _native(c: dict) -> np.ndarray:
-    return np.asarray(jax.jit(cpu_native.paged_attention)(*inputs(c)))
+# Steps of <= SMALL_MAX_TOKENS tokens take one fused call, larger ones two parts; each case runs
+# through both, whatever its size.
+BOTH_PATHS = pytest.mark.parametrize("attend", [cpu_native.small_path, cpu_native.two_part_attention],
+                                     ids=["one_call", "two_parts"])
 
 
+def _native(c: dict, attend=cpu_native.paged_attention) -> np.ndarray:  # type: ignore[no-untyped-def]
+    return np.asarray(jax.jit(attend)(*inputs(c)))
+
+
+@BOTH_PATHS
 @pytest.mark.parametrize("seqs", [MIXED, [(0, 9), (0, 2)], [(3, 1), (17, 1), (0, 1), (30, 1)], MIXED[:4] + [(0, 2)]],
                          ids=["mixed", "fresh_prefill", "decodes", "with_padding_seq"])
-def test_matches_naive(seqs: list[tuple[int, int]]) -> None:
+def test_matches_naive(seqs: list[tuple[int, int]], attend) -> None:  # type: ignore[no-untyped-def]
     c = build_case(np.random.default_rng(len(seqs)), seqs, pad=3)
-    got = _native(c)
+    got = _native(c, attend)
     real = c["seq_idx"] >= 0
     assert np.abs(got - naive(c))[real].max() < 1e-5
     assert np.isfinite(got).all()  # padding rows too
@@ -66,20 +73,23 @@ def _smol_case(rng: np.random.Generator, contexts: list[int], new: int, HK: int 
                                               ([100, 17, 0], 2, (2, 2, 128)), ([33, 64], 1, (4, 1, 64)),
                                               ([70, 3], 3, (2, 5, 64))],
                          ids=["decodes", "drafts", "hd128_g2", "mha", "g5_generic"])
-def test_smollm2_shapes_match_reference(contexts: list[int], new: int, shape: tuple[int, int, int]) -> None:
+@BOTH_PATHS
+def test_smollm2_shapes_match_reference(contexts: list[int], new: int, shape: tuple[int, int, int],
+                                        attend) -> None:  # type: ignore[no-untyped-def]
     """The vectorised cached part (block 16, G x hd/16 accumulators in registers) and the generic one."""
     args = _smol_case(np.random.default_rng(7), contexts, new, *shape)
-    got = np.asarray(jax.jit(cpu_native.paged_attention)(*args))
+    got = np.asarray(jax.jit(attend)(*args))
     want = np.asarray(jax.jit(paged_attention)(*args))
     assert np.abs(got - want).max() < 1e-5
 
 
-def test_bad_block_table_is_an_error_not_a_read() -> None:
+@BOTH_PATHS
+def test_bad_block_table_is_an_error_not_a_read(attend) -> None:  # type: ignore[no-untyped-def]
     q, kn, vn, kc, vc, layer, meta = _smol_case(np.random.default_rng(1), [40, 3], 1)
     bad = meta.block_tables.at[0, 1].set(10_000)
     meta = AttnMetadata(seq_idx=meta.seq_idx, positions=meta.positions, start_pos=meta.start_pos, block_tables=bad)
     with pytest.raises(Exception, match="block id out of range"):
-        jax.block_until_ready(jax.jit(cpu_native.paged_attention)(q, kn, vn, kc, vc, layer, meta))
+        jax.block_until_ready(jax.jit(attend)(q, kn, vn, kc, vc, layer, meta))
 
 
 def test_mismatched_cache_shapes_are_an_error() -> None:
@@ -139,6 +149,19 @@ def test_local_part_refuses_a_layout_it_would_misread(seq_idx: list[int], positi
                         start_pos=jnp.zeros(2, jnp.int32), block_tables=jnp.zeros((2, 1), jnp.int32))
     with pytest.raises(Exception, match=msg):
         jax.block_until_ready(cpu_native.local_state_native(qg, k, v, meta))
+    kc = jnp.zeros((1, 2, 3, 64, 16), jnp.float32)  # the one-call path checks the same layout
+    vc = jnp.zeros((1, 2, 3, 16, 64), jnp.float32)
+    with pytest.raises(Exception, match=msg):
+        jax.block_until_ready(cpu_native.small_attention(qg, k, v, kc, vc, jnp.int32(0), meta))
+
+
+def test_small_steps_take_one_call_and_larger_ones_two_parts() -> None:
+    for new, calls in ((cpu_native.SMALL_MAX_TOKENS, {cpu_native.SMALL_TARGET}),
+                       (cpu_native.SMALL_MAX_TOKENS + 1, {cpu_native.LOCAL_TARGET, cpu_native.TARGET})):
+        args = _smol_case(np.random.default_rng(3), [20], new)
+        hlo = jax.jit(cpu_native.paged_attention).lower(*args).as_text()
+        used = {t for t in (cpu_native.SMALL_TARGET, cpu_native.LOCAL_TARGET, cpu_native.TARGET) if t in hlo}
+        assert used == calls
 
 
 def _probe(dtype: jnp.dtype) -> tuple:

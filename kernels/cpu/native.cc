@@ -10,6 +10,8 @@
 // XLA's arithmetic exactly). (4) TlLocalAttention: the softmax state of each token over this
 // step's own keys (same sequence, causal), tiles of query tokens x KV head on the pool's
 // threads. (5) TlArgmaxLse: each logits row's first argmax and log-sum-exp, rows on the threads.
+// (6) TlSmallAttention: both parts of attention, merged and normalised, in one call for steps
+// of a few tokens, (token, KV head) items on the threads.
 // Must not: write anything but its outputs. Built and loaded by kernels/cpu_native.py; tested
 // by tests/test_cpu_native.py against the jnp reference, XLA's dot and jnp's argmax/logsumexp.
 //
@@ -171,16 +173,16 @@ inline void fold_block(const float* q, const float* K, const float* V, int64_t n
 // One token: every KV head over the cached blocks of its sequence, block by block (a block's
 // heads lie together: one contiguous run of K and one of V), the next block prefetched.
 template <int64_t BS, int64_t HD>
-void fold_token(const Problem& p, int64_t t) {
+void fold_token(const Problem& p, int64_t t, int64_t h0, int64_t h1) {
   const int64_t G = p.G, Hk = p.Hk;
   const int64_t bs = BS ? BS : p.bs;
   const int64_t hd = HD ? HD : p.hd;
   float* m = p.m + t * Hk * G;
   float* l = p.l + t * Hk * G;
   float* acc = p.acc + t * Hk * G * hd;
-  std::fill(m, m + Hk * G, -std::numeric_limits<float>::infinity());
-  std::fill(l, l + Hk * G, 0.0f);
-  std::fill(acc, acc + Hk * G * hd, 0.0f);
+  std::fill(m + h0 * G, m + h1 * G, -std::numeric_limits<float>::infinity());
+  std::fill(l + h0 * G, l + h1 * G, 0.0f);
+  std::fill(acc + h0 * G * hd, acc + h1 * G * hd, 0.0f);
   const int32_t seq = p.seq_idx[t];
   if (seq < 0) return;
   const int64_t ctx = p.start_pos[seq];
@@ -195,7 +197,7 @@ void fold_token(const Problem& p, int64_t t) {
       prefetch_pair(p.k + next, p.v + next, block_floats);
     }
     const int64_t n = std::min(bs, ctx - b * bs);
-    for (int64_t h = 0; h < Hk; ++h) {
+    for (int64_t h = h0; h < h1; ++h) {
       fold_block<BS, HD>(q + h * G * hd, p.k + base + h * hd * bs, p.v + base + h * bs * hd, n, G, bs, hd,
                          m + h * G, l + h * G, acc + h * G * hd);
     }
@@ -207,7 +209,7 @@ void fold_token(const Problem& p, int64_t t) {
 // per query head, and the G x HV accumulator vectors kept in registers over all the blocks of
 // the head. (The scalar-loop fold_block spent most of a 64-sequence step in exp and reloads.)
 template <int G, int HV>
-void fold_token_vec(const Problem& p, int64_t t) {
+void fold_token_vec(const Problem& p, int64_t t, int64_t h0, int64_t h1) {
   constexpr int64_t hd = HV * 16, bs = 16;
   const int64_t Hk = p.Hk;
   float* m_out = p.m + t * Hk * G;
@@ -219,7 +221,7 @@ void fold_token_vec(const Problem& p, int64_t t) {
   const int32_t* table = seq < 0 ? nullptr : p.tables + seq * p.MB;
   const int64_t block_floats = Hk * hd * bs;
   const i16v iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-  for (int64_t h = 0; h < Hk; ++h) {
+  for (int64_t h = h0; h < h1; ++h) {
     const float* q = p.q + (t * Hk + h) * G * hd;
     v16 acc[G][HV];
     float m[G], l[G];
@@ -271,7 +273,7 @@ void fold_token_vec(const Problem& p, int64_t t) {
   }
 }
 
-using FoldFn = void (*)(const Problem&, int64_t);
+using FoldFn = void (*)(const Problem&, int64_t, int64_t, int64_t);  // (problem, token, heads [h0, h1))
 
 FoldFn pick(const Problem& p) {
   if (p.bs == 16 && p.hd == 64) {
@@ -431,7 +433,7 @@ ffi::Error Cached(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi
   const FoldFn fold = pick(p);
   constexpr int64_t kTokens = 8;
   parallel_for(pool, (p.T + kTokens - 1) / kTokens, [&](int64_t i) {
-    for (int64_t t = i * kTokens; t < std::min(p.T, (i + 1) * kTokens); ++t) fold(p, t);
+    for (int64_t t = i * kTokens; t < std::min(p.T, (i + 1) * kTokens); ++t) fold(p, t, 0, p.Hk);
   });
   return ffi::Error::Success();
 }
@@ -595,6 +597,28 @@ void local_tile(const Local& p, int64_t t0, int64_t t1, int64_t h) {
   }
 }
 
+// Runs: each sequence's tokens one contiguous run of the token axis, positions increasing
+// within it. lo[t] = the first token of t's run (-1 for padding). A layout that breaks this is
+// an error: the local part would read the wrong keys.
+ffi::Error token_runs(const int32_t* seq, const int32_t* pos, int64_t T, std::vector<int32_t>& lo) {
+  lo.assign(static_cast<size_t>(T), -1);
+  std::vector<char> seen;
+  for (int64_t t = 0; t < T; ++t) {
+    if (seq[t] < 0) continue;
+    if (seq[t] >= T) return ffi::Error::InvalidArgument("seq_idx out of range");  // a step has < T sequences
+    if (t > 0 && seq[t] == seq[t - 1]) {
+      if (pos[t] <= pos[t - 1]) return ffi::Error::InvalidArgument("positions of a sequence are not increasing");
+      lo[t] = lo[t - 1];
+      continue;
+    }
+    if (static_cast<size_t>(seq[t]) >= seen.size()) seen.resize(static_cast<size_t>(seq[t]) + 1, 0);
+    if (seen[seq[t]]) return ffi::Error::InvalidArgument("tokens of a sequence are not contiguous");
+    seen[seq[t]] = 1;
+    lo[t] = static_cast<int32_t>(t);
+  }
+  return ffi::Error::Success();
+}
+
 ffi::Error LocalAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                           ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> seq_idx, ffi::Buffer<ffi::S32> positions,
                           ffi::ResultBuffer<ffi::F32> m, ffi::ResultBuffer<ffi::F32> l,
@@ -612,27 +636,8 @@ ffi::Error LocalAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
     return ffi::Error::InvalidArgument("seq_idx or positions is not [T]");
   if (hd != 32 && hd != 64 && hd != 128) return ffi::Error::InvalidArgument("local attention takes head_dim 32, 64 or 128");
   if (G > kLocalRows) return ffi::Error::InvalidArgument("more than 64 query heads per KV head");
-  // Runs: each sequence one contiguous run of tokens, positions increasing within it.
-  const int32_t* seq = seq_idx.typed_data();
-  const int32_t* pos = positions.typed_data();
-  std::vector<int32_t> lo(static_cast<size_t>(T));
-  std::vector<char> seen;
-  for (int64_t t = 0; t < T; ++t) {
-    if (seq[t] < 0) {
-      lo[t] = -1;
-      continue;
-    }
-    if (seq[t] >= T) return ffi::Error::InvalidArgument("seq_idx out of range");  // a step has < T sequences
-    if (t > 0 && seq[t] == seq[t - 1]) {
-      if (pos[t] <= pos[t - 1]) return ffi::Error::InvalidArgument("positions of a sequence are not increasing");
-      lo[t] = lo[t - 1];
-      continue;
-    }
-    if (static_cast<size_t>(seq[t]) >= seen.size()) seen.resize(static_cast<size_t>(seq[t]) + 1, 0);
-    if (seen[seq[t]]) return ffi::Error::InvalidArgument("tokens of a sequence are not contiguous");
-    seen[seq[t]] = 1;
-    lo[t] = static_cast<int32_t>(t);
-  }
+  std::vector<int32_t> lo;
+  if (ffi::Error err = token_runs(seq_idx.typed_data(), positions.typed_data(), T, lo); err.failure()) return err;
   int64_t pairs = 0;  // (query token, key) pairs of the step
   for (int64_t t = 0; t < T; ++t) pairs += lo[t] >= 0 ? t - lo[t] + 1 : 0;
   // Keys transposed per KV head, [Hk, hd, Tp], zero beyond T (a chunk may read past the end).
@@ -661,6 +666,98 @@ ffi::Error LocalAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
   } else {
     parallel_for(pool, tiles * Hk, item);
   }
+  return ffi::Error::Success();
+}
+
+// ---- Both parts in one call, for steps of a few tokens (decodes) ----------------------------
+//
+// out [T, Hk, G, hd]: each token's attention over its cached keys (the fold above) and this
+// step's own keys of its sequence (a plain online softmax loop), merged and normalised; padding
+// rows 0. Work items are (token, KV head), so one decoding sequence's 3 KV heads split over
+// both threads. For a one-row decode step this replaces two calls, a cond and the merge's ops a
+// layer. Meant for steps of a few tokens (kernels/cpu_native.py: SMALL_MAX_TOKENS): it is right
+// at any size, but its local loop is quadratic in a run's length, where the tile kernel is not.
+
+void local_fold_small(const float* q, const float* k, const float* v, int64_t lo, int64_t t, int64_t Hk,
+                      int64_t h, int64_t G, int64_t hd, float* m, float* l, float* acc) {
+  for (int64_t g = 0; g < G; ++g) {
+    const float* qg = q + g * hd;
+    float* ag = acc + g * hd;
+    // No cached key: the fold left m = -inf, l = 0, acc = 0; a finite floor keeps exp() finite
+    // (this file is built with -ffast-math).
+    float mg = l[g] > 0.0f ? m[g] : kNoScore, lg = l[g];
+    for (int64_t j = lo; j <= t; ++j) {
+      const float* kj = k + (j * Hk + h) * hd;
+      const float* vj = v + (j * Hk + h) * hd;
+      float sc = 0.0f;
+      for (int64_t d = 0; d < hd; ++d) sc += qg[d] * kj[d];
+      const float mn = std::max(mg, sc);
+      const float corr = std::exp(mg - mn);
+      const float w = std::exp(sc - mn);
+      lg = lg * corr + w;
+      mg = mn;
+      for (int64_t d = 0; d < hd; ++d) ag[d] = ag[d] * corr + w * vj[d];
+    }
+    m[g] = mg;
+    l[g] = lg;
+  }
+}
+
+ffi::Error SmallAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_new,
+                          ffi::Buffer<ffi::F32> v_new, ffi::Buffer<ffi::F32> k_cache, ffi::Buffer<ffi::F32> v_cache,
+                          ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> seq_idx, ffi::Buffer<ffi::S32> positions,
+                          ffi::Buffer<ffi::S32> start_pos, ffi::Buffer<ffi::S32> tables,
+                          ffi::ResultBuffer<ffi::F32> out) {
+  const auto qd = q.dimensions();
+  const auto kd = k_cache.dimensions();
+  const auto td = tables.dimensions();
+  if (qd.size() != 4 || kd.size() != 5 || td.size() != 2)
+    return ffi::Error::InvalidArgument("expected q [T,Hk,G,hd], k_cache [L,NB,Hk,hd,bs], tables [S,MB]");
+  const int64_t T = qd[0], Hk = qd[1], G = qd[2], hd = qd[3];
+  const auto nd = k_new.dimensions();
+  const auto nvd = v_new.dimensions();
+  if (nd.size() != 3 || nd[0] != T || nd[1] != Hk || nd[2] != hd || nvd.size() != 3 || nvd[0] != T ||
+      nvd[1] != Hk || nvd[2] != hd)
+    return ffi::Error::InvalidArgument("k_new or v_new is not [T,Hk,hd] of q's sizes");
+  if (positions.dimensions().size() != 1 || positions.dimensions()[0] != T)
+    return ffi::Error::InvalidArgument("positions is not [T]");
+  // The cached part: a Problem whose m, l and acc are this call's scratch and output.
+  std::vector<float> ml(static_cast<size_t>(2 * T * Hk * G));
+  Problem p{q.typed_data(), k_cache.typed_data(), v_cache.typed_data(), seq_idx.typed_data(),
+            start_pos.typed_data(), tables.typed_data(), ml.data(), ml.data() + T * Hk * G,
+            out->typed_data(), T, Hk, G, hd, kd[1], kd[4], td[0], td[1],
+            static_cast<int64_t>(layer.typed_data()[0])};
+  if (kd[2] != Hk || kd[3] != hd) return ffi::Error::InvalidArgument("cache heads or head_dim differ from q");
+  const auto vd = v_cache.dimensions();
+  if (vd.size() != 5 || vd[0] != kd[0] || vd[1] != kd[1] || vd[2] != kd[2] || vd[3] != kd[4] || vd[4] != kd[3])
+    return ffi::Error::InvalidArgument("v_cache is not [L,NB,Hk,bs,hd] of k_cache's sizes");
+  if (seq_idx.dimensions().size() != 1 || seq_idx.dimensions()[0] != T)
+    return ffi::Error::InvalidArgument("seq_idx is not [T]");
+  if (start_pos.dimensions().size() != 1 || start_pos.dimensions()[0] != p.S)
+    return ffi::Error::InvalidArgument("start_pos is not [S] of the block tables' S");
+  if (p.layer >= kd[0]) return ffi::Error::InvalidArgument("layer out of range");
+  if (ffi::Error err = check(p); err.failure()) return err;
+  std::vector<int32_t> lo;
+  if (ffi::Error err = token_runs(p.seq_idx, positions.typed_data(), T, lo); err.failure()) return err;
+  const FoldFn fold = pick(p);
+  const float* K = k_new.typed_data();
+  const float* V = v_new.typed_data();
+  parallel_for(pool, T * Hk, [&](int64_t i) {
+    const int64_t t = i / Hk, h = i % Hk;
+    float* m = p.m + (t * Hk + h) * G;
+    float* l = p.l + (t * Hk + h) * G;
+    float* acc = p.acc + (t * Hk + h) * G * hd;
+    if (lo[t] < 0) {  // padding
+      std::fill(acc, acc + G * hd, 0.0f);
+      return;
+    }
+    fold(p, t, h, h + 1);
+    local_fold_small(p.q + (t * Hk + h) * G * hd, K, V, lo[t], t, Hk, h, G, hd, m, l, acc);
+    for (int64_t g = 0; g < G; ++g) {
+      const float inv = 1.0f / l[g];
+      for (int64_t d = 0; d < hd; ++d) acc[g * hd + d] *= inv;
+    }
+  });
   return ffi::Error::Success();
 }
 
@@ -858,6 +955,21 @@ ffi::Error ArgmaxLse(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::ResultB
 }
 
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TlSmallAttention, SmallAttention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // q [T,Hk,G,hd], scaled
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // k_new
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // v_new
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // k_cache
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // v_cache
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // layer
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // seq_idx
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // positions
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // start_pos
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // block_tables
+                                  .Ret<ffi::Buffer<ffi::F32>>()); // out [T,Hk,G,hd]
 
 extern "C" void TlSetLingerNs(int64_t ns) { g_linger_ns.store(ns, std::memory_order_relaxed); }
 

@@ -378,13 +378,17 @@ def _layer(x: jax.Array, lp: Params, cfg: ModelConfig, rope: tuple[jax.Array, ja
 
 
 def lm_logits(params: Params, cfg: ModelConfig, hidden: jax.Array, matmul: Matmul | None = None) -> jax.Array:
-    """Final norm then the LM head: hidden [N,D] -> float32 logits [N,V] (matmul: int8 heads only)."""
+    """Final norm then the LM head: hidden [N,D] -> float32 logits [N,V]; `matmul` first, as in
+    `linear` (the native few-row kernel ran a whole decode step 1.04x faster at 1 row, 1.11x at
+    4 and 1.06x at 16 than XLA's dot here, alternated in one process)."""
     h = rms_norm(hidden, params["final_norm"], cfg.rms_norm_eps)
     w = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
     if isinstance(w, dict):  # int8 [V,D]: already [out,in]
         return linear(h, w, matmul).astype(jnp.float32)
     if not cfg.tie_word_embeddings and not isinstance(params["layers"], list):
         w = w.T  # the canonical layout's lm_head is [D,V]; the step layout's [V,D]
+    if matmul is not None and (y := matmul(h, w)) is not None:
+        return y.astype(jnp.float32)
     # Contract with [V,D] directly: `h @ embed.T` copied 113 MB a step.
     return lax.dot_general(h, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
