@@ -41,9 +41,10 @@ registers, the next rows prefetched: against XLA's dot on the 30 SmolLM2 layers'
 (`python -m bench kernels`), 1.27x at 1 row, 2.03x at 2, 2.15x at 4, 1.89x at 8 and 1.45x at
 16 (hence GEMV_MAX_ROWS). int8 weights, one row: 1.27-1.37x XLA's int8 dot (which pads to 4
 rows; at 4 and 8 rows XLA's is 1.6-2.2x faster than this kernel, so it keeps them).
-After a one-row matmul its helper thread lingers, spinning up to 200 us for the next one
-(native.cc says why): a one-row decode step 1.07-1.08x (runner, alternated with it off), 1.09-1.10x
-over HTTP (`bench http --compare` against a server with $TL_NATIVE_LINGER_US=0).
+After a one-row matmul its helper thread lingers, spinning up to 50 us for the next one
+(native.cc says why): a one-row decode step 1.07-1.08x (runner, alternated with it off; 50 and
+200 us alike), 1.09-1.10x over HTTP (`bench http --compare` against a server with
+$TL_NATIVE_LINGER_US=0), where 50 us beat 200 by 1.02x (it spins less beside the host's work).
 """
 
 from __future__ import annotations
@@ -136,7 +137,7 @@ _lib: ctypes.CDLL | None = None
 
 def set_linger_us(us: float) -> None:
     """How long a helper thread of the one-row matmul spins for the next one (native.cc's
-    lingering helpers; default 200 us, 0 = off; $TL_NATIVE_LINGER_US sets it at load): for
+    lingering helpers; default 50 us, 0 = off; $TL_NATIVE_LINGER_US sets it at load): for
     benchmarks that compare values."""
     register()
     assert _lib is not None

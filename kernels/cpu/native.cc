@@ -301,10 +301,14 @@ FoldFn pick(const Problem& p) {
 // microseconds to wake, and the caller's half of the matmul then waits for it (in a chain of
 // the 30 layers' matmuls with attention between them, the attention cost 2.3 ms where alone it
 // costs 0.9). So a helper that ran a `linger` job stays, spinning on a slot, for up to
-// g_linger_ns (200 us) after it, and the next parallel_for hands its work to the spinning helper with one
+// g_linger_ns (50 us) after it, and the next parallel_for hands its work to the spinning helper with one
 // atomic store instead of a pool wake-up. Slot states: kFree (no helper), kIdle (a helper
 // spins), kClaimed (a caller is posting), kWork (posted). Only a caller that moves kIdle ->
 // kClaimed may post; only the slot's helper moves kIdle -> kFree, so no work is lost.
+// The cost: a lingering helper holds a thread of XLA's pool, so pool work of XLA's own can wait
+// up to g_linger_ns for it (with two programs running at once and a 1 ms linger, a test chain
+// ran 50x slower); hence one-row matmuls only, where the ops around them run on one thread, and
+// a short linger.
 struct Job {
   void (*run)(void*);
   void* ctx;
@@ -318,7 +322,7 @@ struct alignas(64) Slot {
 
 enum : int { kFree = 0, kIdle = 1, kClaimed = 2, kWork = 3 };
 constexpr int64_t kSlots = 64;
-std::atomic<int64_t> g_linger_ns{200000};  // TlSetLingerNs: benchmarks compare values, 0 = off
+std::atomic<int64_t> g_linger_ns{50000};  // TlSetLingerNs: benchmarks compare values, 0 = off
 Slot g_slots[kSlots];
 
 inline void cpu_relax() {
