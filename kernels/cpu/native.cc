@@ -408,20 +408,20 @@ ffi::Error check(const Problem& p) {
   return ffi::Error::Success();
 }
 
-ffi::Error Cached(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cache,
-                  ffi::Buffer<ffi::F32> v_cache, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> seq_idx,
-                  ffi::Buffer<ffi::S32> start_pos, ffi::Buffer<ffi::S32> tables,
-                  ffi::ResultBuffer<ffi::F32> m, ffi::ResultBuffer<ffi::F32> l,
-                  ffi::ResultBuffer<ffi::F32> acc) {
+// The cached part's Problem over these buffers (m, l, acc: where its state goes), every shape
+// and table entry checked: a mismatch is an error, never an out-of-bounds read.
+ffi::Error cached_problem(const ffi::Buffer<ffi::F32>& q, const ffi::Buffer<ffi::F32>& k_cache,
+                          const ffi::Buffer<ffi::F32>& v_cache, const ffi::Buffer<ffi::S32>& layer,
+                          const ffi::Buffer<ffi::S32>& seq_idx, const ffi::Buffer<ffi::S32>& start_pos,
+                          const ffi::Buffer<ffi::S32>& tables, float* m, float* l, float* acc, Problem& p) {
   const auto qd = q.dimensions();
   const auto kd = k_cache.dimensions();
   const auto td = tables.dimensions();
   if (qd.size() != 4 || kd.size() != 5 || td.size() != 2)
     return ffi::Error::InvalidArgument("expected q [T,Hk,G,hd], k_cache [L,NB,Hk,hd,bs], tables [S,MB]");
-  Problem p{q.typed_data(), k_cache.typed_data(), v_cache.typed_data(), seq_idx.typed_data(),
-            start_pos.typed_data(), tables.typed_data(), m->typed_data(), l->typed_data(),
-            acc->typed_data(), qd[0], qd[1], qd[2], qd[3], kd[1], kd[4], td[0], td[1],
-            static_cast<int64_t>(layer.typed_data()[0])};
+  p = Problem{q.typed_data(), k_cache.typed_data(), v_cache.typed_data(), seq_idx.typed_data(),
+              start_pos.typed_data(), tables.typed_data(), m, l, acc, qd[0], qd[1], qd[2], qd[3], kd[1], kd[4],
+              td[0], td[1], static_cast<int64_t>(layer.typed_data()[0])};
   if (kd[2] != p.Hk || kd[3] != p.hd) return ffi::Error::InvalidArgument("cache heads or head_dim differ from q");
   const auto vd = v_cache.dimensions();
   if (vd.size() != 5 || vd[0] != kd[0] || vd[1] != kd[1] || vd[2] != kd[2] || vd[3] != kd[4] || vd[4] != kd[3])
@@ -431,7 +431,19 @@ ffi::Error Cached(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi
   if (start_pos.dimensions().size() != 1 || start_pos.dimensions()[0] != p.S)
     return ffi::Error::InvalidArgument("start_pos is not [S] of the block tables' S");
   if (p.layer >= kd[0]) return ffi::Error::InvalidArgument("layer out of range");
-  if (ffi::Error err = check(p); err.failure()) return err;
+  return check(p);
+}
+
+ffi::Error Cached(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cache,
+                  ffi::Buffer<ffi::F32> v_cache, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> seq_idx,
+                  ffi::Buffer<ffi::S32> start_pos, ffi::Buffer<ffi::S32> tables,
+                  ffi::ResultBuffer<ffi::F32> m, ffi::ResultBuffer<ffi::F32> l,
+                  ffi::ResultBuffer<ffi::F32> acc) {
+  Problem p;
+  if (ffi::Error err = cached_problem(q, k_cache, v_cache, layer, seq_idx, start_pos, tables, m->typed_data(),
+                                      l->typed_data(), acc->typed_data(), p);
+      err.failure())
+    return err;
 
   // Token ranges over the pool's threads (a few per thread: padding tokens cost nothing).
   const FoldFn fold = pick(p);
@@ -713,10 +725,7 @@ ffi::Error SmallAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
                           ffi::Buffer<ffi::S32> start_pos, ffi::Buffer<ffi::S32> tables,
                           ffi::ResultBuffer<ffi::F32> out) {
   const auto qd = q.dimensions();
-  const auto kd = k_cache.dimensions();
-  const auto td = tables.dimensions();
-  if (qd.size() != 4 || kd.size() != 5 || td.size() != 2)
-    return ffi::Error::InvalidArgument("expected q [T,Hk,G,hd], k_cache [L,NB,Hk,hd,bs], tables [S,MB]");
+  if (qd.size() != 4) return ffi::Error::InvalidArgument("expected q [T,Hk,G,hd]");
   const int64_t T = qd[0], Hk = qd[1], G = qd[2], hd = qd[3];
   const auto nd = k_new.dimensions();
   const auto nvd = v_new.dimensions();
@@ -725,22 +734,13 @@ ffi::Error SmallAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
     return ffi::Error::InvalidArgument("k_new or v_new is not [T,Hk,hd] of q's sizes");
   if (positions.dimensions().size() != 1 || positions.dimensions()[0] != T)
     return ffi::Error::InvalidArgument("positions is not [T]");
-  // The cached part: a Problem whose m, l and acc are this call's scratch and output.
+  // The cached part's state: m and l in scratch, acc in the output (normalised in place).
   std::vector<float> ml(static_cast<size_t>(2 * T * Hk * G));
-  Problem p{q.typed_data(), k_cache.typed_data(), v_cache.typed_data(), seq_idx.typed_data(),
-            start_pos.typed_data(), tables.typed_data(), ml.data(), ml.data() + T * Hk * G,
-            out->typed_data(), T, Hk, G, hd, kd[1], kd[4], td[0], td[1],
-            static_cast<int64_t>(layer.typed_data()[0])};
-  if (kd[2] != Hk || kd[3] != hd) return ffi::Error::InvalidArgument("cache heads or head_dim differ from q");
-  const auto vd = v_cache.dimensions();
-  if (vd.size() != 5 || vd[0] != kd[0] || vd[1] != kd[1] || vd[2] != kd[2] || vd[3] != kd[4] || vd[4] != kd[3])
-    return ffi::Error::InvalidArgument("v_cache is not [L,NB,Hk,bs,hd] of k_cache's sizes");
-  if (seq_idx.dimensions().size() != 1 || seq_idx.dimensions()[0] != T)
-    return ffi::Error::InvalidArgument("seq_idx is not [T]");
-  if (start_pos.dimensions().size() != 1 || start_pos.dimensions()[0] != p.S)
-    return ffi::Error::InvalidArgument("start_pos is not [S] of the block tables' S");
-  if (p.layer >= kd[0]) return ffi::Error::InvalidArgument("layer out of range");
-  if (ffi::Error err = check(p); err.failure()) return err;
+  Problem p;
+  if (ffi::Error err = cached_problem(q, k_cache, v_cache, layer, seq_idx, start_pos, tables, ml.data(),
+                                      ml.data() + T * Hk * G, out->typed_data(), p);
+      err.failure())
+    return err;
   std::vector<int32_t> lo;
   if (ffi::Error err = token_runs(p.seq_idx, positions.typed_data(), T, lo); err.failure()) return err;
   const FoldFn fold = pick(p);
