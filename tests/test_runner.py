@@ -243,8 +243,10 @@ def test_bfloat16_runs_with_bits_cache() -> None:
 
 
 def test_from_model_dir(succ_dir: object) -> None:
+    from tl.model.files import eos_token_ids
+
     runner = ModelRunner.from_model_dir(ENGINE.replace(model_dir=str(succ_dir)))
-    assert runner.eos_token_ids
+    assert runner.eos_token_ids and runner.eos_token_ids == eos_token_ids(succ_dir)  # the Tokenizer's rule
     s = Seq(0, list(b"abc"), 4)
     Driver(runner).run([s])
     assert bytes(s.out) == b"defg"

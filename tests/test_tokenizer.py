@@ -21,6 +21,7 @@ from models import ENDOFTEXT_ID, IM_END_ID, IM_START_ID, make_tiny_llama
 
 from tl.chat_template import ChatTemplate
 from tl.model.config import ModelDirError
+from tl.model.files import eos_token_ids
 from tl.tokenizer import Tokenizer
 
 
@@ -62,17 +63,21 @@ def test_decode_is_joined_token_bytes_even_mid_character(byte_tok: Tokenizer, id
     assert streamed == byte_tok.decode(ids)
 
 
-def test_eos_ids_from_generation_config_then_tokenizer_config_then_config(tmp_path: Path) -> None:
-    d = make_tiny_llama(tmp_path / "m")
-    (d / "generation_config.json").write_text('{"eos_token_id": [258, 256]}')
-    assert Tokenizer.load(d).eos_token_ids == (258, 256)
+def test_eos_ids_are_generation_config_then_config_then_the_eos_token(tmp_path: Path) -> None:
+    """tl.model.files.eos_token_ids, the runner's rule too: every source, in order, once each."""
+    d = make_tiny_llama(tmp_path / "m")  # config.json and tokenizer_config.json: <|im_end|>
+    (d / "generation_config.json").write_text('{"eos_token_id": [256, 258]}')
+    assert Tokenizer.load(d).eos_token_ids == (256, IM_END_ID)
     (d / "generation_config.json").unlink()
     tcfg = json.loads((d / "tokenizer_config.json").read_text())
     (d / "tokenizer_config.json").write_text(json.dumps({**tcfg, "eos_token": "<|endoftext|>"}))
-    assert Tokenizer.load(d).eos_token_ids == (ENDOFTEXT_ID,)
+    assert Tokenizer.load(d).eos_token_ids == (IM_END_ID, ENDOFTEXT_ID)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if k != "eos_token_id"}))
+    assert Tokenizer.load(d).eos_token_ids == (ENDOFTEXT_ID,)  # only the tokenizer's EOS token names one
+    assert eos_token_ids(d) == (ENDOFTEXT_ID,)
     (d / "tokenizer_config.json").unlink()
-    assert Tokenizer.load(d).eos_token_ids == (IM_END_ID,)  # config.json
-    assert Tokenizer.load(d).eos_token is None
+    assert Tokenizer.load(d).eos_token_ids == () and Tokenizer.load(d).eos_token is None
 
 
 def test_load_errors_name_the_file(tmp_path: Path) -> None:

@@ -37,7 +37,7 @@ from tl import backend
 from tl.config import EngineConfig
 from tl.model import llama
 from tl.model.config import ModelConfig, load_model_config
-from tl.model.files import load_generation_config, read_tensors
+from tl.model.files import eos_token_ids, read_tensors
 from tl.plan import RunnerOutput, SchedulerOutput, SeqResult, SeqWork
 from tl.sampler import Penalties, SampleOut, SamplingBatch, pack_penalties, pack_rows, sample, top_logprobs
 from tl.stats import BackendInfo
@@ -189,8 +189,8 @@ class ModelRunner:
     @classmethod
     def from_model_dir(cls, engine_cfg: EngineConfig, mesh: Mesh | None = None) -> ModelRunner:
         cfg = load_model_config(engine_cfg.model_dir)
-        eos = dict.fromkeys((*cfg.eos_token_ids, *load_generation_config(engine_cfg.model_dir).eos_token_ids))
-        return cls(cfg, read_tensors(engine_cfg.model_dir), engine_cfg, eos_token_ids=tuple(eos), mesh=mesh)
+        return cls(cfg, read_tensors(engine_cfg.model_dir), engine_cfg, eos_token_ids=eos_token_ids(engine_cfg.model_dir),
+                   mesh=mesh)
 
     # ---- placement ----
 

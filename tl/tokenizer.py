@@ -3,7 +3,7 @@
 Owns: loading tokenizer.json with the `tokenizers` library; encoding without adding
 special tokens (chat templates carry BOS) while matching special tokens written in
 the text; the per-token byte table (`token_bytes`) that lets a streamer join bytes and
-decode UTF-8 incrementally; which ids end generation (`eos_token_ids`). Must not
+decode UTF-8 incrementally; which ids end generation (`eos_token_ids`, by tl.model.files' rule). Must not
 import jax and must not render chat templates (tl/chat_template.py does). Tested by
 tests/test_tokenizer.py (byte tokenizer of tests/models.py, and SmolLM2's tokenizer
 against transformers' independent GGUF tokenizer, marked slow).
@@ -21,7 +21,7 @@ from typing import Any
 import tokenizers
 
 from tl.model.config import ModelDirError
-from tl.model.files import load_generation_config, load_tokenizer_config, read_json
+from tl.model.files import eos_token_ids, load_tokenizer_config, read_json
 
 _HEX_BYTE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
@@ -101,12 +101,7 @@ class Tokenizer:
         except Exception as e:  # noqa: BLE001 (tokenizers raises a bare Exception on a bad spec)
             raise ModelDirError(f"{path}: cannot build the tokenizer ({e})") from None
         tcfg = load_tokenizer_config(d)
-        eos_ids = load_generation_config(d).eos_token_ids
-        if not eos_ids and tcfg.eos_token is not None and (i := tok.token_to_id(tcfg.eos_token)) is not None:
-            eos_ids = (i,)
-        if not eos_ids:
-            eos_ids = _config_eos_ids(d)
-        return cls(tok, spec, bos_token=tcfg.bos_token, eos_token=tcfg.eos_token, eos_token_ids=eos_ids)
+        return cls(tok, spec, bos_token=tcfg.bos_token, eos_token=tcfg.eos_token, eos_token_ids=eos_token_ids(d))
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`; no BOS/EOS added; special tokens in the text match as one token."""
@@ -139,7 +134,7 @@ class Tokenizer:
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
-        """generation_config.json eos_token_id, else tokenizer_config eos_token, else config.json."""
+        """tl.model.files.eos_token_ids: generation_config's, config.json's and the EOS token's ids."""
         return self._eos_token_ids
 
     @property
@@ -153,10 +148,3 @@ class Tokenizer:
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
-
-
-def _config_eos_ids(model_dir: Path) -> tuple[int, ...]:
-    eos = read_json(model_dir / "config.json", required=False).get("eos_token_id")
-    if isinstance(eos, int) and not isinstance(eos, bool):
-        return (eos,)
-    return tuple(e for e in eos if isinstance(e, int)) if isinstance(eos, list) else ()

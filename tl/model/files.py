@@ -3,7 +3,8 @@
 Owns: parsing safetensors (model.safetensors, or shards listed by
 model.safetensors.index.json) into float32 numpy arrays under Hugging Face names;
 checking them against a ModelConfig (`check_shapes`); reading generation_config.json
-and tokenizer_config.json into frozen records. The safetensors parser is our own (a
+and tokenizer_config.json into frozen records; the one rule for which ids end generation
+(`eos_token_ids`). The safetensors parser is our own (a
 header and offsets) so every defect becomes a ModelDirError naming the file and what
 is wrong, never a library traceback. Must not import jax and must not know the
 runner's parameter layout. Tested by tests/test_model_files.py.
@@ -237,6 +238,35 @@ def _chat_template(value: Any, source: str) -> str | dict[str, str] | None:
     if isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
         return value
     raise ModelDirError(f"{source}: 'chat_template' must be a string or named templates, got {type(value).__name__}")
+
+
+def eos_token_ids(model_dir: str | Path) -> tuple[int, ...]:
+    """Every id that ends generation, once each, in this order: generation_config.json's
+    eos_token_id, config.json's, and tokenizer_config.json's eos_token looked up in
+    tokenizer.json. The runner (which stops sequences) and the Tokenizer both use this; like
+    vLLM, a sequence stops at the tokenizer's EOS token and at every generation_config id."""
+    d = Path(model_dir)
+    ids = list(load_generation_config(d).eos_token_ids)
+    ids += _ids(read_json(d / "config.json", required=False).get("eos_token_id"), str(d / "config.json"), "eos_token_id")
+    eos = load_tokenizer_config(d).eos_token
+    if eos is not None and (i := _vocab_id(d / "tokenizer.json", eos)) is not None:
+        ids.append(i)
+    return tuple(dict.fromkeys(ids))
+
+
+def _vocab_id(path: Path, token: str) -> int | None:
+    """`token`'s id in tokenizer.json: its added tokens, then its model's vocab (a dict, or
+    Unigram's list of [piece, score]); None when absent."""
+    spec = read_json(path, required=False)
+    for t in spec.get("added_tokens") or []:
+        if isinstance(t, dict) and t.get("content") == token and isinstance(t.get("id"), int):
+            return int(t["id"])
+    vocab = (spec.get("model") or {}).get("vocab")
+    if isinstance(vocab, dict) and isinstance(vocab.get(token), int):
+        return int(vocab[token])
+    if isinstance(vocab, list):
+        return next((i for i, v in enumerate(vocab) if isinstance(v, list) and v and v[0] == token), None)
+    return None
 
 
 def load_tokenizer_config(model_dir: str | Path) -> TokenizerConfig:
