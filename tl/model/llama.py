@@ -159,7 +159,11 @@ def params_from_hf(tensors: Mapping[str, np.ndarray], cfg: ModelConfig, dtype: A
 
 WeightDType = str
 """"float32" (weights as stored) or "int8" (per-output-channel symmetric quantization)."""
-_INT8_MIN_ROWS = 4  # XLA:CPU's int8 dot takes a slow matrix-vector path below 4 rows
+# XLA:CPU's int8 dot takes a matrix-vector path at 1 row, 9x slower (the 30 SmolLM2 layers'
+# matmuls: 113 vs 12.7 ms); 2 and 3 rows ran as fast unpadded as padded, and 1 row padded to 2
+# as fast as to 4 (re-measured, alternated in one process). Only one-row steps without the
+# native kernel (kernels/cpu_native.py) reach this padding.
+_INT8_MIN_ROWS = 4
 
 
 def quantize_int8(w_out_in: np.ndarray) -> dict[str, np.ndarray]:
