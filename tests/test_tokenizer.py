@@ -72,6 +72,7 @@ def test_eos_ids_are_generation_config_then_config_then_the_eos_token(tmp_path: 
     tcfg = json.loads((d / "tokenizer_config.json").read_text())
     (d / "tokenizer_config.json").write_text(json.dumps({**tcfg, "eos_token": "<|endoftext|>"}))
     assert Tokenizer.load(d).eos_token_ids == (IM_END_ID, ENDOFTEXT_ID)
+    assert eos_token_ids(d) == (IM_END_ID, ENDOFTEXT_ID)  # the runner's lookup, from tokenizer.json
     cfg = json.loads((d / "config.json").read_text())
     (d / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if k != "eos_token_id"}))
     assert Tokenizer.load(d).eos_token_ids == (ENDOFTEXT_ID,)  # only the tokenizer's EOS token names one

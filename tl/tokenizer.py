@@ -101,7 +101,8 @@ class Tokenizer:
         except Exception as e:  # noqa: BLE001 (tokenizers raises a bare Exception on a bad spec)
             raise ModelDirError(f"{path}: cannot build the tokenizer ({e})") from None
         tcfg = load_tokenizer_config(d)
-        return cls(tok, spec, bos_token=tcfg.bos_token, eos_token=tcfg.eos_token, eos_token_ids=eos_token_ids(d))
+        return cls(tok, spec, bos_token=tcfg.bos_token, eos_token=tcfg.eos_token,
+                   eos_token_ids=eos_token_ids(d, tok.token_to_id))
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`; no BOS/EOS added; special tokens in the text match as one token."""

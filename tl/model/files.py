@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -240,16 +241,18 @@ def _chat_template(value: Any, source: str) -> str | dict[str, str] | None:
     raise ModelDirError(f"{source}: 'chat_template' must be a string or named templates, got {type(value).__name__}")
 
 
-def eos_token_ids(model_dir: str | Path) -> tuple[int, ...]:
+def eos_token_ids(model_dir: str | Path, token_to_id: Callable[[str], int | None] | None = None) -> tuple[int, ...]:
     """Every id that ends generation, once each, in this order: generation_config.json's
-    eos_token_id, config.json's, and tokenizer_config.json's eos_token looked up in
-    tokenizer.json. The runner (which stops sequences) and the Tokenizer both use this; like
-    vLLM, a sequence stops at the tokenizer's EOS token and at every generation_config id."""
+    eos_token_id, config.json's, and tokenizer_config.json's eos_token looked up by
+    `token_to_id` (a loaded tokenizer's; default: read from tokenizer.json). The runner (which
+    stops sequences) and the Tokenizer both use this; like vLLM, a sequence stops at the
+    tokenizer's EOS token and at every generation_config id."""
     d = Path(model_dir)
     ids = list(load_generation_config(d).eos_token_ids)
     ids += _ids(read_json(d / "config.json", required=False).get("eos_token_id"), str(d / "config.json"), "eos_token_id")
     eos = load_tokenizer_config(d).eos_token
-    if eos is not None and (i := _vocab_id(d / "tokenizer.json", eos)) is not None:
+    lookup = token_to_id or (lambda token: _vocab_id(d / "tokenizer.json", token))
+    if eos is not None and (i := lookup(eos)) is not None:
         ids.append(i)
     return tuple(dict.fromkeys(ids))
 
