@@ -343,7 +343,7 @@ void linger(Slot& slot) {
   int expected = kFree;
   if (linger_ns <= 0 || !slot.state.compare_exchange_strong(expected, kIdle, std::memory_order_acq_rel)) return;
   int64_t deadline = now_ns() + linger_ns;
-  for (int spins = 0;; ++spins) {
+  for (uint32_t spins = 0;; ++spins) {  // unsigned: wraps, never overflows
     const int s = slot.state.load(std::memory_order_acquire);
     if (s == kWork) {
       const Job job = slot.job;
@@ -367,21 +367,21 @@ void parallel_for(ffi::ThreadPool& pool, int64_t n, F&& fn, bool linger_after = 
   auto work = [&] {
     for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) fn(i);
   };
-  const int64_t helpers = std::min<int64_t>({pool.num_threads(), n, kSlots + 1}) - 1;
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), n) - 1;
   std::atomic<int64_t> helpers_out{std::max<int64_t>(helpers, 0)};
   const Job job{[](void* w) { (*static_cast<decltype(work)*>(w))(); }, &work, &helpers_out};
   for (int64_t h = 0; h < helpers; ++h) {
-    Slot& slot = g_slots[h];
+    Slot* slot = h < kSlots ? &g_slots[h] : nullptr;  // helpers past the slots neither linger nor are posted to
     int expected = kIdle;
-    if (slot.state.compare_exchange_strong(expected, kClaimed, std::memory_order_acq_rel)) {
-      slot.job = job;
-      slot.state.store(kWork, std::memory_order_release);
+    if (slot != nullptr && slot->state.compare_exchange_strong(expected, kClaimed, std::memory_order_acq_rel)) {
+      slot->job = job;
+      slot->state.store(kWork, std::memory_order_release);
       continue;
     }
-    pool.Schedule([job, &slot, linger_after] {
+    pool.Schedule([job, slot, linger_after] {
       job.run(job.ctx);
       job.out->fetch_sub(1, std::memory_order_release);
-      if (linger_after) linger(slot);
+      if (linger_after && slot != nullptr) linger(*slot);
     });
   }
   work();
