@@ -45,6 +45,8 @@ After a one-row matmul its helper thread lingers, spinning up to 50 us for the n
 (native.cc says why): a one-row decode step 1.07-1.08x (runner, alternated with it off; 50 and
 200 us alike), 1.09-1.10x over HTTP (`bench http --compare` against a server with
 $TL_NATIVE_LINGER_US=0), where 50 us beat 200 by 1.02x (it spins less beside the host's work).
+Re-measured on top of the one-call attention and the native LM head (which took some of the
+wake-ups away): 1.01-1.03x in the runner, 1.045x over HTTP.
 """
 
 from __future__ import annotations
