@@ -33,27 +33,13 @@ SMOL_SHAPE = dict(architecture="LlamaForCausalLM", vocab_size=49152, hidden_size
 
 
 def make_smol_shaped(path: Path) -> Path:
-    """A random-weight model dir of SmolLM2-135M's shape (byte tokenizer; weights of std 0.02)."""
+    """A random-weight model dir of SmolLM2-135M's shape (byte tokenizer; projections of std 0.02)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-    import numpy as np
-    from models import CHATML_TEMPLATE, _write_dir
+    from models import CHATML_TEMPLATE, _write_dir, tiny_tensors
 
     cfg = ModelConfig(**SMOL_SHAPE)  # type: ignore[arg-type]
-    rng = np.random.default_rng(0)
-    d, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
-
-    def normal(*shape: int, std: float = 0.02) -> np.ndarray:
-        return rng.standard_normal(shape, dtype=np.float32) * np.float32(std)
-
-    t = {"model.embed_tokens.weight": normal(v, d, std=0.3), "model.norm.weight": 1 + normal(d)}
-    for i in range(cfg.num_hidden_layers):
-        p = f"model.layers.{i}."
-        t |= {p + "input_layernorm.weight": 1 + normal(d), p + "post_attention_layernorm.weight": 1 + normal(d),
-              p + "self_attn.q_proj.weight": normal(cfg.q_size, d), p + "self_attn.k_proj.weight": normal(cfg.kv_size, d),
-              p + "self_attn.v_proj.weight": normal(cfg.kv_size, d), p + "self_attn.o_proj.weight": normal(d, cfg.q_size),
-              p + "mlp.gate_proj.weight": normal(f, d), p + "mlp.up_proj.weight": normal(f, d),
-              p + "mlp.down_proj.weight": normal(d, f)}
-    return _write_dir(path, cfg, t, sharded=False, bos="<|im_start|>", eos="<|im_end|>", chat_template=CHATML_TEMPLATE)
+    return _write_dir(path, cfg, tiny_tensors(cfg, std=0.02), sharded=False, bos="<|im_start|>", eos="<|im_end|>",
+                      chat_template=CHATML_TEMPLATE)
 
 
 def _greedy(cfg: EngineConfig, max_tokens: int) -> tuple[list[list[int]], str]:

@@ -114,13 +114,14 @@ def tiny_config(vocab_size: int = BYTE_VOCAB_SIZE, tie: bool = True, qwen2: bool
     )
 
 
-def tiny_tensors(cfg: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
-    """Random HF-named weights: embeddings N(0, 0.3²) and projections N(0, 0.1²) give logits
-    of std ~2 (non-trivial argmax); norms 1 + N(0, 0.1²)."""
+def tiny_tensors(cfg: ModelConfig, seed: int = 0, std: float = 0.1) -> dict[str, np.ndarray]:
+    """Random HF-named weights: embeddings N(0, 0.3²) and projections N(0, std²) (0.1 gives
+    logits of std ~2 on the tiny model: a non-trivial argmax); norms 1 + N(0, std²)."""
     rng = np.random.default_rng(seed)
     d, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    default_std = std
 
-    def normal(*shape: int, std: float = 0.1) -> np.ndarray:
+    def normal(*shape: int, std: float = default_std) -> np.ndarray:
         return (rng.standard_normal(shape) * std).astype(np.float32)
 
     t = {"model.embed_tokens.weight": normal(v, d, std=0.3), "model.norm.weight": 1 + normal(d)}
