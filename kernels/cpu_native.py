@@ -76,7 +76,7 @@ SMALL_TARGET = "tl_small_attention"
 SMALL_MAX_TOKENS = 16  # steps of at most this many tokens take both parts in one call
 ARGMAX_LSE_TARGET = "tl_argmax_lse"
 LOCAL_HEAD_DIMS = (32, 64, 128)  # the native local part's head dims; others keep the jnp one
-GEMV_MAX_ROWS = 16  # the FFI kernel takes at most 16 rows; at 16 it is still 1.45x XLA
+GEMV_MAX_ROWS = 64  # EXPERIMENT
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-std=c++17", "-shared", "-fPIC")
 
 

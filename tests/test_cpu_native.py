@@ -199,12 +199,14 @@ def test_not_offered_off_cpu() -> None:
     assert choice.name == "reference" and "runs on cpu" in choice.reason
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 8, 13, 16])
-@pytest.mark.parametrize("shape", [(3, 5, 64, 576), (5, 3, 37), (576, 1536), (2, 3), (23, 40), (6, 33)],
-                         ids=["qkv", "odd_3d", "down", "tiny", "odd_k_and_o", "o_multiple_of_4"])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 8, 13, 16, 17, 31, 32, 33, 47, 48, 49, 64])
+@pytest.mark.parametrize("shape", [(3, 5, 64, 576), (5, 3, 37), (576, 1536), (2, 3), (23, 40), (6, 33), (13, 2, 48)],
+                         ids=["qkv", "odd_3d", "down", "tiny", "odd_k_and_o", "o_multiple_of_4", "o_26_k_48"])
 def test_small_matmul_matches_xla(rows: int, shape: tuple[int, ...]) -> None:
-    """Row counts up to the limit (and not multiples of the 4-row blocks); K not a multiple of the
-    16-wide vector, O not of the 4-output blocks; w with several out axes."""
+    """Row counts up to the limit: the dot form's 4-row blocks (1-16) and the broadcast form's
+    tiles of 32, 48 and 64 rows, full and partial; K not a multiple of the 16-wide vector (nor
+    of the 16x16 packing transpose), O not of the 4-, 6-, 8- or 12-output blocks; w with
+    several out axes."""
     rng = np.random.default_rng(rows)
     x = jnp.asarray(rng.standard_normal((rows, shape[-1]), dtype=np.float32))
     w = jnp.asarray(rng.standard_normal(shape, dtype=np.float32))  # [*out, K], as llama.linear takes it
