@@ -4,7 +4,7 @@ Owns: building kernels/cpu/native.cc into a shared library on first use (g++, ca
 source, jaxlib version and CPU), registering its FFI targets, `paged_attention` with the
 reference's contract (one call for small steps; else native local and cached parts, merged by
 log-sum-exp),
-`small_matmul` (x [N,K] @ w: native for N <= GEMV_MAX_ROWS float32 rows, one row for int8
+`small_matmul` (x [N,K] @ w: native for N <= GEMV_MAX_ROWS (64) float32 rows, one row for int8
 weights; None otherwise, and the caller's own dot runs) and `argmax_lse` (the sampler's greedy
 token and logsumexp of each logits row in one pass: 8.1 -> 0.8 ms at 64 rows of 49152).
 Must not: write the cache, know about requests. Tested by tests/test_cpu_native.py against
@@ -39,7 +39,11 @@ sequence is 120 of them in a dependent chain. The native kernel splits w's rows 
 output, [O,K] as llama.linear stores them) over both threads, 4 outputs x up to 4 x rows in
 registers, the next rows prefetched: against XLA's dot on the 30 SmolLM2 layers' matmuls alone
 (`python -m bench kernels`), 1.27x at 1 row, 2.03x at 2, 2.15x at 4, 1.89x at 8 and 1.45x at
-16 (hence GEMV_MAX_ROWS). int8 weights, one row: 1.27-1.37x XLA's int8 dot (which pads to 4
+16. From 17 to 64 rows the kernel turns to a broadcast form (native.cc says how): 1.27-1.57x
+XLA's dot on the same 30 layers at 32-64 rows (1.31x at 48), the LM head (49152 x 576) 1.37x
+at 32 rows and 1.67x at 64; a decode step of the real model 1.32x at 32 sequences and 1.17x
+at 64 (runner, both limits alternated in one process). At 128 rows (two 64-row tiles) it was
+only 1.07x XLA and at 96 0.84x, hence GEMV_MAX_ROWS = 64. int8 weights, one row: 1.27-1.37x XLA's int8 dot (which pads to 4
 rows; at 4 and 8 rows XLA's is 1.6-2.2x faster than this kernel, so it keeps them).
 After a one-row matmul its helper thread lingers, spinning up to 50 us for the next one
 (native.cc says why): a one-row decode step 1.07-1.08x (runner, alternated with it off; 50 and
@@ -76,7 +80,7 @@ SMALL_TARGET = "tl_small_attention"
 SMALL_MAX_TOKENS = 16  # steps of at most this many tokens take both parts in one call
 ARGMAX_LSE_TARGET = "tl_argmax_lse"
 LOCAL_HEAD_DIMS = (32, 64, 128)  # the native local part's head dims; others keep the jnp one
-GEMV_MAX_ROWS = 64  # EXPERIMENT
+GEMV_MAX_ROWS = 64  # the FFI kernel takes at most 64 rows (then tiles of 64 leave XLA ahead)
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-std=c++17", "-shared", "-fPIC")
 
 

@@ -1,11 +1,12 @@
 // Native CPU kernels as XLA FFI custom calls: the cached and the local part of paged attention,
-// and matmuls of a few rows.
+// and matmuls of up to 64 rows.
 //
 // Owns: (1) TlPagedAttentionCached: folding each token's keys at positions [0, start_pos of its
 // sequence) into a softmax state (m, l, acc), reading the blocks of the stored cache layout
 // (kernels/paged_attention.py: K [L, NB, Hk, hd, bs], V [L, NB, Hk, bs, hd]) in place, token
 // ranges on the threads of XLA's intra-op pool. (2) TlGemv: y [N, O] = x [N, K] @ w^T, w [O, K],
-// for N <= 16, w's rows (one per output) split into contiguous ranges over the threads.
+// for N <= 64 (dot products up to 16 rows, a broadcast form beyond), w's rows (one per output)
+// split into contiguous ranges over the threads.
 // (3) TlGemvInt8: the same for int8 weights stored [O, K] with a scale per output row (W8A8,
 // XLA's arithmetic exactly). (4) TlLocalAttention: the softmax state of each token over this
 // step's own keys (same sequence, causal), tiles of query tokens x KV head on the pool's
@@ -18,7 +19,8 @@
 // Why: XLA:CPU gathers cached blocks element by element (~3 GB/s a thread) and then runs tiny
 // batched dots over the copy; here every block is read once, where it lies. XLA:CPU runs a
 // matrix-vector product on one thread; split by output rows over both threads the 30 SmolLM2
-// layers' matmuls run 1.27x XLA at 1 row and 1.5-2.2x at 2-16 rows (`python -m bench kernels`).
+// layers' matmuls run 1.27x XLA at 1 row, 1.5-2.2x at 2-16 rows and 1.27-1.57x at 32-64 rows
+// (`python -m bench kernels`).
 // And XLA:CPU runs the elementwise passes of a masked softmax, argmax and logsumexp on one
 // thread.
 
@@ -825,7 +827,7 @@ inline void gemv_outputs(const float* X, int64_t N, int64_t K, const float* W, i
 // dot form (106 vs 77 GFLOP/s), 12x2 at 32 rows 1.35x; 8x3, 5x4, 24x1 and a weight panel
 // packed per call (scalar transpose) were slower, weights pre-packed into panels only 1.05x.
 constexpr int64_t kGemvRows = 16;
-constexpr int64_t kGemmRows = 64;  // cpu_native.GEMV_MAX_ROWS
+constexpr int64_t kGemmRows = 64;  // cpu_native.GEMV_MAX_ROWS: at 96 and 128 rows XLA's dot is as fast
 
 template <int RO, int J>
 inline void gemm_tile(const float* xp, int64_t K, const float* W, float* Y, int64_t O, int64_t N,
