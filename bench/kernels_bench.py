@@ -3,8 +3,8 @@
 Random weights and caches with SmolLM2-135M's shapes (30 layers, hidden 576, FFN 1536, 9 query
 and 3 KV heads of 64, block 16), each op chained over the 30 layers so that one layer waits for
 the last, as in a step. Measures: paged attention (jnp reference vs cpu_native) at a batch of
-decoding sequences, and the layers' matmuls (XLA's dot vs the native few-row kernel) at 1-16
-rows, float32 and int8. Each pair is timed alternately in one process; prints the config, a
+decoding sequences, and the layers' matmuls (XLA's dot vs the native kernel) at 1-64 rows,
+float32, and one row int8. Each pair is timed alternately in one process; prints the config, a
 Markdown table and the ratios. Run: `python -m bench kernels`.
 """
 
@@ -106,7 +106,7 @@ def run(argv: Sequence[str]) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench kernels")
     ap.add_argument("--batch", type=int, default=64, help="decoding sequences in the attention test")
     ap.add_argument("--context", type=int, default=256)
-    ap.add_argument("--rows", default="1,2,4,8,16", help="rows of the float32 matmul tests")
+    ap.add_argument("--rows", default="1,2,4,8,16,32,64", help="rows of the float32 matmul tests")
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
