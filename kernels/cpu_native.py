@@ -4,7 +4,7 @@ Owns: building kernels/cpu/native.cc into a shared library on first use (g++, ca
 source, jaxlib version and CPU), registering its FFI targets, `paged_attention` with the
 reference's contract (one call for small steps; else native local and cached parts, merged by
 log-sum-exp),
-`small_matmul` (x [N,K] @ w: native for N <= GEMV_MAX_ROWS (64) float32 rows, one row for int8
+`small_matmul` (x [N,K] @ w: native for N <= max_rows() float32 rows (64 with AVX-512), one row for int8
 weights; None otherwise, and the caller's own dot runs) and `argmax_lse` (the sampler's greedy
 token and logsumexp of each logits row in one pass: 8.1 -> 0.8 ms at 64 rows of 49152).
 Must not: write the cache, know about requests. Tested by tests/test_cpu_native.py against
@@ -80,7 +80,7 @@ SMALL_TARGET = "tl_small_attention"
 SMALL_MAX_TOKENS = 16  # steps of at most this many tokens take both parts in one call
 ARGMAX_LSE_TARGET = "tl_argmax_lse"
 LOCAL_HEAD_DIMS = (32, 64, 128)  # the native local part's head dims; others keep the jnp one
-GEMV_MAX_ROWS = 64  # the FFI kernel takes at most 64 rows (then tiles of 64 leave XLA ahead)
+GEMV_MAX_ROWS = 64  # the FFI kernel takes at most 64 rows with AVX-512, 16 without (max_rows())
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-std=c++17", "-shared", "-fPIC")
 
 
@@ -156,6 +156,7 @@ def register() -> None:
     if _registered:
         return
     lib = _lib = ctypes.cdll.LoadLibrary(str(build()))
+    lib.TlGemvMaxRows.restype = ctypes.c_int64
     if os.environ.get("TL_NATIVE_LINGER_US"):  # A/B of whole servers (bench http --compare)
         lib.TlSetLingerNs(ctypes.c_int64(int(float(os.environ["TL_NATIVE_LINGER_US"]) * 1000)))
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.TlPagedAttentionCached), platform="cpu")
@@ -167,11 +168,20 @@ def register() -> None:
     _registered = True
 
 
+def max_rows() -> int:
+    """Rows the native float matmul takes on this machine: GEMV_MAX_ROWS where the library was
+    built with AVX-512, else 16 (the broadcast form's 24 accumulators would spill from AVX2's 16
+    vector registers)."""
+    register()
+    assert _lib is not None
+    return min(GEMV_MAX_ROWS, int(_lib.TlGemvMaxRows()))
+
+
 def small_matmul(x: jax.Array, w: Any) -> jax.Array | None:
     """x [N,K] times w -> [N,*out] by the native kernels for few float32 rows, else None (the
     caller's own matmul). w as tl/model/llama.py's `linear` takes it: float32 [*out,K], or int8
     {"q" [*out,K], "scale" [*out]} (with its W8A8 arithmetic bit for bit)."""
-    if x.shape[0] > GEMV_MAX_ROWS or x.dtype != jnp.float32:
+    if x.shape[0] > max_rows() or x.dtype != jnp.float32:
         return None
     if isinstance(w, dict):
         q, scale = w["q"], w["scale"]

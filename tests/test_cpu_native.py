@@ -207,6 +207,8 @@ def test_small_matmul_matches_xla(rows: int, shape: tuple[int, ...]) -> None:
     tiles of 32, 48 and 64 rows, full and partial; K not a multiple of the 16-wide vector (nor
     of the 16x16 packing transpose), O not of the 4-, 6-, 8- or 12-output blocks; w with
     several out axes."""
+    if rows > cpu_native.max_rows():
+        pytest.skip(f"this build's native matmul takes at most {cpu_native.max_rows()} rows (no AVX-512)")
     rng = np.random.default_rng(rows)
     x = jnp.asarray(rng.standard_normal((rows, shape[-1]), dtype=np.float32))
     w = jnp.asarray(rng.standard_normal(shape, dtype=np.float32))  # [*out, K], as llama.linear takes it
@@ -256,8 +258,15 @@ def test_one_row_matmul_chain_with_lingering_helpers(linger_us: float) -> None:
         assert len(got[i]) == 20 and all(np.array_equal(g, want[i]) for g in got[i])
 
 
+def test_max_rows_follows_the_build() -> None:
+    """64 rows where the library is built with AVX-512 (-march=native on an AVX-512 CPU), else
+    the dot form's 16: the broadcast form would spill from AVX2's 16 vector registers."""
+    flags = cpu_native._cpu_flags().split()
+    assert cpu_native.max_rows() == (cpu_native.GEMV_MAX_ROWS if "avx512f" in flags else 16)
+
+
 def test_small_matmul_leaves_many_rows_and_bf16_to_xla() -> None:
-    x = jnp.ones((cpu_native.GEMV_MAX_ROWS + 1, 8), jnp.float32)
+    x = jnp.ones((cpu_native.max_rows() + 1, 8), jnp.float32)
     w = jnp.ones((4, 8), jnp.float32)
     assert cpu_native.small_matmul(x, w) is None
     assert cpu_native.small_matmul(x[:2].astype(jnp.bfloat16), w.astype(jnp.bfloat16)) is None

@@ -843,6 +843,17 @@ inline void gemv_outputs(const float* X, int64_t N, int64_t K, const float* W, i
 constexpr int64_t kGemvRows = 16;
 constexpr int64_t kGemmRows = 64;  // cpu_native.GEMV_MAX_ROWS: at 96 and 128 rows XLA's dot is as fast
 
+// The most rows Gemv takes on this build. The broadcast form's 24 accumulators are 24 zmm
+// registers; without AVX-512 each v16 is two ymm, of which there are only 16, so it would
+// spill, and such a build stops at the dot form's 16 rows (cpu_native.max_rows() asks).
+constexpr int64_t gemv_max_rows() {
+#if defined(__AVX512F__)
+  return kGemmRows;
+#else
+  return kGemvRows;
+#endif
+}
+
 template <int RO, int J>
 inline void gemm_tile(const float* xp, int64_t K, const float* W, float* Y, int64_t O, int64_t N,
                       int64_t o0, int64_t n0, bool prefetch) {
@@ -972,7 +983,7 @@ ffi::Error Gemv(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::
   const float* X = x.typed_data();
   const float* W = w.typed_data();
   float* Y = y->typed_data();
-  if (N > kGemmRows) return ffi::Error::InvalidArgument("gemv takes at most 64 rows");
+  if (N > gemv_max_rows()) return ffi::Error::InvalidArgument("gemv takes at most cpu_native.max_rows() rows");
   if (N > 48) {  // tiles of 64, 48, 32 rows: the smallest that N fills
     gemm<6, 4>(pool, X, N, K, W, O, Y);
     return ffi::Error::Success();
@@ -1135,6 +1146,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TlSmallAttention, SmallAttention,
                                   .Ret<ffi::Buffer<ffi::F32>>()); // out [T,Hk,G,hd]
 
 extern "C" void TlSetLingerNs(int64_t ns) { g_linger_ns.store(ns, std::memory_order_relaxed); }
+extern "C" int64_t TlGemvMaxRows() { return gemv_max_rows(); }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TlPagedAttentionCached, Cached,
                               ffi::Ffi::Bind()
