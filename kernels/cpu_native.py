@@ -43,8 +43,9 @@ registers, the next rows prefetched: against XLA's dot on the 30 SmolLM2 layers'
 XLA's dot on the same 30 layers at 32-64 rows (1.31x at 48), the LM head (49152 x 576) 1.37x
 at 32 rows and 1.67x at 64; a decode step of the real model 1.32x at 32 sequences and 1.17x
 at 64 (runner, both limits alternated in one process). At 128 rows (two 64-row tiles) it was
-only 1.07x XLA and at 96 0.84x, hence GEMV_MAX_ROWS = 64. int8 weights, one row: 1.27-1.37x XLA's int8 dot (which pads to 4
-rows; at 4 and 8 rows XLA's is 1.6-2.2x faster than this kernel, so it keeps them).
+only 1.07x XLA and at 96 0.84x, hence the library's limit of 64 (`max_rows()`; 16 without
+AVX-512). int8 weights, one row: 1.27-1.37x XLA's int8 dot (which pads to 4 rows; at 4 and 8
+rows XLA's is 1.6-2.2x faster than this kernel, so it keeps them).
 After a one-row matmul its helper thread lingers, spinning up to 50 us for the next one
 (native.cc says why): a one-row decode step 1.07-1.08x (runner, alternated with it off; 50 and
 200 us alike), 1.09-1.10x over HTTP (`bench http --compare` against a server with
@@ -80,7 +81,6 @@ SMALL_TARGET = "tl_small_attention"
 SMALL_MAX_TOKENS = 16  # steps of at most this many tokens take both parts in one call
 ARGMAX_LSE_TARGET = "tl_argmax_lse"
 LOCAL_HEAD_DIMS = (32, 64, 128)  # the native local part's head dims; others keep the jnp one
-GEMV_MAX_ROWS = 64  # the FFI kernel takes at most 64 rows with AVX-512, 16 without (max_rows())
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-std=c++17", "-shared", "-fPIC")
 
 
@@ -169,12 +169,12 @@ def register() -> None:
 
 
 def max_rows() -> int:
-    """Rows the native float matmul takes on this machine: GEMV_MAX_ROWS where the library was
-    built with AVX-512, else 16 (the broadcast form's 24 accumulators would spill from AVX2's 16
-    vector registers)."""
+    """Rows the native float matmul takes, as the built library reports them (native.cc
+    gemv_max_rows): 64 with AVX-512, else 16 (the broadcast form's 24 accumulators would spill
+    from AVX2's 16 vector registers)."""
     register()
     assert _lib is not None
-    return min(GEMV_MAX_ROWS, int(_lib.TlGemvMaxRows()))
+    return int(_lib.TlGemvMaxRows())
 
 
 def small_matmul(x: jax.Array, w: Any) -> jax.Array | None:

@@ -841,7 +841,7 @@ inline void gemv_outputs(const float* X, int64_t N, int64_t K, const float* W, i
 // dot form (106 vs 77 GFLOP/s), 12x2 at 32 rows 1.35x; 8x3, 5x4, 24x1 and a weight panel
 // packed per call (scalar transpose) were slower, weights pre-packed into panels only 1.05x.
 constexpr int64_t kGemvRows = 16;
-constexpr int64_t kGemmRows = 64;  // cpu_native.GEMV_MAX_ROWS: at 96 and 128 rows XLA's dot is as fast
+constexpr int64_t kGemmRows = 64;  // at 96 and 128 rows XLA's dot is as fast
 
 // The most rows Gemv takes on this build. The broadcast form's 24 accumulators are 24 zmm
 // registers; without AVX-512 each v16 is two ymm, of which there are only 16, so it would
