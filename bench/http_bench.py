@@ -52,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-requests", type=int, default=256, help="cap on requests per run")
     ap.add_argument("--max-seconds", type=float, default=120.0, help="deadline per run; in-flight requests are cut")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--run-id", default=None,
+                    help="id in every prompt's nonce (default: fresh per run, printed; give one to replay prompts)")
     ap.add_argument("--api-key", default="", help="bearer token for both servers (not printed)")
     ap.add_argument("--no-ignore-eos", action="store_true", help="do not send ignore_eos (strict OpenAI servers)")
     ap.add_argument("--out", default="", help="output dir (default bench/out/http-<time>)")
@@ -73,12 +75,12 @@ def run(argv: Sequence[str]) -> int:
     limits = Limits(args.max_requests, args.max_seconds)
     tests = [t for t in args.tests.split(",") if t]
     endpoints = asyncio.run(_endpoints(args))
-    pf = PromptFactory(load_tokenizer(args.model_dir), args.seed)
+    pf = PromptFactory(load_tokenizer(args.model_dir), args.seed, args.run_id)
     cases = build_cases(tests, pf, sizes, args.rate, limits)
     bound_s = len(cases) * args.repeats * len(endpoints) * limits.max_seconds
     servers = {k: {**asdict(e), "api_key": "***" if e.api_key else ""} for k, e in endpoints.items()}
     config = {"bench": "http", "servers": servers, "tests": tests,
-              "seed": args.seed, "repeats": args.repeats, "rate": args.rate, "limits": asdict(limits),
+              "seed": args.seed, "run_id": pf.run_id, "repeats": args.repeats, "rate": args.rate, "limits": asdict(limits),
               "sizes": asdict(sizes), "model_dir": args.model_dir, "out": str(out),
               "worst_case_wall_s": bound_s}
     print("config:", json.dumps(config), flush=True)

@@ -188,6 +188,11 @@ def test_prompts_are_sized_exactly(kind: str) -> None:
     assert [count_tokens(tok, p) for p in prompts] == [24, 25, 31, 64, 128, 300]
     assert all(p.startswith("[req ") for p in prompts) and len({p[:20] for p in prompts}) == len(prompts)
     assert count_tokens(tok, pf.shared(200)) == 200
+    # A second run's prompts differ from the first's (no prefix-cache hits between runs) unless
+    # it replays the first's run id.
+    again, replay = PromptFactory(tok, seed=1), PromptFactory(tok, seed=1, run_id=pf.run_id)
+    assert again.run_id != pf.run_id and again.unique(24)[:24] != prompts[0][:24]
+    assert replay.unique(24) == prompts[0]
     assert count_tokens(tok, sized_text(tok, 40, random.Random(0))) == 40
     with pytest.raises(ValueError):
         sized_text(tok, 2, random.Random(0), head="[a long head of many tokens]")
