@@ -2,8 +2,8 @@
 
 Random weights and caches with SmolLM2-135M's shapes (30 layers, hidden 576, FFN 1536, 9 query
 and 3 KV heads of 64, block 16), each op chained over the 30 layers so that one layer waits for
-the last, as in a step. Measures: paged attention (jnp reference vs cpu_native) at a batch of
-decoding sequences, and the layers' matmuls (XLA's dot vs the native kernel) at 1-64 rows,
+the last, as in a step. Measures: paged attention (jnp reference vs cpu_native, and cpu_native
+over a bf16 cache vs a float32 one) at a batch of decoding sequences, and the layers' matmuls (XLA's dot vs the native kernel) at 1-64 rows,
 float32, and one row int8. Each pair is timed alternately in one process; prints the config, a
 Markdown table and the ratios. Run: `python -m bench kernels`.
 """
@@ -112,6 +112,7 @@ def run(argv: Sequence[str]) -> int:
     args = ap.parse_args(argv)
     print("config:", json.dumps({**vars(args), "shapes": "SmolLM2-135M", "layers": L}))
 
+    import jax
     import jax.numpy as jnp
     import numpy as np
 
@@ -127,6 +128,11 @@ def run(argv: Sequence[str]) -> int:
     ref, nat = _attention_chain(paged_attention.paged_attention), _attention_chain(cpu_native.paged_attention)
     med = _alternate({"reference": lambda: ref(*case), "native": lambda: nat(*case)}, args.repeat)
     add(f"attention, {args.batch} seqs @ctx {args.context}", med, "reference", "native")
+    q, kv_new, k, v, meta = case
+    bits = [jax.lax.bitcast_convert_type(c.astype(jnp.bfloat16), jnp.uint16) for c in (k, v)]
+    med = _alternate({"native, float32 cache": lambda: nat(*case),
+                      "bf16": lambda: nat(q, kv_new, *bits, meta)}, args.repeat)
+    add(f"attention, bf16 cache, {args.batch} seqs @ctx {args.context}", med, "native, float32 cache", "bf16")
 
     rng = np.random.default_rng(args.seed)
     for int8, row_counts in ((False, [int(r) for r in args.rows.split(",")]), (True, [1])):

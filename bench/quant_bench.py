@@ -1,11 +1,15 @@
-"""Int8 weights vs float32: quality on a fixed prompt set and decode speed, side by side.
+"""A lower-precision variant vs float32: quality on a fixed prompt set and decode speed, side by side.
 
-Quality: for each prompt (fixed texts, tokenized with the model's tokenizer), the dense forward
-in both weight dtypes; reports teacher-forced greedy agreement (argmax equal at each position),
-greedy continuation agreement (first N generated tokens equal, runner path) and max |Δlogit|.
+Variants (`--variant`): "int8" (weight_dtype int8: linears and embedding) and "kv-bf16"
+(kv_cache_dtype bfloat16: float32 weights, the KV cache as bf16).
+Quality: for each prompt (fixed texts, tokenized with the model's tokenizer), the logits of
+every position in both: for int8 the dense forward; for kv-bf16 the runner fed one prompt token
+a step, so that each position reads all earlier keys from the cache. Reports teacher-forced
+greedy agreement (argmax equal at each position), greedy continuation agreement (first N
+generated tokens equal, runner path) and max |Δlogit|.
 Speed: the runner's decode step at each batch (every sequence decoding at a fixed context),
-float32 and int8 interleaved in one process so machine noise hits both. Prints its config.
-Run: `python -m bench quant`.
+float32 and the variant interleaved in one process so machine noise hits both. Prints its config.
+Run: `python -m bench quant [--variant kv-bf16]`.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from collections.abc import Sequence
 
 from bench.report import print_table
 
+VARIANTS: dict[str, dict[str, str]] = {"int8": {"weight_dtype": "int8"}, "kv-bf16": {"kv_cache_dtype": "bfloat16"}}
 PROMPTS = (
     "The capital of France is",
     "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
@@ -33,6 +38,7 @@ PROMPTS = (
 def run(argv: Sequence[str]) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench quant")
     ap.add_argument("--model", default="artifacts/models/smol-135m")
+    ap.add_argument("--variant", default="int8", choices=list(VARIANTS))
     ap.add_argument("--batches", default="1,64")
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--gen", type=int, default=16, help="greedy tokens generated per prompt")
@@ -55,31 +61,36 @@ def run(argv: Sequence[str]) -> int:
 
     bs = 16
     blocks = max(batches) * ((args.context + bs) // bs + 1) + 64
-    runners = {}
-    for wd in ("float32", "int8"):
-        cfg = EngineConfig(model_dir=args.model, weight_dtype=wd, num_kv_blocks=blocks, block_size=bs,  # type: ignore[arg-type]
-                           max_num_seqs=max(batches), seq_buckets=tuple(sorted(set(batches))),
-                           token_buckets=tuple(sorted(set(batches) | {64})), max_num_batched_tokens=64,
-                           prefill_chunk=64)
-        runners[wd] = ModelRunner.from_model_dir(cfg)
+    base = EngineConfig(model_dir=args.model, num_kv_blocks=blocks, block_size=bs, max_num_seqs=max(batches),
+                        seq_buckets=tuple(sorted({1} | set(batches))),
+                        token_buckets=tuple(sorted(set(batches) | {1, 64})), max_num_batched_tokens=64,
+                        prefill_chunk=64)
+    v = args.variant
+    runners = {"float32": ModelRunner.from_model_dir(base),
+               v: ModelRunner.from_model_dir(base.replace(**VARIANTS[v]))}
     mc = runners["float32"].model_config
     tok = Tokenizer.load(args.model)
     dense = jax.jit(llama.forward_dense, static_argnums=1)
+
+    def position_logits(r: ModelRunner, ids: list[int]) -> np.ndarray:
+        if v == "int8":
+            pad = np.zeros(64, np.int32)
+            pad[:len(ids)] = ids
+            return np.asarray(dense(r._params, mc, jnp.asarray(pad))[1])[:len(ids)]
+        return np.stack([_step_logits(r, ids, i, SchedulerOutput, SeqWork, SamplingParams) for i in range(len(ids))])
 
     agree = total = gen_agree = gen_total = 0
     max_diff = 0.0
     for text in PROMPTS:
         ids = list(tok.encode(text))
-        pad = np.zeros(64, np.int32)
-        pad[:len(ids)] = ids
-        logits = {wd: np.asarray(dense(r._params, mc, jnp.asarray(pad))[1])[:len(ids)] for wd, r in runners.items()}
-        agree += int((logits["float32"].argmax(-1) == logits["int8"].argmax(-1)).sum())
+        logits = {wd: position_logits(r, ids) for wd, r in runners.items()}
+        agree += int((logits["float32"].argmax(-1) == logits[v].argmax(-1)).sum())
         total += len(ids)
-        max_diff = max(max_diff, float(np.abs(logits["float32"] - logits["int8"]).max()))
+        max_diff = max(max_diff, float(np.abs(logits["float32"] - logits[v]).max()))
         outs = {wd: _greedy(r, ids, args.gen, SchedulerOutput, SeqWork, SamplingParams) for wd, r in runners.items()}
-        gen_agree += _common_prefix(outs["float32"], outs["int8"])
+        gen_agree += _common_prefix(outs["float32"], outs[v])
         gen_total += args.gen
-    print_table([{"prompts": len(PROMPTS), "positions": total,
+    print_table([{"variant": v, "prompts": len(PROMPTS), "positions": total,
                   "teacher-forced greedy agreement": round(agree / total, 4),
                   "greedy continuation tokens equal (prefix)": f"{gen_agree}/{gen_total}",
                   "max |Δlogit|": round(max_diff, 3)}])
@@ -87,7 +98,7 @@ def run(argv: Sequence[str]) -> int:
     rows = []
     for b in batches:
         plan = _decode_plan(b, args.context, bs, mc.vocab_size)
-        times: dict[str, list[float]] = {"float32": [], "int8": []}
+        times: dict[str, list[float]] = {wd: [] for wd in runners}
         for r in runners.values():
             r.execute(plan)
         for _ in range(args.repeat):
@@ -97,9 +108,24 @@ def run(argv: Sequence[str]) -> int:
                 times[wd].append(time.perf_counter() - t0)
         med = {wd: statistics.median(ts) for wd, ts in times.items()}
         rows.append({"test": f"decode batch {b} @ctx {args.context}", "float32 tok/s": round(b / med["float32"], 1),
-                     "int8 tok/s": round(b / med["int8"], 1), "int8 / float32": round(med["float32"] / med["int8"], 2)})
+                     f"{v} tok/s": round(b / med[v], 1), f"{v} / float32": round(med["float32"] / med[v], 2)})
     print_table(rows)
     return 0
+
+
+def _step_logits(runner: object, ids: list[int], i: int, so: type, sw: type, sp: type) -> object:
+    """Logits [V] at position i, fed as a one-token step over positions < i in the cache."""
+    from tl.runner import ModelRunner
+
+    assert isinstance(runner, ModelRunner)
+    w = sw(seq_id=0, token_ids=(ids[i],), start_pos=i, block_table=tuple(range(i // 16 + 1)), sample=True,
+           params=sp(temperature=0.0), seed=0, num_generated=0)
+    inp, rows = runner._pack_tokens([w], 1, 1)
+    sb, pen = runner._pack_sampling(rows, 1, runner.num_rows(1, 1))
+    runner._kv, _, logits = runner._run_step(inp, sb, pen)
+    import numpy as np
+
+    return np.asarray(logits)[0]
 
 
 def _greedy(runner: object, prompt: list[int], n: int, so: type, sw: type, sp: type) -> list[int]:

@@ -31,8 +31,9 @@ other than 32/64/128 keep the jnp local part.
 The library is built with -O3 -march=native -ffast-math into $TL_NATIVE_CACHE (default
 ~/.cache/tl/native), named by a hash of the source, the compiler flags, jaxlib's version and
 the CPU's flags, and renamed into place when complete (concurrent builders are harmless).
-float32 caches only: a bf16 (uint16) cache or a missing compiler raises `NativeUnavailable`,
-and kernels/select.py falls back to the reference with that reason.
+float32 caches, and bf16 ones (uint16 bits: a bf16 model, or kv_cache_dtype "bfloat16") for the
+shapes of the vector fold (`bf16_supported`); other bf16 shapes or a missing compiler raise
+`NativeUnavailable`, and kernels/select.py falls back to the reference with that reason.
 
 Why small_matmul: XLA:CPU runs a matrix-vector product on one thread; a decode step of one
 sequence is 120 of them in a dependent chain. The native kernel splits w's rows (one per
@@ -74,10 +75,12 @@ from kernels.paged_attention import AttnMetadata, local_state
 
 SOURCE = Path(__file__).parent / "cpu" / "native.cc"
 TARGET = "tl_paged_attention_cached"
+TARGET_BF16 = "tl_paged_attention_cached_bf16"
 GEMV_TARGET = "tl_gemv"
 GEMV_INT8_TARGET = "tl_gemv_int8"
 LOCAL_TARGET = "tl_local_attention"
 SMALL_TARGET = "tl_small_attention"
+SMALL_TARGET_BF16 = "tl_small_attention_bf16"
 SMALL_MAX_TOKENS = 16  # steps of at most this many tokens take both parts in one call
 ARGMAX_LSE_TARGET = "tl_argmax_lse"
 LOCAL_HEAD_DIMS = (32, 64, 128)  # the native local part's head dims; others keep the jnp one
@@ -165,6 +168,8 @@ def register() -> None:
     jax.ffi.register_ffi_target(ARGMAX_LSE_TARGET, jax.ffi.pycapsule(lib.TlArgmaxLse), platform="cpu")
     jax.ffi.register_ffi_target(LOCAL_TARGET, jax.ffi.pycapsule(lib.TlLocalAttention), platform="cpu")
     jax.ffi.register_ffi_target(SMALL_TARGET, jax.ffi.pycapsule(lib.TlSmallAttention), platform="cpu")
+    jax.ffi.register_ffi_target(TARGET_BF16, jax.ffi.pycapsule(lib.TlPagedAttentionCachedBf16), platform="cpu")
+    jax.ffi.register_ffi_target(SMALL_TARGET_BF16, jax.ffi.pycapsule(lib.TlSmallAttentionBf16), platform="cpu")
     _registered = True
 
 
@@ -197,15 +202,35 @@ def small_matmul(x: jax.Array, w: Any) -> jax.Array | None:
     return jax.ffi.ffi_call(GEMV_TARGET, out)(x, w)
 
 
+def _cache_target(f32_target: str, bf16_target: str, qg: jax.Array, k_cache: jax.Array,
+                  v_cache: jax.Array) -> str:
+    """The FFI target for these caches: float32, or uint16 (bf16 bits) where the kernel has a
+    vector fold for the shapes (block_size 16; head_dim 64 with 1-4 query heads a KV head, or
+    128 with 1-2). Raises NativeUnavailable otherwise."""
+    if k_cache.dtype != v_cache.dtype or k_cache.dtype not in (jnp.float32, jnp.uint16):
+        raise NativeUnavailable(f"the native kernel reads float32 or bf16 (uint16) caches, not {k_cache.dtype}")
+    if k_cache.dtype == jnp.float32:
+        return f32_target
+    _, _, G, hd = qg.shape
+    if not bf16_supported(block_size=k_cache.shape[-1], head_dim=hd, group=G):
+        raise NativeUnavailable(f"a bf16 cache needs block_size 16 with head_dim 64 (1-4 query heads a KV head) "
+                                f"or 128 (1-2); got block_size {k_cache.shape[-1]}, head_dim {hd}, {G} a KV head")
+    return bf16_target
+
+
+def bf16_supported(block_size: int, head_dim: int, group: int) -> bool:
+    """Whether native.cc's vector fold (the only one reading bf16 caches) covers these shapes."""
+    return block_size == 16 and ((head_dim == 64 and 1 <= group <= 4) or (head_dim == 128 and 1 <= group <= 2))
+
+
 def cached_state(qg: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array,
                  meta: AttnMetadata) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(m, l [T,Hk,G], acc [T,Hk,G,hd]) of each token over its cached keys (m = -inf, l = 0 if none)."""
-    if k_cache.dtype != jnp.float32 or v_cache.dtype != jnp.float32:
-        raise NativeUnavailable(f"the native kernel reads float32 caches, not {k_cache.dtype}")
+    target = _cache_target(TARGET, TARGET_BF16, qg, k_cache, v_cache)
     register()
     T, Hk, G, hd = qg.shape
     f32 = jnp.float32
-    call = jax.ffi.ffi_call(TARGET, (jax.ShapeDtypeStruct((T, Hk, G), f32), jax.ShapeDtypeStruct((T, Hk, G), f32),
+    call = jax.ffi.ffi_call(target, (jax.ShapeDtypeStruct((T, Hk, G), f32), jax.ShapeDtypeStruct((T, Hk, G), f32),
                                      jax.ShapeDtypeStruct((T, Hk, G, hd), f32)))
     i32 = jnp.int32
     return call(qg.astype(f32), k_cache, v_cache, jnp.asarray(layer, i32).reshape(1), meta.seq_idx.astype(i32),
@@ -236,13 +261,12 @@ def local_state_native(qg: jax.Array, k: jax.Array, v: jax.Array, meta: AttnMeta
 
 def small_attention(qg: jax.Array, k_new: jax.Array, v_new: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                     layer: jax.Array, meta: AttnMetadata) -> jax.Array:
-    """Attention [T,Hk,G,hd] of a step of at most SMALL_MAX_TOKENS tokens (qg scaled, float32
-    caches): both parts, their merge and the normalisation in one native call (padding rows 0)."""
-    if k_cache.dtype != jnp.float32 or v_cache.dtype != jnp.float32:
-        raise NativeUnavailable(f"the native kernel reads float32 caches, not {k_cache.dtype}")
+    """Attention [T,Hk,G,hd] of a step of at most SMALL_MAX_TOKENS tokens (qg scaled, float32 or
+    bf16 caches): both parts, their merge and the normalisation in one native call (padding rows 0)."""
+    target = _cache_target(SMALL_TARGET, SMALL_TARGET_BF16, qg, k_cache, v_cache)
     register()
     f32, i32 = jnp.float32, jnp.int32
-    call = jax.ffi.ffi_call(SMALL_TARGET, jax.ShapeDtypeStruct(qg.shape, f32))
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(qg.shape, f32))
     return call(qg.astype(f32), k_new.astype(f32), v_new.astype(f32), k_cache, v_cache,
                 jnp.asarray(layer, i32).reshape(1), meta.seq_idx.astype(i32), meta.positions.astype(i32),
                 meta.start_pos.astype(i32), meta.block_tables.astype(i32))

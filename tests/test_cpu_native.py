@@ -83,6 +83,29 @@ def test_smollm2_shapes_match_reference(contexts: list[int], new: int, shape: tu
     assert np.abs(got - want).max() < 1e-5
 
 
+def _bf16_bits(x: jax.Array) -> jax.Array:
+    return jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16)
+
+
+@pytest.mark.parametrize("contexts,new,shape", [([300, 5, 16, 0, 129], 1, (3, 3, 64)), ([47, 200], 4, (3, 3, 64)),
+                                              ([100, 17, 0], 2, (2, 2, 128)), ([33, 64], 1, (4, 1, 64)),
+                                              ([40, 2], 1, (2, 4, 64))],
+                         ids=["decodes", "drafts", "hd128_g2", "mha", "g4"])
+@BOTH_PATHS
+def test_bf16_cache_matches_reference(contexts: list[int], new: int, shape: tuple[int, int, int],
+                                      attend) -> None:  # type: ignore[no-untyped-def]
+    """A cache of bf16 bits (kv_cache_dtype "bfloat16"): the native fold widens each key and value
+    as the reference decodes them, so the two agree as closely as on float32 caches; against
+    the float32 cache it differs by bf16 rounding only."""
+    q, kn, vn, kc, vc, layer, meta = _smol_case(np.random.default_rng(7), contexts, new, *shape)
+    args = (q, kn, vn, _bf16_bits(kc), _bf16_bits(vc), layer, meta)
+    got = np.asarray(jax.jit(attend)(*args))
+    want = np.asarray(jax.jit(paged_attention)(*args))
+    assert np.abs(got - want).max() < 1e-5
+    exact = np.asarray(jax.jit(paged_attention)(q, kn, vn, kc, vc, layer, meta))
+    assert 1e-4 < np.abs(got - exact).max() < 0.05  # rounded, and only by bf16's precision
+
+
 @BOTH_PATHS
 def test_bad_block_table_is_an_error_not_a_read(attend) -> None:  # type: ignore[no-untyped-def]
     q, kn, vn, kc, vc, layer, meta = _smol_case(np.random.default_rng(1), [40, 3], 1)
@@ -188,10 +211,14 @@ def test_falls_back_without_a_compiler(tmp_path: object, monkeypatch: pytest.Mon
     assert "cpu_native refused" in choice.reason and "native.cc" in choice.reason
 
 
-def test_bf16_cache_falls_back_with_the_reason() -> None:
-    choice = select.select("cpu_native", "cpu", _mesh(), True, _probe(jnp.uint16))
-    assert choice.name == "reference"
-    assert "float32" in choice.reason
+def test_bf16_cache_is_native_where_the_vector_fold_covers_it() -> None:
+    assert select.select("cpu_native", "cpu", _mesh(), True, _probe(jnp.uint16)).name == "cpu_native"
+    assert cpu_native.bf16_supported(16, 64, 3) and cpu_native.bf16_supported(16, 128, 2)
+    q, kn, vn, kc, vc, layer, meta = _probe(jnp.uint16)
+    odd = (q.reshape(q.shape[0], 1, 9, 64), kn[:, :1], vn[:, :1], kc[:, :, :1], vc[:, :, :1], layer, meta)  # G = 9
+    choice = select.select("cpu_native", "cpu", _mesh(), True, (odd[0].reshape(-1, 9, 64), *odd[1:]))
+    assert choice.name == "reference" and "bf16 cache needs" in choice.reason
+    assert select.select("cpu_native", "cpu", _mesh(), True, _probe(jnp.int8)).name == "reference"
 
 
 def test_not_offered_off_cpu() -> None:

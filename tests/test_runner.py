@@ -242,6 +242,34 @@ def test_bfloat16_runs_with_bits_cache() -> None:
     assert len(s.out) == 4 and sum(a == b for a, b in zip(s.out, want, strict=True)) >= 2
 
 
+def test_bf16_kv_cache_of_a_float32_model() -> None:
+    """kv_cache_dtype "bfloat16": float32 weights and activations, the cache as bf16 bits. The native
+    kernel (head dim 64, block 16: its vector fold) and the reference read it alike; against the
+    float32 cache only bf16 rounding differs."""
+    cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=160, hidden_size=128, intermediate_size=192,
+                      num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+                      rope_theta=10000.0, rms_norm_eps=1e-5, max_position_embeddings=128, tie_word_embeddings=True,
+                      attention_bias=False)
+    params = jax.tree.map(np.asarray, llama.init_params(cfg, jax.random.key(3)))
+    engine = ENGINE.replace(block_size=16, num_kv_blocks=16)
+    prompts = [[5, 9, 2, 77, 31, 8, 150, 4, 19, 60, 3], [7, 7, 1], [99] * 20]
+
+    def run(**kw: object) -> tuple[ModelRunner, list[Seq]]:
+        runner = ModelRunner(cfg, params, engine.replace(**kw))
+        seqs = [Seq(i, p, 12) for i, p in enumerate(prompts)]
+        Driver(runner).run(seqs)
+        return runner, seqs
+
+    native, got = run(kv_cache_dtype="bfloat16")
+    assert native.attention.name == "cpu_native" and native.dtype == jnp.float32
+    assert native.kv_cache[0].dtype == jnp.uint16 and native.kv_cache[0].nbytes * 2 == run()[0].kv_cache[0].nbytes
+    _, ref = run(kv_cache_dtype="bfloat16", attention_kernel="reference")
+    _, exact = run()
+    for a, b, c in zip(got, ref, exact, strict=True):
+        assert a.out == b.out and np.allclose(a.logprobs, b.logprobs, atol=1e-4)
+        assert np.allclose(a.logprobs, c.logprobs, atol=0.05)
+
+
 def test_from_model_dir(succ_dir: object) -> None:
     from tl.model.files import eos_token_ids
 

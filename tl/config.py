@@ -17,6 +17,7 @@ PrefixCache = Literal["none", "radix"]
 Speculative = Literal["none", "prompt_lookup"]
 DType = Literal["auto", "float32", "bfloat16"]
 WeightDType = Literal["float32", "int8"]
+KVCacheDType = Literal["auto", "bfloat16"]
 Backend = Literal["auto", "cpu", "gpu", "tpu"]
 AttentionKernel = Literal["auto", "reference", "cpu_native", "pallas_tpu", "pallas_gpu"]
 
@@ -44,6 +45,9 @@ class EngineConfig:
     """Weight and activation dtype; "auto" is float32 on CPU (bf16 is far slower there), bfloat16 on GPU/TPU."""
     weight_dtype: WeightDType = "float32"
     """Linear and embedding weights: as `dtype`, or "int8" (per-output-channel scales, int8 dots)."""
+    kv_cache_dtype: KVCacheDType = "auto"
+    """KV cache storage: "auto" is `dtype`; "bfloat16" halves the cache of a float32 model (twice the
+    blocks in the same memory, half the bytes attention reads; keys and values rounded to bf16)."""
     tensor_parallel: int = 1
     """Devices the model is sharded over (Megatron layout on the mesh's "model" axis)."""
     attention_kernel: AttentionKernel = "auto"
@@ -102,6 +106,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         _check(self.dtype in ("auto", "float32", "bfloat16"), f"dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
         _check(self.weight_dtype in ("float32", "int8"), f"weight_dtype must be float32 or int8, got {self.weight_dtype!r}")
+        _check(self.kv_cache_dtype in ("auto", "bfloat16"),
+               f"kv_cache_dtype must be auto or bfloat16, got {self.kv_cache_dtype!r}")
         _check(self.backend in ("auto", "cpu", "gpu", "tpu"), f"backend must be auto, cpu, gpu or tpu, got {self.backend!r}")
         _check(self.tensor_parallel >= 1, f"tensor_parallel must be >= 1, got {self.tensor_parallel}")
         _check(self.attention_kernel in ("auto", "reference", "cpu_native", "pallas_tpu", "pallas_gpu"),
@@ -149,7 +155,7 @@ class EngineConfig:
 
     def compile_key(self) -> tuple[object, ...]:
         """The fields that change compiled shapes; equal keys may share compiled steps."""
-        return (self.backend, self.dtype, self.weight_dtype, self.tensor_parallel, self.attention_kernel,
+        return (self.backend, self.dtype, self.weight_dtype, self.kv_cache_dtype, self.tensor_parallel, self.attention_kernel,
                 self.block_size, self.num_kv_blocks, self.max_model_len, self.token_buckets,
                 self.seq_buckets, self.spec_tokens, self.max_logprobs)
 

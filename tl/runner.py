@@ -208,8 +208,10 @@ class ModelRunner:
 
     @property
     def kv_storage_dtype(self) -> Any:
-        """bf16 KV is kept as uint16 bits: XLA:CPU scatters into bf16 donated buffers by copying."""
-        return jnp.uint16 if self.dtype == jnp.bfloat16 else self.dtype
+        """bf16 KV (a bf16 model, or kv_cache_dtype "bfloat16") is kept as uint16 bits: XLA:CPU
+        scatters into bf16 donated buffers by copying."""
+        bf16 = self.dtype == jnp.bfloat16 or self.engine_config.kv_cache_dtype == "bfloat16"
+        return jnp.uint16 if bf16 else self.dtype
 
     def _alloc_kv(self) -> tuple[jax.Array, jax.Array]:
         c = self.model_config

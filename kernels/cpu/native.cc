@@ -33,6 +33,7 @@
 #include <limits>
 #include <memory>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__)
@@ -54,6 +55,12 @@ typedef float v16u __attribute__((vector_size(64), aligned(4)));  // unaligned l
 typedef int32_t i16v __attribute__((vector_size(64)));
 
 inline v16 load16(const float* p) { return *reinterpret_cast<const v16u*>(p); }
+// 16 bf16 values (a bf16 KV cache's uint16 bits) widened to floats: bf16 is a float's top half.
+typedef uint16_t u16x16 __attribute__((vector_size(32), aligned(2)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+inline v16 load16(const uint16_t* p) {
+  return (v16)(__builtin_convertvector(*reinterpret_cast<const u16x16*>(p), u32x16) << 16);
+}
 inline void store16(float* p, v16 x) { *reinterpret_cast<v16u*>(p) = x; }
 inline v16 splat(float x) { return v16{} + x; }
 
@@ -105,10 +112,12 @@ inline void prefetch_pair(const float* a, const float* b, int64_t n) {
   }
 }
 
-struct Problem {
+// KV: float, or uint16_t for a cache of bf16 bits (kv_cache_dtype = "bfloat16").
+template <typename KV>
+struct ProblemT {
   const float* q;           // [T, Hk, G, hd], already scaled by 1/sqrt(hd)
-  const float* k;           // [L, NB, Hk, hd, bs]
-  const float* v;           // [L, NB, Hk, bs, hd]
+  const KV* k;              // [L, NB, Hk, hd, bs]
+  const KV* v;              // [L, NB, Hk, bs, hd]
   const int32_t* seq_idx;   // [T], -1 for padding
   const int32_t* start_pos; // [S]
   const int32_t* tables;    // [S, MB]
@@ -117,6 +126,7 @@ struct Problem {
   float* acc;               // [T, Hk, G, hd]
   int64_t T, Hk, G, hd, NB, bs, S, MB, layer;
 };
+using Problem = ProblemT<float>;
 
 constexpr int64_t kMaxBlock = 64;   // block_size limit of the score buffer
 constexpr int64_t kMaxHeadDim = 256;
@@ -210,8 +220,8 @@ void fold_token(const Problem& p, int64_t t, int64_t h0, int64_t h1) {
 // of 16 keys per dimension against the G queries (one vector of scores each), one vector exp
 // per query head, and the G x HV accumulator vectors kept in registers over all the blocks of
 // the head. (The scalar-loop fold_block spent most of a 64-sequence step in exp and reloads.)
-template <int G, int HV>
-void fold_token_vec(const Problem& p, int64_t t, int64_t h0, int64_t h1) {
+template <typename KV, int G, int HV>
+void fold_token_vec(const ProblemT<KV>& p, int64_t t, int64_t h0, int64_t h1) {
   constexpr int64_t hd = HV * 16, bs = 16;
   const int64_t Hk = p.Hk;
   float* m_out = p.m + t * Hk * G;
@@ -234,15 +244,16 @@ void fold_token_vec(const Problem& p, int64_t t, int64_t h0, int64_t h1) {
     }
     for (int64_t b = 0; b < nblocks; ++b) {
       const int64_t base = (p.layer * p.NB + table[b]) * block_floats + h * hd * bs;
-      const float* K = p.k + base;  // [hd, bs]
-      const float* V = p.v + base;  // [bs, hd]
+      const KV* K = p.k + base;  // [hd, bs]
+      const KV* V = p.v + base;  // [bs, hd]
       // The next block of this head (or the first of the next head) is prefetched a line of K
       // and a line of V per key dimension, spread over the score loop: K and V of a head's
       // block are hd lines each, one per dimension (bs = 16 floats a line). A burst of all of
       // them at the block's start ran 1.10-1.14x slower (one thread, 64 sequences x 256
-      // random blocks x 30 layers: 73-75 vs 80-85 ms; 2-8 blocks ahead was no better).
-      const float* Kn = nullptr;
-      const float* Vn = nullptr;
+      // random blocks x 30 layers: 73-75 vs 80-85 ms; 2-8 blocks ahead was no better). A bf16
+      // block is half the lines: one per two dimensions.
+      const KV* Kn = nullptr;
+      const KV* Vn = nullptr;
       if (b + 1 < nblocks || (h + 1 < h1 && nblocks > 0)) {
         const int64_t nb = b + 1 < nblocks ? table[b + 1] : table[0];
         const int64_t nh = b + 1 < nblocks ? h : h + 1;
@@ -253,7 +264,7 @@ void fold_token_vec(const Problem& p, int64_t t, int64_t h0, int64_t h1) {
       v16 s[G];
       for (int g = 0; g < G; ++g) s[g] = v16{};
       for (int64_t d = 0; d < hd; ++d) {
-        if (Kn != nullptr) {
+        if (Kn != nullptr && (sizeof(KV) == 4 || (d & 1) == 0)) {
           __builtin_prefetch(Kn + d * bs);
           __builtin_prefetch(Vn + d * bs);
         }
@@ -289,24 +300,39 @@ void fold_token_vec(const Problem& p, int64_t t, int64_t h0, int64_t h1) {
   }
 }
 
-using FoldFn = void (*)(const Problem&, int64_t, int64_t, int64_t);  // (problem, token, heads [h0, h1))
+template <typename KV>
+using FoldFnT = void (*)(const ProblemT<KV>&, int64_t, int64_t, int64_t);  // (problem, token, heads [h0, h1))
+using FoldFn = FoldFnT<float>;
 
-FoldFn pick(const Problem& p) {
-  if (p.bs == 16 && p.hd == 64) {
-    switch (p.G) {
-      case 1: return fold_token_vec<1, 4>;
-      case 2: return fold_token_vec<2, 4>;
-      case 3: return fold_token_vec<3, 4>;
-      case 4: return fold_token_vec<4, 4>;
-      default: return fold_token<16, 64>;
-    }
-  }
-  if (p.bs == 16 && p.hd == 128 && p.G <= 2) return p.G == 1 ? fold_token_vec<1, 8> : fold_token_vec<2, 8>;
+FoldFn pick_scalar(const Problem& p) {
+  if (p.bs == 16 && p.hd == 64) return fold_token<16, 64>;
   if (p.bs == 16 && p.hd == 128) return fold_token<16, 128>;
   if (p.bs == 32 && p.hd == 64) return fold_token<32, 64>;
   if (p.bs == 32 && p.hd == 128) return fold_token<32, 128>;
   return fold_token<0, 0>;
 }
+
+// The fold for these shapes; for a bf16 cache only the vector folds exist, and nullptr
+// elsewhere (kernels/cpu_native.py: bf16_supported, which keeps such shapes on the reference).
+template <typename KV>
+FoldFnT<KV> pick(const ProblemT<KV>& p) {
+  if (p.bs == 16 && p.hd == 64 && p.G >= 1 && p.G <= 4) {
+    switch (p.G) {
+      case 1: return fold_token_vec<KV, 1, 4>;
+      case 2: return fold_token_vec<KV, 2, 4>;
+      case 3: return fold_token_vec<KV, 3, 4>;
+      default: return fold_token_vec<KV, 4, 4>;
+    }
+  }
+  if (p.bs == 16 && p.hd == 128 && (p.G == 1 || p.G == 2))
+    return p.G == 1 ? fold_token_vec<KV, 1, 8> : fold_token_vec<KV, 2, 8>;
+  if constexpr (!std::is_same_v<KV, float>) {
+    return nullptr;
+  } else {
+    return pick_scalar(p);
+  }
+}
+
 
 // Runs fn(i) for i in [0, n) over the pool's threads, this thread taking part; returns when
 // all are done (every helper has left: the work items live on this thread's stack). The
@@ -406,7 +432,8 @@ void parallel_for(ffi::ThreadPool& pool, int64_t n, F&& fn, bool linger_after = 
 
 // Every table entry a token will read must name a block of the cache: a bad table is an
 // error, never an out-of-bounds read.
-ffi::Error check(const Problem& p) {
+template <typename KV>
+ffi::Error check(const ProblemT<KV>& p) {
   if (p.bs > kMaxBlock) return ffi::Error::InvalidArgument("block_size above 64");
   if (p.hd > kMaxHeadDim) return ffi::Error::InvalidArgument("head_dim above 256");
   if (p.layer < 0) return ffi::Error::InvalidArgument("negative layer");
@@ -426,16 +453,19 @@ ffi::Error check(const Problem& p) {
 
 // The cached part's Problem over these buffers (m, l, acc: where its state goes), every shape
 // and table entry checked: a mismatch is an error, never an out-of-bounds read.
-ffi::Error cached_problem(const ffi::Buffer<ffi::F32>& q, const ffi::Buffer<ffi::F32>& k_cache,
-                          const ffi::Buffer<ffi::F32>& v_cache, const ffi::Buffer<ffi::S32>& layer,
+// A bf16 cache (KVT = U16) must have a vector fold for its shapes.
+template <ffi::DataType KVT>
+ffi::Error cached_problem(const ffi::Buffer<ffi::F32>& q, const ffi::Buffer<KVT>& k_cache,
+                          const ffi::Buffer<KVT>& v_cache, const ffi::Buffer<ffi::S32>& layer,
                           const ffi::Buffer<ffi::S32>& seq_idx, const ffi::Buffer<ffi::S32>& start_pos,
-                          const ffi::Buffer<ffi::S32>& tables, float* m, float* l, float* acc, Problem& p) {
+                          const ffi::Buffer<ffi::S32>& tables, float* m, float* l, float* acc,
+                          ProblemT<ffi::NativeType<KVT>>& p) {
   const auto qd = q.dimensions();
   const auto kd = k_cache.dimensions();
   const auto td = tables.dimensions();
   if (qd.size() != 4 || kd.size() != 5 || td.size() != 2)
     return ffi::Error::InvalidArgument("expected q [T,Hk,G,hd], k_cache [L,NB,Hk,hd,bs], tables [S,MB]");
-  p = Problem{q.typed_data(), k_cache.typed_data(), v_cache.typed_data(), seq_idx.typed_data(),
+  p = ProblemT<ffi::NativeType<KVT>>{q.typed_data(), k_cache.typed_data(), v_cache.typed_data(), seq_idx.typed_data(),
               start_pos.typed_data(), tables.typed_data(), m, l, acc, qd[0], qd[1], qd[2], qd[3], kd[1], kd[4],
               td[0], td[1], static_cast<int64_t>(layer.typed_data()[0])};
   if (kd[2] != p.Hk || kd[3] != p.hd) return ffi::Error::InvalidArgument("cache heads or head_dim differ from q");
@@ -447,22 +477,26 @@ ffi::Error cached_problem(const ffi::Buffer<ffi::F32>& q, const ffi::Buffer<ffi:
   if (start_pos.dimensions().size() != 1 || start_pos.dimensions()[0] != p.S)
     return ffi::Error::InvalidArgument("start_pos is not [S] of the block tables' S");
   if (p.layer >= kd[0]) return ffi::Error::InvalidArgument("layer out of range");
+  if (pick(p) == nullptr)
+    return ffi::Error::InvalidArgument("a bf16 cache needs block_size 16 with head_dim 64 (1-4 query heads a KV head) "
+                                       "or 128 (1-2)");
   return check(p);
 }
 
-ffi::Error Cached(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cache,
-                  ffi::Buffer<ffi::F32> v_cache, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> seq_idx,
+template <ffi::DataType KVT>
+ffi::Error Cached(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<KVT> k_cache,
+                  ffi::Buffer<KVT> v_cache, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> seq_idx,
                   ffi::Buffer<ffi::S32> start_pos, ffi::Buffer<ffi::S32> tables,
                   ffi::ResultBuffer<ffi::F32> m, ffi::ResultBuffer<ffi::F32> l,
                   ffi::ResultBuffer<ffi::F32> acc) {
-  Problem p;
+  ProblemT<ffi::NativeType<KVT>> p;
   if (ffi::Error err = cached_problem(q, k_cache, v_cache, layer, seq_idx, start_pos, tables, m->typed_data(),
                                       l->typed_data(), acc->typed_data(), p);
       err.failure())
     return err;
 
   // Token ranges over the pool's threads (a few per thread: padding tokens cost nothing).
-  const FoldFn fold = pick(p);
+  const auto fold = pick(p);
   constexpr int64_t kTokens = 8;
   parallel_for(pool, (p.T + kTokens - 1) / kTokens, [&](int64_t i) {
     for (int64_t t = i * kTokens; t < std::min(p.T, (i + 1) * kTokens); ++t) fold(p, t, 0, p.Hk);
@@ -735,8 +769,9 @@ void local_fold_small(const float* q, const float* k, const float* v, int64_t lo
   }
 }
 
+template <ffi::DataType KVT>
 ffi::Error SmallAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_new,
-                          ffi::Buffer<ffi::F32> v_new, ffi::Buffer<ffi::F32> k_cache, ffi::Buffer<ffi::F32> v_cache,
+                          ffi::Buffer<ffi::F32> v_new, ffi::Buffer<KVT> k_cache, ffi::Buffer<KVT> v_cache,
                           ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> seq_idx, ffi::Buffer<ffi::S32> positions,
                           ffi::Buffer<ffi::S32> start_pos, ffi::Buffer<ffi::S32> tables,
                           ffi::ResultBuffer<ffi::F32> out) {
@@ -752,14 +787,14 @@ ffi::Error SmallAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
     return ffi::Error::InvalidArgument("positions is not [T]");
   // The cached part's state: m and l in scratch, acc in the output (normalised in place).
   std::vector<float> ml(static_cast<size_t>(2 * T * Hk * G));
-  Problem p;
+  ProblemT<ffi::NativeType<KVT>> p;
   if (ffi::Error err = cached_problem(q, k_cache, v_cache, layer, seq_idx, start_pos, tables, ml.data(),
                                       ml.data() + T * Hk * G, out->typed_data(), p);
       err.failure())
     return err;
   std::vector<int32_t> lo;
   if (ffi::Error err = token_runs(p.seq_idx, positions.typed_data(), T, lo); err.failure()) return err;
-  const FoldFn fold = pick(p);
+  const auto fold = pick(p);
   const float* K = k_new.typed_data();
   const float* V = v_new.typed_data();
   parallel_for(pool, T * Hk, [&](int64_t i) {
@@ -842,6 +877,7 @@ inline void gemv_outputs(const float* X, int64_t N, int64_t K, const float* W, i
 // packed per call (scalar transpose) were slower, weights pre-packed into panels only 1.05x.
 constexpr int64_t kGemvRows = 16;
 constexpr int64_t kGemmRows = 64;  // at 96 and 128 rows XLA's dot is as fast
+constexpr int64_t kTasksPerThread = 8;  // of the broadcast form's output blocks
 
 // The most rows Gemv takes on this build. The broadcast form's 24 accumulators are 24 zmm
 // registers; without AVX-512 each v16 is two ymm, of which there are only 16, so it would
@@ -966,7 +1002,9 @@ void gemm(ffi::ThreadPool& pool, const float* X, int64_t N, int64_t K, const flo
   std::vector<float> xp(static_cast<size_t>((N + C - 1) / C * K * C));
   pack_rows(X, N, K, C, xp.data());
   const int64_t blocks = O / RO;  // of RO outputs; the last O % RO go with the last task
-  const int64_t tasks = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), blocks));
+  // kTasksPerThread tasks a thread, taken as they come: a thread that the host's other work
+  // (the server's event loop, a load generator) holds up leaves its share to the other.
+  const int64_t tasks = std::max<int64_t>(1, std::min<int64_t>(kTasksPerThread * pool.num_threads(), blocks));
   parallel_for(pool, tasks, [&](int64_t task) {
     const int64_t b0 = blocks * task / tasks, b1 = blocks * (task + 1) / tasks;
     gemm_outputs<RO, J>(xp.data(), N, K, W, O, Y, RO * b0, b1 - b0, task == tasks - 1 ? O - RO * blocks : 0);
@@ -1130,7 +1168,7 @@ ffi::Error ArgmaxLse(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::ResultB
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(TlSmallAttention, SmallAttention,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TlSmallAttention, SmallAttention<ffi::F32>,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()   // q [T,Hk,G,hd], scaled
@@ -1143,17 +1181,46 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TlSmallAttention, SmallAttention,
                                   .Arg<ffi::Buffer<ffi::S32>>()   // positions
                                   .Arg<ffi::Buffer<ffi::S32>>()   // start_pos
                                   .Arg<ffi::Buffer<ffi::S32>>()   // block_tables
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TlSmallAttentionBf16, SmallAttention<ffi::U16>,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // q [T,Hk,G,hd], scaled
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // k_new
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // v_new
+                                  .Arg<ffi::Buffer<ffi::U16>>()   // k_cache, bf16 bits
+                                  .Arg<ffi::Buffer<ffi::U16>>()   // v_cache, bf16 bits
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // layer
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // seq_idx
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // positions
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // start_pos
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // block_tables
                                   .Ret<ffi::Buffer<ffi::F32>>()); // out [T,Hk,G,hd]
 
 extern "C" void TlSetLingerNs(int64_t ns) { g_linger_ns.store(ns, std::memory_order_relaxed); }
 extern "C" int64_t TlGemvMaxRows() { return gemv_max_rows(); }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(TlPagedAttentionCached, Cached,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TlPagedAttentionCached, Cached<ffi::F32>,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()   // q
                                   .Arg<ffi::Buffer<ffi::F32>>()   // k_cache
                                   .Arg<ffi::Buffer<ffi::F32>>()   // v_cache
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // layer
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // seq_idx
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // start_pos
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // block_tables
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // m
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // l
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TlPagedAttentionCachedBf16, Cached<ffi::U16>,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // q
+                                  .Arg<ffi::Buffer<ffi::U16>>()   // k_cache, bf16 bits
+                                  .Arg<ffi::Buffer<ffi::U16>>()   // v_cache, bf16 bits
                                   .Arg<ffi::Buffer<ffi::S32>>()   // layer
                                   .Arg<ffi::Buffer<ffi::S32>>()   // seq_idx
                                   .Arg<ffi::Buffer<ffi::S32>>()   // start_pos

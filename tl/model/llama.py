@@ -432,8 +432,11 @@ def _act_dtype(params: Params) -> Any:
 
 
 def _to_storage(x: jax.Array, storage: Any) -> jax.Array:
-    """bf16 KV is stored as uint16 bits: XLA:CPU scatters into a donated bf16 buffer by copying."""
-    return lax.bitcast_convert_type(x, storage) if storage == jnp.uint16 else x.astype(storage)
+    """bf16 KV is stored as uint16 bits (x rounded to bf16 first): XLA:CPU scatters into a donated
+    bf16 buffer by copying."""
+    if storage == jnp.uint16:
+        return lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16)
+    return x.astype(storage)
 
 
 def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
