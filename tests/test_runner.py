@@ -262,9 +262,10 @@ def test_bf16_kv_cache_of_a_float32_model() -> None:
 
     native, got = run(kv_cache_dtype="bfloat16")
     assert native.attention.name == "cpu_native" and native.dtype == jnp.float32
-    assert native.kv_cache[0].dtype == jnp.uint16 and native.kv_cache[0].nbytes * 2 == run()[0].kv_cache[0].nbytes
+    assert native.kv_cache[0].dtype == jnp.uint16 and native.backend_info.kv_cache_dtype == "bfloat16"
     _, ref = run(kv_cache_dtype="bfloat16", attention_kernel="reference")
-    _, exact = run()
+    full, exact = run()
+    assert native.kv_cache[0].nbytes * 2 == full.kv_cache[0].nbytes and full.backend_info.kv_cache_dtype == "float32"
     for a, b, c in zip(got, ref, exact, strict=True):
         assert a.out == b.out and np.allclose(a.logprobs, b.logprobs, atol=1e-4)
         assert np.allclose(a.logprobs, c.logprobs, atol=0.05)

@@ -248,6 +248,7 @@ class ModelRunner:
         return BackendInfo(platform=self.platform, device_kind=next(iter(devices)).device_kind,
                            device_count=self.mesh.devices.size, tensor_parallel=self.mesh.shape["model"],
                            process_count=jax.process_count(), dtype=self.dtype.name,
+                           kv_cache_dtype="bfloat16" if self.kv_storage_dtype == jnp.uint16 else self.dtype.name,
                            attention_kernel=self.attention.name,
                            kv_heads="sharded" if self.layout.kv_sharded else "replicated")
 

@@ -41,10 +41,11 @@ class BackendInfo:
     tensor_parallel: int = 1
     process_count: int = 1  # jax.distributed processes (hosts) in the job
     dtype: str = "float32"
+    kv_cache_dtype: str = "float32"  # what the KV cache holds: the dtype, or bfloat16 (kv_cache_dtype)
     attention_kernel: str = "reference"
     kv_heads: str = "sharded"  # "sharded" over the model axis, or "replicated" when they do not divide
 
     def labels(self) -> dict[str, str]:
         return {"platform": self.platform, "device_kind": self.device_kind, "device_count": str(self.device_count),
                 "tensor_parallel": str(self.tensor_parallel), "process_count": str(self.process_count),
-                "dtype": self.dtype, "attention_kernel": self.attention_kernel, "kv_heads": self.kv_heads}
+                "dtype": self.dtype, "kv_cache_dtype": self.kv_cache_dtype, "attention_kernel": self.attention_kernel, "kv_heads": self.kv_heads}
