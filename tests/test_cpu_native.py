@@ -69,10 +69,16 @@ def _smol_case(rng: np.random.Generator, contexts: list[int], new: int, HK: int 
             to_stored("v", jnp.asarray(v)), jnp.int32(layer), meta)
 
 
-@pytest.mark.parametrize("contexts,new,shape", [([300, 5, 16, 0, 129], 1, (3, 3, 64)), ([47, 200], 4, (3, 3, 64)),
-                                              ([100, 17, 0], 2, (2, 2, 128)), ([33, 64], 1, (4, 1, 64)),
-                                              ([70, 3], 3, (2, 5, 64))],
-                         ids=["decodes", "drafts", "hd128_g2", "mha", "g5_generic"])
+# (contexts, new tokens a sequence, (Hk, G, hd)): the vector fold's shapes (block 16; hd 64 with
+# G 1-4, hd 128 with G 1-2), which read float32 and bf16 caches alike.
+VECTOR_FOLD_CASES = [pytest.param([300, 5, 16, 0, 129], 1, (3, 3, 64), id="decodes"),
+                     pytest.param([47, 200], 4, (3, 3, 64), id="drafts"),
+                     pytest.param([100, 17, 0], 2, (2, 2, 128), id="hd128_g2"),
+                     pytest.param([33, 64], 1, (4, 1, 64), id="mha"),
+                     pytest.param([40, 2], 1, (2, 4, 64), id="g4")]
+
+
+@pytest.mark.parametrize("contexts,new,shape", [*VECTOR_FOLD_CASES, pytest.param([70, 3], 3, (2, 5, 64), id="g5_generic")])
 @BOTH_PATHS
 def test_smollm2_shapes_match_reference(contexts: list[int], new: int, shape: tuple[int, int, int],
                                         attend) -> None:  # type: ignore[no-untyped-def]
@@ -87,10 +93,7 @@ def _bf16_bits(x: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16)
 
 
-@pytest.mark.parametrize("contexts,new,shape", [([300, 5, 16, 0, 129], 1, (3, 3, 64)), ([47, 200], 4, (3, 3, 64)),
-                                              ([100, 17, 0], 2, (2, 2, 128)), ([33, 64], 1, (4, 1, 64)),
-                                              ([40, 2], 1, (2, 4, 64))],
-                         ids=["decodes", "drafts", "hd128_g2", "mha", "g4"])
+@pytest.mark.parametrize("contexts,new,shape", VECTOR_FOLD_CASES)
 @BOTH_PATHS
 def test_bf16_cache_matches_reference(contexts: list[int], new: int, shape: tuple[int, int, int],
                                       attend) -> None:  # type: ignore[no-untyped-def]

@@ -333,7 +333,6 @@ FoldFnT<KV> pick(const ProblemT<KV>& p) {
   }
 }
 
-
 // Runs fn(i) for i in [0, n) over the pool's threads, this thread taking part; returns when
 // all are done (every helper has left: the work items live on this thread's stack). The
 // waiting is a spin (the other pool thread is usually idle).
@@ -503,8 +502,6 @@ ffi::Error Cached(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<KVT
   });
   return ffi::Error::Success();
 }
-
-
 
 // ---- The local part: every token over this step's own keys (same sequence, causal) ----------
 //
@@ -1165,68 +1162,49 @@ ffi::Error ArgmaxLse(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::ResultB
   return ffi::Error::Success();
 }
 
+// The bindings of the two attention handlers, over a float32 (F32) or a bf16-bits (U16) cache.
+template <ffi::DataType KVT>
+auto small_attention_binding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::Buffer<ffi::F32>>()               // q [T,Hk,G,hd], scaled
+      .Arg<ffi::Buffer<ffi::F32>>()               // k_new
+      .Arg<ffi::Buffer<ffi::F32>>()               // v_new
+      .Arg<ffi::Buffer<KVT>>()                    // k_cache
+      .template Arg<ffi::Buffer<KVT>>()           // v_cache
+      .template Arg<ffi::Buffer<ffi::S32>>()      // layer
+      .template Arg<ffi::Buffer<ffi::S32>>()      // seq_idx
+      .template Arg<ffi::Buffer<ffi::S32>>()      // positions
+      .template Arg<ffi::Buffer<ffi::S32>>()      // start_pos
+      .template Arg<ffi::Buffer<ffi::S32>>()      // block_tables
+      .template Ret<ffi::Buffer<ffi::F32>>();     // out [T,Hk,G,hd]
+}
+
+template <ffi::DataType KVT>
+auto cached_binding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::Buffer<ffi::F32>>()               // q
+      .Arg<ffi::Buffer<KVT>>()                    // k_cache
+      .template Arg<ffi::Buffer<KVT>>()           // v_cache
+      .template Arg<ffi::Buffer<ffi::S32>>()      // layer
+      .template Arg<ffi::Buffer<ffi::S32>>()      // seq_idx
+      .template Arg<ffi::Buffer<ffi::S32>>()      // start_pos
+      .template Arg<ffi::Buffer<ffi::S32>>()      // block_tables
+      .template Ret<ffi::Buffer<ffi::F32>>()      // m
+      .template Ret<ffi::Buffer<ffi::F32>>()      // l
+      .template Ret<ffi::Buffer<ffi::F32>>();     // acc
+}
+
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(TlSmallAttention, SmallAttention<ffi::F32>,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // q [T,Hk,G,hd], scaled
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // k_new
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // v_new
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // k_cache
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // v_cache
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // layer
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // seq_idx
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // positions
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // start_pos
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // block_tables
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(TlSmallAttentionBf16, SmallAttention<ffi::U16>,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // q [T,Hk,G,hd], scaled
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // k_new
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // v_new
-                                  .Arg<ffi::Buffer<ffi::U16>>()   // k_cache, bf16 bits
-                                  .Arg<ffi::Buffer<ffi::U16>>()   // v_cache, bf16 bits
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // layer
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // seq_idx
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // positions
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // start_pos
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // block_tables
-                                  .Ret<ffi::Buffer<ffi::F32>>()); // out [T,Hk,G,hd]
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TlSmallAttention, SmallAttention<ffi::F32>, small_attention_binding<ffi::F32>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TlSmallAttentionBf16, SmallAttention<ffi::U16>, small_attention_binding<ffi::U16>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TlPagedAttentionCached, Cached<ffi::F32>, cached_binding<ffi::F32>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TlPagedAttentionCachedBf16, Cached<ffi::U16>, cached_binding<ffi::U16>());
 
 extern "C" void TlSetLingerNs(int64_t ns) { g_linger_ns.store(ns, std::memory_order_relaxed); }
 extern "C" int64_t TlGemvMaxRows() { return gemv_max_rows(); }
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(TlPagedAttentionCached, Cached<ffi::F32>,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // q
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // k_cache
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // v_cache
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // layer
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // seq_idx
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // start_pos
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // block_tables
-                                  .Ret<ffi::Buffer<ffi::F32>>()   // m
-                                  .Ret<ffi::Buffer<ffi::F32>>()   // l
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(TlPagedAttentionCachedBf16, Cached<ffi::U16>,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // q
-                                  .Arg<ffi::Buffer<ffi::U16>>()   // k_cache, bf16 bits
-                                  .Arg<ffi::Buffer<ffi::U16>>()   // v_cache, bf16 bits
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // layer
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // seq_idx
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // start_pos
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // block_tables
-                                  .Ret<ffi::Buffer<ffi::F32>>()   // m
-                                  .Ret<ffi::Buffer<ffi::F32>>()   // l
-                                  .Ret<ffi::Buffer<ffi::F32>>()); // acc
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TlGemv, Gemv,
                               ffi::Ffi::Bind()
