@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 
-import httpx
+import aiohttp
 
 from bench.load import Endpoint, RequestResult, first_model, summarize
 from bench.load_prompts import PromptFactory, load_tokenizer
@@ -104,7 +104,7 @@ def run(argv: Sequence[str]) -> int:
 async def _endpoints(args: argparse.Namespace) -> dict[str, Endpoint]:
     pairs = [("A", args.url, args.model)] + ([("B", args.compare, args.compare_model)] if args.compare else [])
     eps = {}
-    async with httpx.AsyncClient(timeout=10) as client:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as client:
         for name, url, model in pairs:
             auth = {"authorization": f"Bearer {args.api_key}"} if args.api_key else {}
             model = model or await first_model(client, url, auth)

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-import httpx
+import aiohttp
 
 from bench.load import Endpoint, RequestResult, request_body, stream_request
 from bench.load_prompts import PromptFactory
@@ -128,7 +128,7 @@ def _shared_cases(pf: PromptFactory, sz: Sizes, cap: int) -> list[Case]:
                  None, total)]
 
 
-async def _one(client: httpx.AsyncClient, ep: Endpoint, job: Job, out: list[RequestResult]) -> None:
+async def _one(client: aiohttp.ClientSession, ep: Endpoint, job: Job, out: list[RequestResult]) -> None:
     res = RequestResult(t_start=time.perf_counter())
     out.append(res)
     try:
@@ -138,7 +138,7 @@ async def _one(client: httpx.AsyncClient, ep: Endpoint, job: Job, out: list[Requ
         raise
 
 
-async def run_closed(client: httpx.AsyncClient, ep: Endpoint, jobs: list[Job], concurrency: int,
+async def run_closed(client: aiohttp.ClientSession, ep: Endpoint, jobs: list[Job], concurrency: int,
                      max_seconds: float) -> tuple[list[RequestResult], float]:
     """`concurrency` workers each send their next job as soon as the previous one ends."""
     out: list[RequestResult] = []
@@ -154,7 +154,7 @@ async def run_closed(client: httpx.AsyncClient, ep: Endpoint, jobs: list[Job], c
     return out, _wall(out, t0)
 
 
-async def run_poisson(client: httpx.AsyncClient, ep: Endpoint, jobs: list[Job], rate: float, seed: int,
+async def run_poisson(client: aiohttp.ClientSession, ep: Endpoint, jobs: list[Job], rate: float, seed: int,
                       max_seconds: float) -> tuple[list[RequestResult], float]:
     """Open loop: send at seeded exponential gaps of mean 1/rate, whatever is in flight."""
     rng = random.Random(seed)
@@ -185,7 +185,7 @@ def _wall(out: list[RequestResult], t0: float) -> float:
     return max((r.t_end for r in out), default=t0) - t0
 
 
-async def run_case(client: httpx.AsyncClient, ep: Endpoint, case: Case, limits: Limits,
+async def run_case(client: aiohttp.ClientSession, ep: Endpoint, case: Case, limits: Limits,
                    seed: int) -> tuple[list[RequestResult], float]:
     jobs = case.make_jobs()[: limits.max_requests]
     if case.rate is not None:
@@ -199,9 +199,8 @@ async def run_interleaved(cases: Sequence[Case], endpoints: dict[str, Endpoint],
     """For each case: repeat × (A, B, ...) in turn; results merged per (case, server)."""
     runs: list[Run] = []
     conns = max([c.concurrency for c in cases] + [64])
-    async with httpx.AsyncClient(timeout=httpx.Timeout(limits.max_seconds + 10),
-                                 limits=httpx.Limits(max_connections=conns + 8,
-                                                     max_keepalive_connections=conns + 8)) as client:
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=conns + 8),
+                                     timeout=aiohttp.ClientTimeout(total=limits.max_seconds + 10)) as client:
         for case in cases:
             merged = {name: Run(case, name) for name in endpoints}
             for rep in range(repeats):

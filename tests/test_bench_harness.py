@@ -12,16 +12,17 @@ import asyncio
 import json
 import math
 import random
+import socket
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
+import aiohttp
 import numpy as np
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-from bench import http_bench
+from bench import http_bench, load
 from bench.load import Endpoint, RequestResult, chunk_text, parse_sse, percentile, stream_request, summarize
 from bench.load_prompts import PromptFactory, count_tokens, sized_text
 from bench.load_tests import CUT, Job, run_closed, run_poisson
@@ -86,6 +87,10 @@ class FakeServer:
                     data = json.dumps({"object": "list", "data": [{"id": "fake-model", "object": "model"}]}).encode()
                     writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
                                  + str(len(data)).encode() + b"\r\n\r\n" + data)
+                elif json.loads(body).get("max_tokens") == 0:  # a refusal with a JSON error body
+                    data = b'{"error": {"message": "busy", "type": "rate_limit_exceeded"}}'
+                    writer.write(b"HTTP/1.1 429 Too Many Requests\r\ncontent-type: application/json\r\n"
+                                 b"content-length: " + str(len(data)).encode() + b"\r\n\r\n" + data)
                 else:
                     await self._stream(json.loads(body), path, writer)
                 await writer.drain()
@@ -235,7 +240,7 @@ def test_roofline_counts_and_fractions() -> None:
 
 def test_stream_request_and_body(server: FakeServer) -> None:
     async def go() -> tuple[RequestResult, RequestResult]:
-        async with httpx.AsyncClient() as c:
+        async with aiohttp.ClientSession() as c:
             comp = Endpoint(server.url, "fake-model", "completions")
             chat = Endpoint(server.url, "fake-model", "chat")
             r1 = await stream_request(c, comp, {"model": "m", "prompt": "x", "max_tokens": 5, "stream": True,
@@ -252,11 +257,42 @@ def test_stream_request_and_body(server: FakeServer) -> None:
     assert r1.chunk_times[-1] - r1.t_start >= 0.004 + 4 * 0.002
 
 
+def test_stream_request_records_refusals_and_dead_servers(server: FakeServer) -> None:
+    async def go() -> tuple[RequestResult, RequestResult]:
+        async with aiohttp.ClientSession() as c:
+            refused = await stream_request(c, Endpoint(server.url, "m"), {"model": "m", "prompt": "x", "max_tokens": 0})
+            with socket.socket() as sock:  # a port nothing listens on
+                sock.bind(("127.0.0.1", 0))
+                dead = Endpoint(f"http://127.0.0.1:{sock.getsockname()[1]}", "m")
+                gone = await stream_request(c, dead, {"model": "m", "prompt": "x", "max_tokens": 1})
+            return refused, gone
+
+    refused, gone = asyncio.run(go())
+    assert refused.error.startswith("HTTP 429") and "busy" in refused.error and not refused.chunk_times
+    assert gone.error and not gone.ok and gone.t_end >= gone.t_start
+
+
+def test_lines_split_across_chunks() -> None:
+    class Chunks:
+        def __init__(self, parts: list[bytes]) -> None:
+            self.parts = parts
+
+        async def iter_any(self):  # type: ignore[no-untyped-def]
+            for p in self.parts:
+                yield p
+
+    async def go(parts: list[bytes]) -> list[str]:
+        return [line async for line in load._lines(Chunks(parts))]  # type: ignore[arg-type]
+
+    parts = [b"data: {\"a\"", b": \"\xc3", b"\xa9\"}\r\n\r", b"\ndata: [DONE]\n\n", b"tail"]
+    assert asyncio.run(go(parts)) == ['data: {"a": "\u00e9"}\r', "\r", "data: [DONE]", "", "tail"]
+
+
 def test_deadline_cuts_and_poisson(server: FakeServer) -> None:
     ep = Endpoint(server.url, "fake-model")
 
     async def go() -> tuple[list[RequestResult], float, list[RequestResult], float]:
-        async with httpx.AsyncClient() as c:
+        async with aiohttp.ClientSession() as c:
             cut, wall = await run_closed(c, ep, [Job("p", 1000)] * 3, concurrency=2, max_seconds=0.3)
             jobs = [Job("p", 2)] * 200
             pois, pwall = await run_poisson(c, ep, jobs, rate=100.0, seed=0, max_seconds=0.3)
@@ -300,7 +336,7 @@ def test_http_bench_chat_api(server: FakeServer, model_dir: Path, tmp_path: Path
             "--out", str(tmp_path), "--no-plots", "--roofline-gemm-n", "64", "--roofline-mem-mib", "1",
             "--shared-prefix-tokens", "64", "--shared-requests", "2", "--shared-output-tokens", "2", "--no-ignore-eos",
             "--api-key", "sekrit"]
-    before = len(server.bodies)
+    before, before_auth = len(server.bodies), len(server.auth)
     assert http_bench.run(argv) == 0
     sent = server.bodies[before:]
     assert len(sent) == 4 and all("ignore_eos" not in b and b["model"] == "m" for b in sent)
@@ -309,4 +345,4 @@ def test_http_bench_chat_api(server: FakeServer, model_dir: Path, tmp_path: Path
     systems = [b["messages"][0]["content"] for b in sent]  # type: ignore[index]
     assert systems[0] == systems[1] and systems[2] != systems[3]  # shared, then unique prefixes
     assert not list(tmp_path.glob("*.png")) and "sekrit" not in (tmp_path / "report.md").read_text()
-    assert all(h == "Bearer sekrit" for h in server.auth[before:])
+    assert server.auth[before_auth:] == ["Bearer sekrit"] * 4
