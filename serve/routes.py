@@ -170,7 +170,8 @@ async def detokenize(ctx: Ctx) -> None:
 def _card(ctx: Ctx) -> ModelCard:
     b = ctx.info.backend
     card = None if b is None else BackendCard(b.platform, b.device_kind, b.device_count, b.tensor_parallel,
-                                              b.process_count, b.dtype, b.attention_kernel, b.kv_heads)
+                                              b.process_count, b.dtype, b.attention_kernel, b.kv_heads,
+                                              b.kv_cache_dtype)
     return ModelCard(ctx.info.model_id, "model", STARTED_AT, "tl", ctx.info.max_model_len, card)
 
 

@@ -234,6 +234,7 @@ class BackendCard(Struct, frozen=True):
     dtype: str
     attention_kernel: str
     kv_heads: str
+    kv_cache_dtype: str
 
 
 class ModelCard(Struct, frozen=True):
