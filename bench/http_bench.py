@@ -153,7 +153,9 @@ def summary_row(run: Run, machine: Machine, cost: ModelCost | None) -> dict[str,
                               "work_tok_s": work_tok_s, "steps_s": steps_s}
     if cost is not None:
         fr = fractions(machine, cost, work_tok_s, steps_s)
-        row |= {"pct_gemm": 100 * fr["flop_frac"], "pct_mem_bw": 100 * fr["bw_frac"]}
+        out_fr = fractions(machine, cost, float(s["output_tok_s"]), steps_s)
+        row |= {"pct_gemm": 100 * fr["flop_frac"], "pct_gemm_out": 100 * out_fr["flop_frac"],
+                "pct_mem_bw": 100 * fr["bw_frac"]}
     return row
 
 
@@ -187,7 +189,7 @@ DISPLAY = {"case": "case", "server": "server", "requests": "requests", "errors":
            "output_tok_s": "out tok/s", "request_s": "req/s", "ttft_p50_ms": "TTFT p50 ms",
            "ttft_p99_ms": "TTFT p99 ms", "itl_p50_ms": "ITL p50 ms", "itl_p99_ms": "ITL p99 ms",
            "tpot_mean_ms": "TPOT ms", "latency_p50_ms": "e2e p50 ms", "work_tok_s": "work tok/s",
-           "steps_s": "steps/s", "pct_gemm": "% GEMM", "pct_mem_bw": "% mem BW"}
+           "steps_s": "steps/s", "pct_gemm": "% GEMM", "pct_gemm_out": "out % GEMM", "pct_mem_bw": "% mem BW"}
 
 
 def _fmt(v: object, digits: int = 1) -> object:
@@ -208,8 +210,9 @@ def report_markdown(config: dict[str, object], roof: str, rows: Sequence[dict[st
               "Roofline: prefill work = prompt tokens / TTFT p50, steps/s = 1 / TTFT p50 (one step per prompt; "
               "chunked prefill takes more); decode work = steps/s = "
               "1 / TPOT; other tests: work = (prompt + output tokens) / wall (prefix-cache hits do less), "
-              "steps/s = output tok/s / mean in-flight requests (a lower bound). The load generator shares the "
-              "CPU with a local server."]
+              "steps/s = output tok/s / mean in-flight requests (a lower bound). % GEMM counts work tokens, "
+              "out % GEMM output tokens only (aggregate decode: prompt tokens computed earn nothing). The load "
+              "generator shares the CPU with a local server."]
     parts += [f"![{p.stem}]({p.name})" for p in plots]
     return "\n".join(parts) + "\n"
 

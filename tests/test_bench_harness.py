@@ -321,8 +321,10 @@ def test_http_bench_end_to_end(server: FakeServer, model_dir: Path, tmp_path: Pa
     assert len(summaries) == 2 * 7 and all(s["errors"] == 0 for s in summaries)
     decode = [s for s in summaries if s["test"] == "decode"]
     assert all(s["requests"] == 2 * 2 and s["output_tokens"] == 4 * 8 for s in decode)
+    for s in summaries:  # out % GEMM: the same FLOP rate, counted on output tokens instead of work tokens
+        assert s["pct_gemm_out"] == pytest.approx(s["pct_gemm"] * s["output_tok_s"] / s["work_tok_s"])
     report = (out / "report.md").read_text()
-    assert "| case | server |" in report and "B/A" in report and "% GEMM" in report
+    assert "| case | server |" in report and "B/A" in report and "% GEMM" in report and "out % GEMM" in report
     for name in ("throughput_vs_concurrency", "latency_cdf_sweep", "latency_cdf_prefill"):
         assert (out / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     sent = server.bodies[-1]
