@@ -77,7 +77,7 @@ def run(argv: Sequence[str]) -> int:
             pad = np.zeros(64, np.int32)
             pad[:len(ids)] = ids
             return np.asarray(dense(r._params, mc, jnp.asarray(pad))[1])[:len(ids)]
-        return np.stack([_step_logits(r, ids, i, SchedulerOutput, SeqWork, SamplingParams) for i in range(len(ids))])
+        return np.concatenate([r.logits(SchedulerOutput((_step(ids, i, SeqWork, SamplingParams),))) for i in range(len(ids))])
 
     agree = total = gen_agree = gen_total = 0
     max_diff = 0.0
@@ -113,19 +113,10 @@ def run(argv: Sequence[str]) -> int:
     return 0
 
 
-def _step_logits(runner: object, ids: list[int], i: int, so: type, sw: type, sp: type) -> object:
-    """Logits [V] at position i, fed as a one-token step over positions < i in the cache."""
-    from tl.runner import ModelRunner
-
-    assert isinstance(runner, ModelRunner)
-    w = sw(seq_id=0, token_ids=(ids[i],), start_pos=i, block_table=tuple(range(i // 16 + 1)), sample=True,
-           params=sp(temperature=0.0), seed=0, num_generated=0)
-    inp, rows = runner._pack_tokens([w], 1, 1)
-    sb, pen = runner._pack_sampling(rows, 1, runner.num_rows(1, 1))
-    runner._kv, _, logits = runner._run_step(inp, sb, pen)
-    import numpy as np
-
-    return np.asarray(logits)[0]
+def _step(ids: list[int], i: int, sw: type, sp: type) -> object:
+    """Token i of ids as a one-token step over positions < i in the cache (blocks 0, 1, ...)."""
+    return sw(seq_id=0, token_ids=(ids[i],), start_pos=i, block_table=tuple(range(i // 16 + 1)), sample=True,
+              params=sp(temperature=0.0), seed=0, num_generated=0)
 
 
 def _greedy(runner: object, prompt: list[int], n: int, so: type, sw: type, sp: type) -> list[int]:

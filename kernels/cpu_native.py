@@ -204,9 +204,8 @@ def small_matmul(x: jax.Array, w: Any) -> jax.Array | None:
 
 def _cache_target(f32_target: str, bf16_target: str, qg: jax.Array, k_cache: jax.Array,
                   v_cache: jax.Array) -> str:
-    """The FFI target for these caches: float32, or uint16 (bf16 bits) where the kernel has a
-    vector fold for the shapes (block_size 16; head_dim 64 with 1-4 query heads a KV head, or
-    128 with 1-2). Raises NativeUnavailable otherwise."""
+    """The FFI target for these caches: float32, or uint16 (bf16 bits) where `bf16_supported`.
+    Raises NativeUnavailable otherwise."""
     if k_cache.dtype != v_cache.dtype or k_cache.dtype not in (jnp.float32, jnp.uint16):
         raise NativeUnavailable(f"the native kernel reads float32 or bf16 (uint16) caches, not {k_cache.dtype}")
     if k_cache.dtype == jnp.float32:

@@ -218,8 +218,8 @@ def test_bf16_cache_is_native_where_the_vector_fold_covers_it() -> None:
     assert select.select("cpu_native", "cpu", _mesh(), True, _probe(jnp.uint16)).name == "cpu_native"
     assert cpu_native.bf16_supported(16, 64, 3) and cpu_native.bf16_supported(16, 128, 2)
     q, kn, vn, kc, vc, layer, meta = _probe(jnp.uint16)
-    odd = (q.reshape(q.shape[0], 1, 9, 64), kn[:, :1], vn[:, :1], kc[:, :, :1], vc[:, :, :1], layer, meta)  # G = 9
-    choice = select.select("cpu_native", "cpu", _mesh(), True, (odd[0].reshape(-1, 9, 64), *odd[1:]))
+    one_kv_head = (q, kn[:, :1], vn[:, :1], kc[:, :, :1], vc[:, :, :1], layer, meta)  # 9 query heads a KV head
+    choice = select.select("cpu_native", "cpu", _mesh(), True, one_kv_head)
     assert choice.name == "reference" and "bf16 cache needs" in choice.reason
     assert select.select("cpu_native", "cpu", _mesh(), True, _probe(jnp.int8)).name == "reference"
 

@@ -242,6 +242,20 @@ def test_bfloat16_runs_with_bits_cache() -> None:
     assert len(s.out) == 4 and sum(a == b for a, b in zip(s.out, want, strict=True)) >= 2
 
 
+def test_logits_are_the_dense_forwards_and_what_execute_samples(runner_and_params: tuple[ModelRunner, dict]) -> None:
+    runner, params = runner_and_params
+    prompt = [3, 1, 4, 1, 5]
+    plan = SchedulerOutput((SeqWork(seq_id=0, token_ids=tuple(prompt), start_pos=0, block_table=(7, 2), sample=True,
+                                    params=GREEDY, seed=0, num_generated=0),))
+    logits = runner.logits(plan)
+    _, dense = _dense(params, runner.model_config, jnp.asarray(prompt + [0] * 3, jnp.int32))
+    assert logits.shape == (1, runner.model_config.vocab_size)
+    assert np.allclose(logits[0], np.asarray(dense)[len(prompt) - 1], atol=1e-4)
+    res = runner.execute(plan).results[0]
+    assert res.token_ids[0] == int(logits[0].argmax())
+    assert np.isclose(res.logprobs[0], float(jax.nn.log_softmax(logits[0])[res.token_ids[0]]), atol=1e-4)
+
+
 def test_bf16_kv_cache_of_a_float32_model() -> None:
     """kv_cache_dtype "bfloat16": float32 weights and activations, the cache as bf16 bits. The native
     kernel (head dim 64, block 16: its vector fold) and the reference read it alike; against the

@@ -273,13 +273,23 @@ class ModelRunner:
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
         if not plan.work:
             return RunnerOutput(())
+        rows, out, logits = self._forward(plan)
+        return self._results(rows, out, logits)
+
+    def logits(self, plan: SchedulerOutput) -> np.ndarray:
+        """The float32 logits [sample rows, V] of a non-empty plan, run as `execute` runs it (its
+        keys written to the cache); for quality checks (bench/quant_bench.py)."""
+        rows, _, logits = self._forward(plan)
+        return np.asarray(logits)[:sum(1 + k for _, _, k in rows.spans)]
+
+    def _forward(self, plan: SchedulerOutput) -> tuple[_Rows, SampleOut, jax.Array]:
         ec = self.engine_config
         t_pad = _bucket(plan.num_tokens, ec.token_buckets, "step tokens")
         s_pad = _bucket(len(plan.work), ec.seq_buckets, "step sequences")
         inp, rows = self._pack_tokens(plan.work, t_pad, s_pad)
         sb, pen = self._pack_sampling(rows, s_pad, self.num_rows(t_pad, s_pad))
         self._kv, out, logits = self._run_step(inp, sb, pen)
-        return self._results(rows, out, logits)
+        return rows, out, logits
 
     def _run_step(self, inp: StepInputs, sb: SamplingBatch, pen: Penalties) -> tuple[Any, SampleOut, jax.Array]:
         # The host buffers go in as numpy arrays: the jitted call's own transfer (C++) took ~0.6 ms

@@ -4,7 +4,8 @@
 // Owns: (1) TlPagedAttentionCached: folding each token's keys at positions [0, start_pos of its
 // sequence) into a softmax state (m, l, acc), reading the blocks of the stored cache layout
 // (kernels/paged_attention.py: K [L, NB, Hk, hd, bs], V [L, NB, Hk, bs, hd]) in place, token
-// ranges on the threads of XLA's intra-op pool. (2) TlGemv: y [N, O] = x [N, K] @ w^T, w [O, K],
+// ranges on the threads of XLA's intra-op pool; float32 caches, or bf16 bits (the ...Bf16
+// targets, vector-fold shapes only). (2) TlGemv: y [N, O] = x [N, K] @ w^T, w [O, K],
 // for N <= 64 (dot products up to 16 rows, a broadcast form beyond), w's rows (one per output)
 // split into contiguous ranges over the threads.
 // (3) TlGemvInt8: the same for int8 weights stored [O, K] with a scale per output row (W8A8,
@@ -464,9 +465,9 @@ ffi::Error cached_problem(const ffi::Buffer<ffi::F32>& q, const ffi::Buffer<KVT>
   const auto td = tables.dimensions();
   if (qd.size() != 4 || kd.size() != 5 || td.size() != 2)
     return ffi::Error::InvalidArgument("expected q [T,Hk,G,hd], k_cache [L,NB,Hk,hd,bs], tables [S,MB]");
-  p = ProblemT<ffi::NativeType<KVT>>{q.typed_data(), k_cache.typed_data(), v_cache.typed_data(), seq_idx.typed_data(),
-              start_pos.typed_data(), tables.typed_data(), m, l, acc, qd[0], qd[1], qd[2], qd[3], kd[1], kd[4],
-              td[0], td[1], static_cast<int64_t>(layer.typed_data()[0])};
+  p = {q.typed_data(), k_cache.typed_data(), v_cache.typed_data(), seq_idx.typed_data(),
+       start_pos.typed_data(), tables.typed_data(), m, l, acc, qd[0], qd[1], qd[2], qd[3], kd[1], kd[4],
+       td[0], td[1], static_cast<int64_t>(layer.typed_data()[0])};
   if (kd[2] != p.Hk || kd[3] != p.hd) return ffi::Error::InvalidArgument("cache heads or head_dim differ from q");
   const auto vd = v_cache.dimensions();
   if (vd.size() != 5 || vd[0] != kd[0] || vd[1] != kd[1] || vd[2] != kd[2] || vd[3] != kd[4] || vd[4] != kd[3])
@@ -999,7 +1000,7 @@ void gemm(ffi::ThreadPool& pool, const float* X, int64_t N, int64_t K, const flo
   pack_rows(X, N, K, C, xp.data());
   const int64_t blocks = O / RO;  // of RO outputs; the last O % RO go with the last task
   // One contiguous range a thread: 8 ranges a thread, taken as they come, ran the 30 layers'
-  // matmuls 1.14-1.17x XLA at 64 rows against 1.24-1.25x (1.25-1.30 against 1.44-1.46 at 32).
+  // matmuls 1.14-1.17x XLA at 64 rows against 1.24-1.29x (1.25-1.30 against 1.44-1.46 at 32).
   const int64_t tasks = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), blocks));
   parallel_for(pool, tasks, [&](int64_t task) {
     const int64_t b0 = blocks * task / tasks, b1 = blocks * (task + 1) / tasks;
