@@ -1,12 +1,15 @@
 """A lower-precision variant vs float32: quality on a fixed prompt set and decode speed, side by side.
 
-Variants (`--variant`): "int8" (weight_dtype int8: linears and embedding) and "kv-bf16"
-(kv_cache_dtype bfloat16: float32 weights, the KV cache as bf16).
+Variants (`--variant`): "int8" (weight_dtype int8: linears and embedding), "kv-bf16"
+(kv_cache_dtype bfloat16: float32 weights, the KV cache as bf16) and "high" (matmul_precision
+high: float32 matmuls as three bf16 products on AMX).
 Quality: for each prompt (fixed texts, tokenized with the model's tokenizer), the logits of
 every position in both: for int8 the dense forward; for kv-bf16 the runner fed one prompt token
-a step, so that each position reads all earlier keys from the cache. Reports teacher-forced
-greedy agreement (argmax equal at each position), greedy continuation agreement (first N
-generated tokens equal, runner path) and max |Δlogit|.
+a step, so that each position reads all earlier keys from the cache; for high the dense forward
+over the prompt padded to 64 tokens with each runner's own matmuls (64 rows: the AMX kernel's,
+where one-row steps would take the float32 one). Reports teacher-forced greedy agreement
+(argmax equal at each position), greedy continuation agreement (first N generated tokens
+equal; runner path, for high the padded dense forward per token) and max |Δlogit|.
 Speed: the runner's decode step at each batch (every sequence decoding at a fixed context),
 float32 and the variant interleaved in one process so machine noise hits both. Prints its config.
 Run: `python -m bench quant [--variant kv-bf16]`.
@@ -22,7 +25,8 @@ from collections.abc import Sequence
 
 from bench.report import print_table
 
-VARIANTS: dict[str, dict[str, str]] = {"int8": {"weight_dtype": "int8"}, "kv-bf16": {"kv_cache_dtype": "bfloat16"}}
+VARIANTS: dict[str, dict[str, str]] = {"int8": {"weight_dtype": "int8"}, "kv-bf16": {"kv_cache_dtype": "bfloat16"},
+                                       "high": {"matmul_precision": "high"}}
 PROMPTS = (
     "The capital of France is",
     "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
@@ -70,13 +74,16 @@ def run(argv: Sequence[str]) -> int:
                v: ModelRunner.from_model_dir(base.replace(**VARIANTS[v]))}
     mc = runners["float32"].model_config
     tok = Tokenizer.load(args.model)
-    dense = jax.jit(llama.forward_dense, static_argnums=1)
+    dense = jax.jit(llama.forward_dense, static_argnums=(1, 3))
+
+    def padded_logits(r: ModelRunner, ids: list[int]) -> np.ndarray:
+        pad = np.zeros(64, np.int32)
+        pad[:len(ids)] = ids
+        return np.asarray(dense(r._params, mc, jnp.asarray(pad), r.matmul.fn if v == "high" else None)[1])[:len(ids)]
 
     def position_logits(r: ModelRunner, ids: list[int]) -> np.ndarray:
-        if v == "int8":
-            pad = np.zeros(64, np.int32)
-            pad[:len(ids)] = ids
-            return np.asarray(dense(r._params, mc, jnp.asarray(pad))[1])[:len(ids)]
+        if v in ("int8", "high"):
+            return padded_logits(r, ids)
         return np.concatenate([r.logits(SchedulerOutput((_step(ids, i, SeqWork, SamplingParams),))) for i in range(len(ids))])
 
     agree = total = gen_agree = gen_total = 0
@@ -87,7 +94,10 @@ def run(argv: Sequence[str]) -> int:
         agree += int((logits["float32"].argmax(-1) == logits[v].argmax(-1)).sum())
         total += len(ids)
         max_diff = max(max_diff, float(np.abs(logits["float32"] - logits[v]).max()))
-        outs = {wd: _greedy(r, ids, args.gen, SchedulerOutput, SeqWork, SamplingParams) for wd, r in runners.items()}
+        if v == "high":
+            outs = {wd: _greedy_dense(lambda t, r=r: padded_logits(r, t), ids, args.gen) for wd, r in runners.items()}
+        else:
+            outs = {wd: _greedy(r, ids, args.gen, SchedulerOutput, SeqWork, SamplingParams) for wd, r in runners.items()}
         gen_agree += _common_prefix(outs["float32"], outs[v])
         gen_total += args.gen
     print_table([{"variant": v, "prompts": len(PROMPTS), "positions": total,
@@ -135,6 +145,14 @@ def _greedy(runner: object, prompt: list[int], n: int, so: type, sw: type, sp: t
         ids.append(res.token_ids[0])
         out.append(res.token_ids[0])
     return out
+
+
+def _greedy_dense(logits: object, prompt: list[int], n: int) -> list[int]:
+    """n greedy tokens, each the argmax of the last position's logits(ids) (ids within 64 tokens)."""
+    ids = list(prompt)
+    for _ in range(n):
+        ids.append(int(logits(ids)[-1].argmax()))  # type: ignore[operator]
+    return ids[len(prompt):]
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

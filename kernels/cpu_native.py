@@ -4,7 +4,7 @@ Owns: building kernels/cpu/native.cc into a shared library on first use (g++, ca
 source, jaxlib version and CPU), registering its FFI targets, `paged_attention` with the
 reference's contract (one call for small steps; else native local and cached parts, merged by
 log-sum-exp),
-`small_matmul` (x [N,K] @ w: native for N <= max_rows() float32 rows (64 with AVX-512), one row for int8
+`matmul` (x [N,K] @ w: native for N <= max_rows() float32 rows (64 with AVX-512), one row for int8
 weights; None otherwise, and the caller's own dot runs) and `argmax_lse` (the sampler's greedy
 token and logsumexp of each logits row in one pass: 8.1 -> 0.8 ms at 64 rows of 49152).
 Must not: write the cache, know about requests. Tested by tests/test_cpu_native.py against
@@ -35,7 +35,7 @@ float32 caches, and bf16 ones (uint16 bits: a bf16 model, or kv_cache_dtype "bfl
 shapes of the vector fold (`bf16_supported`); other bf16 shapes or a missing compiler raise
 `NativeUnavailable`, and kernels/select.py falls back to the reference with that reason.
 
-Why small_matmul: XLA:CPU runs a matrix-vector product on one thread; a decode step of one
+Why the few-row matmul: XLA:CPU runs a matrix-vector product on one thread; a decode step of one
 sequence is 120 of them in a dependent chain. The native kernel splits w's rows (one per
 output, [O,K] as llama.linear stores them) over both threads, 4 outputs x up to 4 x rows in
 registers, the next rows prefetched: against XLA's dot on the 30 SmolLM2 layers' matmuls alone
@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import math
 import os
 import platform
 import shutil
@@ -69,6 +70,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from kernels.paged_attention import AttnMetadata, local_state
@@ -78,9 +80,11 @@ TARGET = "tl_paged_attention_cached"
 TARGET_BF16 = "tl_paged_attention_cached_bf16"
 GEMV_TARGET = "tl_gemv"
 GEMV_INT8_TARGET = "tl_gemv_int8"
+GEMM_BF16X3_TARGET = "tl_gemm_bf16x3"
 LOCAL_TARGET = "tl_local_attention"
 SMALL_TARGET = "tl_small_attention"
 SMALL_TARGET_BF16 = "tl_small_attention_bf16"
+HIGH_MIN_ROWS = 17  # "high" precision: from this many rows the AMX kernel, below it the float32 few-row one
 SMALL_MAX_TOKENS = 16  # steps of at most this many tokens take both parts in one call
 ARGMAX_LSE_TARGET = "tl_argmax_lse"
 LOCAL_HEAD_DIMS = (32, 64, 128)  # the native local part's head dims; others keep the jnp one
@@ -160,11 +164,13 @@ def register() -> None:
         return
     lib = _lib = ctypes.cdll.LoadLibrary(str(build()))
     lib.TlGemvMaxRows.restype = ctypes.c_int64
+    lib.TlAmxAvailable.restype = ctypes.c_int64
     if os.environ.get("TL_NATIVE_LINGER_US"):  # A/B of whole servers (bench http --compare)
         lib.TlSetLingerNs(ctypes.c_int64(int(float(os.environ["TL_NATIVE_LINGER_US"]) * 1000)))
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.TlPagedAttentionCached), platform="cpu")
     jax.ffi.register_ffi_target(GEMV_TARGET, jax.ffi.pycapsule(lib.TlGemv), platform="cpu")
     jax.ffi.register_ffi_target(GEMV_INT8_TARGET, jax.ffi.pycapsule(lib.TlGemvInt8), platform="cpu")
+    jax.ffi.register_ffi_target(GEMM_BF16X3_TARGET, jax.ffi.pycapsule(lib.TlGemmBf16x3), platform="cpu")
     jax.ffi.register_ffi_target(ARGMAX_LSE_TARGET, jax.ffi.pycapsule(lib.TlArgmaxLse), platform="cpu")
     jax.ffi.register_ffi_target(LOCAL_TARGET, jax.ffi.pycapsule(lib.TlLocalAttention), platform="cpu")
     jax.ffi.register_ffi_target(SMALL_TARGET, jax.ffi.pycapsule(lib.TlSmallAttention), platform="cpu")
@@ -182,11 +188,63 @@ def max_rows() -> int:
     return int(_lib.TlGemvMaxRows())
 
 
-def small_matmul(x: jax.Array, w: Any) -> jax.Array | None:
-    """x [N,K] times w -> [N,*out] by the native kernels for few float32 rows, else None (the
-    caller's own matmul). w as tl/model/llama.py's `linear` takes it: float32 [*out,K], or int8
-    {"q" [*out,K], "scale" [*out]} (with its W8A8 arithmetic bit for bit)."""
-    if x.shape[0] > max_rows() or x.dtype != jnp.float32:
+def amx_available() -> bool:
+    """Whether this build and process can run AMX-BF16 (the CPU has it, native.cc was built with
+    it, and Linux granted the tile state): the precondition of matmul_precision "high"."""
+    try:
+        register()
+    except NativeUnavailable:
+        return False
+    assert _lib is not None
+    return bool(_lib.TlAmxAvailable())
+
+
+def pack_bf16x3(w: np.ndarray) -> np.ndarray:
+    """float32 w [*out, K] -> uint16 [OB, KB, 2, 16, 32]: w as bf16 pairs (hi = bf16(w) rounded to
+    nearest even, lo = bf16(w - hi)) in AMX B tiles (native.cc's GemmBf16x3 says why): column
+    block ob of 16 outputs, k block kb of 32, [hi, lo], then 16 k pairs x 16 outputs x 2. Outputs
+    are zero-padded to an even number of blocks, K to a multiple of 32."""
+    w = np.asarray(w, np.float32)
+    k = w.shape[-1]
+    w = w.reshape(-1, k)
+    o = w.shape[0]
+    ob, kb = -(-o // 32) * 2, -(-k // 32)
+    padded = np.zeros((ob * 16, kb * 32), np.float32)
+    padded[:o, :k] = w
+    hi = _bf16_bits(padded)
+    lo = _bf16_bits(padded - (hi.astype(np.uint32) << 16).view(np.float32))
+    parts = np.stack([hi, lo])  # [2, O, K]
+    # [2, OB, 16 o, KB, 16 kp, 2 j] -> [OB, KB, 2, 16 kp, 16 o, 2 j]
+    tiles = parts.reshape(2, ob, 16, kb, 16, 2).transpose(1, 3, 0, 4, 2, 5)
+    return np.ascontiguousarray(tiles).reshape(ob, kb, 2, 16, 32)
+
+
+def _bf16_bits(x: np.ndarray) -> np.ndarray:
+    """float32 -> bf16 bits, rounded to nearest even (finite x), as AVX512-BF16's vcvtneps2bf16."""
+    u = np.ascontiguousarray(x, np.float32).view(np.uint32)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def matmul_bf16x3(x: jax.Array, packed: jax.Array, out: tuple[int, ...]) -> jax.Array:
+    """x [N,K] float32 times the weights `pack_bf16x3` packed -> [N,*out] at "high" precision."""
+    register()
+    y = jax.ShapeDtypeStruct((x.shape[0], math.prod(out)), jnp.float32)
+    return jax.ffi.ffi_call(GEMM_BF16X3_TARGET, y)(x.astype(jnp.float32), packed).reshape(x.shape[0], *out)
+
+
+def matmul(x: jax.Array, w: Any) -> jax.Array | None:
+    """x [N,K] times w -> [N,*out] by the native kernels, else None (the caller's own matmul).
+    w as tl/model/llama.py's `linear` takes it: float32 [*out,K]; int8 {"q" [*out,K], "scale"
+    [*out]} (with its W8A8 arithmetic bit for bit); or "high" {"f32" [*out,K], "bf16x3"
+    (pack_bf16x3)}: rows up to HIGH_MIN_ROWS - 1 take the float32 kernels on "f32", more rows
+    the AMX kernel. Float32 weights take the few-row kernel up to max_rows() rows."""
+    if x.dtype != jnp.float32:
+        return None
+    if isinstance(w, dict) and "bf16x3" in w:
+        if x.shape[0] >= HIGH_MIN_ROWS:
+            return matmul_bf16x3(x, w["bf16x3"], w["f32"].shape[:-1])
+        w = w["f32"]
+    if x.shape[0] > max_rows():
         return None
     if isinstance(w, dict):
         q, scale = w["q"], w["scale"]

@@ -56,7 +56,7 @@ def select_matmul(attention: Choice, mesh: Mesh) -> MatmulChoice:
         return MatmulChoice(None, "xla", "tensor parallel: XLA partitions its own dot")
     from kernels import cpu_native
 
-    return MatmulChoice(cpu_native.small_matmul, "cpu_native", f"CPU: float rows <= {cpu_native.max_rows()}, int8 one row",
+    return MatmulChoice(cpu_native.matmul, "cpu_native", f"CPU: float rows <= {cpu_native.max_rows()}, int8 one row",
                         argmax_lse=cpu_native.argmax_lse)
 
 

@@ -232,7 +232,7 @@ def test_not_offered_off_cpu() -> None:
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 8, 13, 16, 17, 31, 32, 33, 47, 48, 49, 64])
 @pytest.mark.parametrize("shape", [(3, 5, 64, 576), (5, 3, 37), (576, 1536), (2, 3), (23, 40), (6, 33), (13, 2, 48)],
                          ids=["qkv", "odd_3d", "down", "tiny", "odd_k_and_o", "o_multiple_of_4", "o_26_k_48"])
-def test_small_matmul_matches_xla(rows: int, shape: tuple[int, ...]) -> None:
+def test_matmul_matches_xla(rows: int, shape: tuple[int, ...]) -> None:
     """Row counts up to the limit: the dot form's 4-row blocks (1-16) and the broadcast form's
     tiles of 32, 48 and 64 rows, full and partial; K not a multiple of the 16-wide vector (nor
     of the 16x16 packing transpose), O not of the 4-, 6-, 8- or 12-output blocks; w with
@@ -241,9 +241,9 @@ def test_small_matmul_matches_xla(rows: int, shape: tuple[int, ...]) -> None:
     x = jnp.asarray(rng.standard_normal((rows, shape[-1]), dtype=np.float32))
     w = jnp.asarray(rng.standard_normal(shape, dtype=np.float32))  # [*out, K], as llama.linear takes it
     if rows > cpu_native.max_rows():  # a build without AVX-512 stops at 16 rows: XLA's dot takes these
-        assert cpu_native.small_matmul(x, w) is None
+        assert cpu_native.matmul(x, w) is None
         return
-    got = np.asarray(jax.jit(cpu_native.small_matmul)(x, w))
+    got = np.asarray(jax.jit(cpu_native.matmul)(x, w))
     want = np.einsum("nk,...k->n...", np.asarray(x, np.float64), np.asarray(w, np.float64))
     assert got.shape == want.shape
     assert np.abs(got - want).max() < 1e-3 * max(1.0, np.abs(want).max())
@@ -263,7 +263,7 @@ def test_one_row_matmul_chain_with_lingering_helpers(linger_us: float) -> None:
     def chain(x: jax.Array) -> jax.Array:
         for _ in range(8):
             for w in ws:
-                x = cpu_native.small_matmul(x, w)
+                x = cpu_native.matmul(x, w)
                 x = jnp.tanh(x[:, :128])
         return x
 
@@ -296,17 +296,17 @@ def test_max_rows_follows_the_build() -> None:
     assert cpu_native.max_rows() == (64 if "avx512f" in flags else 16)
 
 
-def test_small_matmul_leaves_many_rows_and_bf16_to_xla() -> None:
+def test_matmul_leaves_many_rows_and_bf16_to_xla() -> None:
     x = jnp.ones((cpu_native.max_rows() + 1, 8), jnp.float32)
     w = jnp.ones((4, 8), jnp.float32)
-    assert cpu_native.small_matmul(x, w) is None
-    assert cpu_native.small_matmul(x[:2].astype(jnp.bfloat16), w.astype(jnp.bfloat16)) is None
-    assert "ffi" in str(jax.make_jaxpr(cpu_native.small_matmul)(x[:2], w))
+    assert cpu_native.matmul(x, w) is None
+    assert cpu_native.matmul(x[:2].astype(jnp.bfloat16), w.astype(jnp.bfloat16)) is None
+    assert "ffi" in str(jax.make_jaxpr(cpu_native.matmul)(x[:2], w))
 
 
 @pytest.mark.parametrize("rows", [1, 3])
 @pytest.mark.parametrize("shape", [(576, 960), (3, 5, 64), (7, 3), (37, 2)], ids=["qkv", "3d_out", "tiny", "odd_k"])
-def test_small_matmul_int8_is_bitwise_xla_w8a8(rows: int, shape: tuple[int, ...]) -> None:
+def test_matmul_int8_is_bitwise_xla_w8a8(rows: int, shape: tuple[int, ...]) -> None:
     """The native int8 kernel (one row; more rows stay with XLA) reproduces llama.linear's W8A8
     arithmetic exactly."""
     from tl.model import llama
@@ -318,9 +318,9 @@ def test_small_matmul_int8_is_bitwise_xla_w8a8(rows: int, shape: tuple[int, ...]
     wq = {"q": q, "scale": jnp.asarray(qw["scale"].reshape(shape[1:]))}
     x = jnp.asarray(rng.standard_normal((rows, shape[0]), dtype=np.float32)) * 3
     if rows > 1:
-        assert cpu_native.small_matmul(x, wq) is None
+        assert cpu_native.matmul(x, wq) is None
         return
-    got = np.asarray(jax.jit(cpu_native.small_matmul)(x, wq))
+    got = np.asarray(jax.jit(cpu_native.matmul)(x, wq))
     want = np.asarray(jax.jit(llama.linear)(x, wq))
     assert got.shape == want.shape
     np.testing.assert_array_equal(got, want)

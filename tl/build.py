@@ -40,8 +40,9 @@ def build_engine(cfg: EngineConfig, warmup: bool = True, warmup_embed: bool = Fa
     log.info("backend %s: %d x %s over %d process(es), tensor_parallel %d (KV heads %s), dtype %s, KV cache %s",
              b.platform, b.device_count, b.device_kind, b.process_count, b.tensor_parallel, b.kv_heads, b.dtype,
              b.kv_cache_dtype)
-    log.info("attention: %s (%s); layer matmuls: %s (%s)", b.attention_kernel, runner.attention.reason,
-             runner.matmul.name, runner.matmul.reason)
+    log.info("attention: %s (%s); layer matmuls: %s (%s), precision %s (%s)", b.attention_kernel,
+             runner.attention.reason, runner.matmul.name, runner.matmul.reason, b.matmul_precision,
+             runner.precision_reason)
     if warmup:
         t0 = time.perf_counter()
         runner.warmup(embed=warmup_embed)

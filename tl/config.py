@@ -18,6 +18,7 @@ Speculative = Literal["none", "prompt_lookup"]
 DType = Literal["auto", "float32", "bfloat16"]
 WeightDType = Literal["float32", "int8"]
 KVCacheDType = Literal["auto", "bfloat16"]
+MatmulPrecision = Literal["highest", "high"]
 Backend = Literal["auto", "cpu", "gpu", "tpu"]
 AttentionKernel = Literal["auto", "reference", "cpu_native", "pallas_tpu", "pallas_gpu"]
 
@@ -48,6 +49,10 @@ class EngineConfig:
     kv_cache_dtype: KVCacheDType = "auto"
     """KV cache storage: "auto" is `dtype`; "bfloat16" halves the cache of a float32 model (twice the
     blocks in the same memory, half the bytes attention reads; keys and values rounded to bf16)."""
+    matmul_precision: MatmulPrecision = "highest"
+    """Float32 matmuls: "highest" (float32 multiply-adds), or "high": each operand split into two
+    bf16 and three bf16 products summed in float32 (JAX's bfloat16_3x, PyTorch's "high"), on AMX
+    where the CPU has AMX-BF16; elsewhere "high" runs as "highest"."""
     tensor_parallel: int = 1
     """Devices the model is sharded over (Megatron layout on the mesh's "model" axis)."""
     attention_kernel: AttentionKernel = "auto"
@@ -108,6 +113,8 @@ class EngineConfig:
         _check(self.weight_dtype in ("float32", "int8"), f"weight_dtype must be float32 or int8, got {self.weight_dtype!r}")
         _check(self.kv_cache_dtype in ("auto", "bfloat16"),
                f"kv_cache_dtype must be auto or bfloat16, got {self.kv_cache_dtype!r}")
+        _check(self.matmul_precision in ("highest", "high"),
+               f"matmul_precision must be highest or high, got {self.matmul_precision!r}")
         _check(self.backend in ("auto", "cpu", "gpu", "tpu"), f"backend must be auto, cpu, gpu or tpu, got {self.backend!r}")
         _check(self.tensor_parallel >= 1, f"tensor_parallel must be >= 1, got {self.tensor_parallel}")
         _check(self.attention_kernel in ("auto", "reference", "cpu_native", "pallas_tpu", "pallas_gpu"),
@@ -155,7 +162,7 @@ class EngineConfig:
 
     def compile_key(self) -> tuple[object, ...]:
         """The fields that change compiled shapes; equal keys may share compiled steps."""
-        return (self.backend, self.dtype, self.weight_dtype, self.kv_cache_dtype, self.tensor_parallel, self.attention_kernel,
+        return (self.backend, self.dtype, self.weight_dtype, self.kv_cache_dtype, self.matmul_precision, self.tensor_parallel, self.attention_kernel,
                 self.block_size, self.num_kv_blocks, self.max_model_len, self.token_buckets,
                 self.seq_buckets, self.spec_tokens, self.max_logprobs)
 

@@ -171,12 +171,13 @@ class ModelRunner:
         blocks_per_seq = -(-self.max_model_len // self.block_size)
         self._max_blocks = -(-blocks_per_seq // self._chunk_blocks) * self._chunk_blocks
         self._replicated = NamedSharding(self.mesh, P())
-        self._params = self._place_params(params_host)
         self._kv = self._alloc_kv()
         self._num_compilations = 0
         self._zero_penalties: dict[tuple[int, int], Penalties] = {}
         self.attention = self._select_attention()
         self.matmul = attention_select.select_matmul(self.attention, self.mesh)
+        self.matmul_precision, self.precision_reason = self._resolve_precision()
+        self._params = self._place_params(params_host)
         kv_sh = NamedSharding(self.mesh, self.layout.kv_spec)
         self._step = jax.jit(functools.partial(_step, cfg=cfg, on_trace=self._count, attention=self.attention.fn,
                                                matmul=self.matmul.fn, argmax_lse=self.matmul.argmax_lse),
@@ -200,11 +201,36 @@ class ModelRunner:
         if jax.tree.structure(tree) != jax.tree.structure(shapes):
             raise ValueError(f"parameter tree does not match the model layout: {jax.tree.structure(tree)}")
         host = jax.tree.map(lambda x, s: np.asarray(x, dtype=s.dtype), tree, shapes)
+        pack = None
+        if self.matmul_precision == "high":
+            from kernels import cpu_native
+
+            pack = cpu_native.pack_bf16x3
         step = llama.step_params(host, self.model_config, self.engine_config.weight_dtype,
-                                 fused_qkv=self.layout.kv_sharded)
+                                 fused_qkv=self.layout.kv_sharded, pack=pack)
         shardings = jax.tree.map(lambda s: NamedSharding(self.mesh, s), backend.partition_specs(step, self.layout),
                                  is_leaf=lambda x: isinstance(x, P))
         return jax.device_put(step, shardings)
+
+    def _resolve_precision(self) -> tuple[str, str]:
+        """The float32 matmul precision this runner runs, and why: "high" where configured and the
+        native CPU matmul can run it (AMX-BF16, float32 weights and activations), else "highest"."""
+        ec = self.engine_config
+        if ec.matmul_precision == "highest":
+            return "highest", "configured"
+        why = ""
+        if self.matmul.name != "cpu_native":
+            why = f"the matmul is {self.matmul.name} ({self.matmul.reason})"
+        elif self.dtype != jnp.float32 or ec.weight_dtype != "float32":
+            why = f"dtype {self.dtype.name}, weight_dtype {ec.weight_dtype}: high applies to float32 weights"
+        else:
+            from kernels import cpu_native
+
+            if not cpu_native.amx_available():
+                why = "no AMX-BF16 on this CPU or build"
+        if why:
+            return "highest", f"high configured; runs highest: {why}"
+        return "high", "configured: bf16x3 on AMX"
 
     @property
     def kv_storage_dtype(self) -> Any:
@@ -249,7 +275,7 @@ class ModelRunner:
                            device_count=self.mesh.devices.size, tensor_parallel=self.mesh.shape["model"],
                            process_count=jax.process_count(), dtype=self.dtype.name,
                            kv_cache_dtype="bfloat16" if self.kv_storage_dtype == jnp.uint16 else self.dtype.name,
-                           attention_kernel=self.attention.name,
+                           attention_kernel=self.attention.name, matmul_precision=self.matmul_precision,
                            kv_heads="sharded" if self.layout.kv_sharded else "replicated")
 
     @property

@@ -43,9 +43,11 @@ class BackendInfo:
     dtype: str = "float32"
     kv_cache_dtype: str = "float32"  # what the KV cache holds: the dtype, or bfloat16 (kv_cache_dtype)
     attention_kernel: str = "reference"
+    matmul_precision: str = "highest"  # float32 matmuls as run: "highest", or "high" (bf16x3 on AMX)
     kv_heads: str = "sharded"  # "sharded" over the model axis, or "replicated" when they do not divide
 
     def labels(self) -> dict[str, str]:
         return {"platform": self.platform, "device_kind": self.device_kind, "device_count": str(self.device_count),
                 "tensor_parallel": str(self.tensor_parallel), "process_count": str(self.process_count),
-                "dtype": self.dtype, "kv_cache_dtype": self.kv_cache_dtype, "attention_kernel": self.attention_kernel, "kv_heads": self.kv_heads}
+                "dtype": self.dtype, "kv_cache_dtype": self.kv_cache_dtype, "attention_kernel": self.attention_kernel,
+                "matmul_precision": self.matmul_precision, "kv_heads": self.kv_heads}

@@ -193,19 +193,26 @@ def fuse_gate_up(w_gate: Any, w_up: Any) -> Any:
 
 
 def step_params(params: Params, cfg: ModelConfig, weight_dtype: WeightDType = "float32",
-                fused_qkv: bool = True) -> Params:
+                fused_qkv: bool = True, pack: Callable[[np.ndarray], np.ndarray] | None = None) -> Params:
     """Canonical stacked host params -> the per-layer, fused layout `forward` runs on (host numpy).
 
     fused_qkv=False keeps wq/wk/wv apart: for tensor parallelism with replicated KV heads.
+    pack (float32 weights; kernels/cpu_native.pack_bf16x3 for matmul_precision "high"): each
+    linear becomes {"f32": w [*out, in], "bf16x3": pack(w)}, and the LM head's packing is
+    "lm_head_bf16x3" (beside embed or lm_head, which stay float32 for lookups and few rows).
     """
     if weight_dtype not in ("float32", "int8"):
         raise ValueError(f"weight_dtype must be float32 or int8, got {weight_dtype!r}")
     int8 = weight_dtype == "int8"
 
+    if int8 and pack is not None:
+        raise ValueError("int8 weights have no bf16x3 packing")
+
     def lin(w_in_out: np.ndarray) -> Any:  # [in, *out] -> [*out, in] (float) or int8 {q [*out, in], scale [*out]}
         w = np.asarray(w_in_out)
         if not int8:
-            return np.ascontiguousarray(np.moveaxis(w, 0, -1))
+            w = np.ascontiguousarray(np.moveaxis(w, 0, -1))
+            return w if pack is None else {"f32": w, "bf16x3": pack(w)}
         qw = quantize_int8(w.reshape(w.shape[0], -1).T)
         return {"q": qw["q"].reshape(*w.shape[1:], w.shape[0]), "scale": qw["scale"].reshape(w.shape[1:])}
 
@@ -232,6 +239,8 @@ def step_params(params: Params, cfg: ModelConfig, weight_dtype: WeightDType = "f
     if "lm_head" in params:
         head = np.asarray(params["lm_head"]).T  # [V, D], as every step-layout matrix: [out, in]
         out["lm_head"] = quantize_int8(head) if int8 else np.ascontiguousarray(head)
+    if pack is not None:
+        out["lm_head_bf16x3"] = pack(out["lm_head"] if "lm_head" in out else embed)
     return out
 
 
@@ -250,6 +259,8 @@ def linear(x: jax.Array, w: Any, matmul: Matmul | None = None) -> jax.Array:
     decode step 1.05x (both layouts alternated in one process)."""
     if matmul is not None and (y := matmul(x, w)) is not None:
         return y.astype(x.dtype)
+    if isinstance(w, dict) and "f32" in w:  # "high" precision weights where no native kernel ran
+        w = w["f32"]
     if not isinstance(w, dict):  # out axes flattened: XLA:CPU's dot ran 2.5x slower on [2,F,D] than [2F,D]
         y = lax.dot_general(x, w.reshape(-1, w.shape[-1]), (((1,), (1,)), ((), ())))
         return y.reshape(x.shape[0], *w.shape[:-1])
@@ -391,6 +402,11 @@ def lm_logits(params: Params, cfg: ModelConfig, hidden: jax.Array, matmul: Matmu
         return linear(h, w, matmul).astype(jnp.float32)
     if not cfg.tie_word_embeddings and not isinstance(params["layers"], list):
         w = w.T  # the canonical layout's lm_head is [D,V]; the step layout's [V,D]
+    if "lm_head_bf16x3" in params:
+        w = {"f32": w, "bf16x3": params["lm_head_bf16x3"]}
+        if matmul is not None and (y := matmul(h, w)) is not None:
+            return y.astype(jnp.float32)
+        w = w["f32"]
     if matmul is not None and (y := matmul(h, w)) is not None:
         return y.astype(jnp.float32)
     # Contract with [V,D] directly: `h @ embed.T` copied 113 MB a step.
@@ -451,14 +467,16 @@ def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     return o.reshape(T, Hq, hd).astype(q.dtype)
 
 
-def forward_dense(params: Params, cfg: ModelConfig, token_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """One sequence at positions 0..T-1, no cache: (final-normed hidden [T,D], logits [T,V])."""
+def forward_dense(params: Params, cfg: ModelConfig, token_ids: jax.Array,
+                  matmul: Matmul | None = None) -> tuple[jax.Array, jax.Array]:
+    """One sequence at positions 0..T-1, no cache: (final-normed hidden [T,D], logits [T,V]);
+    `matmul` as in `linear` (a runner's, to compare its matmuls on one path)."""
     positions = jnp.arange(token_ids.shape[0], dtype=jnp.int32)
     rope = rope_tables(positions, cfg.head_dim, cfg.rope_theta)
     x = embed_lookup(params["embed"], token_ids).astype(_act_dtype(params))
     for lp in _unstacked(params, cfg):
-        x = _layer(x, lp, cfg, rope, dense_attention)
-    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), lm_logits(params, cfg, x)
+        x = _layer(x, lp, cfg, rope, dense_attention, matmul)
+    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), lm_logits(params, cfg, x, matmul)
 
 
 def load_params(model_dir: str, dtype: str = "float32") -> tuple[Params, ModelConfig]:

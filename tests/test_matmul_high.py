@@ -1,0 +1,132 @@
+"""matmul_precision "high": float32 matmuls as three bf16 products on AMX (kernels/cpu_native.py).
+
+The packing's layout and its hi + lo split, the kernel against a float64 product within the
+bf16x3 error bound (and measurably off float32, so the AMX path is what ran) over row counts
+that fill and do not fill its 32-row pairs, outputs and K that do not fill its tiles and out
+axes of several dims, the dispatch by row count, a refusal of mismatched packed weights, and a
+runner whose greedy tokens and logprobs match the float32 runner's. Tests of the kernel skip
+on a machine without AMX-BF16 (they say so); the fallback's reason is tested everywhere.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_runner import ENGINE, Driver, Seq, make_runner
+
+from kernels import cpu_native
+from tl.config import ConfigError, EngineConfig
+
+needs_amx = pytest.mark.skipif(not cpu_native.amx_available(), reason="no AMX-BF16 on this CPU or build")
+
+
+def _f32(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def test_pack_layout_and_split() -> None:
+    """Element (o, k) sits at [o // 16, k // 32, part, (k % 32) // 2, o % 16, k % 2]; hi is w
+    rounded to bf16 and hi + lo is w to within 2^-16 of |w|; padding is zero."""
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((40, 70)).astype(np.float32)
+    p = cpu_native.pack_bf16x3(w)
+    assert p.dtype == np.uint16 and p.shape == (4, 3, 2, 16, 32)  # 40 outputs -> 4 blocks (even), 70 k -> 3
+    tiles = p.reshape(4, 3, 2, 16, 16, 2)
+    for o, k in [(0, 0), (17, 33), (39, 69), (5, 31), (16, 32)]:
+        hi, lo = (_f32(tiles[o // 16, k // 32, part, (k % 32) // 2, o % 16, k % 2]) for part in (0, 1))
+        assert hi == np.float32(jnp.asarray(w[o, k]).astype(jnp.bfloat16).astype(jnp.float32))
+        assert abs(float(hi) + float(lo) - float(w[o, k])) <= 2.0 ** -16 * abs(float(w[o, k]))
+    whole = _f32(tiles[:, :, 0]) + _f32(tiles[:, :, 1])  # [OB, KB, kp, o, j] -> [O, K]
+    dense = whole.transpose(0, 3, 1, 2, 4).reshape(64, 96)
+    assert np.abs(dense[:40, :70] - w).max() <= 2.0 ** -16 * np.abs(w).max()
+    assert not dense[40:].any() and not dense[:, 70:].any()
+
+
+@needs_amx
+@pytest.mark.parametrize("rows", [17, 31, 32, 33, 64, 100, 512])
+@pytest.mark.parametrize("shape", [(3, 5, 64, 576), (576, 1536), (23, 40), (6, 33), (13, 2, 48)],
+                         ids=["qkv", "down", "odd_k_and_o", "k_33", "o_26_k_48"])
+def test_bf16x3_matches_float64(rows: int, shape: tuple[int, ...]) -> None:
+    rng = np.random.default_rng(rows)
+    x = rng.standard_normal((rows, shape[-1])).astype(np.float32)
+    w = (rng.standard_normal(shape) / 8).astype(np.float32)
+    got = np.asarray(jax.jit(cpu_native.matmul_bf16x3, static_argnums=2)(jnp.asarray(x), jnp.asarray(
+        cpu_native.pack_bf16x3(w)), shape[:-1]))
+    x64, w64 = x.astype(np.float64), w.astype(np.float64)
+    want = np.einsum("nk,...k->n...", x64, w64)
+    assert got.shape == want.shape
+    # Each product carries ~2^-16 of |x w| (x_lo w_lo dropped, the splits' residues), plus the
+    # float32 sums.
+    bound = np.einsum("nk,...k->n...", np.abs(x64), np.abs(w64)) * 2.0 ** -15 + 1e-6
+    assert (np.abs(got - want) <= bound).all()
+
+
+@needs_amx
+def test_high_differs_from_float32_where_bf16x3_runs() -> None:
+    """The AMX path ran (not a float32 kernel): its results are off float32 by its own rounding."""
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.standard_normal((64, 576)).astype(np.float32))
+    w = rng.standard_normal((960, 576)).astype(np.float32) / 8
+    high = np.asarray(jax.jit(cpu_native.matmul)(x, {"f32": jnp.asarray(w), "bf16x3": jnp.asarray(
+        cpu_native.pack_bf16x3(w))}))
+    f32 = np.asarray(jax.jit(cpu_native.matmul)(x, jnp.asarray(w)))
+    diff = np.abs(high - f32).max()
+    assert 0 < diff < 1e-3
+
+
+@needs_amx
+def test_dispatch_by_rows() -> None:
+    """Below HIGH_MIN_ROWS rows the float32 few-row kernel runs on "f32"; from it, bf16x3."""
+    w = {"f32": jnp.ones((32, 64), jnp.float32), "bf16x3": jnp.asarray(cpu_native.pack_bf16x3(np.ones((32, 64), np.float32)))}
+    few = str(jax.make_jaxpr(cpu_native.matmul)(jnp.ones((cpu_native.HIGH_MIN_ROWS - 1, 64)), w))
+    many = str(jax.make_jaxpr(cpu_native.matmul)(jnp.ones((cpu_native.HIGH_MIN_ROWS, 64)), w))
+    assert cpu_native.GEMV_TARGET in few and cpu_native.GEMM_BF16X3_TARGET not in few
+    assert cpu_native.GEMM_BF16X3_TARGET in many
+
+
+@needs_amx
+def test_mismatched_packing_is_refused() -> None:
+    packed = jnp.asarray(cpu_native.pack_bf16x3(np.ones((32, 64), np.float32)))  # K 64
+    with pytest.raises(Exception, match="packed weights do not match"):
+        jax.block_until_ready(cpu_native.matmul_bf16x3(jnp.ones((32, 100), jnp.float32), packed, (32,)))
+    with pytest.raises(Exception, match="packed weights do not match"):  # 64 outputs from 32 packed
+        jax.block_until_ready(cpu_native.matmul_bf16x3(jnp.ones((32, 64), jnp.float32), packed, (64,)))
+
+
+@needs_amx
+def test_runner_high_matches_float32_runner() -> None:
+    """A tiny model with matmul_precision high (64-token prefill steps: the AMX kernel runs)
+    generates the float32 runner's greedy tokens, logprobs within 1e-3, and says which ran."""
+    engine = ENGINE.replace(token_buckets=(8, 32, 64), max_num_batched_tokens=64)
+    prompts = [[5, 9, 2, 77, 31, 8, 150, 4, 19, 60, 3] * 4, [7, 7, 1] * 12, [99] * 40, list(range(100, 150))]
+
+    def run(precision: str) -> tuple[object, list[Seq]]:
+        runner, _ = make_runner(engine.replace(matmul_precision=precision))
+        seqs = [Seq(i, p, 10) for i, p in enumerate(prompts)]
+        Driver(runner, chunk=16).run(seqs)
+        return runner, seqs
+
+    high, got = run("high")
+    highest, want = run("highest")
+    assert high.backend_info.matmul_precision == "high" and high.precision_reason.startswith("configured")  # type: ignore[attr-defined]
+    assert highest.backend_info.matmul_precision == "highest"  # type: ignore[attr-defined]
+    for a, b in zip(got, want, strict=True):
+        assert a.out == b.out and np.allclose(a.logprobs, b.logprobs, atol=1e-3)
+
+
+@pytest.mark.parametrize(("kw", "why"), [({"weight_dtype": "int8"}, "weight_dtype int8"),
+                                         ({"attention_kernel": "reference"}, "the matmul is xla")])
+def test_high_falls_back_with_a_reason(kw: dict, why: str) -> None:
+    """int8 weights, or no native matmul (and, on a machine without AMX, everything) run
+    highest, and say why."""
+    runner, _ = make_runner(ENGINE.replace(matmul_precision="high", **kw))
+    assert runner.backend_info.matmul_precision == "highest"
+    assert "runs highest" in runner.precision_reason
+    assert why in runner.precision_reason or not cpu_native.amx_available()
+
+
+def test_config_names_the_field() -> None:
+    with pytest.raises(ConfigError, match="matmul_precision"):
+        EngineConfig(matmul_precision="medium")  # type: ignore[arg-type]
