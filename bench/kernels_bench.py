@@ -137,11 +137,22 @@ def run(argv: Sequence[str]) -> int:
     rng = np.random.default_rng(args.seed)
     for int8, row_counts in ((False, [int(r) for r in args.rows.split(",")]), (True, [1])):
         ws = _weights(int8, args.seed)
-        xla, nat_mm = _linear_chain(None), _linear_chain(cpu_native.small_matmul)
+        xla, nat_mm = _linear_chain(None), _linear_chain(cpu_native.matmul)
         for n in row_counts:
             x = jnp.asarray(rng.standard_normal((n, D), dtype=np.float32))
             med = _alternate({"xla": lambda x=x, f=xla, ws=ws: f(ws, x),
                               "native": lambda x=x, f=nat_mm, ws=ws: f(ws, x)}, args.repeat)
             add(f"layer matmuls {'int8' if int8 else 'float32'}, {n} row{'s' if n > 1 else ''}", med, "xla", "native")
+    if cpu_native.amx_available():  # matmul_precision "high": against the float32 path the runner would take
+        ws = _weights(False, args.seed)
+        high = [{k: {"f32": w, "bf16x3": jnp.asarray(cpu_native.pack_bf16x3(np.asarray(w)))} for k, w in lw.items()}
+                for lw in ws]
+        xla, nat_mm = _linear_chain(None), _linear_chain(cpu_native.matmul)
+        for n in [r for r in (int(r) for r in args.rows.split(",")) if r >= cpu_native.HIGH_MIN_ROWS] + [512]:
+            x = jnp.asarray(rng.standard_normal((n, D), dtype=np.float32))
+            base = "native float32" if n <= cpu_native.max_rows() else "xla"
+            med = _alternate({base: lambda x=x, f=nat_mm if base != "xla" else xla: f(ws, x),
+                              "high": lambda x=x, f=nat_mm: f(high, x)}, args.repeat)
+            add(f"layer matmuls high (bf16x3, AMX), {n} rows", med, base, "high")
     print_table(rows)
     return 0

@@ -49,10 +49,10 @@ class EngineConfig:
     kv_cache_dtype: KVCacheDType = "auto"
     """KV cache storage: "auto" is `dtype`; "bfloat16" halves the cache of a float32 model (twice the
     blocks in the same memory, half the bytes attention reads; keys and values rounded to bf16)."""
-    matmul_precision: MatmulPrecision = "highest"
-    """Float32 matmuls: "highest" (float32 multiply-adds), or "high": each operand split into two
-    bf16 and three bf16 products summed in float32 (JAX's bfloat16_3x, PyTorch's "high"), on AMX
-    where the CPU has AMX-BF16; elsewhere "high" runs as "highest"."""
+    matmul_precision: MatmulPrecision = "high"
+    """Float32 matmuls on CPU: "high" splits each operand into two bf16 and sums three bf16 products
+    in float32 on AMX (JAX's bfloat16_3x, PyTorch's "high"; ~1e-5 relative error a product) where
+    the CPU has AMX-BF16, else runs as "highest": float32 multiply-adds throughout."""
     tensor_parallel: int = 1
     """Devices the model is sharded over (Megatron layout on the mesh's "model" axis)."""
     attention_kernel: AttentionKernel = "auto"
