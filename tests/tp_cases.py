@@ -27,8 +27,10 @@ from tl.engine import Engine
 from tl.request import GenRequest, SamplingParams
 
 jax = pytest.importorskip("jax")
+# matmul_precision "highest" throughout: identity across TP degrees is a float32 property (at
+# tensor_parallel 1 "high" would run bf16x3 on AMX, under TP XLA's float32 dot).
 CFG = BASE_CFG.replace(token_buckets=(8, 32), seq_buckets=(1, 4), max_logprobs=0, compile_cache_dir="",
-                       speculative="prompt_lookup")
+                       speculative="prompt_lookup", matmul_precision="highest")
 VARIANTS = {"plain": {"speculative": "none"},
             "everything": {"num_kv_blocks": 14, "prefix_cache": "radix", "prefill_chunk": 4}}
 
@@ -136,7 +138,7 @@ def test_tiny_int8_identical_for_tp_1_2_4() -> None:
 
 SMOL = EngineConfig(block_size=16, num_kv_blocks=48, max_num_seqs=4, max_num_batched_tokens=64,
                     token_buckets=(8, 64), seq_buckets=(1, 4), prefill_chunk=32, prefix_cache="radix",
-                    speculative="none", max_logprobs=0, compile_cache_dir="")
+                    speculative="none", max_logprobs=0, compile_cache_dir="", matmul_precision="highest")
 
 
 def test_smol_identical_for_tp_1_3_and_2_refused(smol_dir: Path) -> None:
@@ -165,7 +167,7 @@ def _serve_and_complete(model_dir: Path, tmp: Path, n: int) -> tuple[str, dict[s
     cfg = tmp / f"runtime-{n}.toml"
     cfg.write_text(f'[engine]\nmodel_dir = "{model_dir}"\nblock_size = 4\nnum_kv_blocks = 64\nmax_num_seqs = 4\n'
                    f'max_num_batched_tokens = 32\ntoken_buckets = [8, 32]\nseq_buckets = [1, 4]\n'
-                   f'compile_cache_dir = ""\ntensor_parallel = {n}\nhttp_listen = "127.0.0.1:{port}"\n'
+                   f'compile_cache_dir = ""\nmatmul_precision = "highest"\ntensor_parallel = {n}\nhttp_listen = "127.0.0.1:{port}"\n'
                    f'health_listen = "127.0.0.1:{hport}"\n')
     env = {**os.environ, "TL_CONFIG": str(cfg), "PYTHONPATH": f"{ROOT}"}
     env.pop("TL_ENGINE_FACTORY", None)
