@@ -147,7 +147,6 @@ def run(argv: Sequence[str]) -> int:
         ws = _weights(False, args.seed)
         high = [{k: {"f32": w, "bf16x3": jnp.asarray(cpu_native.pack_bf16x3(np.asarray(w)))} for k, w in lw.items()}
                 for lw in ws]
-        xla, nat_mm = _linear_chain(None), _linear_chain(cpu_native.matmul)
         for n in [r for r in (int(r) for r in args.rows.split(",")) if r >= cpu_native.HIGH_MIN_ROWS] + [512]:
             x = jnp.asarray(rng.standard_normal((n, D), dtype=np.float32))
             base = "native float32" if n <= cpu_native.max_rows() else "xla"

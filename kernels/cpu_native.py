@@ -5,7 +5,9 @@ source, jaxlib version and CPU), registering its FFI targets, `paged_attention` 
 reference's contract (one call for small steps; else native local and cached parts, merged by
 log-sum-exp),
 `matmul` (x [N,K] @ w: native for N <= max_rows() float32 rows (64 with AVX-512), one row for int8
-weights; None otherwise, and the caller's own dot runs) and `argmax_lse` (the sampler's greedy
+weights; with matmul_precision "high", from HIGH_MIN_ROWS rows on any count, three bf16 products
+on AMX over weights `pack_bf16x3` packed at load; None otherwise, and the caller's own dot runs)
+and `argmax_lse` (the sampler's greedy
 token and logsumexp of each logits row in one pass: 8.1 -> 0.8 ms at 64 rows of 49152).
 Must not: write the cache, know about requests. Tested by tests/test_cpu_native.py against
 kernels/paged_attention.py's reference, XLA's dot and jnp's argmax/logsumexp.

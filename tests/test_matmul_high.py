@@ -64,6 +64,27 @@ def test_bf16x3_matches_float64(rows: int, shape: tuple[int, ...]) -> None:
 
 
 @needs_amx
+def test_stale_nan_does_not_reach_a_later_call() -> None:
+    """The kernel reuses its activation tiles between calls and zeroes k past K itself: a
+    17-row, K = 33 product right after a 512-row call whose input was all NaN (every element of
+    the same two k blocks) is still exact to its bound."""
+    rng = np.random.default_rng(2)
+    big_w, small_w = rng.standard_normal((32, 64)).astype(np.float32), rng.standard_normal((20, 33)).astype(np.float32)
+    small_x = rng.standard_normal((17, 33)).astype(np.float32)
+
+    @jax.jit
+    def both(bx: jax.Array, sx: jax.Array) -> jax.Array:
+        y = cpu_native.matmul_bf16x3(bx, jnp.asarray(cpu_native.pack_bf16x3(big_w)), (32,))
+        return cpu_native.matmul_bf16x3(sx + 0 * jnp.nan_to_num(y[:17, :1]), jnp.asarray(cpu_native.pack_bf16x3(small_w)),
+                                        (20,))
+
+    got = np.asarray(both(jnp.full((512, 64), jnp.nan, jnp.float32), jnp.asarray(small_x)))
+    want = small_x.astype(np.float64) @ small_w.astype(np.float64).T
+    bound = np.abs(small_x.astype(np.float64)) @ np.abs(small_w.astype(np.float64)).T * 2.0 ** -15 + 1e-6
+    assert (np.abs(got - want) <= bound).all()
+
+
+@needs_amx
 def test_high_differs_from_float32_where_bf16x3_runs() -> None:
     """The AMX path ran (not a float32 kernel): its results are off float32 by its own rounding."""
     rng = np.random.default_rng(1)

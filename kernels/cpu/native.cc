@@ -1088,11 +1088,19 @@ void configure_tiles() {  // every tile 16 rows x 64 bytes
   _tile_loadconfig(&c);
 }
 
-// Rows [n0, n1) of x [N, K] into A tiles (zero beyond N and K, which the caller has cleared).
+// Rows [n0, n1) of x [N, K] into A tiles, k from K to the end of the last k block zeroed: the
+// buffer is reused between calls, and stale values there (a NaN from an earlier call's input)
+// would meet the weights' zero padding. Rows past N are left as they are: their outputs are
+// dropped (TL_STORE_TILE).
 void split_rows(const float* X, int64_t N, int64_t K, int64_t KB, uint16_t* A, int64_t n0, int64_t n1) {
-  for (int64_t n = n0; n < std::min(n1, N); ++n) {
-    const float* x = X + n * K;
+  for (int64_t n = n0; n < n1; ++n) {
     uint16_t* row = A + (n / 16) * KB * 1024 + (n % 16) * 32;
+    for (int64_t k = K; k < KB * 32; ++k) {
+      uint16_t* t = row + (k / 32) * 1024 + (k % 32);
+      t[0] = 0;
+      t[512] = 0;
+    }
+    const float* x = X + n * K;
     int64_t k = 0;
     for (; k + 16 <= K; k += 16) {
       const __m512 v = _mm512_loadu_ps(x + k);
@@ -1216,7 +1224,7 @@ ffi::Error GemmBf16x3(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   if (N == 0 || O == 0) return ffi::Error::Success();
   const int64_t NB = (N + 31) / 32 * 2;  // row blocks of 16, an even number
   static thread_local std::vector<uint16_t> a_tiles;
-  a_tiles.assign(NB * KB * 1024, 0);
+  a_tiles.resize(NB * KB * 1024);  // not cleared: split_rows writes what the real rows read
   uint16_t* A = a_tiles.data();
   const float* X = x.typed_data();
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());

@@ -402,11 +402,8 @@ def lm_logits(params: Params, cfg: ModelConfig, hidden: jax.Array, matmul: Matmu
         return linear(h, w, matmul).astype(jnp.float32)
     if not cfg.tie_word_embeddings and not isinstance(params["layers"], list):
         w = w.T  # the canonical layout's lm_head is [D,V]; the step layout's [V,D]
-    if "lm_head_bf16x3" in params:
-        w = {"f32": w, "bf16x3": params["lm_head_bf16x3"]}
-        if matmul is not None and (y := matmul(h, w)) is not None:
-            return y.astype(jnp.float32)
-        w = w["f32"]
+    if "lm_head_bf16x3" in params:  # matmul_precision "high": as the layers' linears
+        return linear(h, {"f32": w, "bf16x3": params["lm_head_bf16x3"]}, matmul).astype(jnp.float32)
     if matmul is not None and (y := matmul(h, w)) is not None:
         return y.astype(jnp.float32)
     # Contract with [V,D] directly: `h @ embed.T` copied 113 MB a step.
