@@ -40,6 +40,10 @@ def _region(addr: int) -> dict[str, str] | None:
     return found
 
 
+def _one_device(tree: object) -> object:
+    return jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0]), tree)
+
+
 def _tree() -> dict:
     rng = np.random.default_rng(0)
     return {"w": rng.standard_normal((300, 70)).astype(np.float32),
@@ -52,7 +56,7 @@ def _tree() -> dict:
 @needs_thp
 def test_place_aliases_one_advised_mapping() -> None:
     tree = _tree()
-    placed, nbytes = weight_pages.place(tree)
+    placed, nbytes = weight_pages.place(tree, _one_device(tree))
     assert nbytes % weight_pages.HUGE_PAGE == 0
     flat, _ = jax.tree.flatten(tree)
     out, _ = jax.tree.flatten(placed)
@@ -75,7 +79,8 @@ def test_place_aliases_one_advised_mapping() -> None:
 
 @needs_thp
 def test_mapping_goes_with_the_last_array() -> None:
-    placed, _ = weight_pages.place({"a": np.ones((1024, 512), np.float32), "b": np.zeros(10, np.int8)})
+    tree = {"a": np.ones((1024, 512), np.float32), "b": np.zeros(10, np.int8)}
+    placed, _ = weight_pages.place(tree, _one_device(tree))
     ptr = placed["a"].unsafe_buffer_pointer()
     b = placed["b"]
     del placed
@@ -103,6 +108,7 @@ def test_runner_on_huge_pages_matches_default_pages() -> None:
     assert default.weight_pages == "default" and default.weight_pages_reason == "configured"  # type: ignore[attr-defined]
     leaf = jax.tree.leaves(huge._params)[0]  # type: ignore[attr-defined]
     assert _region(leaf.unsafe_buffer_pointer()).get("THPeligible") == "1"  # type: ignore[union-attr]
+    assert leaf.sharding == jax.tree.leaves(default._params)[0].sharding  # type: ignore[attr-defined]
     for a, b in zip(got, want, strict=True):
         assert a.out == b.out and a.logprobs == b.logprobs
 

@@ -213,7 +213,7 @@ class ModelRunner:
         why = self._weight_pages_unavailable()
         if not why:
             try:
-                params, nbytes = weight_pages.place(step)
+                params, nbytes = weight_pages.place(step, shardings)
             except OSError as e:
                 why = f"huge configured; default pages: {e}"
             else:

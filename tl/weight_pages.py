@@ -49,11 +49,13 @@ def unavailable_reason() -> str:
     return ""
 
 
-def place(tree: Any) -> tuple[Any, int]:
+def place(tree: Any, shardings: Any) -> tuple[Any, int]:
     """Every numpy leaf of `tree` copied into one mapping advised for huge pages, as JAX arrays
-    on the default CPU device aliasing it; and the mapping's size in bytes. Raises OSError
-    where the mapping or the advice fails."""
+    aliasing it with the matching single-device sharding of `shardings` (a tree of the same
+    structure; the runner's NamedShardings over a one-device mesh); and the mapping's size in
+    bytes. Raises OSError where the mapping or the advice fails."""
     leaves, treedef = jax.tree.flatten(tree)
+    targets = treedef.flatten_up_to(shardings)
     arrays = [np.ascontiguousarray(x) for x in leaves]
     offsets, size = [], 0
     for a in arrays:
@@ -70,13 +72,20 @@ def place(tree: Any) -> tuple[Any, int]:
         err = ctypes.get_errno()
         raise OSError(err, f"madvise(MADV_HUGEPAGE) of {total} bytes failed")
     out = []
-    for a, off in zip(arrays, offsets, strict=True):
+    for a, off, sharding in zip(arrays, offsets, targets, strict=True):
+        if len(sharding.device_set) != 1:
+            raise OSError(f"weights on huge pages take one device, not {len(sharding.device_set)}")
         if not _aliasable(a):
-            out.append(jax.numpy.asarray(a))
+            out.append(jax.device_put(a, sharding))
             continue
         view = arena[off:off + a.nbytes].view(a.dtype).reshape(a.shape)
         view[...] = a
-        x = jax.dlpack.from_dlpack(view)
+        (device,) = sharding.device_set
+        try:
+            x = jax.dlpack.from_dlpack(view, device=device, copy=False)
+        except ValueError as e:  # copy=False: JAX refuses rather than copies
+            raise OSError(f"JAX cannot alias a {a.dtype}{list(a.shape)} weight: {e}") from None
+        x = jax.make_array_from_single_device_arrays(a.shape, sharding, [x])  # the sharding, no copy
         if x.unsafe_buffer_pointer() != view.ctypes.data:  # a copy would undo the point; never seen
             raise OSError(f"JAX copied a {a.dtype}{list(a.shape)} weight instead of aliasing the mapping")
         out.append(x)
