@@ -2,8 +2,9 @@
 
 Placement keeps every value and dtype, aliases the mapping (each leaf inside one region,
 cache-line aligned, no copy), advises it (the kernel's own THPeligible flag for the region),
-copies what DLPack cannot carry (bfloat16), and unmaps the region when the last array goes; a
-runner on huge pages generates what a runner on XLA's buffers does and says which it runs.
+copies what DLPack cannot carry (bfloat16; an all-bfloat16 model keeps XLA's buffers and says
+so), and unmaps the region when the last array goes; a runner on huge pages generates what a
+runner on XLA's buffers does and says which it runs.
 """
 
 from __future__ import annotations
@@ -125,3 +126,9 @@ def test_thp_never_falls_back_with_a_reason(monkeypatch: pytest.MonkeyPatch, tmp
 def test_config_names_the_field() -> None:
     with pytest.raises(ConfigError, match="weight_pages"):
         EngineConfig(weight_pages="large")  # type: ignore[arg-type]
+
+
+@needs_thp
+def test_bfloat16_weights_keep_xla_buffers_and_say_why() -> None:
+    runner, _ = make_runner(ENGINE.replace(dtype="bfloat16"))
+    assert runner.weight_pages == "default" and "bfloat16" in runner.weight_pages_reason  # type: ignore[attr-defined]

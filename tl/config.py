@@ -57,8 +57,8 @@ class EngineConfig:
     weight_pages: WeightPages = "huge"
     """CPU backend, one device: "huge" puts the weights in one host mapping advised for transparent
     huge pages (madvise), read by XLA without a copy; a one-row decode step streams every weight,
-    and 2 MiB pages spare it a page walk every 4 KiB (+4-7% decode here). "default": XLA's own
-    buffers. Ignored where THP is "never", on GPU/TPU and under tensor parallelism."""
+    and 2 MiB pages spare it a page walk every 4 KiB (+3-5% one-stream decode here). "default":
+    XLA's own buffers. Ignored where THP is "never", on GPU/TPU and under tensor parallelism."""
     tensor_parallel: int = 1
     """Devices the model is sharded over (Megatron layout on the mesh's "model" axis)."""
     attention_kernel: AttentionKernel = "auto"

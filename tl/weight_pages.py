@@ -7,16 +7,16 @@ The runner (tl/runner.py) calls it for a single CPU device; nothing else does.
 
 Why: a one-row decode step streams every weight once (538 MB for SmolLM2-135M). XLA's own
 buffers sit on 4 KiB pages, so the step walks the page tables every 4 KiB of weights; on 2 MiB
-pages it walks them 512x less often. Measured on the 2-core Xeon, one decode stream in-process,
-fresh processes alternated (`GLIBC_TUNABLES=glibc.malloc.hugetlb=1` first, which puts the whole
-heap on huge pages): 42.4 -> 45.6 and 43.4 -> 45.2 tok/s. The 30 layers' and the LM head's
-one-row matmuls read at 22-26 GB/s on 4 KiB pages where numpy's x.x (on huge pages: numpy
-advises its large arrays) reads at 30.
+pages it walks them 512x less often. Measured on the 2-core Xeon, one decode stream: in-process,
+fresh processes alternated, 40.8 -> 42.7 and 40.5 -> 41.9 tok/s; over HTTP in one `bench http
+--compare` run 41.3 -> 43.0 (as much as `GLIBC_TUNABLES=glibc.malloc.hugetlb=1` gains, which
+puts the whole heap on huge pages). One-row matmul chains on 4 KiB pages read at 19-26 GB/s,
+on huge pages 23-29, where numpy's x.x (numpy advises its large arrays) reads at 30.
 
 Leaves DLPack cannot carry (ml_dtypes' bfloat16: a bfloat16 model) are copied into XLA's
-buffers as before. Lifetime: each JAX array holds its DLPack capsule, the capsule the numpy view, the view the
-mapping; the mapping is unmapped when the last array goes. Nothing writes the mapping after
-the copy.
+buffers as before. Lifetime: each JAX array holds its DLPack capsule, the capsule the numpy
+view, the view the mapping; the mapping is unmapped when the last array goes. Nothing writes
+the mapping after the copy.
 """
 
 from __future__ import annotations
@@ -62,6 +62,8 @@ def place(tree: Any, shardings: Any) -> tuple[Any, int]:
         offsets.append(size)
         if _aliasable(a):
             size += -(-a.nbytes // ALIGN) * ALIGN
+    if size == 0:
+        raise OSError("no weight is of a dtype DLPack carries (bfloat16 weights take XLA's buffers)")
     total = -(-size // HUGE_PAGE) * HUGE_PAGE
     region = mmap.mmap(-1, total + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     raw = np.frombuffer(region, dtype=np.uint8)
