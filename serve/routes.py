@@ -171,7 +171,7 @@ def _card(ctx: Ctx) -> ModelCard:
     b = ctx.info.backend
     card = None if b is None else BackendCard(b.platform, b.device_kind, b.device_count, b.tensor_parallel,
                                               b.process_count, b.dtype, b.attention_kernel, b.kv_heads,
-                                              b.kv_cache_dtype)
+                                              b.kv_cache_dtype, b.matmul_precision)
     return ModelCard(ctx.info.model_id, "model", STARTED_AT, "tl", ctx.info.max_model_len, card)
 
 

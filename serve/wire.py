@@ -235,6 +235,7 @@ class BackendCard(Struct, frozen=True):
     attention_kernel: str
     kv_heads: str
     kv_cache_dtype: str
+    matmul_precision: str
 
 
 class ModelCard(Struct, frozen=True):
