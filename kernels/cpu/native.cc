@@ -1132,6 +1132,15 @@ void split_rows(const float* X, int64_t N, int64_t K, int64_t KB, uint16_t* A, i
 
 // Output tile (r, c) from tile register T: straight into y where the whole tile lies inside it,
 // else through a copy. (A macro: GCC's tile intrinsics take the register as a literal.)
+// C tiles 0-3 (rows of A tiles 6-7 x columns of B tiles 4-5) += A x B: the 2x2 block's 4 products.
+#define TL_DP_2X2()            \
+  do {                         \
+    _tile_dpbf16ps(0, 6, 4);   \
+    _tile_dpbf16ps(1, 6, 5);   \
+    _tile_dpbf16ps(2, 7, 4);   \
+    _tile_dpbf16ps(3, 7, 5);   \
+  } while (0)
+
 #define TL_STORE_TILE(T, Y, N, O, r, c)                                                     \
   do {                                                                                     \
     if ((r) + 16 <= (N) && (c) + 16 <= (O)) {                                              \
@@ -1178,24 +1187,15 @@ void bf16x3_pairs(const uint16_t* A, int64_t N, int64_t NB, const uint16_t* Wp, 
           _tile_loadd(5, b1, 64);
           _tile_loadd(6, a0, 64);  // x_hi
           _tile_loadd(7, a1, 64);
-          _tile_dpbf16ps(0, 6, 4);
-          _tile_dpbf16ps(1, 6, 5);
-          _tile_dpbf16ps(2, 7, 4);
-          _tile_dpbf16ps(3, 7, 5);
+          TL_DP_2X2();
           _tile_loadd(6, a0 + 512, 64);  // x_lo
           _tile_loadd(7, a1 + 512, 64);
-          _tile_dpbf16ps(0, 6, 4);
-          _tile_dpbf16ps(1, 6, 5);
-          _tile_dpbf16ps(2, 7, 4);
-          _tile_dpbf16ps(3, 7, 5);
+          TL_DP_2X2();
           _tile_loadd(4, b0 + 512, 64);  // w_lo
           _tile_loadd(5, b1 + 512, 64);
           _tile_loadd(6, a0, 64);  // x_hi
           _tile_loadd(7, a1, 64);
-          _tile_dpbf16ps(0, 6, 4);
-          _tile_dpbf16ps(1, 6, 5);
-          _tile_dpbf16ps(2, 7, 4);
-          _tile_dpbf16ps(3, 7, 5);
+          TL_DP_2X2();
         }
         const int64_t r = rb * 16, c = 2 * p * 16;
         const int64_t c1 = c + 16, r1 = r + 16;
