@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_runner import ENGINE, Driver, Seq, make_runner
+from test_runner import ENGINE, Seq, generate, make_runner
 
 from kernels import cpu_native
 from tl.config import ConfigError, EngineConfig
@@ -125,9 +125,7 @@ def test_runner_high_matches_float32_runner() -> None:
 
     def run(precision: str) -> tuple[object, list[Seq]]:
         runner, _ = make_runner(engine.replace(matmul_precision=precision))
-        seqs = [Seq(i, p, 10) for i, p in enumerate(prompts)]
-        Driver(runner, chunk=16).run(seqs)
-        return runner, seqs
+        return runner, generate(runner, prompts, 10, chunk=16)
 
     high, got = run("high")
     highest, want = run("highest")

@@ -117,6 +117,13 @@ class Driver:
             self.step(seqs)
 
 
+def generate(runner: ModelRunner, prompts: list[list[int]], max_tokens: int, chunk: int = 5) -> list[Seq]:
+    """Each prompt run to max_tokens greedy tokens through a Driver (sequence i has seq_id i)."""
+    seqs = [Seq(i, p, max_tokens) for i, p in enumerate(prompts)]
+    Driver(runner, chunk=chunk).run(seqs)
+    return seqs
+
+
 def test_paged_batched_matches_dense(runner_and_params: tuple[ModelRunner, dict]) -> None:
     runner, params = runner_and_params
     rng = np.random.default_rng(0)
@@ -271,9 +278,7 @@ def test_bf16_kv_cache_of_a_float32_model() -> None:
 
     def run(**kw: object) -> tuple[ModelRunner, list[Seq]]:
         runner = ModelRunner(cfg, params, engine.replace(**kw))
-        seqs = [Seq(i, p, 12) for i, p in enumerate(prompts)]
-        Driver(runner).run(seqs)
-        return runner, seqs
+        return runner, generate(runner, prompts, 12)
 
     native, got = run(kv_cache_dtype="bfloat16")
     assert native.attention.name == "cpu_native" and native.dtype == jnp.float32

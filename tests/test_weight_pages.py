@@ -16,7 +16,7 @@ import jax
 import ml_dtypes
 import numpy as np
 import pytest
-from test_runner import ENGINE, Driver, Seq, make_runner
+from test_runner import ENGINE, Seq, generate, make_runner
 
 from tl import weight_pages
 from tl.config import ConfigError, EngineConfig
@@ -99,9 +99,7 @@ def test_runner_on_huge_pages_matches_default_pages() -> None:
 
     def run(pages: str) -> tuple[object, list[Seq]]:
         runner, _ = make_runner(ENGINE.replace(weight_pages=pages))
-        seqs = [Seq(i, p, 8) for i, p in enumerate(prompts)]
-        Driver(runner, chunk=8).run(seqs)
-        return runner, seqs
+        return runner, generate(runner, prompts, 8, chunk=8)
 
     huge, got = run("huge")
     default, want = run("default")

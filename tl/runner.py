@@ -210,30 +210,28 @@ class ModelRunner:
                                  fused_qkv=self.layout.kv_sharded, pack=pack)
         shardings = jax.tree.map(lambda s: NamedSharding(self.mesh, s), backend.partition_specs(step, self.layout),
                                  is_leaf=lambda x: isinstance(x, P))
-        why = self._weight_pages_unavailable()
+        self.weight_pages, self.weight_pages_reason = "default", "configured"
+        if self.engine_config.weight_pages == "default":
+            return jax.device_put(step, shardings)
+        why = self._huge_pages_unavailable()
         if not why:
             try:
                 params, nbytes = weight_pages.place(step, shardings)
             except OSError as e:
-                why = f"huge configured; default pages: {e}"
+                why = str(e)
             else:
                 self.weight_pages, self.weight_pages_reason = "huge", f"{nbytes >> 20} MiB advised MADV_HUGEPAGE"
                 return params
-        self.weight_pages, self.weight_pages_reason = "default", why
+        self.weight_pages_reason = f"huge configured; default pages: {why}"
         return jax.device_put(step, shardings)
 
-    def _weight_pages_unavailable(self) -> str:
-        """Empty when the weights go on huge pages (tl/weight_pages.py), else why not."""
-        if self.engine_config.weight_pages == "default":
-            return "configured"
-        why = ""
+    def _huge_pages_unavailable(self) -> str:
+        """Empty when the weights can go on huge pages here (tl/weight_pages.py), else why not."""
         if self.platform != "cpu":
-            why = f"the {self.platform} backend holds its own memory"
-        elif self.mesh.size != 1:
-            why = f"the weights are sharded over {self.mesh.size} devices"
-        else:
-            why = weight_pages.unavailable_reason()
-        return f"huge configured; default pages: {why}" if why else ""
+            return f"the {self.platform} backend holds its own memory"
+        if self.mesh.size != 1:
+            return f"the weights are sharded over {self.mesh.size} devices"
+        return weight_pages.unavailable_reason()
 
     def _resolve_precision(self) -> tuple[str, str]:
         """The float32 matmul precision this runner runs, and why: "high" where configured and the
