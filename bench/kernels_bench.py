@@ -109,6 +109,7 @@ def run(argv: Sequence[str]) -> int:
     ap.add_argument("--rows", default="1,2,4,8,16,32,64", help="rows of the float32 matmul tests")
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--target", default="auto", help="native build (kernels/cpu_build.py TARGETS); auto: the best this CPU runs")
     args = ap.parse_args(argv)
     print("config:", json.dumps({**vars(args), "shapes": "SmolLM2-135M", "layers": L}))
 
@@ -116,8 +117,10 @@ def run(argv: Sequence[str]) -> int:
     import jax.numpy as jnp
     import numpy as np
 
-    from kernels import cpu_native, paged_attention
+    from kernels import cpu_build, cpu_native, paged_attention
 
+    lib = cpu_native.library(args.target)
+    print("native build:", lib.target.name, "on", cpu_build.cpu_model())
     rows: list[dict[str, object]] = []
 
     def add(test: str, med: dict[str, float], xla: str, native: str) -> None:
@@ -125,7 +128,7 @@ def run(argv: Sequence[str]) -> int:
                      "native ms": round(med[native] * 1e3, 2), "native speed-up": round(med[xla] / med[native], 2)})
 
     case = _attention_case(args.batch, args.context, args.seed)
-    ref, nat = _attention_chain(paged_attention.paged_attention), _attention_chain(cpu_native.paged_attention)
+    ref, nat = _attention_chain(paged_attention.paged_attention), _attention_chain(lib.paged_attention)
     med = _alternate({"reference": lambda: ref(*case), "native": lambda: nat(*case)}, args.repeat)
     add(f"attention, {args.batch} seqs @ctx {args.context}", med, "reference", "native")
     q, kv_new, k, v, meta = case
@@ -137,19 +140,19 @@ def run(argv: Sequence[str]) -> int:
     rng = np.random.default_rng(args.seed)
     for int8, row_counts in ((False, [int(r) for r in args.rows.split(",")]), (True, [1])):
         ws = _weights(int8, args.seed)
-        xla, nat_mm = _linear_chain(None), _linear_chain(cpu_native.matmul)
+        xla, nat_mm = _linear_chain(None), _linear_chain(lib.matmul)
         for n in row_counts:
             x = jnp.asarray(rng.standard_normal((n, D), dtype=np.float32))
             med = _alternate({"xla": lambda x=x, f=xla, ws=ws: f(ws, x),
                               "native": lambda x=x, f=nat_mm, ws=ws: f(ws, x)}, args.repeat)
             add(f"layer matmuls {'int8' if int8 else 'float32'}, {n} row{'s' if n > 1 else ''}", med, "xla", "native")
-    if cpu_native.amx_available():  # matmul_precision "high": against the float32 path the runner would take
+    if lib.amx_available():  # matmul_precision "high": against the float32 path the runner would take
         ws = _weights(False, args.seed)
         high = [{k: {"f32": w, "bf16x3": jnp.asarray(cpu_native.pack_bf16x3(np.asarray(w)))} for k, w in lw.items()}
                 for lw in ws]
         for n in [r for r in (int(r) for r in args.rows.split(",")) if r >= cpu_native.HIGH_MIN_ROWS] + [512]:
             x = jnp.asarray(rng.standard_normal((n, D), dtype=np.float32))
-            base = "native float32" if n <= cpu_native.max_rows() else "xla"
+            base = "native float32" if n <= lib.max_rows() else "xla"
             med = _alternate({base: lambda x=x, f=nat_mm if base != "xla" else xla: f(ws, x),
                               "high": lambda x=x, f=nat_mm: f(high, x)}, args.repeat)
             add(f"layer matmuls high (bf16x3, AMX), {n} rows", med, base, "high")

@@ -1,15 +1,21 @@
-"""Which paged-attention implementation a runner uses, and why.
+"""Which paged-attention and matmul implementations a runner uses, and why.
 
-Owns: the choice between the jnp reference (kernels/paged_attention.py), the Pallas kernels
-(kernels/pallas_tpu.py, kernels/pallas_gpu.py) and the native CPU kernel (kernels/cpu_native.py)
+Owns: the native CPU library a runner may use (`native_library`: built for `[engine]
+native_target`, or why not), the choice between the jnp reference (kernels/paged_attention.py),
+the Pallas kernels (kernels/pallas_tpu.py, kernels/pallas_gpu.py) and the native CPU kernel
 from `[engine].attention_kernel` and the platform, the shard_map that runs a kernel per device
-under tensor parallelism (a Pallas or FFI call is opaque to XLA's partitioner), and a trial
-trace at the real shapes so that a kernel that refuses them (or, for cpu_native, cannot be
-built here) falls back to the reference with the kernel's own message as the reason.
-Must not: write the cache. Tested by tests/test_pallas_attention.py and tests/test_cpu_native.py.
+under tensor parallelism (a Pallas or FFI call is opaque to XLA's partitioner), a trial trace at
+the real shapes so that a kernel that refuses them falls back to the reference with the
+kernel's own message as the reason; the layers' matmul from `[engine].matmul_kernel`; and the
+per-shape dispatch (`per_shape`) that runs, at each step shape, the implementation tl/verdicts.py
+measured faster there.
+Must not: write the cache, measure anything. Tested by tests/test_pallas_attention.py,
+tests/test_cpu_native.py and tests/test_verdicts.py.
 
-"auto": pallas_tpu on TPU, pallas_gpu on GPU, cpu_native on CPU. Naming a Pallas kernel of
-another platform runs it in interpret mode (tests do this); cpu_native runs on CPU only.
+"auto": pallas_tpu on TPU, pallas_gpu on GPU, cpu_native on CPU (where the library builds; each
+step shape then takes whichever of it and the reference measured faster). Naming a Pallas
+kernel of another platform runs it in interpret mode (tests do this); cpu_native runs on CPU
+only, and naming it forces it at every shape.
 """
 
 from __future__ import annotations
@@ -17,16 +23,22 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from kernels.cpu_build import NativeUnavailable
 from kernels.paged_attention import AttnMetadata, paged_attention
+
+if TYPE_CHECKING:
+    from kernels.cpu_native import NativeLib
 
 PagedAttention = Callable[..., jax.Array]
 """(q [T,Hq,hd], k_new, v_new [T,Hk,hd], k_cache, v_cache (stored layout), layer, meta) -> [T,Hq,hd]."""
+Matmul = Callable[[jax.Array, Any], "jax.Array | None"]
+ArgmaxLse = Callable[[jax.Array], tuple[jax.Array, jax.Array]]
 NATIVE = {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cpu": "cpu_native"}
 
 
@@ -35,36 +47,52 @@ class Choice:
     fn: PagedAttention
     name: str  # "reference", "cpu_native", "pallas_tpu" or "pallas_gpu" (+ " (interpret)")
     reason: str  # why, for the start-up log
+    measured: bool = False  # cpu_native under "auto": each step shape takes the faster of it and the reference
 
 
 @dataclass(frozen=True)
 class MatmulChoice:
-    fn: Callable[[jax.Array, Any], jax.Array | None] | None  # None: XLA's dot (so where fn returns None)
+    fn: Matmul | None  # None: XLA's dot (so where fn returns None)
     name: str  # "xla" or "cpu_native"
     reason: str
     # The sampler's argmax and logsumexp of the logits rows in one pass (None: jnp's), chosen
     # with the matmul: an opaque call needs whole (unsharded) rows.
-    argmax_lse: Callable[[jax.Array], tuple[jax.Array, jax.Array]] | None = None
+    argmax_lse: ArgmaxLse | None = None
+    measured: bool = False  # "auto": each row count takes the faster of native and XLA
 
 
-def select_matmul(attention: Choice, mesh: Mesh) -> MatmulChoice:
-    """The layers' float matmul: cpu_native's few-row kernel goes with cpu_native attention on one
-    device (under tensor parallelism an opaque call would need the whole, sharded weights)."""
-    if attention.name != "cpu_native":
-        return MatmulChoice(None, "xla", f"attention is {attention.name}")
-    if mesh.shape["model"] > 1:
-        return MatmulChoice(None, "xla", "tensor parallel: XLA partitions its own dot")
+def native_library(platform: str, target: str) -> tuple[NativeLib | None, str]:
+    """The native CPU library for `target` ("auto": the best build this CPU runs) on the CPU
+    platform, built now if needed, or None and why (one line: no compiler, the first compiler
+    error and where the log is, a target this CPU cannot run)."""
+    if platform != "cpu":
+        return None, f"native kernels run on cpu, not {platform}"
     from kernels import cpu_native
 
-    return MatmulChoice(cpu_native.matmul, "cpu_native", f"CPU: float rows <= {cpu_native.max_rows()}, int8 one row",
-                        argmax_lse=cpu_native.argmax_lse)
+    try:
+        return cpu_native.library(target), ""
+    except NativeUnavailable as e:
+        return None, str(e)
 
 
-def _kernel(name: str, interpret: bool) -> PagedAttention:
+def select_matmul(requested: str, native: NativeLib | None, why_not: str, mesh: Mesh) -> MatmulChoice:
+    """The layers' float matmul: the native kernels where the library is and the model is on
+    one device (under tensor parallelism an opaque call would need the whole, sharded weights)."""
+    if requested == "xla":
+        return MatmulChoice(None, "xla", "configured")
+    if native is None:
+        return MatmulChoice(None, "xla", f"cpu_native unavailable: {why_not}")
+    if mesh.shape["model"] > 1:
+        return MatmulChoice(None, "xla", "tensor parallel: XLA partitions its own dot")
+    auto = requested == "auto"
+    why = f"{native.target.name} build: " + ("by measurement per row count" if auto else "configured")
+    return MatmulChoice(native.matmul, "cpu_native", why, argmax_lse=native.argmax_lse, measured=auto)
+
+
+def _kernel(name: str, interpret: bool, native: NativeLib | None) -> PagedAttention:
     if name == "cpu_native":
-        from kernels import cpu_native
-
-        return cpu_native.paged_attention
+        assert native is not None
+        return native.paged_attention
     if name == "pallas_tpu":
         from kernels import pallas_tpu
 
@@ -87,11 +115,12 @@ def _per_device(fn: PagedAttention, mesh: Mesh) -> PagedAttention:
     return call
 
 
-def select(requested: str, platform: str, mesh: Mesh, kv_sharded: bool, probe: tuple[Any, ...]) -> Choice:
+def select(requested: str, platform: str, mesh: Mesh, kv_sharded: bool, probe: tuple[Any, ...],
+           native: NativeLib | None = None, why_not: str = "") -> Choice:
     """The implementation for `requested` ("auto", "reference", "cpu_native", "pallas_tpu", "pallas_gpu").
 
     probe: ShapeDtypeStructs of one call (q, k_new, v_new, k_cache, v_cache, layer, meta) used
-    for the trial trace.
+    for the trial trace. native / why_not: `native_library`'s answer (cpu_native only).
     """
     name = NATIVE.get(platform, "reference") if requested == "auto" else requested
     if name == "reference":
@@ -99,12 +128,14 @@ def select(requested: str, platform: str, mesh: Mesh, kv_sharded: bool, probe: t
         return Choice(paged_attention, "reference", why)
     if name == "cpu_native" and platform != "cpu":
         return Choice(paged_attention, "reference", f"cpu_native runs on cpu, not {platform}")
+    if name == "cpu_native" and native is None:
+        return Choice(paged_attention, "reference", f"cpu_native unavailable: {why_not}")
     tp = mesh.shape["model"]
     if tp > 1 and not kv_sharded:
         return Choice(paged_attention, "reference",
                       f"{name} needs KV heads split over tensor_parallel={tp}; they are replicated")
     interpret = NATIVE.get(platform) != name and name != "cpu_native"
-    fn = _kernel(name, interpret)
+    fn = _kernel(name, interpret, native)
     if tp > 1:
         fn = _per_device(fn, mesh)
     try:
@@ -112,4 +143,19 @@ def select(requested: str, platform: str, mesh: Mesh, kv_sharded: bool, probe: t
     except Exception as e:  # noqa: BLE001 -- any refusal by the kernel falls back; its message is the reason
         return Choice(paged_attention, "reference", f"{name} refused the model's shapes: {type(e).__name__}: {e}")
     label = name + (" (interpret)" if interpret else "")
+    if name == "cpu_native":
+        assert native is not None
+        auto = requested == "auto"
+        why = f"{native.target.name} build: " + ("by measurement per step shape" if auto else "configured")
+        return Choice(fn, label, why, measured=auto)
     return Choice(fn, label, "configured" if requested != "auto" else f"native kernel for {platform}")
+
+
+def per_shape(use_native: Callable[[int], bool], native: Callable[..., Any], other: Callable[..., Any]) -> Callable[..., Any]:
+    """A function that runs `native` where use_native(rows of its first argument) holds and
+    `other` elsewhere: decided at trace time, per compiled step shape (rows are static)."""
+
+    def call(x: jax.Array, *args: Any) -> Any:
+        return native(x, *args) if use_native(x.shape[0]) else other(x, *args)
+
+    return call

@@ -171,7 +171,8 @@ def _card(ctx: Ctx) -> ModelCard:
     b = ctx.info.backend
     card = None if b is None else BackendCard(b.platform, b.device_kind, b.device_count, b.tensor_parallel,
                                               b.process_count, b.dtype, b.attention_kernel, b.kv_heads,
-                                              b.kv_cache_dtype, b.matmul_precision)
+                                              b.kv_cache_dtype, b.matmul_precision, b.matmul_kernel,
+                                              b.native_target, list(b.kernel_choices))
     return ModelCard(ctx.info.model_id, "model", STARTED_AT, "tl", ctx.info.max_model_len, card)
 
 

@@ -236,6 +236,9 @@ class BackendCard(Struct, frozen=True):
     kv_heads: str
     kv_cache_dtype: str
     matmul_precision: str
+    matmul_kernel: str
+    native_target: str  # the native CPU kernels' build; "" where none is used
+    kernel_choices: list[str]  # each measured step-shape class: its pick and the native/XLA ratio
 
 
 class ModelCard(Struct, frozen=True):

@@ -14,6 +14,7 @@ import os
 import time
 from typing import TYPE_CHECKING
 
+from kernels.cpu_build import cpu_model
 from tl.config import EngineConfig
 
 if TYPE_CHECKING:
@@ -43,8 +44,12 @@ def build_engine(cfg: EngineConfig, warmup: bool = True, warmup_embed: bool = Fa
              b.platform, b.device_count, b.device_kind, b.process_count, b.tensor_parallel, b.kv_heads, b.dtype,
              b.kv_cache_dtype)
     log.info("attention: %s (%s); layer matmuls: %s (%s), precision %s (%s)", b.attention_kernel,
-             runner.attention.reason, runner.matmul.name, runner.matmul.reason, b.matmul_precision,
+             runner.attention.reason, b.matmul_kernel, runner.matmul.reason, b.matmul_precision,
              runner.precision_reason)
+    if runner.verdicts.verdicts:
+        log.info("native kernels (%s build, %s): verdicts %s", b.native_target, cpu_model(), runner.verdicts.source)
+        for line in runner.kernel_lines:
+            log.info("  %s", line)
     log.info("weight pages: %s (%s)", runner.weight_pages, runner.weight_pages_reason)
     if warmup:
         t0 = time.perf_counter()

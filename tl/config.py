@@ -22,6 +22,8 @@ MatmulPrecision = Literal["highest", "high"]
 WeightPages = Literal["huge", "default"]
 Backend = Literal["auto", "cpu", "gpu", "tpu"]
 AttentionKernel = Literal["auto", "reference", "cpu_native", "pallas_tpu", "pallas_gpu"]
+MatmulKernel = Literal["auto", "xla", "cpu_native"]
+NativeTarget = Literal["auto", "x86-64", "x86-64-v3", "x86-64-v4", "sapphirerapids", "aarch64"]
 
 
 class ConfigError(ValueError):
@@ -62,7 +64,17 @@ class EngineConfig:
     tensor_parallel: int = 1
     """Devices the model is sharded over (Megatron layout on the mesh's "model" axis)."""
     attention_kernel: AttentionKernel = "auto"
-    """Paged attention: "auto" picks the Pallas kernel of the backend, else the jnp reference."""
+    """Paged attention: "auto" picks the Pallas kernel on TPU/GPU; on CPU the native kernel where it
+    measured faster than the jnp reference at each step shape (timed at start-up, cached per CPU);
+    "cpu_native" forces the native kernel at every shape, "reference" the jnp one."""
+    matmul_kernel: MatmulKernel = "auto"
+    """CPU matmuls of up to 64 rows (and the sampler's argmax): "auto" takes the native kernel at
+    each row count where it measured faster than XLA's dot (timed at start-up, cached per CPU);
+    "cpu_native" forces it, "xla" never uses it."""
+    native_target: NativeTarget = "auto"
+    """Which build of the native CPU kernels: "auto" is the most capable this CPU runs
+    (sapphirerapids with AMX, x86-64-v4 with AVX-512, x86-64-v3 with AVX2+FMA, x86-64 with SSE2,
+    aarch64 with NEON); naming one this CPU runs forces it (e.g. AVX2 code on an AVX-512 machine)."""
     coordinator_address: str = ""
     """Multi-host: jax.distributed coordinator host:port; empty means JAX_COORDINATOR_ADDRESS or single host."""
     num_processes: int = 0
@@ -127,6 +139,11 @@ class EngineConfig:
         _check(self.attention_kernel in ("auto", "reference", "cpu_native", "pallas_tpu", "pallas_gpu"),
                "attention_kernel must be auto, reference, cpu_native, pallas_tpu or pallas_gpu, "
                f"got {self.attention_kernel!r}")
+        _check(self.matmul_kernel in ("auto", "xla", "cpu_native"),
+               f"matmul_kernel must be auto, xla or cpu_native, got {self.matmul_kernel!r}")
+        targets = ("auto", "x86-64", "x86-64-v3", "x86-64-v4", "sapphirerapids", "aarch64")
+        _check(self.native_target in targets,
+               f"native_target must be one of {', '.join(targets)}, got {self.native_target!r}")
         _check(self.num_processes >= 0, f"num_processes must be >= 0, got {self.num_processes}")
         _check(self.process_id >= -1, f"process_id must be >= -1, got {self.process_id}")
         _check(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), f"block_size must be a power of two <= 128, got {self.block_size}")
@@ -170,7 +187,7 @@ class EngineConfig:
     def compile_key(self) -> tuple[object, ...]:
         """The fields that change compiled shapes; equal keys may share compiled steps."""
         return (self.backend, self.dtype, self.weight_dtype, self.kv_cache_dtype, self.matmul_precision, self.tensor_parallel, self.attention_kernel,
-                self.block_size, self.num_kv_blocks, self.max_model_len, self.token_buckets,
+                self.matmul_kernel, self.native_target, self.block_size, self.num_kv_blocks, self.max_model_len, self.token_buckets,
                 self.seq_buckets, self.spec_tokens, self.max_logprobs)
 
     def replace(self, **changes: object) -> EngineConfig:

@@ -33,13 +33,14 @@ from jax.sharding import PartitionSpec as P
 from kernels import paged_attention
 from kernels import select as attention_select
 from kernels.paged_attention import AttnMetadata
-from tl import backend, weight_pages
+from tl import backend, verdicts, weight_pages
 from tl.config import EngineConfig
 from tl.model import llama
 from tl.model.config import ModelConfig, load_model_config
 from tl.model.files import eos_token_ids, read_tensors
 from tl.plan import RunnerOutput, SchedulerOutput, SeqResult, SeqWork
 from tl.sampler import Penalties, SampleOut, SamplingBatch, pack_penalties, pack_rows, sample, top_logprobs
+from tl.sampler import argmax_lse as sampler_argmax_lse
 from tl.stats import BackendInfo
 
 ATTN_CHUNK_TOKENS = 128  # keys per iteration of the cached-attention loop (rounded to whole blocks)
@@ -128,6 +129,11 @@ def _step(params: llama.Params, kv: tuple[jax.Array, jax.Array], bufs: tuple[jax
     return kv, sample(logits, sb, pen, argmax_lse), logits
 
 
+def _no_native(x: jax.Array, w: Any) -> None:
+    """The matmul at row counts the verdicts give to XLA: None, so llama.linear runs XLA's dot."""
+    return None
+
+
 def _embed(params: llama.Params, token_ids: jax.Array, length: jax.Array, *, cfg: ModelConfig,
            on_trace: Any) -> jax.Array:
     """Mean of the final-normed hidden states of the first `length` tokens, L2-normalised [D]."""
@@ -174,13 +180,16 @@ class ModelRunner:
         self._kv = self._alloc_kv()
         self._num_compilations = 0
         self._zero_penalties: dict[tuple[int, int], Penalties] = {}
-        self.attention = self._select_attention()
-        self.matmul = attention_select.select_matmul(self.attention, self.mesh)
+        self.native, why_native = attention_select.native_library(self.platform, engine_cfg.native_target)
+        self.attention = self._select_attention(why_native)
+        self.matmul = attention_select.select_matmul(engine_cfg.matmul_kernel, self.native, why_native, self.mesh)
         self.matmul_precision, self.precision_reason = self._resolve_precision()
         self._params = self._place_params(params_host)
+        self.verdicts = self._measure_verdicts()
+        attention, matmul, argmax_lse = self._dispatch()
         kv_sh = NamedSharding(self.mesh, self.layout.kv_spec)
-        self._step = jax.jit(functools.partial(_step, cfg=cfg, on_trace=self._count, attention=self.attention.fn,
-                                               matmul=self.matmul.fn, argmax_lse=self.matmul.argmax_lse),
+        self._step = jax.jit(functools.partial(_step, cfg=cfg, on_trace=self._count, attention=attention,
+                                               matmul=matmul, argmax_lse=argmax_lse),
                              donate_argnames=("kv",), static_argnames=("layout",),
                              out_shardings=((kv_sh, kv_sh), self._replicated, self._replicated))
         self._embed = jax.jit(functools.partial(_embed, cfg=cfg, on_trace=self._count))
@@ -244,11 +253,8 @@ class ModelRunner:
             why = f"the matmul is {self.matmul.name} ({self.matmul.reason})"
         elif self.dtype != jnp.float32 or ec.weight_dtype != "float32":
             why = f"dtype {self.dtype.name}, weight_dtype {ec.weight_dtype}: high applies to float32 weights"
-        else:
-            from kernels import cpu_native
-
-            if not cpu_native.amx_available():
-                why = "no AMX-BF16 on this CPU or build"
+        elif self.native is None or not self.native.amx_available():
+            why = "no AMX-BF16 on this CPU or build"
         if why:
             return "highest", f"high configured; runs highest: {why}"
         return "high", "configured: bf16x3 on AMX"
@@ -273,7 +279,7 @@ class ModelRunner:
 
     # ---- backend ----
 
-    def _select_attention(self) -> attention_select.Choice:
+    def _select_attention(self, why_native: str) -> attention_select.Choice:
         """The paged-attention implementation, tried once at the smallest step shape."""
         c, ec = self.model_config, self.engine_config
         t, s = ec.token_buckets[0], ec.seq_buckets[0]
@@ -287,7 +293,81 @@ class ModelRunner:
         k, v = (sds(*x.shape, dtype=x.dtype) for x in self._kv)
         probe = (sds(t, c.num_attention_heads, c.head_dim), sds(t, c.num_key_value_heads, c.head_dim),
                  sds(t, c.num_key_value_heads, c.head_dim), k, v, sds(dtype=i32), meta)
-        return attention_select.select(ec.attention_kernel, self.platform, self.mesh, self.layout.kv_sharded, probe)
+        return attention_select.select(ec.attention_kernel, self.platform, self.mesh, self.layout.kv_sharded, probe,
+                                       self.native, why_native)
+
+    # ---- kernel verdicts: native or XLA, per step shape ----
+
+    def _verdict_key(self) -> dict[str, Any]:
+        """What the verdicts depend on besides the library build and the CPU (tl/verdicts.py)."""
+        c, ec = self.model_config, self.engine_config
+        return {"model": [c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads,
+                          c.head_dim, c.vocab_size], "dtype": self.dtype.name, "weight_dtype": ec.weight_dtype,
+                "kv": str(jnp.dtype(self.kv_storage_dtype)), "precision": self.matmul_precision,
+                "block_size": self.block_size, "buckets": list(ec.token_buckets), "seqs": ec.max_num_seqs,
+                "tp": self.mesh.shape["model"], "matmul": self.matmul.measured, "attention": self.attention.measured}
+
+    def _measure_verdicts(self) -> verdicts.Verdicts:
+        """Each measured kernel's classes (tl/verdicts.py), from the cache beside the library or
+        timed now at this model's shapes over its own weights and KV cache."""
+        ec = self.engine_config
+        classes: list[tuple[str, int]] = []
+        if self.matmul.measured:
+            top = ec.token_buckets[-1]
+            rows = [r for r in verdicts.MATMUL_ROWS if r <= top]
+            if self.matmul_precision == "high" and top > rows[-1]:
+                rows.append(top)  # the AMX kernel takes any row count
+            classes += [("matmul", r) for r in rows]
+        attn = {}
+        if self.attention.measured:
+            attn = {t: decode for t, decode in verdicts.attention_classes(ec.token_buckets, ec.max_num_seqs,
+                                                                          ec.max_num_batched_tokens)}
+            classes += [("attention", t) for t in attn]
+        if not classes:
+            return verdicts.Verdicts()
+        assert self.native is not None
+        c = self.model_config
+        layers = verdicts.stream_layers(self._params["layers"])
+
+        def prepare(kernel: str, rows: int) -> verdicts.Timed:
+            if kernel == "matmul":
+                # One row streams the weights (a chain past the cache); more rows are compute-bound.
+                return verdicts.matmul_case(layers if rows == 1 else layers[:1], self._lm_head(), self.matmul.fn, rows,
+                                            llama.linear,
+                                            self.matmul.argmax_lse)
+            case = verdicts.attention_case(rows, attn[rows], c.num_attention_heads, c.num_key_value_heads,
+                                           c.head_dim, self._kv[0], self._chunk_blocks, self._max_blocks, self.dtype)
+            return verdicts.attention_timed(self.attention.fn, paged_attention.paged_attention, case, *self._kv,
+                                            layers=2)
+
+        key = self._verdict_key()
+        return verdicts.measure(verdicts.cache_path(self.native.path, key), key, classes, prepare)
+
+    def _lm_head(self) -> Any:
+        """The LM head as llama.linear takes it ([V,D]: the tied embedding, or lm_head; "high"
+        precision's packed copy beside it)."""
+        p = self._params
+        w = p["embed"] if self.model_config.tie_word_embeddings else p["lm_head"]
+        return {"f32": w, "bf16x3": p["lm_head_bf16x3"]} if "lm_head_bf16x3" in p else w
+
+    def _dispatch(self) -> tuple[Any, Any, Any]:
+        """(attention, matmul, argmax_lse) for the step: where a kernel was measured, each step
+        shape takes the verdict's pick (kernels/select.py per_shape); else the choice as made."""
+        v = self.verdicts
+        attention = self.attention.fn
+        if self.attention.measured:
+            attention = attention_select.per_shape(lambda t: v.native("attention", t), attention,
+                                                   paged_attention.paged_attention)
+        matmul, argmax_lse = self.matmul.fn, self.matmul.argmax_lse
+        if self.matmul.measured and matmul is not None and argmax_lse is not None:
+            matmul = attention_select.per_shape(lambda n: v.native("matmul", n), matmul, _no_native)
+            argmax_lse = attention_select.per_shape(lambda n: v.native("matmul", n), argmax_lse, sampler_argmax_lse)
+        return attention, matmul, argmax_lse
+
+    @property
+    def kernel_lines(self) -> list[str]:
+        """The kernel choices for the start-up log: each measured class with its ratio."""
+        return [v.line() for v in self.verdicts.verdicts]
 
     @property
     def backend_info(self) -> BackendInfo:
@@ -296,8 +376,21 @@ class ModelRunner:
                            device_count=self.mesh.devices.size, tensor_parallel=self.mesh.shape["model"],
                            process_count=jax.process_count(), dtype=self.dtype.name,
                            kv_cache_dtype="bfloat16" if self.kv_storage_dtype == jnp.uint16 else self.dtype.name,
-                           attention_kernel=self.attention.name, matmul_precision=self.matmul_precision,
+                           attention_kernel=self._attention_summary(), matmul_precision=self.matmul_precision,
+                           matmul_kernel=self._matmul_summary(),
+                           native_target=self.native.target.name if self.native is not None else "",
+                           kernel_choices=tuple(self.kernel_lines),
                            kv_heads="sharded" if self.layout.kv_sharded else "replicated")
+
+    def _attention_summary(self) -> str:
+        if not self.attention.measured:
+            return self.attention.name
+        return self.verdicts.summary("attention", self.attention.name, "reference")
+
+    def _matmul_summary(self) -> str:
+        if not self.matmul.measured:
+            return self.matmul.name
+        return self.verdicts.summary("matmul", "cpu_native", "xla")
 
     @property
     def kv_cache(self) -> tuple[jax.Array, jax.Array]:

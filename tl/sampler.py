@@ -147,11 +147,11 @@ ArgmaxLse = Callable[[jax.Array], tuple[jax.Array, jax.Array]]
 """logits [R,V] -> (first argmax [R] int32, logsumexp [R] f32): a backend's one-pass kernel."""
 
 
-def _argmax_lse(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+def argmax_lse(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return jnp.argmax(x, axis=1).astype(jnp.int32), jax.nn.logsumexp(x, axis=1)
 
 
-def sample(logits: jax.Array, sb: SamplingBatch, pen: Penalties, argmax_lse: ArgmaxLse | None = None) -> SampleOut:
+def sample(logits: jax.Array, sb: SamplingBatch, pen: Penalties, argmax_lse_fn: ArgmaxLse | None = None) -> SampleOut:
     """Tokens for each row of logits [R,V] (float32).
 
     Greedy rows accept a draft iff it is the argmax. Sampled rows accept draft d with
@@ -159,10 +159,10 @@ def sample(logits: jax.Array, sb: SamplingBatch, pen: Penalties, argmax_lse: Arg
     from q with d removed and renormalised: the result is distributed exactly as q (drafts
     are deterministic proposals). The logprob is of the RAW distribution, log_softmax(logits)
     before penalties, temperature and truncation (what OpenAI's `logprobs` reports).
-    argmax_lse: the argmax and logsumexp of the raw logits in one pass (kernels/select.py:
+    argmax_lse_fn: the argmax and logsumexp of the raw logits in one pass (kernels/select.py:
     the native CPU kernel; default jnp). Penalised rows take a jnp argmax of their own.
     """
-    raw_tok, lse = (argmax_lse or _argmax_lse)(logits)
+    raw_tok, lse = (argmax_lse_fn or argmax_lse)(logits)
 
     def general() -> tuple[jax.Array, jax.Array]:
         x = lax.cond(pen.enabled, apply_penalties, lambda lg, _: lg, logits, pen)

@@ -42,12 +42,16 @@ class BackendInfo:
     process_count: int = 1  # jax.distributed processes (hosts) in the job
     dtype: str = "float32"
     kv_cache_dtype: str = "float32"  # what the KV cache holds: the dtype, or bfloat16 (kv_cache_dtype)
-    attention_kernel: str = "reference"
+    attention_kernel: str = "reference"  # "cpu_native+reference": each step shape takes the one measured faster
     matmul_precision: str = "highest"  # float32 matmuls as run: "highest", or "high" (bf16x3 on AMX)
+    matmul_kernel: str = "xla"  # "xla", "cpu_native", or "cpu_native+xla" (by row count, as measured)
+    native_target: str = ""  # the native CPU library's build (kernels/cpu_build.py), "" where none is used
+    kernel_choices: tuple[str, ...] = ()  # each measured class: its pick and the native kernel's ratio to XLA
     kv_heads: str = "sharded"  # "sharded" over the model axis, or "replicated" when they do not divide
 
     def labels(self) -> dict[str, str]:
         return {"platform": self.platform, "device_kind": self.device_kind, "device_count": str(self.device_count),
                 "tensor_parallel": str(self.tensor_parallel), "process_count": str(self.process_count),
                 "dtype": self.dtype, "kv_cache_dtype": self.kv_cache_dtype, "attention_kernel": self.attention_kernel,
-                "matmul_precision": self.matmul_precision, "kv_heads": self.kv_heads}
+                "matmul_precision": self.matmul_precision, "matmul_kernel": self.matmul_kernel,
+                "native_target": self.native_target, "kv_heads": self.kv_heads}

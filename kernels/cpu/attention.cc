@@ -1,0 +1,770 @@
+// Paged attention on the CPU as XLA FFI custom calls: the cached part, the local part and, for
+// steps of a few tokens, both in one call.
+//
+// Owns: (1) TlPagedAttentionCached: folding each token's keys at positions [0, start_pos of its
+// sequence) into a softmax state (m, l, acc), reading the blocks of the stored cache layout
+// (kernels/paged_attention.py: K [L, NB, Hk, hd, bs], V [L, NB, Hk, bs, hd]) in place, token
+// ranges on the threads of XLA's intra-op pool; float32 caches, or bf16 bits (the ...Bf16
+// targets, vector-fold shapes only). (2) TlLocalAttention: the softmax state of each token over
+// this step's own keys (same sequence, causal), tiles of query tokens x KV head on the pool's
+// threads. (3) TlSmallAttention(Bf16): both parts, merged and normalised, in one call for steps
+// of a few tokens, (token, KV head) items on the threads.
+// Must not: write anything but its outputs. Built by kernels/cpu_build.py, called by
+// kernels/cpu_native.py, tested by tests/test_cpu_native.py against the jnp reference and a
+// float64 one; whether a step shape runs here or on the reference is measured at start-up
+// (kernels/verdicts.py).
+//
+// Why: XLA:CPU gathers cached blocks element by element (~3 GB/s a thread) and then runs tiny
+// batched dots over the copy; here every block is read once, where it lies. And XLA:CPU runs
+// the elementwise passes of a masked softmax on one thread.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <memory>
+#include <type_traits>
+#include <vector>
+
+#include "simd.h"
+#include "threads.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace tl {
+namespace {
+
+// Asks for n floats from each of a and b to be brought into cache, one line at a time.
+inline void prefetch_pair(const float* a, const float* b, int64_t n) {
+  for (int64_t x = 0; x < n; x += 16) {
+    __builtin_prefetch(a + x);
+    __builtin_prefetch(b + x);
+  }
+}
+
+// KV: float, or uint16_t for a cache of bf16 bits (kv_cache_dtype = "bfloat16").
+template <typename KV>
+struct ProblemT {
+  const float* q;           // [T, Hk, G, hd], already scaled by 1/sqrt(hd)
+  const KV* k;              // [L, NB, Hk, hd, bs]
+  const KV* v;              // [L, NB, Hk, bs, hd]
+  const int32_t* seq_idx;   // [T], -1 for padding
+  const int32_t* start_pos; // [S]
+  const int32_t* tables;    // [S, MB]
+  float* m;                 // [T, Hk, G]
+  float* l;                 // [T, Hk, G]
+  float* acc;               // [T, Hk, G, hd]
+  int64_t T, Hk, G, hd, NB, bs, S, MB, layer;
+};
+using Problem = ProblemT<float>;
+
+constexpr int64_t kMaxBlock = 64;   // block_size limit of the score buffer
+constexpr int64_t kMaxHeadDim = 256;
+
+// One block of one KV head folded into the softmax state of its G query heads. BS and HD are
+// compile-time block size and head dim for the common shapes (0: runtime bs, hd), so that a
+// block's scores of one query head and its output row stay in registers.
+template <int64_t BS, int64_t HD>
+inline void fold_block(const float* q, const float* K, const float* V, int64_t n, int64_t G, int64_t bs_rt,
+                       int64_t hd_rt, float* m, float* l, float* acc) {
+  const int64_t bs = BS ? BS : bs_rt;
+  const int64_t hd = HD ? HD : hd_rt;
+  float s[kMaxBlock];
+  float a[kMaxHeadDim];
+  for (int64_t g = 0; g < G; ++g) {
+    const float* qg = q + g * hd;
+    // K is [hd, bs]: one row of keys per dimension; four partial sums break the FMA chain.
+    float s1[kMaxBlock], s2[kMaxBlock], s3[kMaxBlock];
+    for (int64_t j = 0; j < bs; ++j) s[j] = s1[j] = s2[j] = s3[j] = 0.0f;
+    int64_t d = 0;
+    for (; d + 4 <= hd; d += 4) {
+      const float* kd = K + d * bs;
+      const float q0 = qg[d], q1 = qg[d + 1], q2 = qg[d + 2], q3 = qg[d + 3];
+      for (int64_t j = 0; j < bs; ++j) {
+        s[j] += q0 * kd[j];
+        s1[j] += q1 * kd[bs + j];
+        s2[j] += q2 * kd[2 * bs + j];
+        s3[j] += q3 * kd[3 * bs + j];
+      }
+    }
+    for (; d < hd; ++d)
+      for (int64_t j = 0; j < bs; ++j) s[j] += qg[d] * K[d * bs + j];
+    for (int64_t j = 0; j < bs; ++j) s[j] += (s1[j] + s2[j]) + s3[j];
+    float bm = s[0];
+    for (int64_t j = 1; j < n; ++j) bm = std::max(bm, s[j]);
+    const float mn = std::max(m[g], bm);
+    const float corr = std::exp(m[g] - mn);  // 0 on the first block (m = -inf)
+    float sum = 0.0f;
+    for (int64_t j = 0; j < n; ++j) {
+      s[j] = std::exp(s[j] - mn);
+      sum += s[j];
+    }
+    l[g] = l[g] * corr + sum;
+    m[g] = mn;
+    float* ag = acc + g * hd;
+    for (int64_t x = 0; x < hd; ++x) a[x] = ag[x] * corr;
+    for (int64_t j = 0; j < n; ++j) {  // V is [bs, hd]
+      const float w = s[j];
+      const float* vj = V + j * hd;
+      for (int64_t x = 0; x < hd; ++x) a[x] += w * vj[x];
+    }
+    for (int64_t x = 0; x < hd; ++x) ag[x] = a[x];
+  }
+}
+
+// One token: every KV head over the cached blocks of its sequence, block by block (a block's
+// heads lie together: one contiguous run of K and one of V), the next block prefetched.
+template <int64_t BS, int64_t HD>
+void fold_token(const Problem& p, int64_t t, int64_t h0, int64_t h1) {
+  const int64_t G = p.G, Hk = p.Hk;
+  const int64_t bs = BS ? BS : p.bs;
+  const int64_t hd = HD ? HD : p.hd;
+  float* m = p.m + t * Hk * G;
+  float* l = p.l + t * Hk * G;
+  float* acc = p.acc + t * Hk * G * hd;
+  std::fill(m + h0 * G, m + h1 * G, -std::numeric_limits<float>::infinity());
+  std::fill(l + h0 * G, l + h1 * G, 0.0f);
+  std::fill(acc + h0 * G * hd, acc + h1 * G * hd, 0.0f);
+  const int32_t seq = p.seq_idx[t];
+  if (seq < 0) return;
+  const int64_t ctx = p.start_pos[seq];
+  const int64_t block_floats = Hk * hd * bs;
+  const float* q = p.q + t * Hk * G * hd;
+  const int32_t* table = p.tables + seq * p.MB;
+  const int64_t nblocks = (ctx + bs - 1) / bs;
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const int64_t base = (p.layer * p.NB + table[b]) * block_floats;
+    if (b + 1 < nblocks) {
+      const int64_t next = (p.layer * p.NB + table[b + 1]) * block_floats;
+      prefetch_pair(p.k + next, p.v + next, block_floats);
+    }
+    const int64_t n = std::min(bs, ctx - b * bs);
+    for (int64_t h = h0; h < h1; ++h) {
+      fold_block<BS, HD>(q + h * G * hd, p.k + base + h * hd * bs, p.v + base + h * bs * hd, n, G, bs, hd,
+                         m + h * G, l + h * G, acc + h * G * hd);
+    }
+  }
+}
+
+// The accumulator chunk of the vector fold: CH of a head's HV vectors of 16 output floats per
+// query head, chosen so that G x CH accumulators, CH rows of V and a weight fit in registers
+// (simd.h kV16Regs). With CH = HV (AVX-512: all 12 of SmolLM2's G 3 x HV 4) the accumulators
+// stay in registers over all the blocks of a head; with fewer (AVX2 and NEON: 1) they live in
+// L1 and each block adds to them one chunk at a time. (Keeping all 12 in registers spilled 24
+// ymm registers on AVX2: 64 sequences at context 256, 30 layers, ran 186 ms, 0.87x the jnp
+// reference.)
+constexpr int fold_chunk(int G, int HV) {
+  for (int ch = HV; ch > 1; ch /= 2)
+    if (G * ch + ch + 2 <= kV16Regs) return ch;
+  return 1;
+}
+
+// fold_token for block size 16 with the G query heads of a KV head together: per block, a row
+// of 16 keys per dimension against the G queries (one vector of scores each), one vector exp
+// per query head, then the G x HV accumulator vectors updated CH at a time (fold_chunk).
+// (The scalar-loop fold_block spent most of a 64-sequence step in exp and reloads.)
+template <typename KV, int G, int HV>
+void fold_token_vec(const ProblemT<KV>& p, int64_t t, int64_t h0, int64_t h1) {
+  constexpr int64_t hd = HV * 16, bs = 16;
+  constexpr int CH = fold_chunk(G, HV);
+  const int64_t Hk = p.Hk;
+  float* m_out = p.m + t * Hk * G;
+  float* l_out = p.l + t * Hk * G;
+  float* acc_out = p.acc + t * Hk * G * hd;
+  const int32_t seq = p.seq_idx[t];
+  const int64_t ctx = seq < 0 ? 0 : p.start_pos[seq];
+  const int64_t nblocks = (ctx + bs - 1) / bs;
+  const int32_t* table = seq < 0 ? nullptr : p.tables + seq * p.MB;
+  const int64_t block_floats = Hk * hd * bs;
+  const i16 iota = iota16();
+  for (int64_t h = h0; h < h1; ++h) {
+    const float* q = p.q + (t * Hk + h) * G * hd;
+    v16 acc[G][CH == HV ? HV : 1];  // the accumulators, where they fit in registers
+    alignas(64) float accm[CH == HV ? 1 : G * hd];  // else here, in L1
+    float m[G], l[G];
+    for (int g = 0; g < G; ++g) {
+      m[g] = kNoScore;
+      l[g] = 0.0f;
+      if constexpr (CH == HV)
+        for (int x = 0; x < HV; ++x) acc[g][x] = v16{};
+    }
+    if constexpr (CH != HV) std::fill(accm, accm + G * hd, 0.0f);
+    for (int64_t b = 0; b < nblocks; ++b) {
+      const int64_t base = (p.layer * p.NB + table[b]) * block_floats + h * hd * bs;
+      const KV* K = p.k + base;  // [hd, bs]
+      const KV* V = p.v + base;  // [bs, hd]
+      // The next block of this head (or the first of the next head) is prefetched a line of K
+      // and a line of V per key dimension, spread over the score loop: K and V of a head's
+      // block are hd lines each, one per dimension (bs = 16 floats a line). A burst of all of
+      // them at the block's start ran 1.10-1.14x slower (one thread, 64 sequences x 256
+      // random blocks x 30 layers: 73-75 vs 80-85 ms; 2-8 blocks ahead was no better). A bf16
+      // block is half the lines: one per two dimensions.
+      const KV* Kn = nullptr;
+      const KV* Vn = nullptr;
+      if (b + 1 < nblocks || (h + 1 < h1 && nblocks > 0)) {
+        const int64_t nb = b + 1 < nblocks ? table[b + 1] : table[0];
+        const int64_t nh = b + 1 < nblocks ? h : h + 1;
+        const int64_t next = (p.layer * p.NB + nb) * block_floats + nh * hd * bs;
+        Kn = p.k + next;
+        Vn = p.v + next;
+      }
+      v16 s[G];
+      for (int g = 0; g < G; ++g) s[g] = v16{};
+      for (int64_t d = 0; d < hd; ++d) {
+        if (Kn != nullptr && (sizeof(KV) == 4 || (d & 1) == 0)) {
+          __builtin_prefetch(Kn + d * bs);
+          __builtin_prefetch(Vn + d * bs);
+        }
+        const v16 kd = load16(K + d * bs);
+        for (int g = 0; g < G; ++g) s[g] += q[g * hd + d] * kd;
+      }
+      const int32_t n = static_cast<int32_t>(std::min(bs, ctx - b * bs));
+      const auto valid = iota < n;
+      alignas(64) float pr[G][16];
+      float corr[G];
+      for (int g = 0; g < G; ++g) {
+        const v16 sc = select(valid, s[g], splat(kNoScore));
+        const float mn = std::max(m[g], hmax(sc));
+        corr[g] = std::exp(m[g] - mn);
+        const v16 e = select(valid, vexp(sc - mn), v16{});
+        l[g] = l[g] * corr[g] + hsum(e);
+        m[g] = mn;
+        store16(pr[g], e);
+      }
+      if constexpr (CH == HV) {
+        for (int g = 0; g < G; ++g)
+          for (int x = 0; x < HV; ++x) acc[g][x] *= corr[g];
+        for (int32_t j = 0; j < n; ++j) {
+          v16 vv[HV];
+          for (int x = 0; x < HV; ++x) vv[x] = load16(V + j * hd + 16 * x);
+          for (int g = 0; g < G; ++g)
+            for (int x = 0; x < HV; ++x) acc[g][x] += pr[g][j] * vv[x];
+        }
+      } else {
+        for (int c0 = 0; c0 < HV; c0 += CH) {
+          v16 a[G][CH];
+          for (int g = 0; g < G; ++g)
+            for (int x = 0; x < CH; ++x) a[g][x] = load16(accm + g * hd + 16 * (c0 + x)) * corr[g];
+          for (int32_t j = 0; j < n; ++j) {
+            v16 vv[CH];
+            for (int x = 0; x < CH; ++x) vv[x] = load16(V + j * hd + 16 * (c0 + x));
+            for (int g = 0; g < G; ++g)
+              for (int x = 0; x < CH; ++x) a[g][x] += pr[g][j] * vv[x];
+          }
+          for (int g = 0; g < G; ++g)
+            for (int x = 0; x < CH; ++x) store16(accm + g * hd + 16 * (c0 + x), a[g][x]);
+        }
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      // No cached key: m = -inf, l = 0 (the merge with the local part then ignores this part).
+      m_out[h * G + g] = nblocks ? m[g] : -std::numeric_limits<float>::infinity();
+      l_out[h * G + g] = l[g];
+      float* dst = acc_out + (h * G + g) * hd;
+      if constexpr (CH == HV) {
+        for (int x = 0; x < HV; ++x) store16(dst + 16 * x, acc[g][x]);
+      } else {
+        std::copy(accm + g * hd, accm + (g + 1) * hd, dst);
+      }
+    }
+  }
+}
+
+template <typename KV>
+using FoldFnT = void (*)(const ProblemT<KV>&, int64_t, int64_t, int64_t);  // (problem, token, heads [h0, h1))
+using FoldFn = FoldFnT<float>;
+
+FoldFn pick_scalar(const Problem& p) {
+  if (p.bs == 16 && p.hd == 64) return fold_token<16, 64>;
+  if (p.bs == 16 && p.hd == 128) return fold_token<16, 128>;
+  if (p.bs == 32 && p.hd == 64) return fold_token<32, 64>;
+  if (p.bs == 32 && p.hd == 128) return fold_token<32, 128>;
+  return fold_token<0, 0>;
+}
+
+// The fold for these shapes; for a bf16 cache only the vector folds exist, and nullptr
+// elsewhere (kernels/cpu_native.py: bf16_supported, which keeps such shapes on the reference).
+template <typename KV>
+FoldFnT<KV> pick(const ProblemT<KV>& p) {
+  if (p.bs == 16 && p.hd == 64 && p.G >= 1 && p.G <= 4) {
+    switch (p.G) {
+      case 1: return fold_token_vec<KV, 1, 4>;
+      case 2: return fold_token_vec<KV, 2, 4>;
+      case 3: return fold_token_vec<KV, 3, 4>;
+      default: return fold_token_vec<KV, 4, 4>;
+    }
+  }
+  if (p.bs == 16 && p.hd == 128 && (p.G == 1 || p.G == 2))
+    return p.G == 1 ? fold_token_vec<KV, 1, 8> : fold_token_vec<KV, 2, 8>;
+  if constexpr (!std::is_same_v<KV, float>) {
+    return nullptr;
+  } else {
+    return pick_scalar(p);
+  }
+}
+
+// Runs fn(i) for i in [0, n) over the pool's threads, this thread taking part; returns when
+// all are done (every helper has left: the work items live on this thread's stack). The
+// waiting is a spin (the other pool thread is usually idle).
+//
+// Lingering helpers. A one-token decode step is a dependent chain of ~120 small matmuls with
+// small serial ops between them; a pool thread that has gone to sleep takes tens of
+// microseconds to wake, and the caller's half of the matmul then waits for it (in a chain of
+// the 30 layers' matmuls with attention between them, the attention cost 2.3 ms where alone it
+// costs 0.9). So a helper that ran a `linger` job stays, spinning on a slot, for up to
+// g_linger_ns (50 us) after it, and the next parallel_for hands its work to the spinning helper with one
+// atomic store instead of a pool wake-up. Slot states: kFree (no helper), kIdle (a helper
+// spins), kClaimed (a caller is posting), kWork (posted). Only a caller that moves kIdle ->
+// kClaimed may post; only the slot's helper moves kIdle -> kFree, so no work is lost.
+// The cost: a lingering helper holds a thread of XLA's pool, so pool work of XLA's own can wait
+// up to g_linger_ns for it (with two programs running at once and a 1 ms linger, a test chain
+// ran 50x slower); hence one-row matmuls only, where the ops around them run on one thread, and
+// a short linger.
+
+
+// Every table entry a token will read must name a block of the cache: a bad table is an
+// error, never an out-of-bounds read.
+template <typename KV>
+ffi::Error check(const ProblemT<KV>& p) {
+  if (p.bs > kMaxBlock) return ffi::Error::InvalidArgument("block_size above 64");
+  if (p.hd > kMaxHeadDim) return ffi::Error::InvalidArgument("head_dim above 256");
+  if (p.layer < 0) return ffi::Error::InvalidArgument("negative layer");
+  for (int64_t t = 0; t < p.T; ++t) {
+    const int32_t seq = p.seq_idx[t];
+    if (seq < 0) continue;
+    if (seq >= p.S) return ffi::Error::InvalidArgument("seq_idx out of range");
+    const int64_t ctx = p.start_pos[seq];
+    if (ctx < 0 || ctx > p.MB * p.bs) return ffi::Error::InvalidArgument("start_pos beyond the block table");
+    for (int64_t b = 0; b * p.bs < ctx; ++b) {
+      const int32_t blk = p.tables[seq * p.MB + b];
+      if (blk < 0 || blk >= p.NB) return ffi::Error::InvalidArgument("block id out of range");
+    }
+  }
+  return ffi::Error::Success();
+}
+
+// The cached part's Problem over these buffers (m, l, acc: where its state goes), every shape
+// and table entry checked: a mismatch is an error, never an out-of-bounds read.
+// A bf16 cache (KVT = U16) must have a vector fold for its shapes.
+template <ffi::DataType KVT>
+ffi::Error cached_problem(const ffi::Buffer<ffi::F32>& q, const ffi::Buffer<KVT>& k_cache,
+                          const ffi::Buffer<KVT>& v_cache, const ffi::Buffer<ffi::S32>& layer,
+                          const ffi::Buffer<ffi::S32>& seq_idx, const ffi::Buffer<ffi::S32>& start_pos,
+                          const ffi::Buffer<ffi::S32>& tables, float* m, float* l, float* acc,
+                          ProblemT<ffi::NativeType<KVT>>& p) {
+  const auto qd = q.dimensions();
+  const auto kd = k_cache.dimensions();
+  const auto td = tables.dimensions();
+  if (qd.size() != 4 || kd.size() != 5 || td.size() != 2)
+    return ffi::Error::InvalidArgument("expected q [T,Hk,G,hd], k_cache [L,NB,Hk,hd,bs], tables [S,MB]");
+  p = {q.typed_data(), k_cache.typed_data(), v_cache.typed_data(), seq_idx.typed_data(),
+       start_pos.typed_data(), tables.typed_data(), m, l, acc, qd[0], qd[1], qd[2], qd[3], kd[1], kd[4],
+       td[0], td[1], static_cast<int64_t>(layer.typed_data()[0])};
+  if (kd[2] != p.Hk || kd[3] != p.hd) return ffi::Error::InvalidArgument("cache heads or head_dim differ from q");
+  const auto vd = v_cache.dimensions();
+  if (vd.size() != 5 || vd[0] != kd[0] || vd[1] != kd[1] || vd[2] != kd[2] || vd[3] != kd[4] || vd[4] != kd[3])
+    return ffi::Error::InvalidArgument("v_cache is not [L,NB,Hk,bs,hd] of k_cache's sizes");
+  if (seq_idx.dimensions().size() != 1 || seq_idx.dimensions()[0] != p.T)
+    return ffi::Error::InvalidArgument("seq_idx is not [T]");
+  if (start_pos.dimensions().size() != 1 || start_pos.dimensions()[0] != p.S)
+    return ffi::Error::InvalidArgument("start_pos is not [S] of the block tables' S");
+  if (p.layer >= kd[0]) return ffi::Error::InvalidArgument("layer out of range");
+  if (pick(p) == nullptr)
+    return ffi::Error::InvalidArgument("a bf16 cache needs block_size 16 with head_dim 64 (1-4 query heads a KV head) "
+                                       "or 128 (1-2)");
+  return check(p);
+}
+
+template <ffi::DataType KVT>
+ffi::Error Cached(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<KVT> k_cache,
+                  ffi::Buffer<KVT> v_cache, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> seq_idx,
+                  ffi::Buffer<ffi::S32> start_pos, ffi::Buffer<ffi::S32> tables,
+                  ffi::ResultBuffer<ffi::F32> m, ffi::ResultBuffer<ffi::F32> l,
+                  ffi::ResultBuffer<ffi::F32> acc) {
+  ProblemT<ffi::NativeType<KVT>> p;
+  if (ffi::Error err = cached_problem(q, k_cache, v_cache, layer, seq_idx, start_pos, tables, m->typed_data(),
+                                      l->typed_data(), acc->typed_data(), p);
+      err.failure())
+    return err;
+
+  // Token ranges over the pool's threads (a few per thread: padding tokens cost nothing).
+  const auto fold = pick(p);
+  constexpr int64_t kTokens = 8;
+  parallel_for(pool, (p.T + kTokens - 1) / kTokens, [&](int64_t i) {
+    for (int64_t t = i * kTokens; t < std::min(p.T, (i + 1) * kTokens); ++t) fold(p, t, 0, p.Hk);
+  });
+  return ffi::Error::Success();
+}
+
+// ---- The local part: every token over this step's own keys (same sequence, causal) ----------
+//
+// A flash-attention forward on the CPU. Tokens of a sequence are one contiguous run of the
+// token axis in position order (AttnMetadata's contract, checked here), so token t's keys are
+// tokens [lo(t), t] of its run. Work items are (tile of query tokens, KV head): the tile's rows
+// (its tokens x the G query heads of the KV head) are scored against 64 keys at a time (4
+// vectors of 16), folded into an online softmax, and only key chunks some row can see are visited (a causal 512-token
+// prompt does ~half of the dense [T,T] work, a batch of decodes almost none).
+
+struct Local {
+  const float* q;       // [T, Hk, G, hd], already scaled by 1/sqrt(hd)
+  const float* kt;      // [Hk, hd, Tp]: this step's keys transposed, zero beyond T
+  const float* v;       // [T, Hk, hd]
+  const int32_t* lo;    // [T]: first token of t's run; -1 for padding
+  float* m;             // [T, Hk, G]
+  float* l;             // [T, Hk, G]
+  float* acc;           // [T, Hk, G, hd]
+  int64_t T, Tp, Hk, G, hd, tile;
+};
+
+constexpr int64_t kLocalRows = 64;  // rows (tokens x query heads) of a tile, at most
+constexpr int64_t kKeys = 64;       // keys per chunk: 4 vectors of 16
+constexpr int64_t kLocalSerialPairs = 8192;  // below this many (query row, key) pairs: one thread
+
+// Rows [r0, r0 + 4) of a tile against the KV vectors of 16 keys from key u0: scores (a row of
+// transposed keys per dimension, q broadcast), masked to each row's keys, folded into the
+// row's online softmax (m, l, acc rescaled); the probabilities go to P [row][kKeys].
+template <int KV, int HV>
+inline void score_rows(const Local& p, const float* kt, int64_t u0, int64_t r0, const float* const* qrow,
+                       const int32_t* row_lo, const int32_t* row_hi, float* m, float* l, float* acc, float* P) {
+  constexpr int64_t hd = HV * 16;
+  const i16 iota = iota16();
+  v16 s[4][KV] = {};
+  const float* kd = kt + u0;
+  const float *q0 = qrow[r0], *q1 = qrow[r0 + 1], *q2 = qrow[r0 + 2], *q3 = qrow[r0 + 3];
+  for (int64_t d = 0; d < hd; ++d, kd += p.Tp) {
+    v16 kv[KV];
+    for (int c = 0; c < KV; ++c) kv[c] = load16(kd + 16 * c);
+    const float a0 = q0[d], a1 = q1[d], a2 = q2[d], a3 = q3[d];
+    for (int c = 0; c < KV; ++c) {
+      s[0][c] += a0 * kv[c];
+      s[1][c] += a1 * kv[c];
+      s[2][c] += a2 * kv[c];
+      s[3][c] += a3 * kv[c];
+    }
+  }
+  for (int i = 0; i < 4; ++i) {
+    const int64_t r = r0 + i;
+    v16 bmv = splat(kNoScore);
+    for (int c = 0; c < KV; ++c) {
+      const i16 u = iota + static_cast<int32_t>(u0 + 16 * c);
+      s[i][c] = select((u >= row_lo[r]) & (u <= row_hi[r]), s[i][c], splat(kNoScore));
+      bmv = vmax(bmv, s[i][c]);
+    }
+    const float bm = hmax(bmv);
+    float* pr = P + r * kKeys;
+    if (bm <= kNoScore) {  // no key of this chunk for this row
+      for (int c = 0; c < KV; ++c) store16(pr + 16 * c, v16{});
+      continue;
+    }
+    const float mn = std::max(m[r], bm);
+    const float corr = std::exp(m[r] - mn);
+    v16 sum{};
+    for (int c = 0; c < KV; ++c) {
+      const v16 e = select(s[i][c] > kNoScore, vexp(s[i][c] - mn), v16{});
+      sum += e;
+      store16(pr + 16 * c, e);
+    }
+    l[r] = l[r] * corr + hsum(sum);
+    m[r] = mn;
+    if (corr != 1.0f) {
+      float* a = acc + r * hd;
+      for (int x = 0; x < HV; ++x) store16(a + 16 * x, load16(a + 16 * x) * corr);
+    }
+  }
+}
+
+// One tile of query tokens [t0, t1) and one KV head; HV = hd / 16 (a row of V is HV vectors).
+template <int HV>
+void local_tile(const Local& p, int64_t t0, int64_t t1, int64_t h) {
+  constexpr int64_t hd = HV * 16;
+  const int64_t G = p.G, Hk = p.Hk;
+  const int64_t R = (t1 - t0) * G;
+  const int64_t Rp = (R + 3) / 4 * 4;
+  alignas(64) static thread_local float zeros[hd] = {};
+  const float* qrow[kLocalRows];
+  int32_t row_lo[kLocalRows], row_hi[kLocalRows];
+  alignas(64) float acc[kLocalRows * hd];
+  alignas(64) float P[kLocalRows * kKeys];
+  float m[kLocalRows], l[kLocalRows];
+  int64_t key_lo = t1, key_hi = t0 - 1;
+  for (int64_t r = 0; r < Rp; ++r) {
+    const int64_t t = t0 + r / G, g = r % G;
+    if (r < R && p.lo[t] >= 0) {
+      qrow[r] = p.q + ((t * Hk + h) * G + g) * hd;
+      row_lo[r] = p.lo[t];
+      row_hi[r] = static_cast<int32_t>(t);
+      key_lo = std::min<int64_t>(key_lo, p.lo[t]);
+      key_hi = std::max<int64_t>(key_hi, t);
+    } else {  // padding rows see no key
+      qrow[r] = zeros;
+      row_lo[r] = 1;
+      row_hi[r] = 0;
+    }
+    m[r] = kNoScore;
+    l[r] = 0.0f;
+  }
+  std::fill(acc, acc + Rp * hd, 0.0f);
+  const float* kt = p.kt + h * hd * p.Tp;
+  for (int64_t u0 = key_lo; u0 <= key_hi; u0 += kKeys) {
+    const int64_t n = std::min<int64_t>(kKeys, key_hi + 1 - u0);  // keys of this chunk some row may see
+    // Scores and softmax state of every row over this chunk's keys (only the vectors of 16 keys
+    // that hold one: a batch of decodes needs 1 of the 4).
+    const int nk = static_cast<int>((n + 15) / 16);
+    for (int64_t r0 = 0; r0 < Rp; r0 += 4) {
+      switch (nk) {
+        case 1: score_rows<1, HV>(p, kt, u0, r0, qrow, row_lo, row_hi, m, l, acc, P); break;
+        case 2: score_rows<2, HV>(p, kt, u0, r0, qrow, row_lo, row_hi, m, l, acc, P); break;
+        case 3: score_rows<3, HV>(p, kt, u0, r0, qrow, row_lo, row_hi, m, l, acc, P); break;
+        default: score_rows<4, HV>(p, kt, u0, r0, qrow, row_lo, row_hi, m, l, acc, P); break;
+      }
+    }
+    // acc += P V, 16 / HV rows at a time so that their accumulators stay in registers.
+    constexpr int RB = HV >= 16 ? 1 : 16 / HV;
+    for (int64_t r0 = 0; r0 < Rp; r0 += RB) {
+      const int rb = static_cast<int>(std::min<int64_t>(RB, Rp - r0));
+      v16 a[RB][HV];
+      for (int i = 0; i < rb; ++i)
+        for (int x = 0; x < HV; ++x) a[i][x] = load16(acc + (r0 + i) * hd + 16 * x);
+      for (int64_t j = 0; j < n; ++j) {
+        const float* vr = p.v + ((u0 + j) * Hk + h) * hd;
+        v16 vv[HV];
+        for (int x = 0; x < HV; ++x) vv[x] = load16(vr + 16 * x);
+        for (int i = 0; i < rb; ++i) {
+          const float w = P[(r0 + i) * kKeys + j];
+          for (int x = 0; x < HV; ++x) a[i][x] += w * vv[x];
+        }
+      }
+      for (int i = 0; i < rb; ++i)
+        for (int x = 0; x < HV; ++x) store16(acc + (r0 + i) * hd + 16 * x, a[i][x]);
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t t = t0 + r / G, g = r % G;
+    const int64_t o = (t * Hk + h) * G + g;
+    if (p.lo[t] < 0) {  // padding: an all-zero output, finite
+      p.m[o] = 0.0f;
+      p.l[o] = 1.0f;
+      std::fill(p.acc + o * hd, p.acc + (o + 1) * hd, 0.0f);
+      continue;
+    }
+    p.m[o] = m[r];
+    p.l[o] = l[r];
+    std::copy(acc + r * hd, acc + (r + 1) * hd, p.acc + o * hd);
+  }
+}
+
+// Runs: each sequence's tokens one contiguous run of the token axis, positions increasing
+// within it. lo[t] = the first token of t's run (-1 for padding). A layout that breaks this is
+// an error: the local part would read the wrong keys.
+ffi::Error token_runs(const int32_t* seq, const int32_t* pos, int64_t T, std::vector<int32_t>& lo) {
+  lo.assign(static_cast<size_t>(T), -1);
+  std::vector<char> seen;
+  for (int64_t t = 0; t < T; ++t) {
+    if (seq[t] < 0) continue;
+    if (seq[t] >= T) return ffi::Error::InvalidArgument("seq_idx out of range");  // a step has < T sequences
+    if (t > 0 && seq[t] == seq[t - 1]) {
+      if (pos[t] <= pos[t - 1]) return ffi::Error::InvalidArgument("positions of a sequence are not increasing");
+      lo[t] = lo[t - 1];
+      continue;
+    }
+    if (static_cast<size_t>(seq[t]) >= seen.size()) seen.resize(static_cast<size_t>(seq[t]) + 1, 0);
+    if (seen[seq[t]]) return ffi::Error::InvalidArgument("tokens of a sequence are not contiguous");
+    seen[seq[t]] = 1;
+    lo[t] = static_cast<int32_t>(t);
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error LocalAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                          ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> seq_idx, ffi::Buffer<ffi::S32> positions,
+                          ffi::ResultBuffer<ffi::F32> m, ffi::ResultBuffer<ffi::F32> l,
+                          ffi::ResultBuffer<ffi::F32> acc) {
+  const auto qd = q.dimensions();
+  const auto kd = k.dimensions();
+  const auto vd = v.dimensions();
+  if (qd.size() != 4 || kd.size() != 3 || vd.size() != 3)
+    return ffi::Error::InvalidArgument("expected q [T,Hk,G,hd], k and v [T,Hk,hd]");
+  const int64_t T = qd[0], Hk = qd[1], G = qd[2], hd = qd[3];
+  if (kd[0] != T || kd[1] != Hk || kd[2] != hd || vd[0] != T || vd[1] != Hk || vd[2] != hd)
+    return ffi::Error::InvalidArgument("k or v is not [T,Hk,hd] of q's sizes");
+  if (seq_idx.dimensions().size() != 1 || seq_idx.dimensions()[0] != T || positions.dimensions().size() != 1 ||
+      positions.dimensions()[0] != T)
+    return ffi::Error::InvalidArgument("seq_idx or positions is not [T]");
+  if (hd != 32 && hd != 64 && hd != 128) return ffi::Error::InvalidArgument("local attention takes head_dim 32, 64 or 128");
+  if (G > kLocalRows) return ffi::Error::InvalidArgument("more than 64 query heads per KV head");
+  std::vector<int32_t> lo;
+  if (ffi::Error err = token_runs(seq_idx.typed_data(), positions.typed_data(), T, lo); err.failure()) return err;
+  int64_t pairs = 0;  // (query token, key) pairs of the step
+  for (int64_t t = 0; t < T; ++t) pairs += lo[t] >= 0 ? t - lo[t] + 1 : 0;
+  // Keys transposed per KV head, [Hk, hd, Tp], zero beyond T (a chunk may read past the end).
+  const int64_t Tp = (T + 15) / 16 * 16 + kKeys;
+  std::unique_ptr<float[]> kt(new float[static_cast<size_t>(Hk * hd * Tp)]);
+  const float* K = k.typed_data();
+  for (int64_t h = 0; h < Hk; ++h)
+    for (int64_t d = 0; d < hd; ++d) {
+      float* row = kt.get() + (h * hd + d) * Tp;
+      for (int64_t t = 0; t < T; ++t) row[t] = K[(t * Hk + h) * hd + d];
+      std::fill(row + T, row + Tp, 0.0f);
+    }
+  const int64_t tile = std::max<int64_t>(1, std::min<int64_t>(16, kLocalRows / G));
+  Local p{q.typed_data(), kt.get(), v.typed_data(), lo.data(), m->typed_data(), l->typed_data(),
+          acc->typed_data(), T, Tp, Hk, G, hd, tile};
+  const int64_t tiles = (T + tile - 1) / tile;
+  auto fn = hd == 32 ? local_tile<2> : hd == 64 ? local_tile<4> : local_tile<8>;
+  // Later tiles see more keys: hand them out first. A step whose tokens see few keys of this
+  // step (decodes, short chunks) runs on this thread: waking a helper costs more than it saves.
+  auto item = [&](int64_t i) {
+    const int64_t ti = tiles - 1 - i / Hk, h = i % Hk;
+    fn(p, ti * tile, std::min(T, (ti + 1) * tile), h);
+  };
+  if (pairs * G < kLocalSerialPairs) {
+    for (int64_t i = 0; i < tiles * Hk; ++i) item(i);
+  } else {
+    parallel_for(pool, tiles * Hk, item);
+  }
+  return ffi::Error::Success();
+}
+
+// ---- Both parts in one call, for steps of a few tokens (decodes) ----------------------------
+//
+// out [T, Hk, G, hd]: each token's attention over its cached keys (the fold above) and this
+// step's own keys of its sequence (a plain online softmax loop), merged and normalised; padding
+// rows 0. Work items are (token, KV head), so one decoding sequence's 3 KV heads split over
+// both threads. For a one-row decode step this replaces two calls, a cond and the merge's ops a
+// layer. Meant for steps of a few tokens (kernels/cpu_native.py: SMALL_MAX_TOKENS): it is right
+// at any size, but its local loop is quadratic in a run's length, where the tile kernel is not.
+
+void local_fold_small(const float* q, const float* k, const float* v, int64_t lo, int64_t t, int64_t Hk,
+                      int64_t h, int64_t G, int64_t hd, float* m, float* l, float* acc) {
+  for (int64_t g = 0; g < G; ++g) {
+    const float* qg = q + g * hd;
+    float* ag = acc + g * hd;
+    // No cached key: the fold left m = -inf, l = 0, acc = 0; a finite floor keeps exp() finite
+    // (this file is built with -ffast-math).
+    float mg = l[g] > 0.0f ? m[g] : kNoScore, lg = l[g];
+    for (int64_t j = lo; j <= t; ++j) {
+      const float* kj = k + (j * Hk + h) * hd;
+      const float* vj = v + (j * Hk + h) * hd;
+      float sc = 0.0f;
+      for (int64_t d = 0; d < hd; ++d) sc += qg[d] * kj[d];
+      const float mn = std::max(mg, sc);
+      const float corr = std::exp(mg - mn);
+      const float w = std::exp(sc - mn);
+      lg = lg * corr + w;
+      mg = mn;
+      for (int64_t d = 0; d < hd; ++d) ag[d] = ag[d] * corr + w * vj[d];
+    }
+    m[g] = mg;
+    l[g] = lg;
+  }
+}
+
+template <ffi::DataType KVT>
+ffi::Error SmallAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_new,
+                          ffi::Buffer<ffi::F32> v_new, ffi::Buffer<KVT> k_cache, ffi::Buffer<KVT> v_cache,
+                          ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> seq_idx, ffi::Buffer<ffi::S32> positions,
+                          ffi::Buffer<ffi::S32> start_pos, ffi::Buffer<ffi::S32> tables,
+                          ffi::ResultBuffer<ffi::F32> out) {
+  const auto qd = q.dimensions();
+  if (qd.size() != 4) return ffi::Error::InvalidArgument("expected q [T,Hk,G,hd]");
+  const int64_t T = qd[0], Hk = qd[1], G = qd[2], hd = qd[3];
+  const auto nd = k_new.dimensions();
+  const auto nvd = v_new.dimensions();
+  if (nd.size() != 3 || nd[0] != T || nd[1] != Hk || nd[2] != hd || nvd.size() != 3 || nvd[0] != T ||
+      nvd[1] != Hk || nvd[2] != hd)
+    return ffi::Error::InvalidArgument("k_new or v_new is not [T,Hk,hd] of q's sizes");
+  if (positions.dimensions().size() != 1 || positions.dimensions()[0] != T)
+    return ffi::Error::InvalidArgument("positions is not [T]");
+  // The cached part's state: m and l in scratch, acc in the output (normalised in place).
+  std::vector<float> ml(static_cast<size_t>(2 * T * Hk * G));
+  ProblemT<ffi::NativeType<KVT>> p;
+  if (ffi::Error err = cached_problem(q, k_cache, v_cache, layer, seq_idx, start_pos, tables, ml.data(),
+                                      ml.data() + T * Hk * G, out->typed_data(), p);
+      err.failure())
+    return err;
+  std::vector<int32_t> lo;
+  if (ffi::Error err = token_runs(p.seq_idx, positions.typed_data(), T, lo); err.failure()) return err;
+  const auto fold = pick(p);
+  const float* K = k_new.typed_data();
+  const float* V = v_new.typed_data();
+  parallel_for(pool, T * Hk, [&](int64_t i) {
+    const int64_t t = i / Hk, h = i % Hk;
+    float* m = p.m + (t * Hk + h) * G;
+    float* l = p.l + (t * Hk + h) * G;
+    float* acc = p.acc + (t * Hk + h) * G * hd;
+    if (lo[t] < 0) {  // padding
+      std::fill(acc, acc + G * hd, 0.0f);
+      return;
+    }
+    fold(p, t, h, h + 1);
+    local_fold_small(p.q + (t * Hk + h) * G * hd, K, V, lo[t], t, Hk, h, G, hd, m, l, acc);
+    for (int64_t g = 0; g < G; ++g) {
+      const float inv = 1.0f / l[g];
+      for (int64_t d = 0; d < hd; ++d) acc[g * hd + d] *= inv;
+    }
+  });
+  return ffi::Error::Success();
+}
+
+// y [N, O] = x [N, K] @ w^T for w [O, K] (one row of K weights per output: how every float
+// linear is stored, tl/model/llama.py) and a few rows N: output rows split into contiguous
+// ranges over the threads, each streaming its part of w front to back, MO = 4 outputs at a time
+// (their 4 rows read together, 16 weights per load, the next 4 rows prefetched as they go),
+// x rows in blocks of NB <= 4 against them: 16 dot products accumulate in registers, reduced
+// across lanes at the end. (Measured on the 30 SmolLM2 layers at one row: prefetching 8-32
+// rows ahead, 2 or 8 outputs a block, and chunks handed out dynamically were no faster.)
+
+// The bindings of the two attention handlers, over a float32 (F32) or a bf16-bits (U16) cache.
+template <ffi::DataType KVT>
+auto small_attention_binding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::Buffer<ffi::F32>>()               // q [T,Hk,G,hd], scaled
+      .Arg<ffi::Buffer<ffi::F32>>()               // k_new
+      .Arg<ffi::Buffer<ffi::F32>>()               // v_new
+      .Arg<ffi::Buffer<KVT>>()                    // k_cache
+      .template Arg<ffi::Buffer<KVT>>()           // v_cache
+      .template Arg<ffi::Buffer<ffi::S32>>()      // layer
+      .template Arg<ffi::Buffer<ffi::S32>>()      // seq_idx
+      .template Arg<ffi::Buffer<ffi::S32>>()      // positions
+      .template Arg<ffi::Buffer<ffi::S32>>()      // start_pos
+      .template Arg<ffi::Buffer<ffi::S32>>()      // block_tables
+      .template Ret<ffi::Buffer<ffi::F32>>();     // out [T,Hk,G,hd]
+}
+
+template <ffi::DataType KVT>
+auto cached_binding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::Buffer<ffi::F32>>()               // q
+      .Arg<ffi::Buffer<KVT>>()                    // k_cache
+      .template Arg<ffi::Buffer<KVT>>()           // v_cache
+      .template Arg<ffi::Buffer<ffi::S32>>()      // layer
+      .template Arg<ffi::Buffer<ffi::S32>>()      // seq_idx
+      .template Arg<ffi::Buffer<ffi::S32>>()      // start_pos
+      .template Arg<ffi::Buffer<ffi::S32>>()      // block_tables
+      .template Ret<ffi::Buffer<ffi::F32>>()      // m
+      .template Ret<ffi::Buffer<ffi::F32>>()      // l
+      .template Ret<ffi::Buffer<ffi::F32>>();     // acc
+}
+
+}  // namespace
+}  // namespace tl
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TlSmallAttention, tl::SmallAttention<ffi::F32>, tl::small_attention_binding<ffi::F32>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TlSmallAttentionBf16, tl::SmallAttention<ffi::U16>, tl::small_attention_binding<ffi::U16>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TlPagedAttentionCached, tl::Cached<ffi::F32>, tl::cached_binding<ffi::F32>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TlPagedAttentionCachedBf16, tl::Cached<ffi::U16>, tl::cached_binding<ffi::U16>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TlLocalAttention, tl::LocalAttention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // q [T, Hk, G, hd], scaled
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // k [T, Hk, hd]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // v [T, Hk, hd]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // seq_idx [T]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // positions [T]
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // m
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // l
+                                  .Ret<ffi::Buffer<ffi::F32>>()); // acc
