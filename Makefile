@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 MODEL  := artifacts/models/smol-135m/config.json
 
-.PHONY: setup model serve generate test bench check
+.PHONY: setup model serve generate test bench check cross
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,7 +27,20 @@ serve: $(STAMP) $(MODEL)
 generate: $(STAMP) $(MODEL)
 	$(BIN)/tl generate --chat --prompt "What is the capital of France?" --max-tokens 64
 
-test: $(STAMP) $(MODEL)
+# The native kernels' tests compile every target, aarch64 with Debian's cross compiler: installed
+# here where apt-get can (as root); elsewhere that one test says how and skips.
+CROSS := /usr/bin/aarch64-linux-gnu-g++
+
+$(CROSS):
+	@if [ "$$(uname -m)" = x86_64 ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  apt-get install -y -q g++-aarch64-linux-gnu >/dev/null 2>&1 || \
+	  (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q g++-aarch64-linux-gnu >/dev/null 2>&1) || \
+	  echo "could not install g++-aarch64-linux-gnu: the aarch64 compile test will skip"; \
+	fi
+
+cross: | $(CROSS)
+
+test: $(STAMP) $(MODEL) | $(CROSS)
 	$(BIN)/python -m pytest -q
 
 bench: $(STAMP) $(MODEL)

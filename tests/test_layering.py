@@ -2,7 +2,7 @@
 
 - The scheduler, block manager, request/plan records and the engine core never import jax
   or numpy.
-- Only the runner (and its weight placement), the model, the sampler, kernels/ and bench/ import jax.
+- Only the runner (and its weight placement and kernel verdicts), the model, the sampler, kernels/ and bench/ import jax.
 - serve/ uses only the engine's public API, never the scheduler, block manager or runner.
 - Nothing imports bench.
 """
@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 PURE = ["tl/config.py", "tl/request.py", "tl/plan.py", "tl/stats.py", "tl/block_manager.py", "tl/scheduler.py",
         "tl/sequence.py", "tl/spec_decode.py", "tl/engine.py", "tl/model/config.py"]
-JAX_ALLOWED = {"tl/runner.py", "tl/weight_pages.py", "tl/sampler.py", "tl/model/llama.py", "tl/mesh.py", "tl/backend.py", "tl/async_engine.py"}
+JAX_ALLOWED = {"tl/runner.py", "tl/verdicts.py", "tl/weight_pages.py", "tl/sampler.py", "tl/model/llama.py", "tl/mesh.py", "tl/backend.py", "tl/async_engine.py"}
 SERVE_FORBIDDEN = ("tl.scheduler", "tl.block_manager", "tl.runner", "tl.sequence", "tl.sampler", "tl.model.llama", "jax")
 
 

@@ -19,7 +19,12 @@ from test_runner import ENGINE, Seq, generate, make_runner
 from kernels import cpu_native
 from tl.config import ConfigError, EngineConfig
 
-needs_amx = pytest.mark.skipif(not cpu_native.amx_available(), reason="no AMX-BF16 on this CPU or build")
+AMX_TARGET = "sapphirerapids"  # the build with AMX-BF16 (kernels/cpu_build.py)
+needs_amx = pytest.mark.skipif(not cpu_native.amx_available(AMX_TARGET), reason="no AMX-BF16 on this CPU")
+
+
+def _lib() -> cpu_native.NativeLib:
+    return cpu_native.library(AMX_TARGET)
 
 
 def _f32(bits: np.ndarray) -> np.ndarray:
@@ -52,7 +57,7 @@ def test_bf16x3_matches_float64(rows: int, shape: tuple[int, ...]) -> None:
     rng = np.random.default_rng(rows)
     x = rng.standard_normal((rows, shape[-1])).astype(np.float32)
     w = (rng.standard_normal(shape) / 8).astype(np.float32)
-    got = np.asarray(jax.jit(cpu_native.matmul_bf16x3, static_argnums=2)(jnp.asarray(x), jnp.asarray(
+    got = np.asarray(jax.jit(_lib().matmul_bf16x3, static_argnums=2)(jnp.asarray(x), jnp.asarray(
         cpu_native.pack_bf16x3(w)), shape[:-1]))
     x64, w64 = x.astype(np.float64), w.astype(np.float64)
     want = np.einsum("nk,...k->n...", x64, w64)
@@ -74,8 +79,8 @@ def test_stale_nan_does_not_reach_a_later_call() -> None:
 
     @jax.jit
     def both(bx: jax.Array, sx: jax.Array) -> jax.Array:
-        y = cpu_native.matmul_bf16x3(bx, jnp.asarray(cpu_native.pack_bf16x3(big_w)), (32,))
-        return cpu_native.matmul_bf16x3(sx + 0 * jnp.nan_to_num(y[:17, :1]), jnp.asarray(cpu_native.pack_bf16x3(small_w)),
+        y = _lib().matmul_bf16x3(bx, jnp.asarray(cpu_native.pack_bf16x3(big_w)), (32,))
+        return _lib().matmul_bf16x3(sx + 0 * jnp.nan_to_num(y[:17, :1]), jnp.asarray(cpu_native.pack_bf16x3(small_w)),
                                         (20,))
 
     got = np.asarray(both(jnp.full((512, 64), jnp.nan, jnp.float32), jnp.asarray(small_x)))
@@ -90,9 +95,9 @@ def test_high_differs_from_float32_where_bf16x3_runs() -> None:
     rng = np.random.default_rng(1)
     x = jnp.asarray(rng.standard_normal((64, 576)).astype(np.float32))
     w = rng.standard_normal((960, 576)).astype(np.float32) / 8
-    high = np.asarray(jax.jit(cpu_native.matmul)(x, {"f32": jnp.asarray(w), "bf16x3": jnp.asarray(
+    high = np.asarray(jax.jit(_lib().matmul)(x, {"f32": jnp.asarray(w), "bf16x3": jnp.asarray(
         cpu_native.pack_bf16x3(w))}))
-    f32 = np.asarray(jax.jit(cpu_native.matmul)(x, jnp.asarray(w)))
+    f32 = np.asarray(jax.jit(_lib().matmul)(x, jnp.asarray(w)))
     diff = np.abs(high - f32).max()
     assert 0 < diff < 1e-3
 
@@ -101,19 +106,21 @@ def test_high_differs_from_float32_where_bf16x3_runs() -> None:
 def test_dispatch_by_rows() -> None:
     """Below HIGH_MIN_ROWS rows the float32 few-row kernel runs on "f32"; from it, bf16x3."""
     w = {"f32": jnp.ones((32, 64), jnp.float32), "bf16x3": jnp.asarray(cpu_native.pack_bf16x3(np.ones((32, 64), np.float32)))}
-    few = str(jax.make_jaxpr(cpu_native.matmul)(jnp.ones((cpu_native.HIGH_MIN_ROWS - 1, 64)), w))
-    many = str(jax.make_jaxpr(cpu_native.matmul)(jnp.ones((cpu_native.HIGH_MIN_ROWS, 64)), w))
-    assert cpu_native.GEMV_TARGET in few and cpu_native.GEMM_BF16X3_TARGET not in few
-    assert cpu_native.GEMM_BF16X3_TARGET in many
+    lib = _lib()
+    gemv, amx = lib.ffi_names["tl_gemv"], lib.ffi_names["tl_gemm_bf16x3"]
+    few = str(jax.make_jaxpr(lib.matmul)(jnp.ones((cpu_native.HIGH_MIN_ROWS - 1, 64)), w))
+    many = str(jax.make_jaxpr(lib.matmul)(jnp.ones((cpu_native.HIGH_MIN_ROWS, 64)), w))
+    assert gemv in few and amx not in few
+    assert amx in many
 
 
 @needs_amx
 def test_mismatched_packing_is_refused() -> None:
     packed = jnp.asarray(cpu_native.pack_bf16x3(np.ones((32, 64), np.float32)))  # K 64
     with pytest.raises(Exception, match="packed weights do not match"):
-        jax.block_until_ready(cpu_native.matmul_bf16x3(jnp.ones((32, 100), jnp.float32), packed, (32,)))
+        jax.block_until_ready(_lib().matmul_bf16x3(jnp.ones((32, 100), jnp.float32), packed, (32,)))
     with pytest.raises(Exception, match="packed weights do not match"):  # 64 outputs from 32 packed
-        jax.block_until_ready(cpu_native.matmul_bf16x3(jnp.ones((32, 64), jnp.float32), packed, (64,)))
+        jax.block_until_ready(_lib().matmul_bf16x3(jnp.ones((32, 64), jnp.float32), packed, (64,)))
 
 
 @needs_amx
@@ -136,14 +143,14 @@ def test_runner_high_matches_float32_runner() -> None:
 
 
 @pytest.mark.parametrize(("kw", "why"), [({"weight_dtype": "int8"}, "weight_dtype int8"),
-                                         ({"attention_kernel": "reference"}, "the matmul is xla")])
+                                         ({"matmul_kernel": "xla"}, "the matmul is xla (configured)")])
 def test_high_falls_back_with_a_reason(kw: dict, why: str) -> None:
     """int8 weights, or no native matmul (and, on a machine without AMX, everything) run
     highest, and say why."""
     runner, _ = make_runner(ENGINE.replace(matmul_precision="high", **kw))
     assert runner.backend_info.matmul_precision == "highest"
     assert "runs highest" in runner.precision_reason
-    assert why in runner.precision_reason or not cpu_native.amx_available()
+    assert why in runner.precision_reason or not cpu_native.amx_available(AMX_TARGET)
 
 
 def test_config_names_the_field() -> None:

@@ -91,7 +91,8 @@ def test_selection_rules() -> None:
 
     c = build_case(np.random.default_rng(0), MIXED, 3)
     mesh, probe = default_mesh(), _probe(c)
-    assert select.select("auto", "cpu", mesh, True, probe).name == "cpu_native"  # tests/test_cpu_native.py
+    native, why = select.native_library("cpu", "auto")
+    assert select.select("auto", "cpu", mesh, True, probe, native, why).name == ("cpu_native" if native else "reference")
     assert select.select("pallas_gpu", "cpu", mesh, True, probe).name == "pallas_gpu (interpret)"
     gpu_probe = _probe(build_case(np.random.default_rng(0), MIXED, 3, bs=8, hd=16))
     assert select.select("auto", "gpu", mesh, True, gpu_probe).name == "pallas_gpu"

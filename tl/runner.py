@@ -298,14 +298,13 @@ class ModelRunner:
 
     # ---- kernel verdicts: native or XLA, per step shape ----
 
-    def _verdict_key(self) -> dict[str, Any]:
+    def _verdict_key(self, classes: list[tuple[str, int]]) -> dict[str, Any]:
         """What the verdicts depend on besides the library build and the CPU (tl/verdicts.py)."""
         c, ec = self.model_config, self.engine_config
         return {"model": [c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads,
                           c.head_dim, c.vocab_size], "dtype": self.dtype.name, "weight_dtype": ec.weight_dtype,
                 "kv": str(jnp.dtype(self.kv_storage_dtype)), "precision": self.matmul_precision,
-                "block_size": self.block_size, "buckets": list(ec.token_buckets), "seqs": ec.max_num_seqs,
-                "tp": self.mesh.shape["model"], "matmul": self.matmul.measured, "attention": self.attention.measured}
+                "block_size": self.block_size, "tp": self.mesh.shape["model"], "classes": sorted(classes)}
 
     def _measure_verdicts(self) -> verdicts.Verdicts:
         """Each measured kernel's classes (tl/verdicts.py), from the cache beside the library or
@@ -340,7 +339,7 @@ class ModelRunner:
             return verdicts.attention_timed(self.attention.fn, paged_attention.paged_attention, case, *self._kv,
                                             layers=2)
 
-        key = self._verdict_key()
+        key = self._verdict_key(classes)
         return verdicts.measure(verdicts.cache_path(self.native.path, key), key, classes, prepare)
 
     def _lm_head(self) -> Any:
