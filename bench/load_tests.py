@@ -199,7 +199,11 @@ async def run_interleaved(cases: Sequence[Case], endpoints: dict[str, Endpoint],
     """For each case: repeat × (A, B, ...) in turn; results merged per (case, server)."""
     runs: list[Run] = []
     conns = max([c.concurrency for c in cases] + [64])
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=conns + 8),
+    # A connection a request: llama.cpp's server closes the connection after each streamed response
+    # while its headers say keep-alive, and a pooled one then fails the next request before it is
+    # sent (aiohttp: "Can not write request body"; 17 of 128 requests of a 64-stream sweep here).
+    # The same for every server, so both sides pay the same loopback connect.
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=conns + 8, force_close=True),
                                      timeout=aiohttp.ClientTimeout(total=limits.max_seconds + 10)) as client:
         for case in cases:
             merged = {name: Run(case, name) for name in endpoints}
