@@ -271,9 +271,105 @@ void fold_token_vec(const ProblemT<KV>& p, int64_t t, int64_t h0, int64_t h1) {
   }
 }
 
+// fold_token_vec's order turned for targets whose registers do not hold a head's accumulators
+// (fold_chunk < HV: AVX2, NEON, SSE2): block by block, every head of the block in turn, the
+// accumulators of all heads in L1. A block's heads lie together (K [Hk, hd, bs], V [Hk, bs,
+// hd]: two contiguous runs of Hk x 4 KB for SmolLM2), so each block is two streams where the
+// head-major order made each head's pass over the blocks its own pair of 4 KB streams. The
+// next block is prefetched a line of K and one of V per (head, dimension) over the score loops.
+template <typename KV, int G, int HV>
+void fold_token_blocks(const ProblemT<KV>& p, int64_t t, int64_t h0, int64_t h1) {
+  constexpr int64_t hd = HV * 16, bs = 16;
+  constexpr int CH = fold_chunk(G, HV);
+  constexpr int64_t kMaxHeads = 16;
+  const int64_t Hk = p.Hk;
+  const int32_t seq = p.seq_idx[t];
+  const int64_t ctx = seq < 0 ? 0 : p.start_pos[seq];
+  const int64_t nblocks = (ctx + bs - 1) / bs;
+  const int32_t* table = seq < 0 ? nullptr : p.tables + seq * p.MB;
+  const int64_t block_floats = Hk * hd * bs;
+  const i16 iota = iota16();
+  for (int64_t c0 = h0; c0 < h1; c0 += kMaxHeads) {  // heads in groups whose state fits the buffers
+    const int64_t c1 = std::min(h1, c0 + kMaxHeads), nh = c1 - c0;
+    alignas(64) float accm[kMaxHeads * G * hd];
+    float m[kMaxHeads * G], l[kMaxHeads * G];
+    std::fill(accm, accm + nh * G * hd, 0.0f);
+    std::fill(m, m + nh * G, kNoScore);
+    std::fill(l, l + nh * G, 0.0f);
+    for (int64_t b = 0; b < nblocks; ++b) {
+      const int64_t base = (p.layer * p.NB + table[b]) * block_floats;
+      const KV* Kn = b + 1 < nblocks ? p.k + (p.layer * p.NB + table[b + 1]) * block_floats : nullptr;
+      const KV* Vn = b + 1 < nblocks ? p.v + (p.layer * p.NB + table[b + 1]) * block_floats : nullptr;
+      const int32_t n = static_cast<int32_t>(std::min(bs, ctx - b * bs));
+      const auto valid = iota < n;
+      for (int64_t h = c0; h < c1; ++h) {
+        const float* q = p.q + (t * Hk + h) * G * hd;
+        const KV* K = p.k + base + h * hd * bs;  // [hd, bs]
+        const KV* V = p.v + base + h * bs * hd;  // [bs, hd]
+        v16 s[G];
+        for (int g = 0; g < G; ++g) s[g] = v16{};
+        for (int64_t d = 0; d < hd; ++d) {
+          if (Kn != nullptr && (sizeof(KV) == 4 || (d & 1) == 0)) {
+            __builtin_prefetch(Kn + (h * hd + d) * bs);
+            __builtin_prefetch(Vn + (h * hd + d) * bs);
+          }
+          const v16 kd = load16(K + d * bs);
+          for (int g = 0; g < G; ++g) s[g] += q[g * hd + d] * kd;
+        }
+        float* mh = m + (h - c0) * G;
+        float* lh = l + (h - c0) * G;
+        float* ah = accm + (h - c0) * G * hd;
+        alignas(64) float pr[G][16];
+        float corr[G];
+        for (int g = 0; g < G; ++g) {
+          const v16 sc = select(valid, s[g], splat(kNoScore));
+          const float mn = std::max(mh[g], hmax(sc));
+          corr[g] = std::exp(mh[g] - mn);
+          const v16 e = select(valid, vexp(sc - mn), v16{});
+          lh[g] = lh[g] * corr[g] + hsum(e);
+          mh[g] = mn;
+          store16(pr[g], e);
+        }
+        for (int x0 = 0; x0 < HV; x0 += CH) {
+          v16 a[G][CH];
+          for (int g = 0; g < G; ++g)
+            for (int x = 0; x < CH; ++x) a[g][x] = load16(ah + g * hd + 16 * (x0 + x)) * corr[g];
+          for (int32_t j = 0; j < n; ++j) {
+            v16 vv[CH];
+            for (int x = 0; x < CH; ++x) vv[x] = load16(V + j * hd + 16 * (x0 + x));
+            for (int g = 0; g < G; ++g)
+              for (int x = 0; x < CH; ++x) a[g][x] += pr[g][j] * vv[x];
+          }
+          for (int g = 0; g < G; ++g)
+            for (int x = 0; x < CH; ++x) store16(ah + g * hd + 16 * (x0 + x), a[g][x]);
+        }
+      }
+    }
+    for (int64_t h = c0; h < c1; ++h)
+      for (int g = 0; g < G; ++g) {
+        // No cached key: m = -inf, l = 0 (the merge with the local part then ignores this part).
+        const int64_t o = (t * Hk + h) * G + g;
+        p.m[o] = nblocks ? m[(h - c0) * G + g] : -std::numeric_limits<float>::infinity();
+        p.l[o] = l[(h - c0) * G + g];
+        std::copy(accm + ((h - c0) * G + g) * hd, accm + ((h - c0) * G + g + 1) * hd, p.acc + o * hd);
+      }
+  }
+}
+
 template <typename KV>
 using FoldFnT = void (*)(const ProblemT<KV>&, int64_t, int64_t, int64_t);  // (problem, token, heads [h0, h1))
 using FoldFn = FoldFnT<float>;
+
+// The vector fold for G query heads a KV head and HV vectors of 16 a head: head-major with the
+// accumulators in registers where they fit, else block-major (fold_token_blocks).
+template <typename KV, int G, int HV>
+FoldFnT<KV> fold_vec() {
+  if constexpr (fold_chunk(G, HV) == HV) {
+    return fold_token_vec<KV, G, HV>;
+  } else {
+    return fold_token_blocks<KV, G, HV>;
+  }
+}
 
 FoldFn pick_scalar(const Problem& p) {
   if (p.bs == 16 && p.hd == 64) return fold_token<16, 64>;
@@ -289,14 +385,14 @@ template <typename KV>
 FoldFnT<KV> pick(const ProblemT<KV>& p) {
   if (p.bs == 16 && p.hd == 64 && p.G >= 1 && p.G <= 4) {
     switch (p.G) {
-      case 1: return fold_token_vec<KV, 1, 4>;
-      case 2: return fold_token_vec<KV, 2, 4>;
-      case 3: return fold_token_vec<KV, 3, 4>;
-      default: return fold_token_vec<KV, 4, 4>;
+      case 1: return fold_vec<KV, 1, 4>();
+      case 2: return fold_vec<KV, 2, 4>();
+      case 3: return fold_vec<KV, 3, 4>();
+      default: return fold_vec<KV, 4, 4>();
     }
   }
   if (p.bs == 16 && p.hd == 128 && (p.G == 1 || p.G == 2))
-    return p.G == 1 ? fold_token_vec<KV, 1, 8> : fold_token_vec<KV, 2, 8>;
+    return p.G == 1 ? fold_vec<KV, 1, 8>() : fold_vec<KV, 2, 8>();
   if constexpr (!std::is_same_v<KV, float>) {
     return nullptr;
   } else {
