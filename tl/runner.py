@@ -313,7 +313,7 @@ class ModelRunner:
         classes: list[tuple[str, int]] = []
         if self.matmul.measured:
             top = ec.token_buckets[-1]
-            rows = [r for r in verdicts.MATMUL_ROWS if r <= top]
+            rows = sorted({min(r, top) for r in verdicts.MATMUL_ROWS})
             if self.matmul_precision == "high" and top > rows[-1]:
                 rows.append(top)  # the AMX kernel takes any row count
             classes += [("matmul", r) for r in rows]

@@ -1,0 +1,117 @@
+"""tl/verdicts.py and the per-shape dispatch: each step shape runs the kernel measured faster there.
+
+The lookup by class, the measurement cached beside the library and reused, a runner whose
+compiled steps call the native kernels exactly at the shapes its verdicts give them (checked in
+each step variant's HLO), forced choices that measure nothing and run native everywhere, and a
+real measurement on a tiny model that writes its verdict file.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+from test_runner import ENGINE, make_runner
+
+from tl import runner as runner_mod
+from tl import verdicts
+from tl.verdicts import Verdict, Verdicts
+
+V = Verdicts((Verdict("matmul", 1, 1.0, 2.0), Verdict("matmul", 4, 3.0, 2.0), Verdict("matmul", 16, 1.0, 2.0),
+              Verdict("matmul", 64, 5.0, 2.0), Verdict("attention", 4, 1.0, 3.0)), "test")
+
+
+def test_a_count_takes_the_verdict_of_the_smallest_class_at_or_above_it() -> None:
+    want = {1: True, 2: False, 4: False, 5: True, 16: True, 17: False, 64: False, 65: False}
+    assert {n: V.native("matmul", n) for n in want} == want
+    assert V.native("attention", 3) and not V.native("attention", 5)  # past the largest class: XLA
+    assert not Verdicts().native("matmul", 1)
+    assert V.summary("matmul", "cpu_native", "xla") == "cpu_native+xla"
+    assert V.summary("attention", "cpu_native", "reference") == "cpu_native"
+    assert V.of("matmul")[0].speedup == 2.0 and "cpu_native (native 2.00x XLA" in V.of("matmul")[0].line()
+
+
+def _timed(native_s: float, xla_s: float) -> verdicts.Timed:
+    return {"native": lambda: time.sleep(native_s), "xla": lambda: time.sleep(xla_s)}
+
+
+def test_measured_once_then_read_from_the_cache(tmp_path: Path) -> None:
+    path = tmp_path / "verdicts-x.json"
+    calls: list[tuple[str, int]] = []
+
+    def prepare(kernel: str, rows: int) -> verdicts.Timed:
+        calls.append((kernel, rows))
+        return _timed(0.001, 0.004) if rows == 1 else _timed(0.004, 0.001)
+
+    classes = [("matmul", 1), ("matmul", 4)]
+    first = verdicts.measure(path, {"k": 1}, classes, prepare)
+    assert first.native("matmul", 1) and not first.native("matmul", 4) and first.source.startswith("measured in")
+    assert sorted(calls) == classes and json.loads(path.read_text())["shapes"] == {"k": 1}
+    again = verdicts.measure(path, {"k": 1}, classes, prepare)
+    assert again.source == f"cached: {path}" and again.verdicts == first.verdicts and len(calls) == 2
+    verdicts.measure(path, {"k": 1}, [*classes, ("attention", 4)], prepare)  # other classes: measured anew
+    assert len(calls) == 5
+    path.write_text("{not json")
+    assert verdicts.measure(path, {"k": 1}, classes, prepare).source.startswith("measured")  # a torn file is ignored
+
+
+def _hlo(runner: runner_mod.ModelRunner, t: int, s: int) -> str:
+    inp, rows = runner._pack_tokens([], t, s)
+    sb, pen = runner._pack_sampling(rows, s, runner.num_rows(t, s))
+    bufs, layout = runner_mod._to_host_buffers((inp, sb))
+    return runner._step.lower(runner._params, runner._kv, bufs, pen, layout=layout).as_text()
+
+
+def _native_calls(runner: runner_mod.ModelRunner, t: int, s: int) -> set[str]:
+    assert runner.native is not None
+    hlo = _hlo(runner, t, s)
+    return {base for base, name in runner.native.ffi_names.items() if f"@{name}(" in hlo}
+
+
+def test_each_step_shape_runs_what_its_verdicts_say(monkeypatch: pytest.MonkeyPatch) -> None:
+    crafted = Verdicts((Verdict("matmul", 1, 1.0, 2.0), Verdict("matmul", 4, 2.0, 1.0), Verdict("matmul", 16, 2.0, 1.0),
+                        Verdict("matmul", 32, 1.0, 2.0), Verdict("attention", 4, 1.0, 2.0),
+                        Verdict("attention", 32, 2.0, 1.0)), "crafted")
+    monkeypatch.setattr(verdicts, "measure", lambda *a, **k: crafted)
+    runner, _ = make_runner(ENGINE.replace(token_buckets=(1, 8, 32), max_num_batched_tokens=32))
+    if runner.native is None:
+        pytest.skip("the native library does not build here (tests/test_cpu_build.py says why)")
+    assert runner.verdicts is crafted
+    one = _native_calls(runner, 1, 1)  # 1 token: matmuls class 1 (native), attention class 4 (native)
+    assert {"tl_gemv", "tl_small_attention", "tl_argmax_lse"} <= one
+    eight = _native_calls(runner, 8, 4)  # 8 tokens: matmuls class 16 (XLA), attention class 32 (reference)
+    assert eight.isdisjoint({"tl_gemv", "tl_small_attention", "tl_paged_attention_cached", "tl_local_attention"})
+    assert "tl_argmax_lse" not in eight  # 4 sample rows: class 4, XLA
+    big = _native_calls(runner, 32, 4)  # 32 tokens: matmul class 32 native; attention reference
+    assert "tl_gemv" in big and "tl_paged_attention_cached" not in big
+    info = runner.backend_info
+    assert info.attention_kernel == "cpu_native+reference" and info.matmul_kernel == "cpu_native+xla"
+    assert len(info.kernel_choices) == 6
+
+
+def test_forced_native_kernels_measure_nothing_and_run_everywhere(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(verdicts, "measure", lambda *a, **k: pytest.fail("a forced choice measured"))
+    runner, _ = make_runner(ENGINE.replace(attention_kernel="cpu_native", matmul_kernel="cpu_native"))
+    if runner.native is None:
+        pytest.skip("the native library does not build here (tests/test_cpu_build.py says why)")
+    assert runner.verdicts.verdicts == () and runner.backend_info.kernel_choices == ()
+    for t, s in ((8, 4), (32, 4)):
+        assert {"tl_gemv", "tl_paged_attention_cached"} & _native_calls(runner, t, s)
+    xla, _ = make_runner(ENGINE.replace(attention_kernel="reference", matmul_kernel="xla"))
+    assert xla.backend_info.attention_kernel == "reference" and xla.backend_info.matmul_kernel == "xla"
+    assert "tl_" not in _hlo(xla, 8, 4)
+
+
+def test_a_real_measurement_covers_every_class_and_is_saved() -> None:
+    runner, _ = make_runner(ENGINE.replace(token_buckets=(1, 8, 32), max_num_batched_tokens=32))
+    if runner.native is None:
+        pytest.skip("the native library does not build here (tests/test_cpu_build.py says why)")
+    got = {(v.kernel, v.rows) for v in runner.verdicts.verdicts}
+    assert got == {("matmul", 1), ("matmul", 4), ("matmul", 16), ("matmul", 32), ("attention", 4), ("attention", 32)}
+    assert all(v.native_ms > 0 and v.xla_ms > 0 for v in runner.verdicts.verdicts)
+    path = Path(runner.verdicts.source.split()[-1]) if "saved to" in runner.verdicts.source else \
+        Path(runner.verdicts.source.removeprefix("cached: "))
+    saved = json.loads(path.read_text())
+    assert len(saved["verdicts"]) == 6 and saved["shapes"]["classes"] == sorted([list(c) for c in got])
