@@ -13,8 +13,8 @@ The cache ($TL_NATIVE_CACHE, default ~/.cache/tl/native) holds `<target>-<key>.s
 hash of every source and header, the flags, jaxlib's version and the compiler's own version
 line, so a changed source, jaxlib or compiler builds afresh; a build is written to a
 temporary name and renamed into place when complete (concurrent builders are harmless). A
-failed build leaves `<target>-<key>.failed` (the one-line report) and `.log` (the compiler's
-whole output).
+build leaves `<target>-<key>.log` (the compilers' whole output), a failed one also
+`<target>-<key>.failed` (the one-line report).
 
 Why named targets, not -march=native: every target is then one binary the tests can build and
 run on any machine that runs it (an AMX Xeon runs the AVX2 and AVX-512 builds too, so AVX2
@@ -178,9 +178,9 @@ def _first_error(log: str) -> str:
     return lines[0] if lines else "no output"
 
 
-def _compile(cxx: str, target: Target, extra: tuple[str, ...], outdir: Path) -> list[Path]:
-    """Every source to an object in outdir, in parallel (one compiler process a source). Raises
-    NativeUnavailable with the first error and the log's path (written beside the cache)."""
+def _compile(cxx: str, target: Target, extra: tuple[str, ...], outdir: Path) -> tuple[list[Path], str]:
+    """Every source to an object in outdir, in parallel (one compiler process a source), and the
+    compilers' output. Raises _BuildFailed with the first error and the whole output."""
     flags = _flags(target, extra)
     jobs = []
     for src in sources():
@@ -195,7 +195,7 @@ def _compile(cxx: str, target: Target, extra: tuple[str, ...], outdir: Path) -> 
             failed.append((cmd, out))
     if failed:
         raise _BuildFailed(" ".join(failed[0][0]), _first_error(failed[0][1]), "\n".join(logs))
-    return [obj for _, obj, _ in jobs]
+    return [obj for _, obj, _ in jobs], "\n".join(logs)
 
 
 class _BuildFailed(Exception):
@@ -232,7 +232,7 @@ def build(target: Target) -> Path:
     cxx = compiler(target)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         try:
-            objects = _compile(cxx, target, (), Path(tmp))
+            objects, compile_log = _compile(cxx, target, (), Path(tmp))
             lib = Path(tmp) / "lib.so"
             cmd = [cxx, "-shared", "-o", str(lib), *map(str, objects)]
             res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
@@ -245,6 +245,7 @@ def build(target: Target) -> Path:
             failed.write_text(msg + "\n")
             _failures[str(out)] = msg
             raise NativeUnavailable(msg) from None
+        out.with_suffix(".log").write_text(compile_log)  # what tests/test_cpu_build.py reads for warnings
         os.replace(lib, out)
     return out
 
@@ -254,6 +255,6 @@ def compile_objects(target: Target, outdir: Path, werror: bool = True) -> list[P
     errors by default: how the tests check a target this machine cannot run. Raises
     NativeUnavailable with the first error."""
     try:
-        return _compile(compiler(target), target, ("-Werror",) if werror else (), outdir)
+        return _compile(compiler(target), target, ("-Werror",) if werror else (), outdir)[0]
     except _BuildFailed as e:
         raise NativeUnavailable(f"compiling for {target.name} failed: {e.first}\n{e.log}") from None

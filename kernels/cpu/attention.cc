@@ -160,14 +160,30 @@ constexpr int fold_chunk(int G, int HV) {
   return 1;
 }
 
-// fold_token for block size 16 with the G query heads of a KV head together: per block, a row
+// One block's softmax step for G query heads: scores s (16 keys, `valid` of them real) folded
+// into the running max m and sum l; corr[g] rescales the head's accumulators, pr[g] holds the
+// block's weights.
+template <int G>
+inline void block_softmax(const v16* s, m16 valid, float* m, float* l, float* corr, float (*pr)[16]) {
+  for (int g = 0; g < G; ++g) {
+    const v16 sc = select(valid, s[g], splat(kNoScore));
+    const float mn = std::max(m[g], hmax(sc));
+    corr[g] = std::exp(m[g] - mn);
+    const v16 e = select(valid, vexp(sc - mn), v16{});
+    l[g] = l[g] * corr[g] + hsum(e);
+    m[g] = mn;
+    store16(pr[g], e);
+  }
+}
+
+// fold_token for block size 16 with the G query heads of a KV head together, where a head's G x
+// HV accumulator vectors fit in registers (fold_chunk(G, HV) == HV: AVX-512): per block, a row
 // of 16 keys per dimension against the G queries (one vector of scores each), one vector exp
-// per query head, then the G x HV accumulator vectors updated CH at a time (fold_chunk).
-// (The scalar-loop fold_block spent most of a 64-sequence step in exp and reloads.)
+// per query head, the accumulators kept in registers over all the blocks of the head. (The
+// scalar-loop fold_block spent most of a 64-sequence step in exp and reloads.)
 template <typename KV, int G, int HV>
 void fold_token_vec(const ProblemT<KV>& p, int64_t t, int64_t h0, int64_t h1) {
   constexpr int64_t hd = HV * 16, bs = 16;
-  constexpr int CH = fold_chunk(G, HV);
   const int64_t Hk = p.Hk;
   float* m_out = p.m + t * Hk * G;
   float* l_out = p.l + t * Hk * G;
@@ -180,16 +196,13 @@ void fold_token_vec(const ProblemT<KV>& p, int64_t t, int64_t h0, int64_t h1) {
   const i16 iota = iota16();
   for (int64_t h = h0; h < h1; ++h) {
     const float* q = p.q + (t * Hk + h) * G * hd;
-    v16 acc[G][CH == HV ? HV : 1];  // the accumulators, where they fit in registers
-    alignas(64) float accm[CH == HV ? 1 : G * hd];  // else here, in L1
+    v16 acc[G][HV];
     float m[G], l[G];
     for (int g = 0; g < G; ++g) {
       m[g] = kNoScore;
       l[g] = 0.0f;
-      if constexpr (CH == HV)
-        for (int x = 0; x < HV; ++x) acc[g][x] = v16{};
+      for (int x = 0; x < HV; ++x) acc[g][x] = v16{};
     }
-    if constexpr (CH != HV) std::fill(accm, accm + G * hd, 0.0f);
     for (int64_t b = 0; b < nblocks; ++b) {
       const int64_t base = (p.layer * p.NB + table[b]) * block_floats + h * hd * bs;
       const KV* K = p.k + base;  // [hd, bs]
@@ -220,53 +233,23 @@ void fold_token_vec(const ProblemT<KV>& p, int64_t t, int64_t h0, int64_t h1) {
         for (int g = 0; g < G; ++g) s[g] += q[g * hd + d] * kd;
       }
       const int32_t n = static_cast<int32_t>(std::min(bs, ctx - b * bs));
-      const auto valid = iota < n;
       alignas(64) float pr[G][16];
       float corr[G];
-      for (int g = 0; g < G; ++g) {
-        const v16 sc = select(valid, s[g], splat(kNoScore));
-        const float mn = std::max(m[g], hmax(sc));
-        corr[g] = std::exp(m[g] - mn);
-        const v16 e = select(valid, vexp(sc - mn), v16{});
-        l[g] = l[g] * corr[g] + hsum(e);
-        m[g] = mn;
-        store16(pr[g], e);
-      }
-      if constexpr (CH == HV) {
+      block_softmax<G>(s, iota < n, m, l, corr, pr);
+      for (int g = 0; g < G; ++g)
+        for (int x = 0; x < HV; ++x) acc[g][x] *= corr[g];
+      for (int32_t j = 0; j < n; ++j) {
+        v16 vv[HV];
+        for (int x = 0; x < HV; ++x) vv[x] = load16(V + j * hd + 16 * x);
         for (int g = 0; g < G; ++g)
-          for (int x = 0; x < HV; ++x) acc[g][x] *= corr[g];
-        for (int32_t j = 0; j < n; ++j) {
-          v16 vv[HV];
-          for (int x = 0; x < HV; ++x) vv[x] = load16(V + j * hd + 16 * x);
-          for (int g = 0; g < G; ++g)
-            for (int x = 0; x < HV; ++x) acc[g][x] += pr[g][j] * vv[x];
-        }
-      } else {
-        for (int c0 = 0; c0 < HV; c0 += CH) {
-          v16 a[G][CH];
-          for (int g = 0; g < G; ++g)
-            for (int x = 0; x < CH; ++x) a[g][x] = load16(accm + g * hd + 16 * (c0 + x)) * corr[g];
-          for (int32_t j = 0; j < n; ++j) {
-            v16 vv[CH];
-            for (int x = 0; x < CH; ++x) vv[x] = load16(V + j * hd + 16 * (c0 + x));
-            for (int g = 0; g < G; ++g)
-              for (int x = 0; x < CH; ++x) a[g][x] += pr[g][j] * vv[x];
-          }
-          for (int g = 0; g < G; ++g)
-            for (int x = 0; x < CH; ++x) store16(accm + g * hd + 16 * (c0 + x), a[g][x]);
-        }
+          for (int x = 0; x < HV; ++x) acc[g][x] += pr[g][j] * vv[x];
       }
     }
     for (int g = 0; g < G; ++g) {
       // No cached key: m = -inf, l = 0 (the merge with the local part then ignores this part).
       m_out[h * G + g] = nblocks ? m[g] : -std::numeric_limits<float>::infinity();
       l_out[h * G + g] = l[g];
-      float* dst = acc_out + (h * G + g) * hd;
-      if constexpr (CH == HV) {
-        for (int x = 0; x < HV; ++x) store16(dst + 16 * x, acc[g][x]);
-      } else {
-        std::copy(accm + g * hd, accm + (g + 1) * hd, dst);
-      }
+      for (int x = 0; x < HV; ++x) store16(acc_out + (h * G + g) * hd + 16 * x, acc[g][x]);
     }
   }
 }
@@ -316,20 +299,10 @@ void fold_token_blocks(const ProblemT<KV>& p, int64_t t, int64_t h0, int64_t h1)
           const v16 kd = load16(K + d * bs);
           for (int g = 0; g < G; ++g) s[g] += q[g * hd + d] * kd;
         }
-        float* mh = m + (h - c0) * G;
-        float* lh = l + (h - c0) * G;
         float* ah = accm + (h - c0) * G * hd;
         alignas(64) float pr[G][16];
         float corr[G];
-        for (int g = 0; g < G; ++g) {
-          const v16 sc = select(valid, s[g], splat(kNoScore));
-          const float mn = std::max(mh[g], hmax(sc));
-          corr[g] = std::exp(mh[g] - mn);
-          const v16 e = select(valid, vexp(sc - mn), v16{});
-          lh[g] = lh[g] * corr[g] + hsum(e);
-          mh[g] = mn;
-          store16(pr[g], e);
-        }
+        block_softmax<G>(s, valid, m + (h - c0) * G, l + (h - c0) * G, corr, pr);
         for (int x0 = 0; x0 < HV; x0 += CH) {
           v16 a[G][CH];
           for (int g = 0; g < G; ++g)
