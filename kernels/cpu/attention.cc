@@ -543,6 +543,97 @@ inline void score_rows(const Local& p, const float* kt, int64_t u0, int64_t r0, 
   }
 }
 
+// score_rows keeps 4 rows x up to 4 vectors of scores, 4 vectors of keys and a query element in
+// registers: 21 v16, which AVX-512 has (32) and AVX2, NEON and SSE2 (8, 8, 4) do not (it
+// spilled there). Those take the chunk in two passes: raw scores a 2 x 2 (rows x vectors of 16
+// keys) block at a time into P (score_block), then each row's mask and softmax step over P
+// (softmax_row).
+constexpr bool kFusedScores = kV16Regs >= 21;
+
+template <int RS, int KB, int HV>
+inline void score_block(const Local& p, const float* kt, int64_t u0, int64_t r0, int c0, const float* const* qrow,
+                        float* P) {
+  constexpr int64_t hd = HV * 16;
+  v16 s[RS][KB] = {};
+  const float* kd = kt + u0 + 16 * c0;
+  for (int64_t d = 0; d < hd; ++d, kd += p.Tp) {
+    v16 kv[KB];
+    for (int c = 0; c < KB; ++c) kv[c] = load16(kd + 16 * c);
+    for (int i = 0; i < RS; ++i) {
+      const float a = qrow[r0 + i][d];
+      for (int c = 0; c < KB; ++c) s[i][c] += a * kv[c];
+    }
+  }
+  for (int i = 0; i < RS; ++i)
+    for (int c = 0; c < KB; ++c) store16(P + (r0 + i) * kKeys + 16 * (c0 + c), s[i][c]);
+}
+
+// Row r's scores in P over nk vectors of keys from u0: masked to its keys, folded into its
+// online softmax (m, l, acc rescaled), replaced by their probabilities.
+template <int HV>
+inline void softmax_row(int64_t r, int64_t u0, int nk, const int32_t* row_lo, const int32_t* row_hi, float* m,
+                        float* l, float* acc, float* P) {
+  constexpr int64_t hd = HV * 16;
+  const i16 iota = iota16();
+  float* pr = P + r * kKeys;
+  v16 bmv = splat(kNoScore);
+  for (int c = 0; c < nk; ++c) {
+    const i16 u = iota + static_cast<int32_t>(u0 + 16 * c);
+    const v16 sc = select((u >= row_lo[r]) & (u <= row_hi[r]), load16(pr + 16 * c), splat(kNoScore));
+    store16(pr + 16 * c, sc);
+    bmv = vmax(bmv, sc);
+  }
+  const float bm = hmax(bmv);
+  if (bm <= kNoScore) {  // no key of this chunk for this row
+    for (int c = 0; c < nk; ++c) store16(pr + 16 * c, v16{});
+    return;
+  }
+  const float mn = std::max(m[r], bm);
+  const float corr = std::exp(m[r] - mn);
+  v16 sum{};
+  for (int c = 0; c < nk; ++c) {
+    const v16 sc = load16(pr + 16 * c);
+    const v16 e = select(sc > kNoScore, vexp(sc - mn), v16{});
+    sum += e;
+    store16(pr + 16 * c, e);
+  }
+  l[r] = l[r] * corr + hsum(sum);
+  m[r] = mn;
+  if (corr != 1.0f) {
+    float* a = acc + r * hd;
+    for (int x = 0; x < HV; ++x) store16(a + 16 * x, load16(a + 16 * x) * corr);
+  }
+}
+
+// Every row's scores and softmax step over the nk vectors of keys from u0.
+template <int HV>
+void score_chunk(const Local& p, const float* kt, int64_t u0, int nk, int64_t Rp, const float* const* qrow,
+                 const int32_t* row_lo, const int32_t* row_hi, float* m, float* l, float* acc, float* P) {
+  if constexpr (kFusedScores) {
+    for (int64_t r0 = 0; r0 < Rp; r0 += 4) {
+      switch (nk) {
+        case 1: score_rows<1, HV>(p, kt, u0, r0, qrow, row_lo, row_hi, m, l, acc, P); break;
+        case 2: score_rows<2, HV>(p, kt, u0, r0, qrow, row_lo, row_hi, m, l, acc, P); break;
+        case 3: score_rows<3, HV>(p, kt, u0, r0, qrow, row_lo, row_hi, m, l, acc, P); break;
+        default: score_rows<4, HV>(p, kt, u0, r0, qrow, row_lo, row_hi, m, l, acc, P); break;
+      }
+    }
+  } else {
+    for (int64_t r0 = 0; r0 < Rp; r0 += 2) {  // Rp is a multiple of 4
+      int c0 = 0;
+      for (; c0 + 2 <= nk; c0 += 2) score_block<2, 2, HV>(p, kt, u0, r0, c0, qrow, P);
+      if (c0 < nk) score_block<2, 1, HV>(p, kt, u0, r0, c0, qrow, P);
+    }
+    for (int64_t r = 0; r < Rp; ++r) softmax_row<HV>(r, u0, nk, row_lo, row_hi, m, l, acc, P);
+  }
+}
+
+// acc += P V's blocking: PR rows x CH of the HV vectors of 16 a row in registers, with CH rows
+// of V and a weight: AVX-512 keeps a whole row of V (CH = HV) for 16 / HV rows; smaller
+// register files one vector of 16 for 6 rows.
+constexpr int pv_chunk(int HV) { return kV16Regs >= 21 ? HV : 1; }
+constexpr int pv_rows(int HV) { return kV16Regs >= 21 ? (HV >= 16 ? 1 : 16 / HV) : std::max(1, kV16Regs - 2); }
+
 // One tile of query tokens [t0, t1) and one KV head; HV = hd / 16 (a row of V is HV vectors).
 template <int HV>
 void local_tile(const Local& p, int64_t t0, int64_t t1, int64_t h) {
@@ -580,32 +671,27 @@ void local_tile(const Local& p, int64_t t0, int64_t t1, int64_t h) {
     // Scores and softmax state of every row over this chunk's keys (only the vectors of 16 keys
     // that hold one: a batch of decodes needs 1 of the 4).
     const int nk = static_cast<int>((n + 15) / 16);
-    for (int64_t r0 = 0; r0 < Rp; r0 += 4) {
-      switch (nk) {
-        case 1: score_rows<1, HV>(p, kt, u0, r0, qrow, row_lo, row_hi, m, l, acc, P); break;
-        case 2: score_rows<2, HV>(p, kt, u0, r0, qrow, row_lo, row_hi, m, l, acc, P); break;
-        case 3: score_rows<3, HV>(p, kt, u0, r0, qrow, row_lo, row_hi, m, l, acc, P); break;
-        default: score_rows<4, HV>(p, kt, u0, r0, qrow, row_lo, row_hi, m, l, acc, P); break;
-      }
-    }
-    // acc += P V, 16 / HV rows at a time so that their accumulators stay in registers.
-    constexpr int RB = HV >= 16 ? 1 : 16 / HV;
+    score_chunk<HV>(p, kt, u0, nk, Rp, qrow, row_lo, row_hi, m, l, acc, P);
+    // acc += P V, RB rows x CH vectors at a time so that their accumulators stay in registers.
+    constexpr int RB = pv_rows(HV), CH = pv_chunk(HV);
     for (int64_t r0 = 0; r0 < Rp; r0 += RB) {
       const int rb = static_cast<int>(std::min<int64_t>(RB, Rp - r0));
-      v16 a[RB][HV];
-      for (int i = 0; i < rb; ++i)
-        for (int x = 0; x < HV; ++x) a[i][x] = load16(acc + (r0 + i) * hd + 16 * x);
-      for (int64_t j = 0; j < n; ++j) {
-        const float* vr = p.v + ((u0 + j) * Hk + h) * hd;
-        v16 vv[HV];
-        for (int x = 0; x < HV; ++x) vv[x] = load16(vr + 16 * x);
-        for (int i = 0; i < rb; ++i) {
-          const float w = P[(r0 + i) * kKeys + j];
-          for (int x = 0; x < HV; ++x) a[i][x] += w * vv[x];
+      for (int x0 = 0; x0 < HV; x0 += CH) {
+        v16 a[RB][CH];
+        for (int i = 0; i < rb; ++i)
+          for (int x = 0; x < CH; ++x) a[i][x] = load16(acc + (r0 + i) * hd + 16 * (x0 + x));
+        for (int64_t j = 0; j < n; ++j) {
+          const float* vr = p.v + ((u0 + j) * Hk + h) * hd + 16 * x0;
+          v16 vv[CH];
+          for (int x = 0; x < CH; ++x) vv[x] = load16(vr + 16 * x);
+          for (int i = 0; i < rb; ++i) {
+            const float w = P[(r0 + i) * kKeys + j];
+            for (int x = 0; x < CH; ++x) a[i][x] += w * vv[x];
+          }
         }
+        for (int i = 0; i < rb; ++i)
+          for (int x = 0; x < CH; ++x) store16(acc + (r0 + i) * hd + 16 * (x0 + x), a[i][x]);
       }
-      for (int i = 0; i < rb; ++i)
-        for (int x = 0; x < HV; ++x) store16(acc + (r0 + i) * hd + 16 * x, a[i][x]);
     }
   }
   for (int64_t r = 0; r < R; ++r) {
