@@ -180,7 +180,7 @@ class ModelRunner:
         self._kv = self._alloc_kv()
         self._num_compilations = 0
         self._zero_penalties: dict[tuple[int, int], Penalties] = {}
-        self.native, why_native = attention_select.native_library(self.platform, engine_cfg.native_target)
+        self.native, why_native = self._native_library()
         self.attention = self._select_attention(why_native)
         self.matmul = attention_select.select_matmul(engine_cfg.matmul_kernel, self.native, why_native, self.mesh)
         self.matmul_precision, self.precision_reason = self._resolve_precision()
@@ -279,6 +279,14 @@ class ModelRunner:
 
     # ---- backend ----
 
+    def _native_library(self) -> tuple[Any, str]:
+        """The native CPU library (kernels/select.py native_library), built only where a kernel
+        may use it (neither attention_kernel "reference" nor matmul_kernel "xla" everywhere)."""
+        ec = self.engine_config
+        if ec.attention_kernel not in ("auto", "cpu_native") and ec.matmul_kernel == "xla":
+            return None, "configured: attention and matmuls without native kernels"
+        return attention_select.native_library(self.platform, ec.native_target)
+
     def _select_attention(self, why_native: str) -> attention_select.Choice:
         """The paged-attention implementation, tried once at the smallest step shape."""
         c, ec = self.model_config, self.engine_config
@@ -331,9 +339,8 @@ class ModelRunner:
         def prepare(kernel: str, rows: int) -> verdicts.Timed:
             if kernel == "matmul":
                 # One row streams the weights (a chain past the cache); more rows are compute-bound.
-                return verdicts.matmul_case(layers if rows == 1 else layers[:1], self._lm_head(), self.matmul.fn, rows,
-                                            llama.linear,
-                                            self.matmul.argmax_lse)
+                return verdicts.matmul_case(layers if rows == 1 else layers[:1], self._lm_head(), self.matmul.fn,
+                                            rows, llama.linear, self.matmul.argmax_lse)
             case = verdicts.attention_case(rows, attn[rows], c.num_attention_heads, c.num_key_value_heads,
                                            c.head_dim, self._kv[0], self._chunk_blocks, self._max_blocks, self.dtype)
             return verdicts.attention_timed(self.attention.fn, paged_attention.paged_attention, case, *self._kv,
@@ -377,7 +384,8 @@ class ModelRunner:
                            kv_cache_dtype="bfloat16" if self.kv_storage_dtype == jnp.uint16 else self.dtype.name,
                            attention_kernel=self._attention_summary(), matmul_precision=self.matmul_precision,
                            matmul_kernel=self._matmul_summary(),
-                           native_target=self.native.target.name if self.native is not None else "",
+                           native_target=self.native.target.name if "cpu_native" in (self.attention.name,
+                                                                                     self.matmul.name) else "",
                            kernel_choices=tuple(self.kernel_lines),
                            kv_heads="sharded" if self.layout.kv_sharded else "replicated")
 
