@@ -490,64 +490,11 @@ constexpr int64_t kLocalRows = 64;  // rows (tokens x query heads) of a tile, at
 constexpr int64_t kKeys = 64;       // keys per chunk: 4 vectors of 16
 constexpr int64_t kLocalSerialPairs = 8192;  // below this many (query row, key) pairs: one thread
 
-// Rows [r0, r0 + 4) of a tile against the KV vectors of 16 keys from key u0: scores (a row of
-// transposed keys per dimension, q broadcast), masked to each row's keys, folded into the
-// row's online softmax (m, l, acc rescaled); the probabilities go to P [row][kKeys].
-template <int KV, int HV>
-inline void score_rows(const Local& p, const float* kt, int64_t u0, int64_t r0, const float* const* qrow,
-                       const int32_t* row_lo, const int32_t* row_hi, float* m, float* l, float* acc, float* P) {
-  constexpr int64_t hd = HV * 16;
-  const i16 iota = iota16();
-  v16 s[4][KV] = {};
-  const float* kd = kt + u0;
-  const float *q0 = qrow[r0], *q1 = qrow[r0 + 1], *q2 = qrow[r0 + 2], *q3 = qrow[r0 + 3];
-  for (int64_t d = 0; d < hd; ++d, kd += p.Tp) {
-    v16 kv[KV];
-    for (int c = 0; c < KV; ++c) kv[c] = load16(kd + 16 * c);
-    const float a0 = q0[d], a1 = q1[d], a2 = q2[d], a3 = q3[d];
-    for (int c = 0; c < KV; ++c) {
-      s[0][c] += a0 * kv[c];
-      s[1][c] += a1 * kv[c];
-      s[2][c] += a2 * kv[c];
-      s[3][c] += a3 * kv[c];
-    }
-  }
-  for (int i = 0; i < 4; ++i) {
-    const int64_t r = r0 + i;
-    v16 bmv = splat(kNoScore);
-    for (int c = 0; c < KV; ++c) {
-      const i16 u = iota + static_cast<int32_t>(u0 + 16 * c);
-      s[i][c] = select((u >= row_lo[r]) & (u <= row_hi[r]), s[i][c], splat(kNoScore));
-      bmv = vmax(bmv, s[i][c]);
-    }
-    const float bm = hmax(bmv);
-    float* pr = P + r * kKeys;
-    if (bm <= kNoScore) {  // no key of this chunk for this row
-      for (int c = 0; c < KV; ++c) store16(pr + 16 * c, v16{});
-      continue;
-    }
-    const float mn = std::max(m[r], bm);
-    const float corr = std::exp(m[r] - mn);
-    v16 sum{};
-    for (int c = 0; c < KV; ++c) {
-      const v16 e = select(s[i][c] > kNoScore, vexp(s[i][c] - mn), v16{});
-      sum += e;
-      store16(pr + 16 * c, e);
-    }
-    l[r] = l[r] * corr + hsum(sum);
-    m[r] = mn;
-    if (corr != 1.0f) {
-      float* a = acc + r * hd;
-      for (int x = 0; x < HV; ++x) store16(a + 16 * x, load16(a + 16 * x) * corr);
-    }
-  }
-}
-
-// score_rows keeps 4 rows x up to 4 vectors of scores, 4 vectors of keys and a query element in
-// registers: 21 v16, which AVX-512 has (32) and AVX2, NEON and SSE2 (8, 8, 4) do not (it
-// spilled there). Those take the chunk in two passes: raw scores a 2 x 2 (rows x vectors of 16
-// keys) block at a time into P (score_block), then each row's mask and softmax step over P
-// (softmax_row).
+// A chunk's scores, then each row's softmax step over them. AVX-512 (32 registers) scores 4
+// rows x up to 4 vectors of 16 keys at once (16 accumulators, 4 vectors of keys, a query
+// element) and takes those 4 rows' softmax steps while their scores are fresh; AVX2, NEON and
+// SSE2 (16, 32 and 16 registers of 8 or 4 floats: 8, 8 and 4 v16) would spill that, so they
+// score a 2 x 2 (rows x vectors of 16 keys) block at a time into P, then every row's softmax.
 constexpr bool kFusedScores = kV16Regs >= 21;
 
 template <int RS, int KB, int HV>
@@ -610,16 +557,17 @@ template <int HV>
 void score_chunk(const Local& p, const float* kt, int64_t u0, int nk, int64_t Rp, const float* const* qrow,
                  const int32_t* row_lo, const int32_t* row_hi, float* m, float* l, float* acc, float* P) {
   if constexpr (kFusedScores) {
-    for (int64_t r0 = 0; r0 < Rp; r0 += 4) {
+    for (int64_t r0 = 0; r0 < Rp; r0 += 4) {  // Rp is a multiple of 4
       switch (nk) {
-        case 1: score_rows<1, HV>(p, kt, u0, r0, qrow, row_lo, row_hi, m, l, acc, P); break;
-        case 2: score_rows<2, HV>(p, kt, u0, r0, qrow, row_lo, row_hi, m, l, acc, P); break;
-        case 3: score_rows<3, HV>(p, kt, u0, r0, qrow, row_lo, row_hi, m, l, acc, P); break;
-        default: score_rows<4, HV>(p, kt, u0, r0, qrow, row_lo, row_hi, m, l, acc, P); break;
+        case 1: score_block<4, 1, HV>(p, kt, u0, r0, 0, qrow, P); break;
+        case 2: score_block<4, 2, HV>(p, kt, u0, r0, 0, qrow, P); break;
+        case 3: score_block<4, 3, HV>(p, kt, u0, r0, 0, qrow, P); break;
+        default: score_block<4, 4, HV>(p, kt, u0, r0, 0, qrow, P); break;
       }
+      for (int64_t r = r0; r < r0 + 4; ++r) softmax_row<HV>(r, u0, nk, row_lo, row_hi, m, l, acc, P);
     }
   } else {
-    for (int64_t r0 = 0; r0 < Rp; r0 += 2) {  // Rp is a multiple of 4
+    for (int64_t r0 = 0; r0 < Rp; r0 += 2) {
       int c0 = 0;
       for (; c0 + 2 <= nk; c0 += 2) score_block<2, 2, HV>(p, kt, u0, r0, c0, qrow, P);
       if (c0 < nk) score_block<2, 1, HV>(p, kt, u0, r0, c0, qrow, P);

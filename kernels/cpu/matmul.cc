@@ -239,34 +239,47 @@ inline void transpose8(__m256 r[8]) {
 }
 #endif
 
+// The transposable square of the target: W x W floats in W vectors (AVX-512: 16 x 16, AVX2:
+// 8 x 8); none elsewhere (pack_rows' scalar loop then does it all).
+#if defined(__AVX512F__)
+#define TL_HAVE_SQUARE 1
+struct Square {
+  static constexpr int64_t W = 16;
+  using V = v16;
+  static V load(const float* p) { return load16(p); }
+  static V zero() { return v16{}; }
+  static void store(float* p, V v) { store16(p, v); }
+  static void transpose(V* r) { transpose16(r); }
+};
+#elif defined(__AVX2__)
+#define TL_HAVE_SQUARE 1
+struct Square {
+  static constexpr int64_t W = 8;
+  using V = __m256;
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static V zero() { return _mm256_setzero_ps(); }
+  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+  static void transpose(V* r) { transpose8(r); }
+};
+#endif
+
 // X [N,K] -> XP [tiles][K][C]: row n of tile t in lane n - t*C of each k's C floats, rows past
 // N zero. (A scalar transpose was 5% of a 64-row chain of the 30 layers' matmuls, AVX-512.)
 void pack_rows(const float* X, int64_t N, int64_t K, int64_t C, float* XP) {
   const int64_t tiles = (N + C - 1) / C;
   int64_t k0 = 0;
-#if defined(__AVX512F__)
-  for (; k0 + 16 <= K; k0 += 16)
+#if defined(TL_HAVE_SQUARE)
+  constexpr int64_t W = Square::W;
+  for (; k0 + W <= K; k0 += W)
     for (int64_t t = 0; t < tiles; ++t)
-      for (int64_t c0 = 0; c0 < C; c0 += 16) {
-        v16 r[16];
-        for (int64_t i = 0; i < 16; ++i) {
+      for (int64_t c0 = 0; c0 < C; c0 += W) {
+        Square::V r[W];
+        for (int64_t i = 0; i < W; ++i) {
           const int64_t n = t * C + c0 + i;
-          r[i] = n < N ? load16(X + n * K + k0) : v16{};
+          r[i] = n < N ? Square::load(X + n * K + k0) : Square::zero();
         }
-        transpose16(r);
-        for (int64_t i = 0; i < 16; ++i) store16(XP + (t * K + k0 + i) * C + c0, r[i]);
-      }
-#elif defined(__AVX2__)
-  for (; k0 + 8 <= K; k0 += 8)
-    for (int64_t t = 0; t < tiles; ++t)
-      for (int64_t c0 = 0; c0 < C; c0 += 8) {
-        __m256 r[8];
-        for (int64_t i = 0; i < 8; ++i) {
-          const int64_t n = t * C + c0 + i;
-          r[i] = n < N ? _mm256_loadu_ps(X + n * K + k0) : _mm256_setzero_ps();
-        }
-        transpose8(r);
-        for (int64_t i = 0; i < 8; ++i) _mm256_storeu_ps(XP + (t * K + k0 + i) * C + c0, r[i]);
+        Square::transpose(r);
+        for (int64_t i = 0; i < W; ++i) Square::store(XP + (t * K + k0 + i) * C + c0, r[i]);
       }
 #endif
   for (int64_t t = 0; t < tiles; ++t)
