@@ -810,14 +810,6 @@ ffi::Error SmallAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
   return ffi::Error::Success();
 }
 
-// y [N, O] = x [N, K] @ w^T for w [O, K] (one row of K weights per output: how every float
-// linear is stored, tl/model/llama.py) and a few rows N: output rows split into contiguous
-// ranges over the threads, each streaming its part of w front to back, MO = 4 outputs at a time
-// (their 4 rows read together, 16 weights per load, the next 4 rows prefetched as they go),
-// x rows in blocks of NB <= 4 against them: 16 dot products accumulate in registers, reduced
-// across lanes at the end. (Measured on the 30 SmolLM2 layers at one row: prefetching 8-32
-// rows ahead, 2 or 8 outputs a block, and chunks handed out dynamically were no faster.)
-
 // The bindings of the two attention handlers, over a float32 (F32) or a bf16-bits (U16) cache.
 template <ffi::DataType KVT>
 auto small_attention_binding() {
