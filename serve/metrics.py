@@ -1,7 +1,8 @@
 """Prometheus metrics of one server process, on a custom CollectorRegistry.
 
 Owns: the backend info metric (tl_engine_backend_info: platform, device kind and count,
-tensor parallelism, dtype, attention kernel), the engine gauges and counters (read from the
+tensor parallelism, dtype, attention kernel), the engine gauges, counters and histograms (step
+time, prompt tokens per step) (read from the
 AsyncEngine's stats snapshot at scrape time, so the engine thread is never touched), latency histograms (time to first
 token, time per output token, end-to-end, queue time = submit until the engine thread
 admitted the request) and request counters by endpoint and status.
@@ -16,6 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, exposition
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
+    HistogramMetricFamily,
     InfoMetricFamily,
 )
 from prometheus_client.registry import Collector
@@ -32,7 +34,7 @@ class _EngineCollector(Collector):
         self._stats = stats
         self._backend = backend
 
-    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily | InfoMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily | HistogramMetricFamily | InfoMetricFamily]:
         b = self._backend() if self._backend else None
         if b is not None:
             yield InfoMetricFamily("tl_engine_backend", "Platform, devices, parallelism and kernel of the engine",
@@ -57,8 +59,16 @@ class _EngineCollector(Collector):
             ("tl_engine_prefix_cache_hits", "Prompt tokens found in the prefix cache", s.prefix_cache_hits),
             ("tl_engine_spec_draft_tokens", "Speculative draft tokens proposed", s.spec_drafts_proposed),
             ("tl_engine_spec_accepted_tokens", "Speculative draft tokens accepted", s.spec_drafts_accepted),
+            ("tl_engine_capped_steps", "Steps whose prompt work prompt_tokens_while_decoding cut", s.capped_steps),
         ):
             yield CounterMetricFamily(name, doc, value=value)
+        for name, doc, h in (
+            ("tl_engine_step_seconds", "Runner time of each engine step", s.step_seconds),
+            ("tl_engine_prompt_tokens_per_step", "Prompt-work tokens (prefill chunks, embeddings inputs) of each step",
+             s.prompt_tokens_per_step),
+        ):
+            if h.bounds:
+                yield HistogramMetricFamily(name, doc, buckets=h.cumulative(), sum_value=h.total)
 
 
 class Metrics:

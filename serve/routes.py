@@ -47,6 +47,7 @@ from serve.wire import (
     encoder,
 )
 from tl.async_engine import AsyncEngine, EngineError
+from tl.request import MAX_EMBED_INPUTS, EmbedRequest, RequestError
 
 S = TypeVar("S")
 STARTED_AT = int(time.time())
@@ -127,6 +128,10 @@ async def embeddings(ctx: Ctx) -> None:
     check_model(req.model, ctx.info)
     if req.dimensions is not None:
         raise errors.unsupported("dimensions")
+    if isinstance(req.input, list) and len(req.input) > MAX_EMBED_INPUTS and not all(
+            isinstance(x, int) for x in req.input):
+        raise errors.bad_request(f"input holds {len(req.input)} inputs; at most {MAX_EMBED_INPUTS} are allowed",
+                                 "input")
     inputs = prompt_token_lists(req.input, ctx.info, "input")
     for i, ids in enumerate(inputs):
         if not ids:
@@ -135,10 +140,26 @@ async def embeddings(ctx: Ctx) -> None:
             raise errors.ApiError(400, f"input[{i}] has {len(ids)} tokens; this model's maximum context length is "
                                        f"{ctx.info.max_model_len} tokens", "invalid_request_error", "input",
                                   "context_length_exceeded")
+        bad = next((t for t in ids if not 0 <= t < ctx.info.vocab_size), None)
+        if bad is not None:
+            raise errors.bad_request(f"input[{i}]: token id {bad} is outside the vocabulary "
+                                     f"(size {ctx.info.vocab_size})", "input")
     try:
-        vectors = await ctx.engine.embed(inputs)
+        handle = ctx.engine.submit_embedding(EmbedRequest(tuple(tuple(x) for x in inputs), priority(ctx)))
+    except RequestError as e:
+        raise errors.from_request_error(e) from None
+    assert ctx.watcher is not None
+    ctx.watcher.on_gone(handle.abort)
+    try:
+        vectors = await handle.vectors()
+    except RequestError as e:
+        raise errors.from_request_error(e) from None
     except EngineError as e:
+        if ctx.watcher.gone.is_set():
+            return  # the client left: nobody to answer
         raise errors.internal(str(e)) from None
+    finally:
+        handle.abort()
     data = [Embedding("embedding", i, _pack([float(x) for x in v], req.encoding_format))
             for i, v in enumerate(vectors)]
     if any(isinstance(v, list) and not all(math.isfinite(x) for x in v) for v in (d.embedding for d in data)):

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from tl.async_engine import AsyncEngine
 from tl.config import EngineConfig
 from tl.plan import RunnerOutput, SchedulerOutput, SeqResult
-from tl.request import ContextLengthError, GenRequest, QueueFullError, TokenOut
+from tl.request import ContextLengthError, EmbedRequest, GenRequest, QueueFullError, TokenOut
 from tl.stats import EngineStats
 
 EMBED_DIM = 8
@@ -114,6 +114,15 @@ class FakeEngine:
         self._free = runner.num_kv_blocks
         self._steps = 0
         self._batch_tokens = 0
+        self._embeds: dict[int, tuple[int, ...]] = {}  # embeddings inputs, answered by the next step
+
+    def add_embedding(self, req: EmbedRequest) -> list[int]:
+        if len(self._waiting) >= self.config.queue_capacity:
+            raise QueueFullError("waiting queue full")
+        ids = list(range(self._next_id, self._next_id + len(req.inputs)))
+        self._next_id += len(req.inputs)
+        self._embeds.update(zip(ids, req.inputs, strict=True))
+        return ids
 
     def add_request(self, req: GenRequest) -> int:
         if len(req.prompt_ids) + req.params.max_tokens > self.max_model_len:
@@ -131,6 +140,8 @@ class FakeEngine:
         return rid
 
     def abort(self, request_id: int) -> None:
+        if self._embeds.pop(request_id, None) is not None:
+            self._aborted.append(request_id)
         for s in list(self._waiting):
             if s.rid == request_id:
                 self._waiting.remove(s)
@@ -141,11 +152,11 @@ class FakeEngine:
             self._aborted.append(request_id)
 
     def abort_all(self) -> None:
-        for rid in [s.rid for s in self._waiting] + list(self._running):
+        for rid in [s.rid for s in self._waiting] + list(self._running) + list(self._embeds):
             self.abort(rid)
 
     def has_work(self) -> bool:
-        return bool(self._waiting or self._running or self._aborted)
+        return bool(self._waiting or self._running or self._aborted or self._embeds)
 
     def _blocks_for(self, s: _Seq) -> int:
         return -(-(len(s.req.prompt_ids) + s.req.params.max_tokens) // self.runner.block_size)
@@ -178,6 +189,9 @@ class FakeEngine:
         self._aborted.clear()
         self._admit(outs)
         self._batch_tokens = 0
+        for rid, ids in self._embeds.items():
+            outs.append(TokenOut(rid, -1, finish_reason="stop", embedding=tuple(fake_embedding(ids))))
+        self._embeds.clear()
         for s in list(self._running.values()):
             self._batch_tokens += 1 if s.out else len(s.req.prompt_ids)
             outs.append(self._next(s))
@@ -234,6 +248,10 @@ class SuccRunner:
             time.sleep(self.step_delay_s)
         results = []
         for w in plan.work:
+            if w.pool:  # the chunk's sum of fake_hidden: the scheduler's mean is fake_embedding's
+                cols = zip(*(fake_hidden(t, w.start_pos + i) for i, t in enumerate(w.token_ids)), strict=True)
+                results.append(SeqResult(w.seq_id, (), (), pooled=tuple(sum(c) for c in cols)))
+                continue
             if not w.sample:
                 continue
             offset = 1 if w.params.greedy else 1 + random.Random(w.seed * 1_000_003 + w.num_generated).randrange(4)

@@ -38,6 +38,18 @@ def next_token(context: Sequence[int], vocab_size: int, *, greedy: bool = True, 
     return token if greedy else (token + _noise(seed, counter)) % vocab_size
 
 
+def pool_vector(token: int, pos: int) -> tuple[float, float, float]:
+    """The fake final hidden state of a token at a position."""
+    return (1.0, float(token), float(pos))
+
+
+def pooled_embedding(ids: Sequence[int]) -> list[float]:
+    """What an embeddings input of these ids must come back as: the normalised mean of pool_vector."""
+    mean = [sum(c) / len(ids) for c in zip(*(pool_vector(t, p) for p, t in enumerate(ids)), strict=True)]
+    norm = sum(x * x for x in mean) ** 0.5
+    return [x / norm for x in mean]
+
+
 def logprob_of(token: int) -> float:
     return -0.125 * (token % 7)
 
@@ -70,12 +82,23 @@ class FakeRunner:
             for i, token in enumerate(work.token_ids):
                 self.kv[self.slot(work, work.start_pos + i)] = (work.start_pos + i, token)
         results = tuple(self._verify(w) for w in plan.work if w.sample)
+        results += tuple(self._pool(w) for w in plan.work if w.pool)
         for work in plan.work:
             self._commit(work, next((r for r in results if r.seq_id == work.seq_id), None))
         return RunnerOutput(results)
 
     def embed(self, token_ids: Sequence[int]) -> list[float]:
-        return [float(len(token_ids))]
+        return pooled_embedding(token_ids)
+
+    def _pool(self, work: SeqWork) -> SeqResult:
+        """The chunk's sum of pool_vector over its tokens, read back from the shadow cache (so a
+        chunk pooled at the wrong positions or over another sequence's KV gives a wrong vector)."""
+        assert not work.sample and not work.draft_ids, f"seq {work.seq_id}: a pooled work samples"
+        context = self._context(work, work.start_pos + len(work.token_ids) - 1)  # every position's KV is there
+        total = [0.0, 0.0, 0.0]
+        for p in range(work.start_pos, len(context)):
+            total = [a + b for a, b in zip(total, pool_vector(context[p], p), strict=True)]
+        return SeqResult(work.seq_id, (), (), pooled=tuple(total))
 
     def _context(self, work: SeqWork, pos: int) -> list[int]:
         """Tokens at positions 0..pos, read from the shadow cache through work's block table."""

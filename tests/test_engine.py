@@ -19,10 +19,10 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from tests.differential import (Arrival, RunnerFactory, assert_concurrent_equals_alone, drive, finish_reason,
                                 token_ids)
-from tests.fake_runner import FakeRunner, next_token
+from tests.fake_runner import FakeRunner, next_token, pooled_embedding
 from tl.config import EngineConfig
 from tl.engine import Engine
-from tl.request import ContextLengthError, GenRequest, QueueFullError, SamplingParams, TokenOut
+from tl.request import ContextLengthError, EmbedRequest, GenRequest, QueueFullError, SamplingParams, TokenOut
 from tl.sequence import SeqStatus
 
 BASE_CFG = EngineConfig(block_size=4, num_kv_blocks=64, max_num_seqs=4, max_num_batched_tokens=32,
@@ -36,6 +36,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "tiny_kv_prefix_cache": {"num_kv_blocks": 14, "prefix_cache": "radix"},
     "speculative": {"speculative": "prompt_lookup"},
     "everything": {"num_kv_blocks": 14, "prefix_cache": "radix", "prefill_chunk": 4, "speculative": "prompt_lookup"},
+    "capped": {"prefill_chunk": 8, "prompt_tokens_while_decoding": 5},
+    "capped_unchunked": {"prompt_tokens_while_decoding": 3, "num_kv_blocks": 14},
 }
 RUNNER_FACTORIES: list[Any] = [pytest.param(FakeRunner.from_config, id="fake")]
 
@@ -238,6 +240,7 @@ class EngineMachine(RuleBasedStateMachine):
         self.engine = Engine(FakeRunner.from_config(self.cfg), self.cfg)
         self.requests: dict[int, GenRequest] = {}
         self.outs: dict[int, list[TokenOut]] = {}
+        self.embeds: dict[int, tuple[int, ...]] = {}
 
     @rule(requests=st.lists(st.tuples(st.sampled_from([10, 10, 30, 90]), st.integers(1, 20), st.integers(1, 16),
                                        st.integers(-2, 2), st.none() | st.integers(0, 5), st.booleans()),
@@ -260,6 +263,22 @@ class EngineMachine(RuleBasedStateMachine):
             return
         self.requests[rid], self.outs[rid] = req, []
 
+    @rule(inputs=st.lists(st.tuples(st.integers(1, 60), st.integers(1, 30)), min_size=1, max_size=5),
+          priority=st.integers(-2, 2))
+    def embed(self, inputs: list[tuple[int, int]], priority: int) -> None:
+        """An embeddings request: (first token, length) per input."""
+        ids = tuple(run(n, start) for start, n in inputs)
+        try:
+            rids = self.engine.add_embedding(EmbedRequest(ids, priority))
+        except ContextLengthError:
+            assert max(map(len, ids)) > self.engine.max_model_len
+            return
+        except QueueFullError:
+            assert self.engine.stats().queue_depth >= self.cfg.queue_capacity
+            return
+        for rid, x in zip(rids, ids, strict=True):
+            self.embeds[rid], self.outs[rid] = x, []
+
     @rule(n=st.integers(1, 8))
     def step(self, n: int) -> None:
         for _ in range(n):
@@ -278,8 +297,18 @@ class EngineMachine(RuleBasedStateMachine):
             check_engine(self.engine)
 
     @invariant()
+    def embeddings_are_pooled_exactly(self) -> None:
+        for rid, ids in getattr(self, "embeds", {}).items():
+            outs = self.outs[rid]
+            assert len(outs) <= 1 and all(o.token_id == -1 for o in outs)
+            if outs and outs[0].finish_reason == "stop":
+                assert list(outs[0].embedding) == pytest.approx(pooled_embedding(ids), rel=1e-9)
+
+    @invariant()
     def tokens_follow_the_rule(self) -> None:
         for rid, outs in getattr(self, "outs", {}).items():
+            if rid in self.embeds:
+                continue
             req = self.requests[rid]
             seed = req.params.seed if req.params.seed is not None else 0
             want, reason = reference(req, seed, max_model_len=self.engine.max_model_len)
@@ -298,3 +327,105 @@ class EngineMachine(RuleBasedStateMachine):
 
 TestEngineMachine = EngineMachine.TestCase
 TestEngineMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+
+
+def _embed_cfg(**kw: Any) -> EngineConfig:
+    return BASE_CFG.replace(prefill_chunk=4, prefix_cache="radix", **kw)
+
+
+def test_embeddings_are_prompt_work_beside_decodes_and_free_their_blocks() -> None:
+    cfg = _embed_cfg(prompt_tokens_while_decoding=6)
+    engine = Engine(FakeRunner.from_config(cfg), cfg)
+    gen = engine.add_request(GenRequest(run(3), greedy(12)))
+    engine.step()  # the prompt: gen decodes from now on
+    inputs = (run(13, 40), run(5, 20), run(9, 30))
+    ids = engine.add_embedding(EmbedRequest(inputs))
+    assert engine.stats().queue_depth == 1  # one request, three inputs
+    outs: dict[int, TokenOut] = {}
+    steps = 0
+    while engine.has_work():
+        for o in engine.step():
+            if o.request_id != gen:
+                outs[o.request_id] = o
+        steps += 1
+        plan = engine.runner.plans[-1]  # type: ignore[attr-defined]
+        assert any(w.seq_id == gen for w in plan.work) or gen not in engine.scheduler.seqs  # never starved
+        assert plan.num_prompt_tokens <= 6
+        check_engine(engine)
+    pooled = [w for p in engine.runner.plans for w in p.work if w.pool]  # type: ignore[attr-defined]
+    assert all(not w.sample for w in pooled) and max(len(w.token_ids) for w in pooled) <= 4  # chunked
+    for rid, x in zip(ids, inputs, strict=True):
+        assert outs[rid].finish_reason == "stop" and outs[rid].token_id == -1
+        assert list(outs[rid].embedding) == pytest.approx(pooled_embedding(x), rel=1e-12)
+    s = engine.stats()
+    assert s.kv_blocks_used == 0 and s.kv_blocks_cached > 0  # only the generation's blocks were cached
+    assert engine.block_manager.lookup(inputs[0]) == []  # embeddings inputs are never cached
+    assert s.capped_steps > 0 and s.prompt_tokens_per_step.count == s.steps
+
+
+def test_embedding_inputs_are_never_looked_up_in_the_prefix_cache() -> None:
+    cfg = _embed_cfg()
+    engine = Engine(FakeRunner.from_config(cfg), cfg)
+    prompt = run(12, 50)
+    drive(engine, [Arrival(0, GenRequest(prompt, greedy(2)))])
+    assert engine.block_manager.lookup(prompt)  # cached by the generation
+    (rid,) = engine.add_embedding(EmbedRequest((prompt,)))
+    got = [o for o in drive_all(engine) if o.request_id == rid]
+    assert list(got[0].embedding) == pytest.approx(pooled_embedding(prompt), rel=1e-12)
+    assert [w.start_pos for p in engine.runner.plans for w in p.work if w.pool][0] == 0  # type: ignore[attr-defined]
+
+
+def drive_all(engine: Engine) -> list[TokenOut]:
+    outs: list[TokenOut] = []
+    while engine.has_work():
+        outs += engine.step()
+    return outs
+
+
+def test_a_generation_overtakes_queued_embedding_inputs_but_not_the_other_way() -> None:
+    cfg = _embed_cfg(max_num_seqs=4)  # embeddings inputs hold at most 2 sequences
+    engine = Engine(FakeRunner.from_config(cfg), cfg)
+    engine.add_embedding(EmbedRequest(tuple(run(8, 10 + i) for i in range(6))))
+    gen = engine.add_request(GenRequest(run(4), greedy(3)))
+    engine.step()
+    running = engine.scheduler.running
+    assert sum(q.pool for q in running) == 2 and gen in {q.seq_id for q in running}
+    outs = drive_all(engine)
+    assert sum(o.embedding != () for o in outs) == 6 and engine.stats().kv_blocks_used == 0
+
+
+def test_embedding_admission_is_all_or_nothing() -> None:
+    cfg = _embed_cfg(max_model_len=20, queue_capacity=2)
+    engine = Engine(FakeRunner.from_config(cfg), cfg)
+    with pytest.raises(ContextLengthError, match=r"input\[1\] has 21 tokens") as e:
+        engine.add_embedding(EmbedRequest((run(3), run(21))))
+    assert e.value.param == "input" and not engine.scheduler.seqs
+    engine.add_embedding(EmbedRequest(tuple(run(3) for _ in range(50))))
+    engine.add_request(GenRequest(run(3), greedy(2)))
+    with pytest.raises(QueueFullError):
+        engine.add_embedding(EmbedRequest((run(3),)))
+    assert engine.stats().queue_depth == 2
+
+
+def test_aborting_an_embedding_input_mid_prompt_frees_its_blocks() -> None:
+    cfg = _embed_cfg()
+    engine = Engine(FakeRunner.from_config(cfg), cfg)
+    (rid,) = engine.add_embedding(EmbedRequest((run(20),)))
+    engine.step()
+    assert engine.block_manager.holds(rid)
+    engine.abort(rid)
+    assert engine.step()[0].finish_reason == "abort"
+    assert engine.stats().kv_blocks_used == 0 and not engine.has_work()
+
+
+def test_the_prompt_cap_applies_only_beside_decodes() -> None:
+    cfg = BASE_CFG.replace(prefill_chunk=32, prompt_tokens_while_decoding=8)
+    engine = Engine(FakeRunner.from_config(cfg), cfg)
+    engine.add_request(GenRequest(run(30), greedy(20)))
+    engine.step()
+    assert engine.runner.plans[-1].num_prompt_tokens == 30  # type: ignore[attr-defined]  # nothing decodes yet
+    engine.add_request(GenRequest(run(30, 40), greedy(2)))
+    engine.step()
+    plan = engine.runner.plans[-1]  # type: ignore[attr-defined]
+    assert (plan.num_tokens, plan.num_prompt_tokens, plan.capped) == (9, 8, True)
+    assert engine.stats().capped_steps == 1

@@ -240,6 +240,30 @@ def test_embed_is_padding_invariant_mean(runner_and_params: tuple[ModelRunner, d
     assert len(runner.embed(list(range(40)))) == runner.model_config.hidden_size  # past the largest bucket
 
 
+def test_scheduled_embeddings_equal_embed_alone(runner_and_params: tuple[ModelRunner, dict]) -> None:
+    """Embeddings inputs pooled by the step, in chunks of 8 beside a decoding stream and each
+    other, equal ModelRunner.embed's (dense, no cache) vectors: cosine >= 0.99999."""
+    from tl.engine import Engine
+    from tl.request import EmbedRequest, GenRequest
+
+    runner, _ = runner_and_params
+    engine = Engine(runner, ENGINE.replace(prefill_chunk=8, prompt_tokens_while_decoding=12))
+    rng = random.Random(5)
+    inputs = tuple(tuple(rng.randrange(160) for _ in range(n)) for n in (1, 7, 8, 9, 30, 61))
+    gen = engine.add_request(GenRequest((3, 1, 4, 1, 5), SamplingParams(temperature=0.0, max_tokens=20)))
+    engine.step()
+    ids = engine.add_embedding(EmbedRequest(inputs))
+    got = {}
+    while engine.has_work():
+        got.update({o.request_id: o.embedding for o in engine.step() if o.request_id != gen})
+    assert engine.stats().kv_blocks_used == 0
+    for rid, x in zip(ids, inputs, strict=True):
+        want = np.asarray(runner.embed(list(x)))
+        vec = np.asarray(got[rid])
+        assert abs(np.linalg.norm(vec) - 1.0) < 1e-6
+        assert float(vec @ want) >= 0.99999, (len(x), float(vec @ want))
+
+
 def test_bfloat16_runs_with_bits_cache() -> None:
     runner, params = make_runner(ENGINE.replace(dtype="bfloat16"), seed=7)
     assert runner.kv_cache[0].dtype == jnp.uint16

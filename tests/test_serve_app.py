@@ -330,6 +330,71 @@ def test_embeddings_are_mean_pooled_and_normalized(kind: str) -> None:
     run(make_app(kind), body)
 
 
+def test_embeddings_limits_name_the_input() -> None:
+    async def body(app: App) -> None:
+        r = await call(app, "POST", "/v1/embeddings", {"model": "succ", "input": ["a"] * 2049})
+        assert r.status == 400 and r.error()["param"] == "input" and "2048" in r.error()["message"]
+        r = await call(app, "POST", "/v1/embeddings", {"model": "succ", "input": ["a", "b" * 600]})
+        assert r.status == 400 and r.error()["param"] == "input" and r.error()["code"] == "context_length_exceeded"
+        assert "input[1]" in r.error()["message"]
+        r = await call(app, "POST", "/v1/embeddings", {"model": "succ", "input": [[1, 2], [3, 999]]})
+        assert r.status == 400 and r.error()["param"] == "input" and "999" in r.error()["message"]
+        r = await call(app, "POST", "/v1/embeddings", {"model": "succ", "input": list(range(2100))})
+        assert r.status == 400 and r.error()["code"] == "context_length_exceeded"  # one input of 2100 ids
+        assert (await call(app, "POST", "/v1/embeddings", {"model": "succ", "input": ["a"] * 2048})).status == 200
+    run(make_app("real", max_model_len=512), body, timeout=60)
+
+
+def test_streams_keep_their_cadence_through_a_large_embeddings_request() -> None:
+    """A 2,048-input embeddings request is prompt work in many steps, and a running stream gets a
+    token in every one of them; the queue counts the request once; its blocks are free at the end."""
+    async def body(app: App) -> None:
+        seen = [0]
+        started = asyncio.Event()
+
+        def on_message(b: bytes) -> None:
+            seen[0] += 1
+            started.set()
+        stream = asyncio.create_task(call(app, "POST", CHAT, chat(max_tokens=500, stream=True),
+                                          on_message=on_message))
+        await started.wait()
+        inputs = [bytes([65 + i % 26]) * (1 + i % 40) for i in range(2048)]
+        steps0, seen0 = metric(app, "tl_engine_steps_total"), seen[0]
+        emb = asyncio.create_task(call(app, "POST", "/v1/embeddings",
+                                       {"model": "succ", "input": [x.decode() for x in inputs]}))
+        await wait_for(lambda: metric(app, "tl_engine_active_sequences") > 1, 5.0)
+        assert metric(app, "tl_engine_queue_depth") <= 1
+        r = await emb
+        steps, got = metric(app, "tl_engine_steps_total") - steps0, seen[0] - seen0
+        assert r.status == 200
+        data = r.json()["data"]
+        assert [d["index"] for d in data] == list(range(2048))
+        for i in (0, 7, 2047):
+            assert data[i]["embedding"] == pytest.approx(fake_embedding(list(inputs[i])))
+        assert stream.done() or got >= steps - 3, (steps, got)  # a token every step while it ran
+        assert steps >= 40  # the inputs' 42k tokens ran as scheduled work, not one call
+        done = await stream
+        assert done.events()[-1] == "[DONE]" and len(content(done)) == 500
+        await wait_for(lambda: metric(app, 'tl_engine_kv_blocks{state="used"}') == 0, 2.0)
+        assert metric(app, "tl_engine_capped_steps_total") > 0
+    run(make_app("real", 0.002, prompt_tokens_while_decoding=256), body, timeout=120)
+
+
+def test_embeddings_disconnect_aborts_and_frees_blocks(kind: str) -> None:
+    async def body(app: App) -> None:
+        inputs = ["x" * 200] * 64
+        task = asyncio.create_task(call(app, "POST", "/v1/embeddings", {"model": "succ", "input": inputs},
+                                        disconnect_after=0.1))
+        await task
+        await wait_for(lambda: metric(app, "tl_engine_active_sequences") == 0
+                       and metric(app, 'tl_engine_kv_blocks{state="used"}') == 0
+                       and metric(app, "tl_engine_queue_depth") == 0, 2.0)
+        assert app.inflight == 0
+        r = await call(app, "POST", "/v1/embeddings", {"model": "succ", "input": "ab"})
+        assert r.status == 200
+    run(make_app(kind, 0.02), body)
+
+
 def test_tokenize_models_health_and_request_id(kind: str) -> None:
     async def body(app: App) -> None:
         r = await call(app, "POST", "/v1/tokenize", {"model": "succ", "prompt": "hé"}, headers={"X-Request-Id": "abc"})

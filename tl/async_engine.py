@@ -1,8 +1,9 @@
 """AsyncEngine: the engine thread, and asyncio handles that serve/ awaits.
 
-Owns: the one OS thread that calls the synchronous `tl.engine.Engine` (add_request, abort,
-step, stats, runner.embed), a FIFO command queue into it, and per-request asyncio queues
-out of it (filled with loop.call_soon_threadsafe, one call per step). Nothing that
+Owns: the one OS thread that calls the synchronous `tl.engine.Engine` (add_request,
+add_embedding, abort, step, stats), a FIFO command queue into it, and per-request asyncio
+queues out of it (filled with loop.call_soon_threadsafe, one call per step); embeddings
+requests are engine work like prompts (EmbedHandle gathers their inputs' vectors). Nothing that
 computes runs on the event loop: the loop only enqueues commands and reads snapshots.
 Admission is bounded here: submit() raises QueueFullError at once when requests not yet
 taken by the thread plus the engine's waiting queue reach queue_capacity.
@@ -19,10 +20,10 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from tl.config import EngineConfig
-from tl.request import GenRequest, QueueFullError, RequestError, TokenOut
+from tl.request import EmbedRequest, GenRequest, QueueFullError, RequestError, TokenOut
 from tl.stats import BackendInfo, EngineStats
 
 log = logging.getLogger("tl.async_engine")
@@ -39,6 +40,7 @@ class SyncEngine(Protocol):
     max_model_len: int
 
     def add_request(self, req: GenRequest) -> int: ...
+    def add_embedding(self, req: EmbedRequest) -> list[int]: ...
     def abort(self, request_id: int) -> None: ...
     def abort_all(self) -> None: ...
     def step(self) -> list[TokenOut]: ...
@@ -92,6 +94,58 @@ class RequestHandle:
         self._queue.put_nowait(item)
 
 
+class EmbedHandle:
+    """One submitted embeddings request, seen from the event loop: `await handle.vectors()`.
+
+    Its inputs run as separate engine sequences, in any order and steps; the vectors come back
+    in input order. An admission refusal, an engine failure or an abort is raised from
+    vectors() (RequestError, EngineError).
+    """
+
+    def __init__(self, owner: AsyncEngine, request: EmbedRequest, loop: asyncio.AbstractEventLoop) -> None:
+        self.request = request
+        self.engine_ids: list[int] = []  # written by the engine thread only
+        self.admitted: asyncio.Future[None] = loop.create_future()
+        self._owner = owner
+        self._result: asyncio.Future[list[list[float]]] = loop.create_future()
+        self._vectors: list[list[float] | None] = [None] * len(request.inputs)
+        self._index: dict[int, int] = {}
+        self._left = len(request.inputs)
+        self._abort_sent = False
+
+    def abort(self) -> None:
+        """Stop every input still running and free its blocks (idempotent, any time)."""
+        if not self._abort_sent and not self._result.done():
+            self._abort_sent = True
+            self._owner._command(("abort", self))
+
+    @property
+    def done(self) -> bool:
+        return self._result.done()
+
+    async def vectors(self) -> list[list[float]]:
+        return await self._result
+
+    def _put(self, item: list[TokenOut] | BaseException) -> None:
+        if self._result.done():
+            return
+        if isinstance(item, BaseException):
+            self._result.set_exception(item)
+            return
+        for o in item:
+            if o.finish_reason == "stop" and o.embedding:
+                i = self._index[o.request_id]
+                if self._vectors[i] is None:
+                    self._left -= 1
+                self._vectors[i] = list(o.embedding)
+            elif o.finish_reason is not None:
+                reason = "aborted" if o.finish_reason == "abort" else "refused for lack of KV blocks"
+                self._result.set_exception(EngineError(f"embeddings input {self._index[o.request_id]} {reason}"))
+                return
+        if self._left == 0:
+            self._result.set_result([v for v in self._vectors if v is not None])
+
+
 class AsyncEngine:
     def __init__(self, engine: SyncEngine, tokenizer: object, chat_template: object, model_id: str,
                  *, config: EngineConfig | None = None) -> None:
@@ -111,7 +165,7 @@ class AsyncEngine:
         self._inbox = 0  # submitted, not yet taken by the thread (under _lock)
         self._waiting = 0  # engine waiting queue at the last snapshot (under _lock)
         self._stats = EngineStats()
-        self._live: dict[int, RequestHandle] = {}  # engine thread only
+        self._live: dict[int, RequestHandle | EmbedHandle] = {}  # engine id -> handle; engine thread only
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -145,15 +199,26 @@ class AsyncEngine:
         self._command(("add", handle))
         return handle
 
-    async def embed(self, inputs: Sequence[Sequence[int]]) -> list[list[float]]:
-        """Mean-pooled, L2-normalised embeddings, computed on the engine thread between steps."""
-        runner = self.engine.runner  # type: ignore[attr-defined]
-        lists = [list(x) for x in inputs]
+    def submit_embedding(self, req: EmbedRequest) -> EmbedHandle:
+        """Queue an embeddings request (one admission, however many inputs); raises QueueFullError
+        at once when admission is full. Its inputs are scheduled as prompt work with the rest."""
+        assert self._loop is not None, "start() first"
+        with self._lock:
+            if self._inbox + self._waiting >= self.queue_capacity:
+                raise QueueFullError(f"admission queue is full ({self.queue_capacity} waiting)")
+            self._inbox += 1
+        handle = EmbedHandle(self, req, self._loop)
+        self._command(("embed", handle))
+        return handle
 
-        def run() -> list[list[float]]:
-            return [list(runner.embed(ids)) for ids in lists]
-
-        return await self.call(run)
+    async def embed(self, inputs: Sequence[Sequence[int]], priority: int = 0) -> list[list[float]]:
+        """Mean-pooled, L2-normalised embeddings of the inputs, in their order (submit_embedding
+        and wait; aborted if the caller is cancelled)."""
+        handle = self.submit_embedding(EmbedRequest(tuple(tuple(x) for x in inputs), priority))
+        try:
+            return await handle.vectors()
+        finally:
+            handle.abort()
 
     async def call(self, fn: Callable[[], T]) -> T:
         """Run fn on the engine thread between steps and await its result."""
@@ -208,6 +273,9 @@ class AsyncEngine:
             if kind == "add":
                 added = True
                 self._add(cmd[1], events)  # type: ignore[arg-type]
+            elif kind == "embed":
+                added = True
+                self._add_embedding(cmd[1], events)  # type: ignore[arg-type]
             elif kind == "abort":
                 self._abort(cmd[1], events)  # type: ignore[arg-type]
             elif kind == "call":
@@ -237,7 +305,32 @@ class AsyncEngine:
             with self._lock:
                 self._inbox -= 1
 
-    def _abort(self, handle: RequestHandle, events: list[tuple[RequestHandle, object]]) -> None:
+    def _add_embedding(self, handle: EmbedHandle, events: list[tuple[Any, object]]) -> None:
+        try:
+            ids = self.engine.add_embedding(handle.request)
+        except RequestError as e:
+            events.append((handle, e))
+        except Exception as e:
+            log.exception("add_embedding failed")
+            events.append((handle, EngineError(f"add_embedding failed: {e}")))
+        else:
+            handle.engine_ids = ids
+            handle._index = {rid: i for i, rid in enumerate(ids)}
+            for rid in ids:
+                self._live[rid] = handle
+            events.append((handle, None))
+        finally:
+            with self._lock:
+                self._inbox -= 1
+
+    def _abort(self, handle: RequestHandle | EmbedHandle, events: list[tuple[Any, object]]) -> None:
+        if isinstance(handle, EmbedHandle):
+            live = [rid for rid in handle.engine_ids if self._live.pop(rid, None) is not None]
+            for rid in live:
+                self.engine.abort(rid)
+            if live:
+                events.append((handle, EngineError("embeddings request aborted")))
+            return
         rid = handle.engine_id
         if rid is None or self._live.pop(rid, None) is None:
             return
@@ -272,8 +365,8 @@ class AsyncEngine:
                 del self._live[rid]
             events.append((handle, lst))
 
-    def _fail_all(self, err: Exception, events: list[tuple[RequestHandle, object]]) -> None:
-        failed = list(self._live.values())
+    def _fail_all(self, err: Exception, events: list[tuple[Any, object]]) -> None:
+        failed = list(dict.fromkeys(self._live.values()))  # an embeddings handle once
         self._live.clear()
         try:
             self.engine.abort_all()

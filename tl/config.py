@@ -93,6 +93,9 @@ class EngineConfig:
     """Token budget of one step (prefill chunks + decodes + drafts)."""
     prefill_chunk: int = 512
     """Longest piece of one prompt computed in one step; 0 disables chunking."""
+    prompt_tokens_while_decoding: int = 128
+    """Most prompt tokens (prefill chunks, embeddings inputs) a step carries beside decodes, so that
+    every running stream keeps its cadence; 0: only max_num_batched_tokens bounds them."""
     token_buckets: tuple[int, ...] = (1, 4, 8, 16, 32, 64, 128, 256, 512)
     """Padded token counts of the compiled step, ascending; the last >= max_num_batched_tokens."""
     seq_buckets: tuple[int, ...] = (1, 4, 16, 64)
@@ -152,6 +155,8 @@ class EngineConfig:
         _check(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         _check(self.max_num_batched_tokens >= 1, f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         _check(self.prefill_chunk >= 0, f"prefill_chunk must be >= 0, got {self.prefill_chunk}")
+        _check(self.prompt_tokens_while_decoding >= 0,
+               f"prompt_tokens_while_decoding must be >= 0, got {self.prompt_tokens_while_decoding}")
         for name in ("token_buckets", "seq_buckets"):
             b = getattr(self, name)
             _check(len(b) > 0 and all(isinstance(x, int) and x > 0 for x in b), f"{name} must be positive integers, got {b!r}")

@@ -1,7 +1,8 @@
 """Engine: the synchronous core behind every front end (CLI, AsyncEngine, bench).
 
-Owns: request ids and seeds, admission checks (queue capacity, context length), the step
-loop (schedule -> runner.execute -> update) and EngineStats. The scheduler owns request
+Owns: request ids and seeds, admission checks (queue capacity, counted in requests; context
+length), embeddings requests turned into pooled sequences, the step loop (schedule ->
+runner.execute -> update), the step-time and prompt-tokens histograms, and EngineStats. The scheduler owns request
 state, the block manager owns KV blocks, the runner owns the device; the engine only wires
 them. Not thread-safe: one thread calls it (tl/async_engine.py). Pure Python, no
 jax/numpy. Tested by tests/test_engine.py with tests/fake_runner.py, whose differential
@@ -17,10 +18,12 @@ from collections.abc import Callable
 from tl.block_manager import BlockManager
 from tl.config import EngineConfig
 from tl.plan import Runner, RunnerOutput
-from tl.request import MAX_SEED, ContextLengthError, GenRequest, QueueFullError, TokenOut
+from tl.request import MAX_SEED, ContextLengthError, EmbedRequest, GenRequest, QueueFullError, SamplingParams, TokenOut
 from tl.scheduler import Scheduler
 from tl.sequence import Sequence
-from tl.stats import EngineStats
+from tl.stats import PROMPT_TOKENS_BUCKETS, STEP_SECONDS_BUCKETS, EngineStats, Histogram
+
+_POOL_PARAMS = SamplingParams(temperature=0.0, max_tokens=1)  # an embeddings input samples nothing
 
 
 class Engine:
@@ -38,6 +41,8 @@ class Engine:
         self._next_id = 0
         self._num_steps = 0
         self._batch_tokens = 0
+        self._step_seconds = Histogram(STEP_SECONDS_BUCKETS)
+        self._prompt_tokens = Histogram(PROMPT_TOKENS_BUCKETS)
 
     def add_request(self, req: GenRequest) -> int:
         """Queue a request; its id. Raises ContextLengthError or QueueFullError, changing nothing."""
@@ -47,13 +52,32 @@ class Engine:
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
                 f"{num_prompt + max_tokens} tokens ({num_prompt} in the prompt, {max_tokens} in max_tokens). "
                 "Please reduce the length of the prompt or max_tokens.", code="context_length_exceeded")
-        if len(self.scheduler.waiting) >= self.config.queue_capacity:
-            raise QueueFullError(f"the waiting queue is full ({self.config.queue_capacity} requests)",
-                                 code="rate_limit_exceeded")
+        self._check_queue()
         seed = req.params.seed if req.params.seed is not None else self._rng.randint(0, MAX_SEED)
         seq_id, self._next_id = self._next_id, self._next_id + 1
         self.scheduler.add(Sequence(seq_id, req.prompt_ids, req.params, seed, req.priority, self._clock()))
         return seq_id
+
+    def add_embedding(self, req: EmbedRequest) -> list[int]:
+        """Queue an embeddings request's inputs, one sequence each; their ids in input order. Each
+        finishes with a TokenOut carrying its vector. Raises ContextLengthError or QueueFullError,
+        changing nothing."""
+        for i, ids in enumerate(req.inputs):
+            if len(ids) > self.max_model_len:
+                raise ContextLengthError(
+                    f"input[{i}] has {len(ids)} tokens; this model's maximum context length is "
+                    f"{self.max_model_len} tokens", param="input", code="context_length_exceeded")
+        self._check_queue()
+        first, self._next_id = self._next_id, self._next_id + len(req.inputs)
+        now = self._clock()
+        for i, ids in enumerate(req.inputs):
+            self.scheduler.add(Sequence(first + i, ids, _POOL_PARAMS, 0, req.priority, now, pool=True, group=first))
+        return list(range(first, first + len(req.inputs)))
+
+    def _check_queue(self) -> None:
+        if self.scheduler.num_waiting_requests() >= self.config.queue_capacity:
+            raise QueueFullError(f"the waiting queue is full ({self.config.queue_capacity} requests)",
+                                 code="rate_limit_exceeded")
 
     def abort(self, request_id: int) -> None:
         """Finish a live request; its blocks are free at once, its "abort" TokenOut comes from the next step."""
@@ -65,7 +89,13 @@ class Engine:
 
     def step(self) -> list[TokenOut]:
         plan = self.scheduler.schedule()
-        output = self.runner.execute(plan) if plan.work else RunnerOutput(())
+        if plan.work:
+            t0 = time.perf_counter()
+            output = self.runner.execute(plan)
+            self._step_seconds.observe(time.perf_counter() - t0)
+            self._prompt_tokens.observe(plan.num_prompt_tokens)
+        else:
+            output = RunnerOutput(())
         self._batch_tokens = plan.num_tokens
         self._num_steps += bool(plan.work)
         return self.scheduler.update(plan, output)
@@ -77,11 +107,13 @@ class Engine:
         bm, c = self.block_manager, self.scheduler.counters
         return EngineStats(
             kv_blocks_free=bm.num_free, kv_blocks_used=bm.num_used, kv_blocks_cached=bm.num_cached,
-            queue_depth=len(self.scheduler.waiting), running=len(self.scheduler.running),
+            queue_depth=self.scheduler.num_waiting_requests(), running=len(self.scheduler.running),
             batch_tokens=self._batch_tokens, prefix_cache_queries=c.prefix_cache_queries,
             prefix_cache_hits=c.prefix_cache_hits, preemptions=c.preemptions, evictions=bm.num_evictions,
             spec_drafts_proposed=c.spec_drafts_proposed, spec_drafts_accepted=c.spec_drafts_accepted,
-            steps=self._num_steps, compilations=getattr(self.runner, "num_compilations", 0))
+            steps=self._num_steps, compilations=getattr(self.runner, "num_compilations", 0),
+            capped_steps=c.capped_steps, step_seconds=self._step_seconds.snapshot(),
+            prompt_tokens_per_step=self._prompt_tokens.snapshot())
 
 
 def _context_limit(runner: Runner, config: EngineConfig) -> int:

@@ -18,6 +18,9 @@ Semantics of one SeqWork (the vLLM v1 rule: computed tokens catch up with known 
   batch neighbours.
 - `output_ids` are the request's generated tokens so far (for penalties only; empty when
   the request has no penalties).
+- `pool` (an embeddings input; never sampled): the runner returns the sum over this work's
+  tokens of their final-normed hidden states as `SeqResult.pooled` (no tokens); the
+  scheduler adds the chunks' sums up and divides by the input's length.
 """
 
 from __future__ import annotations
@@ -41,11 +44,14 @@ class SeqWork:
     num_generated: int
     draft_ids: tuple[int, ...] = ()
     output_ids: tuple[int, ...] = ()
+    pool: bool = False
 
 
 @dataclass(frozen=True, slots=True)
 class SchedulerOutput:
     work: tuple[SeqWork, ...]
+    num_prompt_tokens: int = 0  # tokens of prompt work (everything but decodes and their drafts)
+    capped: bool = False  # prompt_tokens_while_decoding cut this step's prompt work
 
     @property
     def num_tokens(self) -> int:
@@ -54,13 +60,15 @@ class SchedulerOutput:
 
 @dataclass(frozen=True, slots=True)
 class SeqResult:
-    """Tokens produced for one sampled SeqWork: accepted drafts then one sampled token."""
+    """Tokens produced for one sampled SeqWork (accepted drafts then one sampled token), or
+    the summed final-normed hidden states of a pooled one (`pooled`, no tokens)."""
 
     seq_id: int
     token_ids: tuple[int, ...]
     logprobs: tuple[float, ...]
     top_logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()
     num_accepted: int = 0
+    pooled: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,5 +87,6 @@ class Runner(Protocol):
     def execute(self, plan: SchedulerOutput) -> RunnerOutput: ...
 
     def embed(self, token_ids: Sequence[int]) -> list[float]:
-        """Mean-pooled, L2-normalised final hidden states of one input (no KV cache used)."""
+        """Mean-pooled, L2-normalised final hidden states of one input computed alone, without
+        the KV cache (the reference the scheduled pooling is tested against)."""
         ...

@@ -1,6 +1,6 @@
 """Request records that cross the engine's public seam: what a caller submits and what a step returns.
 
-Owns: SamplingParams (validated per-request sampling settings), GenRequest, TokenOut,
+Owns: SamplingParams (validated per-request sampling settings), GenRequest, EmbedRequest, TokenOut,
 FinishReason and the typed admission errors. Pure data: must not import jax, the runner
 or the scheduler. The mutable per-request state the scheduler keeps lives in
 tl/sequence.py, not here. Tested through tests/test_request.py and every engine test.
@@ -16,6 +16,8 @@ FinishReason = Literal["stop", "length", "abort", "no_capacity"]
 was called; no_capacity: still waiting for KV blocks after queue_deadline_ms."""
 
 MAX_SEED = 2**63 - 1
+MAX_EMBED_INPUTS = 2048
+"""Most inputs one embeddings request may carry (OpenAI's limit for an input array)."""
 
 
 class RequestError(ValueError):
@@ -107,10 +109,33 @@ class GenRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class EmbedRequest:
+    """One embeddings request: its inputs (token ids each), pooled in any order and in any steps.
+
+    Each input becomes a sequence of its own in the scheduler (prompt work, chunked like any
+    prompt); the request counts once against the queue capacity.
+    """
+
+    inputs: tuple[tuple[int, ...], ...]
+    priority: int = 0
+
+    def __post_init__(self) -> None:
+        if not 1 <= len(self.inputs) <= MAX_EMBED_INPUTS:
+            raise RequestError(f"input must hold 1 to {MAX_EMBED_INPUTS} inputs, got {len(self.inputs)}",
+                               param="input")
+        for i, ids in enumerate(self.inputs):
+            if not ids:
+                raise RequestError(f"input[{i}] is empty", param="input")
+        if not -100 <= self.priority <= 100:
+            raise RequestError(f"priority must be in [-100, 100], got {self.priority}", param="priority")
+
+
+@dataclass(frozen=True, slots=True)
 class TokenOut:
     """One token a step produced for a request (a step may produce several per request).
 
-    A finished request with no new token (abort, no_capacity) has token_id -1.
+    A finished request with no new token (abort, no_capacity) has token_id -1; so has a
+    finished embeddings input, whose `embedding` is its mean-pooled, L2-normalised vector.
     """
 
     request_id: int
@@ -118,3 +143,4 @@ class TokenOut:
     logprob: float = 0.0
     top_logprobs: tuple[tuple[int, float], ...] = ()
     finish_reason: FinishReason | None = None
+    embedding: tuple[float, ...] = ()

@@ -26,6 +26,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -56,6 +57,7 @@ class StepInputs:
     kv_offsets: jax.Array  # [T] i32: offset in that block
     meta: AttnMetadata
     row_token: jax.Array  # [R] i32: token whose hidden state each sample row reads
+    pool_seq: jax.Array  # [T] i32: the step's sequence index of each pooled token, S (none) elsewhere
 
 
 jax.tree_util.register_dataclass(StepInputs)
@@ -118,15 +120,26 @@ def _from_buffers(bufs: tuple[jax.Array, ...], layout: HostLayout) -> Any:
 
 def _step(params: llama.Params, kv: tuple[jax.Array, jax.Array], bufs: tuple[jax.Array, ...],
           pen: Penalties, *, layout: HostLayout, cfg: ModelConfig, on_trace: Any,
-          attention: Any, matmul: Any, argmax_lse: Any = None) -> tuple[Any, SampleOut, jax.Array]:
-    """Forward, KV write, sample-row selection and sampling; returns (kv, SampleOut, logits [R,V]).
-    bufs/layout: the step's StepInputs and SamplingBatch as packed by `_to_host_buffers`."""
+          attention: Any, matmul: Any, argmax_lse: Any = None) -> tuple[Any, SampleOut, jax.Array, jax.Array]:
+    """Forward, KV write, sample-row selection and sampling, pooling; returns (kv, SampleOut,
+    logits [R,V], pooled [S,D]: each sequence's sum of the final-normed hidden states of its
+    pooled tokens, 0 for a sequence without). bufs/layout: the step's StepInputs and
+    SamplingBatch as packed by `_to_host_buffers`."""
     inp, sb = _from_buffers(bufs, layout)
     on_trace()
     hidden, kv = llama.forward(params, cfg, inp.token_ids, inp.positions, kv, inp.kv_blocks, inp.kv_offsets,
                                inp.meta, attention, matmul)
     logits = llama.lm_logits(params, cfg, hidden[inp.row_token], matmul)
-    return kv, sample(logits, sb, pen, argmax_lse), logits
+    return kv, sample(logits, sb, pen, argmax_lse), logits, _pooled(params, cfg, hidden, inp)
+
+
+def _pooled(params: llama.Params, cfg: ModelConfig, hidden: jax.Array, inp: StepInputs) -> jax.Array:
+    """[S, D] sums of final-normed hidden states by pool_seq, as a one-hot [S, T] dot (a scatter-add
+    is a serial loop on XLA:CPU; this is ~0.03% of a 512-token step's FLOPs)."""
+    s_pad = inp.meta.block_tables.shape[0]
+    normed = llama.rms_norm(hidden, params["final_norm"], cfg.rms_norm_eps).astype(jnp.float32)
+    onehot = (inp.pool_seq[None, :] == jnp.arange(s_pad, dtype=jnp.int32)[:, None]).astype(jnp.float32)
+    return jnp.dot(onehot, normed, precision=lax.Precision.HIGHEST)
 
 
 def _no_native(x: jax.Array, w: Any) -> None:
@@ -154,6 +167,7 @@ class _Rows:
     """Host view of where each sampled SeqWork's rows are: (work, first row, number of drafts)."""
 
     spans: tuple[tuple[SeqWork, int, int], ...]
+    pools: tuple[tuple[SeqWork, int], ...] = ()  # (pooled work, its sequence index in the step)
 
 
 class ModelRunner:
@@ -191,7 +205,7 @@ class ModelRunner:
         self._step = jax.jit(functools.partial(_step, cfg=cfg, on_trace=self._count, attention=attention,
                                                matmul=matmul, argmax_lse=argmax_lse),
                              donate_argnames=("kv",), static_argnames=("layout",),
-                             out_shardings=((kv_sh, kv_sh), self._replicated, self._replicated))
+                             out_shardings=((kv_sh, kv_sh), self._replicated, self._replicated, self._replicated))
         self._embed = jax.jit(functools.partial(_embed, cfg=cfg, on_trace=self._count))
         self._top_lp = jax.jit(functools.partial(_top_logprobs, k=max(1, engine_cfg.max_logprobs),
                                                  on_trace=self._count))
@@ -420,25 +434,26 @@ class ModelRunner:
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
         if not plan.work:
             return RunnerOutput(())
-        rows, out, logits = self._forward(plan)
-        return self._results(rows, out, logits)
+        rows, out, logits, pooled = self._forward(plan)
+        return self._results(rows, out, logits, pooled)
 
     def logits(self, plan: SchedulerOutput) -> np.ndarray:
         """The float32 logits [sample rows, V] of a non-empty plan, run as `execute` runs it (its
         keys written to the cache); for quality checks (bench/quant_bench.py)."""
-        rows, _, logits = self._forward(plan)
+        rows, _, logits, _ = self._forward(plan)
         return np.asarray(logits)[:sum(1 + k for _, _, k in rows.spans)]
 
-    def _forward(self, plan: SchedulerOutput) -> tuple[_Rows, SampleOut, jax.Array]:
+    def _forward(self, plan: SchedulerOutput) -> tuple[_Rows, SampleOut, jax.Array, jax.Array]:
         ec = self.engine_config
         t_pad = _bucket(plan.num_tokens, ec.token_buckets, "step tokens")
         s_pad = _bucket(len(plan.work), ec.seq_buckets, "step sequences")
         inp, rows = self._pack_tokens(plan.work, t_pad, s_pad)
         sb, pen = self._pack_sampling(rows, s_pad, self.num_rows(t_pad, s_pad))
-        self._kv, out, logits = self._run_step(inp, sb, pen)
-        return rows, out, logits
+        self._kv, out, logits, pooled = self._run_step(inp, sb, pen)
+        return rows, out, logits, pooled
 
-    def _run_step(self, inp: StepInputs, sb: SamplingBatch, pen: Penalties) -> tuple[Any, SampleOut, jax.Array]:
+    def _run_step(self, inp: StepInputs, sb: SamplingBatch,
+                  pen: Penalties) -> tuple[Any, SampleOut, jax.Array, jax.Array]:
         # The host buffers go in as numpy arrays: the jitted call's own transfer (C++) took ~0.6 ms
         # less a step than a jax.device_put of them first (one-row decode, alternated).
         bufs, layout = _to_host_buffers((inp, sb))
@@ -462,7 +477,8 @@ class ModelRunner:
         tables = np.full((s_pad, self._max_blocks), scratch, np.int32)
         starts = np.zeros(s_pad, np.int32)
         row_token = np.zeros(self.num_rows(t_pad, s_pad), np.int32)
-        spans, t, r = [], 0, 0
+        pool_seq = np.full(t_pad, s_pad, np.int32)
+        spans, pools, t, r = [], [], 0, 0
         for s, w in enumerate(work):
             self._check(w)
             n = len(w.token_ids)
@@ -472,7 +488,10 @@ class ModelRunner:
             pos = np.arange(w.start_pos, w.start_pos + n, dtype=np.int32)
             tokens[t:t + n], positions[t:t + n], seq_idx[t:t + n] = w.token_ids, pos, s
             kv_blocks[t:t + n] = table[pos // bs]
-            if w.sample:
+            if w.pool:
+                pool_seq[t:t + n] = s
+                pools.append((w, s))
+            elif w.sample:
                 k = len(w.draft_ids)
                 row_token[r:r + k + 1] = np.arange(t + n - 1 - k, t + n)
                 spans.append((w, r, k))
@@ -482,8 +501,8 @@ class ModelRunner:
                             chunk_blocks=self._chunk_blocks, head_rows=self.num_rows(t_pad, s_pad))
         inp = StepInputs(token_ids=tokens, positions=positions, kv_blocks=kv_blocks,
                          kv_offsets=np.where(seq_idx >= 0, positions % bs, 0).astype(np.int32), meta=meta,
-                         row_token=row_token)  # type: ignore[arg-type]
-        return inp, _Rows(tuple(spans))
+                         row_token=row_token, pool_seq=pool_seq)  # type: ignore[arg-type]
+        return inp, _Rows(tuple(spans), tuple(pools))
 
     def _pack_sampling(self, rows: _Rows, s_pad: int, num_rows: int) -> tuple[SamplingBatch, Penalties]:
         params, seeds, steps, drafts, row_seq, prior = [], [], [], [], [], []
@@ -512,7 +531,7 @@ class ModelRunner:
             self._zero_penalties[key] = jax.device_put(pen, self._replicated)
         return self._zero_penalties[key]
 
-    def _results(self, rows: _Rows, out: SampleOut, logits: jax.Array) -> RunnerOutput:
+    def _results(self, rows: _Rows, out: SampleOut, logits: jax.Array, pooled: jax.Array) -> RunnerOutput:
         token, logprob, accepted = jax.device_get((out.token, out.logprob, out.accepted))
         top_ids = top_vals = None
         if self.engine_config.max_logprobs and any(w.params.top_logprobs for w, _, _ in rows.spans):
@@ -530,6 +549,10 @@ class ModelRunner:
                              for i in range(r, r + n_acc + 1))
             results.append(SeqResult(seq_id=w.seq_id, token_ids=tuple(token[sl].tolist()),
                                      logprobs=tuple(logprob[sl].tolist()), top_logprobs=tops, num_accepted=n_acc))
+        if rows.pools:
+            sums = np.asarray(pooled)
+            results += [SeqResult(seq_id=w.seq_id, token_ids=(), logprobs=(), pooled=tuple(sums[s].tolist()))
+                        for w, s in rows.pools]
         return RunnerOutput(tuple(results))
 
     # ---- warm-up and embeddings ----
@@ -550,7 +573,7 @@ class ModelRunner:
         for t_pad, s_pad in self.bucket_pairs():
             inp, rows = self._pack_tokens([], t_pad, s_pad)
             sb, pen = self._pack_sampling(rows, s_pad, self.num_rows(t_pad, s_pad))
-            self._kv, out, logits = self._run_step(inp, sb, pen)
+            self._kv, out, logits, _ = self._run_step(inp, sb, pen)
             if wants_top:
                 self._top_lp(logits)
         if embed:

@@ -16,6 +16,19 @@ longest cached prefix. Drafts are just extra known-but-unverified tokens after t
 one; update() advances num_computed_tokens only over those the runner accepted, so the
 rejected drafts' KV slots are simply rewritten later (their blocks stay in the table).
 
+Steady cadence: while a step carries decodes, the prompt work beside them (chunks of
+prompts, recomputes, embeddings inputs) is capped at prompt_tokens_while_decoding tokens,
+so a burst of prompts never stretches every stream's next token to a long prefill step;
+with no decode in the step the whole max_num_batched_tokens budget is prompt work (and
+with prefill_chunk = 0, where a prompt cannot be cut, the step's first prompt goes whole).
+
+Embeddings inputs (Sequence.pool) are prompt work like any other: chunked, under the same
+budget and cap, never looked up in nor added to the prefix cache (their hidden states must
+be computed to be pooled), their blocks freed the step their last chunk is computed, when
+they finish with the pooled vector. They hold at most half of max_num_seqs at once; a
+generation request queued behind them may start before their waiting inputs (never the
+other way round), so one large embeddings request cannot hold every new chat back.
+
 Preemption: when a running sequence cannot get blocks, the running sequence with the
 lowest priority and latest arrival (possibly itself) releases all its blocks and goes back
 to waiting with its tokens kept (prompt + output, recomputed later, often from the prefix
@@ -26,6 +39,7 @@ queue_deadline_ms it finishes with "no_capacity".
 from __future__ import annotations
 
 import bisect
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -44,11 +58,17 @@ class SchedulerCounters:
     prefix_cache_hits: int = 0  # of those, tokens found cached
     spec_drafts_proposed: int = 0
     spec_drafts_accepted: int = 0
+    capped_steps: int = 0  # steps whose prompt work prompt_tokens_while_decoding cut
+
+
+def _is_decode(seq: Sequence) -> bool:
+    """One token left to compute of a generating sequence: everything else is prompt work."""
+    return not seq.pool and seq.num_tokens - seq.num_computed_tokens == 1
 
 
 def _running_order(seq: Sequence) -> tuple[bool, int, int]:
-    """Decodes (one token left to compute) before prompt work, then priority, then arrival."""
-    return (seq.num_tokens - seq.num_computed_tokens > 1, -seq.priority, seq.seq_id)
+    """Decodes before prompt work, then priority, then arrival."""
+    return (not _is_decode(seq), -seq.priority, seq.seq_id)
 
 
 def _victim_order(seq: Sequence) -> tuple[int, int]:
@@ -73,7 +93,11 @@ class Scheduler:
         self._finished_outs: list[TokenOut] = []  # aborts and deadline misses, returned by update()
         self._scheduled: dict[int, SeqWork] = {}
         self._num_scheduled_tokens = 0
+        self._num_prompt_tokens = 0  # of those, prompt work's
+        self._num_decodes = 0  # decodes scheduled this step
+        self._capped = False  # the cadence cap cut some prompt work this step
         self._preempted_this_step = False
+        self._max_pool_seqs = max(1, config.max_num_seqs // 2)
 
     # ----- requests in and out
     def add(self, seq: Sequence) -> None:
@@ -90,16 +114,23 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.seqs) or bool(self._finished_outs)
 
+    def num_waiting_requests(self) -> int:
+        """Requests with a sequence waiting: an embeddings request's inputs count once."""
+        return len({seq.request_key for seq in self.waiting})
+
     # ----- stage 1: schedule
     def schedule(self) -> SchedulerOutput:
         self._expire_waiting()
         self._scheduled, self._num_scheduled_tokens, self._preempted_this_step = {}, 0, False
+        self._num_prompt_tokens, self._num_decodes, self._capped = 0, 0, False
         for seq in sorted(self.running, key=_running_order):
             if seq.status is SeqStatus.RUNNING and self._has_room():
                 self._schedule_running(seq)
         if not self._preempted_this_step:
             self._admit_waiting()
-        return SchedulerOutput(tuple(self._scheduled.values()))
+        self.counters.capped_steps += self._capped
+        return SchedulerOutput(tuple(self._scheduled.values()), num_prompt_tokens=self._num_prompt_tokens,
+                               capped=self._capped)
 
     def _has_room(self) -> bool:
         return (len(self._scheduled) < self.config.max_num_seqs
@@ -114,21 +145,29 @@ class Scheduler:
             self._add_work(seq, num_new, drafts)
 
     def _admit_waiting(self) -> None:
-        """Start waiting sequences in order until one does not fit (no overtaking)."""
-        while self.waiting and self._has_room() and len(self.running) < self.config.max_num_seqs:
-            if not self._admit(self.waiting[0]):
+        """Start waiting sequences in order until one does not fit (no overtaking), passing over
+        embeddings inputs while they hold their share of the sequences."""
+        num_pool = sum(seq.pool for seq in self.running)
+        i = 0
+        while i < len(self.waiting) and self._has_room() and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[i]
+            if seq.pool and num_pool >= self._max_pool_seqs:
+                i += 1
+                continue
+            if not self._admit(seq, i):
                 return
+            num_pool += seq.pool
 
-    def _admit(self, seq: Sequence) -> bool:
-        prefix = self.block_manager.lookup(seq.token_ids)
+    def _admit(self, seq: Sequence, index: int) -> bool:
+        prefix = [] if seq.pool else self.block_manager.lookup(seq.token_ids)
         num_cached = len(prefix) * self.block_manager.block_size
         num_new = self._num_new_tokens(seq, num_cached)
         if num_new == 0 or not self.block_manager.allocate(seq.seq_id, num_cached + num_new, prefix):
             return False
-        if self.block_manager.enable_prefix_cache:
+        if self.block_manager.enable_prefix_cache and not seq.pool:
             self.counters.prefix_cache_queries += seq.num_tokens
             self.counters.prefix_cache_hits += num_cached
-        self.waiting.pop(0)
+        self.waiting.pop(index)
         self.running.append(seq)
         seq.status, seq.started, seq.num_computed_tokens = SeqStatus.RUNNING, True, num_cached
         self._add_work(seq, num_new, ())
@@ -138,6 +177,17 @@ class Scheduler:
         """Tokens to compute this step: the rest, a chunk of it, or 0 to wait for a roomier step."""
         remaining = seq.num_tokens - num_computed
         budget = self.config.max_num_batched_tokens - self._num_scheduled_tokens
+        cap = self.config.prompt_tokens_while_decoding
+        if cap and self._num_decodes and (seq.pool or remaining > 1):  # prompt work beside decodes
+            # Without chunking a prompt cannot be cut: the step's first prompt goes whole.
+            room = max(0, cap - self._num_prompt_tokens)
+            if not self.config.prefill_chunk and self._num_prompt_tokens == 0:
+                room = budget
+            if room < min(remaining, budget, self.config.prefill_chunk or remaining):
+                self._capped = True
+            budget = min(budget, room)
+            if budget == 0:
+                return 0
         if self.config.prefill_chunk:
             return min(remaining, self.config.prefill_chunk, budget)
         if remaining <= budget:
@@ -170,7 +220,10 @@ class Scheduler:
         work = self._scheduled.pop(seq.seq_id, None)
         if work is not None:
             self._num_scheduled_tokens -= len(work.token_ids)
-        seq.status, seq.num_computed_tokens = SeqStatus.WAITING, 0
+            decode = _is_decode(seq)
+            self._num_decodes -= decode
+            self._num_prompt_tokens -= 0 if decode else len(work.token_ids)
+        seq.status, seq.num_computed_tokens, seq.pooled = SeqStatus.WAITING, 0, []
         seq.num_preemptions += 1
         bisect.insort(self.waiting, seq, key=Sequence.order_key)
         self.counters.preemptions += 1
@@ -178,12 +231,16 @@ class Scheduler:
 
     def _add_work(self, seq: Sequence, num_new: int, drafts: tuple[int, ...]) -> None:
         start = seq.num_computed_tokens
+        decode = _is_decode(seq)
         self._scheduled[seq.seq_id] = SeqWork(
             seq_id=seq.seq_id, token_ids=tuple(seq.token_ids[start:start + num_new]) + drafts, start_pos=start,
-            block_table=self.block_manager.block_table(seq.seq_id), sample=start + num_new == seq.num_tokens,
+            block_table=self.block_manager.block_table(seq.seq_id),
+            sample=not seq.pool and start + num_new == seq.num_tokens,
             params=seq.params, seed=seq.seed, num_generated=seq.num_generated, draft_ids=drafts,
-            output_ids=seq.output_ids if seq.params.has_penalties else ())
+            output_ids=seq.output_ids if seq.params.has_penalties else (), pool=seq.pool)
         self._num_scheduled_tokens += num_new + len(drafts)
+        self._num_decodes += decode
+        self._num_prompt_tokens += 0 if decode else num_new
 
     def _expire_waiting(self) -> None:
         """Requests never started within queue_deadline_ms finish with no_capacity."""
@@ -207,6 +264,8 @@ class Scheduler:
         if work.start_pos != seq.num_computed_tokens:
             raise RuntimeError(f"seq {seq.seq_id}: work starts at {work.start_pos}, computed {seq.num_computed_tokens}")
         num_fed = len(work.token_ids) - len(work.draft_ids)
+        if work.pool:
+            return self._pool(seq, work, result)
         if not work.sample:
             seq.num_computed_tokens += num_fed
             self.block_manager.cache_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
@@ -221,6 +280,19 @@ class Scheduler:
         if outs[-1].finish_reason is not None:
             self._finish(seq, outs[-1].finish_reason)
         return outs
+
+    def _pool(self, seq: Sequence, work: SeqWork, result: SeqResult | None) -> list[TokenOut]:
+        """Add a pooled chunk's sum in; the input's last chunk finishes it with its vector."""
+        if result is None or not result.pooled or (seq.pooled and len(result.pooled) != len(seq.pooled)):
+            raise RuntimeError(f"runner returned no pooled sum of the right size for seq {work.seq_id}")
+        seq.pooled = list(result.pooled) if not seq.pooled else [a + b for a, b in zip(seq.pooled, result.pooled)]
+        seq.num_computed_tokens += len(work.token_ids)
+        if seq.num_computed_tokens < seq.num_tokens:
+            return []
+        mean = [x / seq.num_tokens for x in seq.pooled]
+        norm = max(math.sqrt(sum(x * x for x in mean)), 1e-12)
+        self._finish(seq, "stop")
+        return [TokenOut(seq.seq_id, -1, finish_reason="stop", embedding=tuple(x / norm for x in mean))]
 
     def _append_tokens(self, seq: Sequence, result: SeqResult) -> list[TokenOut]:
         outs = []

@@ -39,6 +39,14 @@ class Sequence:
     started: bool = False  # has been scheduled at least once (the queue deadline no longer applies)
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
+    pool: bool = False  # an embeddings input: pooled, never sampled, its blocks never cached
+    group: int = -1  # the request it belongs to (an embeddings request's inputs share one); -1: its own
+    pooled: list[float] = field(default_factory=list)  # the pooled sum over its computed tokens
+
+    @property
+    def request_key(self) -> int:
+        """What the queue capacity counts: one per request, however many inputs it has."""
+        return self.group if self.group >= 0 else -1 - self.seq_id
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_ids)

@@ -1,12 +1,54 @@
 """EngineStats: the engine's counters and gauges at one instant, as /metrics and bench read them.
 
-Owns only the records. Pure data: must not import jax. EngineStats is filled by tl/engine.py,
-BackendInfo by tl/backend.py.
+Owns the records, and the engine thread's Histogram behind EngineStats' histograms. Pure
+data: must not import jax. EngineStats is filled by tl/engine.py, BackendInfo by tl/backend.py.
 """
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
+
+STEP_SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+PROMPT_TOKENS_BUCKETS = (0, 1, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+@dataclass(frozen=True, slots=True)
+class HistogramSnapshot:
+    """Counts per bucket (observations <= bounds[i] and > bounds[i-1]; the last entry: above
+    every bound), their sum and count: what a Prometheus histogram exports."""
+
+    bounds: tuple[float, ...] = ()
+    counts: tuple[int, ...] = ()
+    total: float = 0.0
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+    def cumulative(self) -> list[tuple[str, int]]:
+        """(le, cumulative count) pairs, ending with +Inf."""
+        out, acc = [], 0
+        for bound, n in zip((*map(str, self.bounds), "+Inf"), self.counts, strict=True):
+            acc += n
+            out.append((bound, acc))
+        return out
+
+
+class Histogram:
+    """An engine-thread histogram (no lock: one writer; readers take snapshots)."""
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.total = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.total += value
+
+    def snapshot(self) -> HistogramSnapshot:
+        return HistogramSnapshot(self.bounds, tuple(self.counts), self.total)
 
 
 @dataclass(frozen=True, slots=True)
@@ -14,7 +56,7 @@ class EngineStats:
     kv_blocks_free: int = 0
     kv_blocks_used: int = 0
     kv_blocks_cached: int = 0  # unreferenced blocks kept for prefix reuse (evictable)
-    queue_depth: int = 0  # requests waiting (not yet running)
+    queue_depth: int = 0  # requests waiting (not yet running; an embeddings request counts once)
     running: int = 0  # sequences holding KV blocks
     batch_tokens: int = 0  # tokens computed by the last step
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
@@ -25,6 +67,9 @@ class EngineStats:
     spec_drafts_accepted: int = 0  # of those, accepted
     steps: int = 0
     compilations: int = 0  # compiled step variants so far (flat after warm-up)
+    capped_steps: int = 0  # steps whose prompt work prompt_tokens_while_decoding cut
+    step_seconds: HistogramSnapshot = HistogramSnapshot()  # runner time of each step
+    prompt_tokens_per_step: HistogramSnapshot = HistogramSnapshot()  # prompt-work tokens of each step
 
     @property
     def prefix_cache_hit_ratio(self) -> float:
