@@ -1,4 +1,4 @@
-"""`python -m bench <name> [args]` (also `tl bench ...`): runner | engine | mixed | http | quant | kernels."""
+"""`python -m bench <name> [args]` (also `tl bench ...`): runner | engine | mixed | http | quant | kernels | soak."""
 
 from __future__ import annotations
 
@@ -24,8 +24,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from bench.quant_bench import run
     elif name == "kernels":
         from bench.kernels_bench import run
+    elif name == "soak":
+        from bench.soak import run
     else:
-        print(f"unknown benchmark {name!r}; choose runner, engine, mixed, http, quant or kernels", file=sys.stderr)
+        print(f"unknown benchmark {name!r}; choose runner, engine, mixed, http, quant, kernels or soak", file=sys.stderr)
         return 2
     return run(rest)
 

@@ -429,3 +429,19 @@ def test_the_prompt_cap_applies_only_beside_decodes() -> None:
     plan = engine.runner.plans[-1]  # type: ignore[attr-defined]
     assert (plan.num_tokens, plan.num_prompt_tokens, plan.capped) == (9, 8, True)
     assert engine.stats().capped_steps == 1
+
+
+def test_a_request_waiting_only_for_the_prompt_budget_is_not_expired() -> None:
+    now = [0.0]
+    cfg = BASE_CFG.replace(prefill_chunk=32, prompt_tokens_while_decoding=2, queue_deadline_ms=1000,
+                           max_num_seqs=4)
+    engine = Engine(FakeRunner.from_config(cfg), cfg, clock=lambda: now[0])
+    engine.add_request(GenRequest(run(3), greedy(40)))
+    engine.step()  # decoding from here on: 2 prompt tokens a step beside it
+    late = [engine.add_request(GenRequest(run(12, 40 + 12 * i), greedy(2))) for i in range(3)]
+    outs: list[TokenOut] = []
+    while engine.has_work():
+        now[0] += 0.4  # each step 0.4 s: the last prompt starts long after the deadline
+        outs += engine.step()
+    finished = {o.request_id: o.finish_reason for o in outs if o.finish_reason}
+    assert [finished[r] for r in late] == ["length"] * 3

@@ -97,6 +97,7 @@ class Scheduler:
         self._num_decodes = 0  # decodes scheduled this step
         self._capped = False  # the cadence cap cut some prompt work this step
         self._preempted_this_step = False
+        self._waiting_on_compute = False  # the last admission stopped for the token budget
         self._max_pool_seqs = max(1, config.max_num_seqs // 2)
 
     # ----- requests in and out
@@ -149,7 +150,11 @@ class Scheduler:
         embeddings inputs while they hold their share of the sequences."""
         num_pool = sum(seq.pool for seq in self.running)
         i = 0
-        while i < len(self.waiting) and self._has_room() and len(self.running) < self.config.max_num_seqs:
+        self._waiting_on_compute = False
+        while i < len(self.waiting) and len(self.running) < self.config.max_num_seqs:
+            if not self._has_room():
+                self._waiting_on_compute = len(self._scheduled) < self.config.max_num_seqs
+                return
             seq = self.waiting[i]
             if seq.pool and num_pool >= self._max_pool_seqs:
                 i += 1
@@ -162,7 +167,10 @@ class Scheduler:
         prefix = [] if seq.pool else self.block_manager.lookup(seq.token_ids)
         num_cached = len(prefix) * self.block_manager.block_size
         num_new = self._num_new_tokens(seq, num_cached)
-        if num_new == 0 or not self.block_manager.allocate(seq.seq_id, num_cached + num_new, prefix):
+        if num_new == 0:
+            self._waiting_on_compute = True
+            return False
+        if not self.block_manager.allocate(seq.seq_id, num_cached + num_new, prefix):
             return False
         if self.block_manager.enable_prefix_cache and not seq.pool:
             self.counters.prefix_cache_queries += seq.num_tokens
@@ -243,7 +251,11 @@ class Scheduler:
         self._num_prompt_tokens += 0 if decode else num_new
 
     def _expire_waiting(self) -> None:
-        """Requests never started within queue_deadline_ms finish with no_capacity."""
+        """Requests never started within queue_deadline_ms finish with no_capacity, unless the
+        last step's admission stopped for its token budget (the queue is moving, at the rate of
+        compute), not for KV blocks or sequences."""
+        if self._waiting_on_compute:
+            return
         deadline_s = self.clock() - self.config.queue_deadline_ms / 1000
         for seq in [s for s in self.waiting if not s.started and s.arrival_s <= deadline_s]:
             self._finish(seq, "no_capacity")
