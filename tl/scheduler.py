@@ -18,7 +18,9 @@ rejected drafts' KV slots are simply rewritten later (their blocks stay in the t
 
 Steady cadence: while a step carries decodes, the prompt work beside them (chunks of
 prompts, recomputes, embeddings inputs) is capped at prompt_tokens_while_decoding tokens,
-so a burst of prompts never stretches every stream's next token to a long prefill step;
+rounded up to fill the token bucket the step lands in (its padding rows cost as much as
+real ones), so a burst of prompts never stretches every stream's next token to a long
+prefill step;
 with no decode in the step the whole max_num_batched_tokens budget is prompt work (and
 with prefill_chunk = 0, where a prompt cannot be cut, the step's first prompt goes whole).
 
@@ -187,8 +189,11 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens - self._num_scheduled_tokens
         cap = self.config.prompt_tokens_while_decoding
         if cap and self._num_decodes and (seq.pool or remaining > 1):  # prompt work beside decodes
-            # Without chunking a prompt cannot be cut: the step's first prompt goes whole.
-            room = max(0, cap - self._num_prompt_tokens)
+            # The step's tokens up to the token bucket that decodes + cap land in: the padding
+            # the compiled step would compute anyway is filled with prompt work. Without
+            # chunking a prompt cannot be cut: the step's first prompt goes whole.
+            decode_tokens = self._num_scheduled_tokens - self._num_prompt_tokens
+            room = max(0, self._cap_top(decode_tokens + cap) - self._num_scheduled_tokens)
             if not self.config.prefill_chunk and self._num_prompt_tokens == 0:
                 room = budget
             if room < min(remaining, budget, self.config.prefill_chunk or remaining):
@@ -202,6 +207,12 @@ class Scheduler:
             return remaining
         # No chunking: wait for a step with room, unless even a whole step's budget is too small.
         return budget if remaining > self.config.max_num_batched_tokens else 0
+
+    def _cap_top(self, tokens: int) -> int:
+        """The smallest token bucket holding `tokens` (at most the step's budget)."""
+        buckets = self.config.token_buckets
+        i = bisect.bisect_left(buckets, tokens)
+        return min(buckets[i] if i < len(buckets) else tokens, self.config.max_num_batched_tokens)
 
     def _propose_drafts(self, seq: Sequence, num_new: int) -> tuple[int, ...]:
         """Drafts for work that reaches the last known token, within budget, max_tokens and context."""
