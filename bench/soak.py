@@ -466,10 +466,10 @@ async def _main(args: argparse.Namespace) -> int:
                 _print(reports[-1])
     if "sigterm" in names:
         async with serve(args.config, base, log_dir=out) as srv:
-            reports.append(await sigterm(srv))
+            reports.append(await sigterm(srv, max_out=32))
             _print(reports[-1])
     if "kv" in names:
-        # 24 requests x (<= ~90 prompt + 48 output tokens) / block_size: a tenth of that.
+        # 24 requests x (~15-60 prompt + 48 output tokens) ~ 135 blocks of 16 with SmolLM2: 14 a tenth.
         async with serve(args.config, {**base, "num_kv_blocks": str(args.kv_blocks)}, log_dir=out) as srv:
             reports.append(await kv_exhaustion(srv))
             _print(reports[-1])
@@ -487,7 +487,7 @@ def run(argv: Sequence[str]) -> int:
     ap.add_argument("--minutes", type=float, default=30.0, help="length of the mixed load")
     ap.add_argument("--concurrency", type=int, default=16, help="clients of the mixed load")
     ap.add_argument("--num-kv-blocks", type=int, default=0, help="override the config's cache size (0: keep)")
-    ap.add_argument("--kv-blocks", type=int, default=24, help="the kv scenario's cache (about a tenth of demand)")
+    ap.add_argument("--kv-blocks", type=int, default=14, help="the kv scenario's cache (about a tenth of demand)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=f"bench/out/soak-{time.strftime('%Y%m%d-%H%M%S')}")
     args = ap.parse_args(argv)
