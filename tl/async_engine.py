@@ -288,36 +288,35 @@ class AsyncEngine:
             self._snapshot()
         return False
 
-    def _add(self, handle: RequestHandle, events: list[tuple[RequestHandle, object]]) -> None:
-        try:
+    def _add(self, handle: RequestHandle, events: list[tuple[Any, object]]) -> None:
+        def admit() -> None:
             rid = self.engine.add_request(handle.request)
-        except RequestError as e:
-            events.append((handle, e))
-        except Exception as e:
-            log.exception("add_request failed")
-            events.append((handle, EngineError(f"add_request failed: {e}")))
-        else:
             handle.engine_id = rid
             handle.admitted_at = time.monotonic()
             self._live[rid] = handle
-            events.append((handle, None))
-        finally:
-            with self._lock:
-                self._inbox -= 1
+        self._admit(handle, events, "add_request", admit)
 
     def _add_embedding(self, handle: EmbedHandle, events: list[tuple[Any, object]]) -> None:
-        try:
+        def admit() -> None:
             ids = self.engine.add_embedding(handle.request)
-        except RequestError as e:
-            events.append((handle, e))
-        except Exception as e:
-            log.exception("add_embedding failed")
-            events.append((handle, EngineError(f"add_embedding failed: {e}")))
-        else:
             handle.engine_ids = ids
             handle._index = {rid: i for i, rid in enumerate(ids)}
             for rid in ids:
                 self._live[rid] = handle
+        self._admit(handle, events, "add_embedding", admit)
+
+    def _admit(self, handle: RequestHandle | EmbedHandle, events: list[tuple[Any, object]], what: str,
+               admit: Callable[[], None]) -> None:
+        """Run one admission: its refusal (RequestError) or failure goes to the handle, as does
+        its success (None); the inbox count drops either way."""
+        try:
+            admit()
+        except RequestError as e:
+            events.append((handle, e))
+        except Exception as e:
+            log.exception("%s failed", what)
+            events.append((handle, EngineError(f"{what} failed: {e}")))
+        else:
             events.append((handle, None))
         finally:
             with self._lock:
