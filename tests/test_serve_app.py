@@ -377,7 +377,7 @@ def test_streams_keep_their_cadence_through_a_large_embeddings_request() -> None
         assert done.events()[-1] == "[DONE]" and len(content(done)) == 500
         await wait_for(lambda: metric(app, 'tl_engine_kv_blocks{state="used"}') == 0, 2.0)
         assert metric(app, "tl_engine_capped_steps_total") > 0
-    run(make_app("real", 0.002, prompt_tokens_while_decoding=256), body, timeout=120)
+    run(make_app("real", 0.002, prompt_tokens_while_decoding=64), body, timeout=120)
 
 
 def test_embeddings_disconnect_aborts_and_frees_blocks(kind: str) -> None:

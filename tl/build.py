@@ -24,12 +24,12 @@ if TYPE_CHECKING:
 log = logging.getLogger("tl.build")
 
 
-def build_engine(cfg: EngineConfig, warmup: bool = True, warmup_embed: bool = False) -> Engine:
+def build_engine(cfg: EngineConfig, warmup: bool = True) -> Engine:
     """Load the model named by cfg.model_dir and wrap it in an Engine.
 
     With warmup, every step bucket is compiled before this returns, so serving never
-    compiles; without it (the CLI's one-shot generate) buckets compile on first use.
-    warmup_embed also compiles the embedding forward (the server's /v1/embeddings).
+    compiles (embeddings run in the same steps); without it (the CLI's one-shot generate)
+    buckets compile on first use.
     """
     from tl.backend import init_distributed
     from tl.engine import Engine
@@ -53,7 +53,7 @@ def build_engine(cfg: EngineConfig, warmup: bool = True, warmup_embed: bool = Fa
     log.info("weight pages: %s (%s)", runner.weight_pages, runner.weight_pages_reason)
     if warmup:
         t0 = time.perf_counter()
-        runner.warmup(embed=warmup_embed)
+        runner.warmup()
         log.info("compiled %d step variants in %.1f s", runner.num_compilations, time.perf_counter() - t0)
         # Start-up leaves ~100k long-lived objects (JAX, the tokenizer, compiled steps); frozen,
         # the collector's full passes skip them: one mid-stream took 97 ms, four decode steps.
@@ -70,4 +70,4 @@ def build_async_engine(cfg: EngineConfig, warmup: bool = True) -> AsyncEngine:
 
     tokenizer = Tokenizer.load(cfg.model_dir)
     template = ChatTemplate.from_model_dir(cfg.model_dir)
-    return AsyncEngine(build_engine(cfg, warmup=warmup, warmup_embed=warmup), tokenizer, template, cfg.served_model_id())
+    return AsyncEngine(build_engine(cfg, warmup=warmup), tokenizer, template, cfg.served_model_id())

@@ -567,7 +567,7 @@ class ModelRunner:
                 pairs.add((t, _bucket(s, ec.seq_buckets, "sequences")))
         return sorted(pairs)
 
-    def warmup(self, embed: bool = False) -> None:
+    def warmup(self) -> None:
         """Compile (and run on padding only) every step variant, so serving never compiles."""
         wants_top = self.engine_config.max_logprobs > 0
         for t_pad, s_pad in self.bucket_pairs():
@@ -576,12 +576,11 @@ class ModelRunner:
             self._kv, out, logits, _ = self._run_step(inp, sb, pen)
             if wants_top:
                 self._top_lp(logits)
-        if embed:
-            for t in self.engine_config.token_buckets:
-                self.embed([0] * t)
         jax.block_until_ready(self._kv)
 
     def embed(self, token_ids: Sequence[int]) -> list[float]:
+        """One input alone through the dense forward, no cache: the reference the scheduled
+        pooling (the step's `pooled` output) is tested against; serving never calls it."""
         n = len(token_ids)
         if not 0 < n <= self.max_model_len:
             raise ValueError(f"embedding input of {n} tokens; need 1..{self.max_model_len}")
