@@ -90,7 +90,7 @@ class App:
         self.health = HealthServer(self.metrics, self.is_ready)
         self.draining = False
         self.inflight = 0
-        self.jobs: set[Job] = set()
+        self.jobs: set[Job | EmbedHandle] = set()
         self.ping_interval_s = PING_INTERVAL_S
         self._drain_task: asyncio.Task[None] | None = None
 

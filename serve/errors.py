@@ -72,6 +72,12 @@ def draining() -> ApiError:
                     ((b"retry-after", b"1"), (b"connection", b"close")))
 
 
+def aborted() -> ApiError:
+    """A request the server aborted (the drain deadline, a shutdown)."""
+    return ApiError(503, "The request was aborted (the server is shutting down)", "server_error", None, "aborted",
+                    ((b"retry-after", b"1"),))
+
+
 def internal(message: str = "Internal server error") -> ApiError:
     return ApiError(500, message, "server_error", None, "internal_error")
 

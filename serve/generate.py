@@ -84,8 +84,7 @@ class Choice:
             elif o.finish_reason == "no_capacity":
                 raise errors.no_capacity()
             elif o.finish_reason == "abort":
-                raise ApiError(503, "The request was aborted (the server is shutting down)", "server_error", None,
-                               "aborted", ((b"retry-after", b"1"),))
+                raise errors.aborted()
         piece = "".join(pieces)
         self.text.append(piece)
         return piece

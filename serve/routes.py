@@ -46,7 +46,7 @@ from serve.wire import (
     TokenizeResponse,
     encoder,
 )
-from tl.async_engine import AsyncEngine, EngineError
+from tl.async_engine import AsyncEngine, EmbedHandle, EngineError
 from tl.request import MAX_EMBED_INPUTS, EmbedRequest, RequestError
 
 S = TypeVar("S")
@@ -63,7 +63,7 @@ class Ctx:
     body: bytes
     arrived: float
     ping_interval_s: Callable[[], float]
-    jobs: set[Job]
+    jobs: set[Job | EmbedHandle]  # in flight, aborted at the drain deadline
     watcher: DisconnectWatcher | None = None
 
 
@@ -150,6 +150,7 @@ async def embeddings(ctx: Ctx) -> None:
         raise errors.from_request_error(e) from None
     assert ctx.watcher is not None
     ctx.watcher.on_gone(handle.abort)
+    ctx.jobs.add(handle)
     try:
         vectors = await handle.vectors()
     except RequestError as e:
@@ -157,9 +158,10 @@ async def embeddings(ctx: Ctx) -> None:
     except EngineError as e:
         if ctx.watcher.gone.is_set():
             return  # the client left: nobody to answer
-        raise errors.internal(str(e)) from None
+        raise (errors.aborted() if handle.aborted else errors.internal(str(e))) from None
     finally:
         handle.abort()
+        ctx.jobs.discard(handle)
     data = [Embedding("embedding", i, _pack([float(x) for x in v], req.encoding_format))
             for i, v in enumerate(vectors)]
     if any(isinstance(v, list) and not all(math.isfinite(x) for x in v) for v in (d.embedding for d in data)):

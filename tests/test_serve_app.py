@@ -395,6 +395,17 @@ def test_embeddings_disconnect_aborts_and_frees_blocks(kind: str) -> None:
     run(make_app(kind, 0.02), body)
 
 
+def test_drain_deadline_aborts_an_embeddings_request_with_503() -> None:
+    async def body(app: App) -> None:
+        task = asyncio.create_task(call(app, "POST", "/v1/embeddings", {"model": "succ", "input": ["x" * 300] * 200}))
+        await wait_for(lambda: metric(app, "tl_engine_active_sequences") > 0, 2.0)
+        app.begin_drain()
+        r = await task
+        assert r.status == 503 and r.error()["code"] == "aborted" and r.headers["retry-after"] == "1"
+        await wait_for(lambda: metric(app, 'tl_engine_kv_blocks{state="used"}') == 0, 2.0)
+    run(make_app("real", 0.02, drain_timeout_s=0.2), body)
+
+
 def test_tokenize_models_health_and_request_id(kind: str) -> None:
     async def body(app: App) -> None:
         r = await call(app, "POST", "/v1/tokenize", {"model": "succ", "prompt": "hé"}, headers={"X-Request-Id": "abc"})

@@ -123,6 +123,11 @@ class EmbedHandle:
     def done(self) -> bool:
         return self._result.done()
 
+    @property
+    def aborted(self) -> bool:
+        """abort() was called before the vectors were all in."""
+        return self._abort_sent
+
     async def vectors(self) -> list[list[float]]:
         return await self._result
 
