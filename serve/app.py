@@ -42,7 +42,7 @@ from serve.health import HealthServer
 from serve.metrics import Metrics
 from serve.params import ModelInfo
 from serve.routes import Ctx, match
-from tl.async_engine import AsyncEngine
+from tl.async_engine import AsyncEngine, EmbedHandle
 from tl.config import EngineConfig
 from tl.stats import BackendInfo
 
