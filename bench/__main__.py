@@ -27,7 +27,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif name == "soak":
         from bench.soak import run
     else:
-        print(f"unknown benchmark {name!r}; choose runner, engine, mixed, http, quant, kernels or soak", file=sys.stderr)
+        print(
+            f"unknown benchmark {name!r}; choose runner, engine, mixed, http, quant, kernels or soak", file=sys.stderr
+        )
         return 2
     return run(rest)
 

@@ -39,14 +39,21 @@ def _workload(name: str, n: int, vocab: int, rng: random.Random) -> list[GenRequ
     elif name == "shared-prefix":
         system = toks(384)
         for _ in range(n):
-            reqs.append(GenRequest(system + toks(rng.randint(8, 32)),
-                                   SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)))
+            reqs.append(
+                GenRequest(
+                    system + toks(rng.randint(8, 32)), SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+                )
+            )
     elif name == "repetitive":
         for _ in range(n):
             body = toks(rng.randint(24, 48))
             # "Rewrite this code:" <code> "Answer:" <code...>: the continuation repeats the prompt.
-            reqs.append(GenRequest(body + body + body[: len(body) // 2],
-                                   SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)))
+            reqs.append(
+                GenRequest(
+                    body + body + body[: len(body) // 2],
+                    SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True),
+                )
+            )
     else:
         raise SystemExit(f"unknown workload {name!r}")
     return reqs
@@ -76,9 +83,13 @@ def run_workload(engine: object, reqs: list[GenRequest]) -> dict[str, object]:
     prop = st.spec_drafts_proposed - before.spec_drafts_proposed
     acc = st.spec_drafts_accepted - before.spec_drafts_accepted
     return {
-        "requests": len(reqs), "output tok/s": round(n_out / wall, 1), "steps": len(step_s),
-        "mean seqs/step": round(statistics.fmean(seqs), 1), "mean tokens/step": round(statistics.fmean(toks), 1),
-        "step ms p50": round(_pct(step_s, 0.5) * 1e3, 1), "step ms p90": round(_pct(step_s, 0.9) * 1e3, 1),
+        "requests": len(reqs),
+        "output tok/s": round(n_out / wall, 1),
+        "steps": len(step_s),
+        "mean seqs/step": round(statistics.fmean(seqs), 1),
+        "mean tokens/step": round(statistics.fmean(toks), 1),
+        "step ms p50": round(_pct(step_s, 0.5) * 1e3, 1),
+        "step ms p90": round(_pct(step_s, 0.9) * 1e3, 1),
         "step ms p99": round(_pct(step_s, 0.99) * 1e3, 1),
         "prefix hit ratio": round(h / q, 3) if q else 0.0,
         "spec acceptance": round(acc / prop, 3) if prop else "",
@@ -108,8 +119,9 @@ def run(argv: Sequence[str]) -> int:
         row = {"workload": name, "speculative": spec, **run_workload(engine, reqs)}
         if name == "repetitive" and spec != "none":
             base = build_engine(cfg.replace(speculative="none"), warmup=True)
-            plain = run_workload(base, _workload(name, args.requests, engine.runner.model_config.vocab_size,
-                                                 random.Random(args.seed)))
+            plain = run_workload(
+                base, _workload(name, args.requests, engine.runner.model_config.vocab_size, random.Random(args.seed))
+            )
             row["tok/s without spec"] = plain["output tok/s"]
         rows.append(row)
         print(json.dumps(row), flush=True)

@@ -24,12 +24,29 @@ from tl.config import EngineConfig
 from tl.model.config import ModelConfig
 from tl.request import GenRequest, SamplingParams
 
-PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "Count to ten.",
-           "Explain what a paged KV cache is in one sentence."]
-SMOL_SHAPE = dict(architecture="LlamaForCausalLM", vocab_size=49152, hidden_size=576, intermediate_size=1536,
-                  num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
-                  rope_theta=100000.0, rms_norm_eps=1e-5, max_position_embeddings=8192, tie_word_embeddings=True,
-                  attention_bias=False, bos_token_id=1, eos_token_ids=(2,))
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Count to ten.",
+    "Explain what a paged KV cache is in one sentence.",
+]
+SMOL_SHAPE = dict(
+    architecture="LlamaForCausalLM",
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    head_dim=64,
+    rope_theta=100000.0,
+    rms_norm_eps=1e-5,
+    max_position_embeddings=8192,
+    tie_word_embeddings=True,
+    attention_bias=False,
+    bos_token_id=1,
+    eos_token_ids=(2,),
+)
 
 
 def make_smol_shaped(path: Path) -> Path:
@@ -38,8 +55,15 @@ def make_smol_shaped(path: Path) -> Path:
     from models import CHATML_TEMPLATE, _write_dir, tiny_tensors
 
     cfg = ModelConfig(**SMOL_SHAPE)  # type: ignore[arg-type]
-    return _write_dir(path, cfg, tiny_tensors(cfg, std=0.02), sharded=False, bos="<|im_start|>", eos="<|im_end|>",
-                      chat_template=CHATML_TEMPLATE)
+    return _write_dir(
+        path,
+        cfg,
+        tiny_tensors(cfg, std=0.02),
+        sharded=False,
+        bos="<|im_start|>",
+        eos="<|im_end|>",
+        chat_template=CHATML_TEMPLATE,
+    )
 
 
 def _greedy(cfg: EngineConfig, max_tokens: int) -> tuple[list[list[int]], str]:
@@ -51,8 +75,15 @@ def _greedy(cfg: EngineConfig, max_tokens: int) -> tuple[list[list[int]], str]:
     tok, tpl = Tokenizer.load(cfg.model_dir), ChatTemplate.from_model_dir(cfg.model_dir)
     runner = ModelRunner.from_model_dir(cfg)
     engine = Engine(runner, cfg)
-    ids = [engine.add_request(GenRequest(tuple(tok.encode(tpl.render([{"role": "user", "content": p}]))),
-                                         SamplingParams(temperature=0.0, max_tokens=max_tokens))) for p in PROMPTS]
+    ids = [
+        engine.add_request(
+            GenRequest(
+                tuple(tok.encode(tpl.render([{"role": "user", "content": p}]))),
+                SamplingParams(temperature=0.0, max_tokens=max_tokens),
+            )
+        )
+        for p in PROMPTS
+    ]
     tokens: dict[int, list[int]] = {i: [] for i in ids}
     while engine.has_work():
         for out in engine.step():
@@ -80,20 +111,44 @@ def main() -> int:
         models["smol_shaped"] = Path(args.smol)
     ok = True
     for name, path in models.items():
-        base = EngineConfig(model_dir=str(path), num_kv_blocks=256, max_num_seqs=4, max_num_batched_tokens=256,
-                            token_buckets=(16, 64, 256), seq_buckets=(1, 4), prefill_chunk=256, compile_cache_dir="")
+        base = EngineConfig(
+            model_dir=str(path),
+            num_kv_blocks=256,
+            max_num_seqs=4,
+            max_num_batched_tokens=256,
+            token_buckets=(16, 64, 256),
+            seq_buckets=(1, 4),
+            prefill_chunk=256,
+            compile_cache_dir="",
+        )
         for dtype in ("float32", "bfloat16"):
             t0 = time.perf_counter()
             cpu, _ = _greedy(base.replace(backend="cpu", dtype=dtype), args.max_tokens)
             acc, kernel = _greedy(base.replace(backend=args.backend, dtype=dtype), args.max_tokens)
-            first_diff = [next((i for i, (a, b) in enumerate(zip(x, y, strict=False)) if a != b),
-                               None if len(x) == len(y) else min(len(x), len(y)))
-                          for x, y in zip(cpu, acc, strict=True)]
+            first_diff = [
+                next(
+                    (i for i, (a, b) in enumerate(zip(x, y, strict=False)) if a != b),
+                    None if len(x) == len(y) else min(len(x), len(y)),
+                )
+                for x, y in zip(cpu, acc, strict=True)
+            ]
             same = all(d is None for d in first_diff)
-            print(json.dumps({"check": "greedy_vs_cpu", "model": name, "dtype": dtype, "backend": args.backend,
-                              "attention": kernel, "identical": same, "first_diff_per_prompt": first_diff,
-                              "tokens": [len(x) for x in acc], "seconds": round(time.perf_counter() - t0, 1)}),
-                  flush=True)
+            print(
+                json.dumps(
+                    {
+                        "check": "greedy_vs_cpu",
+                        "model": name,
+                        "dtype": dtype,
+                        "backend": args.backend,
+                        "attention": kernel,
+                        "identical": same,
+                        "first_diff_per_prompt": first_diff,
+                        "tokens": [len(x) for x in acc],
+                        "seconds": round(time.perf_counter() - t0, 1),
+                    }
+                ),
+                flush=True,
+            )
             ok &= same or name != "succ"
     return 0 if ok else 1
 

@@ -31,8 +31,16 @@ from bench.report import markdown_table
 from bench.roofline import Machine, ModelCost, fractions, load_model_cost, measure_machine, roofline_line
 
 ALL_TESTS = "prefill,decode,sweep,shared,poisson"
-RATIO_METRICS = ("output_tok_s", "work_tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
-                 "tpot_mean_ms", "latency_p50_ms")
+RATIO_METRICS = (
+    "output_tok_s",
+    "work_tok_s",
+    "ttft_p50_ms",
+    "ttft_p99_ms",
+    "itl_p50_ms",
+    "itl_p99_ms",
+    "tpot_mean_ms",
+    "latency_p50_ms",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,8 +51,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--api", default="completions", choices=["completions", "chat"])
     ap.add_argument("--model", default="", help="API model name (default: first of GET /v1/models)")
     ap.add_argument("--compare-model", default="", help="model name on server B (default: its first)")
-    ap.add_argument("--model-dir", default="artifacts/models/smol-135m",
-                    help="tokenizer.json for prompt sizing, config.json for the roofline")
+    ap.add_argument(
+        "--model-dir",
+        default="artifacts/models/smol-135m",
+        help="tokenizer.json for prompt sizing, config.json for the roofline",
+    )
     ap.add_argument("--bytes-per-param", type=int, default=4, help="weight bytes per parameter (fp32 = 4)")
     ap.add_argument("--rate", type=float, default=2.0, help="Poisson arrival rate, requests/s")
     ap.add_argument("--levels", default="1,4,16,64", help="concurrency sweep levels")
@@ -52,8 +63,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-requests", type=int, default=256, help="cap on requests per run")
     ap.add_argument("--max-seconds", type=float, default=120.0, help="deadline per run; in-flight requests are cut")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--run-id", default=None,
-                    help="id in every prompt's nonce (default: fresh per run, printed; give one to replay prompts)")
+    ap.add_argument(
+        "--run-id",
+        default=None,
+        help="id in every prompt's nonce (default: fresh per run, printed; give one to replay prompts)",
+    )
     ap.add_argument("--api-key", default="", help="bearer token for both servers (not printed)")
     ap.add_argument("--no-ignore-eos", action="store_true", help="do not send ignore_eos (strict OpenAI servers)")
     ap.add_argument("--out", default="", help="output dir (default bench/out/http-<time>)")
@@ -70,8 +84,10 @@ def run(argv: Sequence[str]) -> int:
     args = build_parser().parse_args(argv)
     out = Path(args.out or f"bench/out/http-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
-    sizes = Sizes(**{k: getattr(args, k) for k in Sizes.__dataclass_fields__ if k != "sweep_levels"},
-                  sweep_levels=tuple(int(x) for x in args.levels.split(",")))
+    sizes = Sizes(
+        **{k: getattr(args, k) for k in Sizes.__dataclass_fields__ if k != "sweep_levels"},
+        sweep_levels=tuple(int(x) for x in args.levels.split(",")),
+    )
     limits = Limits(args.max_requests, args.max_seconds)
     tests = [t for t in args.tests.split(",") if t]
     endpoints = asyncio.run(_endpoints(args))
@@ -79,10 +95,20 @@ def run(argv: Sequence[str]) -> int:
     cases = build_cases(tests, pf, sizes, args.rate, limits)
     bound_s = len(cases) * args.repeats * len(endpoints) * limits.max_seconds
     servers = {k: {**asdict(e), "api_key": "***" if e.api_key else ""} for k, e in endpoints.items()}
-    config = {"bench": "http", "servers": servers, "tests": tests,
-              "seed": args.seed, "run_id": pf.run_id, "repeats": args.repeats, "rate": args.rate, "limits": asdict(limits),
-              "sizes": asdict(sizes), "model_dir": args.model_dir, "out": str(out),
-              "worst_case_wall_s": bound_s}
+    config = {
+        "bench": "http",
+        "servers": servers,
+        "tests": tests,
+        "seed": args.seed,
+        "run_id": pf.run_id,
+        "repeats": args.repeats,
+        "rate": args.rate,
+        "limits": asdict(limits),
+        "sizes": asdict(sizes),
+        "model_dir": args.model_dir,
+        "out": str(out),
+        "worst_case_wall_s": bound_s,
+    }
     print("config:", json.dumps(config), flush=True)
 
     machine = measure_machine(args.roofline_gemm_n, args.roofline_mem_mib << 20)
@@ -121,8 +147,11 @@ def _cost(model_dir: str, bytes_per_param: int) -> ModelCost | None:
 
 def _progress(run: Run, res: list[RequestResult], wall: float) -> None:
     s = summarize(res, wall)
-    print(f"  {run.case.label} [{run.server}]: {s['requests']} requests, {s['errors']} errors, "
-          f"{s['output_tok_s']:.1f} out tok/s, TTFT p50 {s['ttft_p50_ms']:.1f} ms, {wall:.1f} s", flush=True)
+    print(
+        f"  {run.case.label} [{run.server}]: {s['requests']} requests, {s['errors']} errors, "
+        f"{s['output_tok_s']:.1f} out tok/s, TTFT p50 {s['ttft_p50_ms']:.1f} ms, {wall:.1f} s",
+        flush=True,
+    )
 
 
 def work_rates(run: Run, s: dict[str, float]) -> tuple[float, float]:
@@ -149,13 +178,22 @@ def _mean(xs: Sequence[float]) -> float:
 def summary_row(run: Run, machine: Machine, cost: ModelCost | None) -> dict[str, object]:
     s = summarize(run.results, run.wall_s)
     work_tok_s, steps_s = work_rates(run, s)
-    row: dict[str, object] = {"test": run.case.test, "case": run.case.label, "server": run.server, **s,
-                              "work_tok_s": work_tok_s, "steps_s": steps_s}
+    row: dict[str, object] = {
+        "test": run.case.test,
+        "case": run.case.label,
+        "server": run.server,
+        **s,
+        "work_tok_s": work_tok_s,
+        "steps_s": steps_s,
+    }
     if cost is not None:
         fr = fractions(machine, cost, work_tok_s, steps_s)
         out_fr = fractions(machine, cost, float(s["output_tok_s"]), steps_s)
-        row |= {"pct_gemm": 100 * fr["flop_frac"], "pct_gemm_out": 100 * out_fr["flop_frac"],
-                "pct_mem_bw": 100 * fr["bw_frac"]}
+        row |= {
+            "pct_gemm": 100 * fr["flop_frac"],
+            "pct_gemm_out": 100 * out_fr["flop_frac"],
+            "pct_mem_bw": 100 * fr["bw_frac"],
+        }
     return row
 
 
@@ -185,11 +223,25 @@ def ratio_table(ratios: Sequence[dict[str, object]]) -> list[dict[str, object]]:
     return list(rows.values())
 
 
-DISPLAY = {"case": "case", "server": "server", "requests": "requests", "errors": "errors",
-           "output_tok_s": "out tok/s", "request_s": "req/s", "ttft_p50_ms": "TTFT p50 ms",
-           "ttft_p99_ms": "TTFT p99 ms", "itl_p50_ms": "ITL p50 ms", "itl_p99_ms": "ITL p99 ms",
-           "tpot_mean_ms": "TPOT ms", "latency_p50_ms": "e2e p50 ms", "work_tok_s": "work tok/s",
-           "steps_s": "steps/s", "pct_gemm": "% GEMM", "pct_gemm_out": "out % GEMM", "pct_mem_bw": "% mem BW"}
+DISPLAY = {
+    "case": "case",
+    "server": "server",
+    "requests": "requests",
+    "errors": "errors",
+    "output_tok_s": "out tok/s",
+    "request_s": "req/s",
+    "ttft_p50_ms": "TTFT p50 ms",
+    "ttft_p99_ms": "TTFT p99 ms",
+    "itl_p50_ms": "ITL p50 ms",
+    "itl_p99_ms": "ITL p99 ms",
+    "tpot_mean_ms": "TPOT ms",
+    "latency_p50_ms": "e2e p50 ms",
+    "work_tok_s": "work tok/s",
+    "steps_s": "steps/s",
+    "pct_gemm": "% GEMM",
+    "pct_gemm_out": "out % GEMM",
+    "pct_mem_bw": "% mem BW",
+}
 
 
 def _fmt(v: object, digits: int = 1) -> object:
@@ -198,34 +250,59 @@ def _fmt(v: object, digits: int = 1) -> object:
     return v
 
 
-def report_markdown(config: dict[str, object], roof: str, rows: Sequence[dict[str, object]],
-                    ratios: Sequence[dict[str, object]], plots: Sequence[Path]) -> str:
+def report_markdown(
+    config: dict[str, object],
+    roof: str,
+    rows: Sequence[dict[str, object]],
+    ratios: Sequence[dict[str, object]],
+    plots: Sequence[Path],
+) -> str:
     table = [{DISPLAY[k]: _fmt(r[k]) for k in DISPLAY if k in r} for r in rows]
     parts = ["# HTTP load benchmark", "", "config: `" + json.dumps(config) + "`", "", roof, "", markdown_table(table)]
     if ratios:
-        parts += ["", "## B / A per case (interleaved A, B, A, B; times < 1 and tok/s > 1 favour B)", "",
-                  markdown_table(ratio_table(ratios))]
-    parts += ["", "Notes: TTFT = send to first non-empty content delta; ITL = gaps between content deltas; "
-              "TPOT = (end - first token) / (tokens - 1); token counts from the usage chunk when sent. "
-              "Roofline: prefill work = prompt tokens / TTFT p50, steps/s = 1 / TTFT p50 (one step per prompt; "
-              "chunked prefill takes more); decode work = steps/s = "
-              "1 / TPOT; other tests: work = (prompt + output tokens) / wall (prefix-cache hits do less), "
-              "steps/s = output tok/s / mean in-flight requests (a lower bound). % GEMM counts work tokens, "
-              "out % GEMM output tokens only (aggregate decode: prompt tokens computed earn nothing). The load "
-              "generator shares the CPU with a local server."]
+        parts += [
+            "",
+            "## B / A per case (interleaved A, B, A, B; times < 1 and tok/s > 1 favour B)",
+            "",
+            markdown_table(ratio_table(ratios)),
+        ]
+    parts += [
+        "",
+        "Notes: TTFT = send to first non-empty content delta; ITL = gaps between content deltas; "
+        "TPOT = (end - first token) / (tokens - 1); token counts from the usage chunk when sent. "
+        "Roofline: prefill work = prompt tokens / TTFT p50, steps/s = 1 / TTFT p50 (one step per prompt; "
+        "chunked prefill takes more); decode work = steps/s = "
+        "1 / TPOT; other tests: work = (prompt + output tokens) / wall (prefix-cache hits do less), "
+        "steps/s = output tok/s / mean in-flight requests (a lower bound). % GEMM counts work tokens, "
+        "out % GEMM output tokens only (aggregate decode: prompt tokens computed earn nothing). The load "
+        "generator shares the CPU with a local server.",
+    ]
     parts += [f"![{p.stem}]({p.name})" for p in plots]
     return "\n".join(parts) + "\n"
 
 
-def write_jsonl(path: Path, config: dict[str, object], machine: Machine, cost: ModelCost | None,
-                runs: Sequence[Run], rows: Sequence[dict[str, object]], ratios: Sequence[dict[str, object]]) -> None:
+def write_jsonl(
+    path: Path,
+    config: dict[str, object],
+    machine: Machine,
+    cost: ModelCost | None,
+    runs: Sequence[Run],
+    rows: Sequence[dict[str, object]],
+    ratios: Sequence[dict[str, object]],
+) -> None:
     with path.open("w") as f:
+
         def put(obj: dict[str, object]) -> None:
             f.write(json.dumps(obj, allow_nan=False, default=str) + "\n")
 
         put({"kind": "config", **config})
-        put({"kind": "roofline", **asdict(machine), **({"model": {**asdict(cost), "flops_per_token":
-                                                                  cost.flops_per_token}} if cost else {})})
+        put(
+            {
+                "kind": "roofline",
+                **asdict(machine),
+                **({"model": {**asdict(cost), "flops_per_token": cost.flops_per_token}} if cost else {}),
+            }
+        )
         for run in runs:
             for r in run.results:
                 put({"kind": "request", "case": run.case.label, "server": run.server, **r.to_json()})

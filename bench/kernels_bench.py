@@ -49,8 +49,12 @@ def _attention_case(batch: int, context: int, seed: int) -> tuple[Any, ...]:
     k = jnp.asarray(rng.standard_normal(cache_shape("k", L, nb, BS, HK, HD), dtype=np.float32))
     v = jnp.asarray(rng.standard_normal(cache_shape("v", L, nb, BS, HK, HD), dtype=np.float32))
     tables = jnp.asarray(rng.permutation(nb - 1)[: batch * per_seq].reshape(batch, per_seq).astype(np.int32))
-    meta = AttnMetadata(seq_idx=jnp.arange(batch, dtype=jnp.int32), positions=jnp.full(batch, context, jnp.int32),
-                        start_pos=jnp.full(batch, context, jnp.int32), block_tables=tables)
+    meta = AttnMetadata(
+        seq_idx=jnp.arange(batch, dtype=jnp.int32),
+        positions=jnp.full(batch, context, jnp.int32),
+        start_pos=jnp.full(batch, context, jnp.int32),
+        block_tables=tables,
+    )
     q = jnp.asarray(rng.standard_normal((batch, HQ, HD), dtype=np.float32))
     kv_new = jnp.asarray(rng.standard_normal((batch, HK, HD), dtype=np.float32))
     return q, kv_new, k, v, meta
@@ -109,7 +113,9 @@ def run(argv: Sequence[str]) -> int:
     ap.add_argument("--rows", default="1,2,4,8,16,32,64", help="rows of the float32 matmul tests")
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--target", default="auto", help="native build (kernels/cpu_build.py TARGETS); auto: the best this CPU runs")
+    ap.add_argument(
+        "--target", default="auto", help="native build (kernels/cpu_build.py TARGETS); auto: the best this CPU runs"
+    )
     args = ap.parse_args(argv)
     print("config:", json.dumps({**vars(args), "shapes": "SmolLM2-135M", "layers": L}))
 
@@ -124,8 +130,15 @@ def run(argv: Sequence[str]) -> int:
     rows: list[dict[str, object]] = []
 
     def add(test: str, med: dict[str, float], xla: str, native: str) -> None:
-        rows.append({"test": test, "baseline": xla, "baseline ms": round(med[xla] * 1e3, 2),
-                     "native ms": round(med[native] * 1e3, 2), "native speed-up": round(med[xla] / med[native], 2)})
+        rows.append(
+            {
+                "test": test,
+                "baseline": xla,
+                "baseline ms": round(med[xla] * 1e3, 2),
+                "native ms": round(med[native] * 1e3, 2),
+                "native speed-up": round(med[xla] / med[native], 2),
+            }
+        )
 
     case = _attention_case(args.batch, args.context, args.seed)
     ref, nat = _attention_chain(paged_attention.paged_attention), _attention_chain(lib.paged_attention)
@@ -133,8 +146,9 @@ def run(argv: Sequence[str]) -> int:
     add(f"attention, {args.batch} seqs @ctx {args.context}", med, "reference", "native")
     q, kv_new, k, v, meta = case
     bits = [jax.lax.bitcast_convert_type(c.astype(jnp.bfloat16), jnp.uint16) for c in (k, v)]
-    med = _alternate({"native, float32 cache": lambda: nat(*case),
-                      "bf16": lambda: nat(q, kv_new, *bits, meta)}, args.repeat)
+    med = _alternate(
+        {"native, float32 cache": lambda: nat(*case), "bf16": lambda: nat(q, kv_new, *bits, meta)}, args.repeat
+    )
     add(f"attention, bf16 cache, {args.batch} seqs @ctx {args.context}", med, "native, float32 cache", "bf16")
 
     rng = np.random.default_rng(args.seed)
@@ -143,18 +157,27 @@ def run(argv: Sequence[str]) -> int:
         xla, nat_mm = _linear_chain(None), _linear_chain(lib.matmul)
         for n in row_counts:
             x = jnp.asarray(rng.standard_normal((n, D), dtype=np.float32))
-            med = _alternate({"xla": lambda x=x, f=xla, ws=ws: f(ws, x),
-                              "native": lambda x=x, f=nat_mm, ws=ws: f(ws, x)}, args.repeat)
+            med = _alternate(
+                {"xla": lambda x=x, f=xla, ws=ws: f(ws, x), "native": lambda x=x, f=nat_mm, ws=ws: f(ws, x)},
+                args.repeat,
+            )
             add(f"layer matmuls {'int8' if int8 else 'float32'}, {n} row{'s' if n > 1 else ''}", med, "xla", "native")
     if lib.amx_available():  # matmul_precision "high": against the float32 path the runner would take
         ws = _weights(False, args.seed)
-        high = [{k: {"f32": w, "bf16x3": jnp.asarray(cpu_native.pack_bf16x3(np.asarray(w)))} for k, w in lw.items()}
-                for lw in ws]
+        high = [
+            {k: {"f32": w, "bf16x3": jnp.asarray(cpu_native.pack_bf16x3(np.asarray(w)))} for k, w in lw.items()}
+            for lw in ws
+        ]
         for n in [r for r in (int(r) for r in args.rows.split(",")) if r >= cpu_native.HIGH_MIN_ROWS] + [512]:
             x = jnp.asarray(rng.standard_normal((n, D), dtype=np.float32))
             base = "native float32" if n <= lib.max_rows() else "xla"
-            med = _alternate({base: lambda x=x, f=nat_mm if base != "xla" else xla: f(ws, x),
-                              "high": lambda x=x, f=nat_mm: f(high, x)}, args.repeat)
+            med = _alternate(
+                {
+                    base: lambda x=x, f=nat_mm if base != "xla" else xla: f(ws, x),
+                    "high": lambda x=x, f=nat_mm: f(high, x),
+                },
+                args.repeat,
+            )
             add(f"layer matmuls high (bf16x3, AMX), {n} rows", med, base, "high")
     print_table(rows)
     return 0

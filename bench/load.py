@@ -117,10 +117,16 @@ class RequestResult:
 
     def to_json(self) -> dict[str, object]:
         ttft = self.ttft_s
-        return {"ok": self.ok, "error": self.error, "ttft_ms": None if ttft is None else round(ttft * 1e3, 3),
-                "latency_ms": round(self.latency_s * 1e3, 3), "output_tokens": self.num_output_tokens,
-                "prompt_tokens": self.usage_prompt_tokens, "deltas": len(self.chunk_times),
-                "itl_ms": [round(x * 1e3, 3) for x in self.itl_s]}
+        return {
+            "ok": self.ok,
+            "error": self.error,
+            "ttft_ms": None if ttft is None else round(ttft * 1e3, 3),
+            "latency_ms": round(self.latency_s * 1e3, 3),
+            "output_tokens": self.num_output_tokens,
+            "prompt_tokens": self.usage_prompt_tokens,
+            "deltas": len(self.chunk_times),
+            "itl_ms": [round(x * 1e3, 3) for x in self.itl_s],
+        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,12 +152,17 @@ class Endpoint:
 
 def request_body(ep: Endpoint, prompt: str, max_tokens: int, system: str | None = None) -> dict[str, object]:
     """Greedy, streamed, usage requested; `system` goes first (a system turn, or prepended text)."""
-    body: dict[str, object] = {"model": ep.model, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
-                               "stream_options": {"include_usage": True}}
+    body: dict[str, object] = {
+        "model": ep.model,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     if ep.ignore_eos:
         body["ignore_eos"] = True
     if ep.api == "chat":
-        msgs = ([{"role": "system", "content": system}] if system is not None else [])
+        msgs = [{"role": "system", "content": system}] if system is not None else []
         body["messages"] = msgs + [{"role": "user", "content": prompt}]
     else:
         body["prompt"] = (system or "") + prompt
@@ -159,8 +170,9 @@ def request_body(ep: Endpoint, prompt: str, max_tokens: int, system: str | None 
     return body
 
 
-async def stream_request(client: aiohttp.ClientSession, ep: Endpoint, body: dict[str, object],
-                         res: RequestResult | None = None) -> RequestResult:
+async def stream_request(
+    client: aiohttp.ClientSession, ep: Endpoint, body: dict[str, object], res: RequestResult | None = None
+) -> RequestResult:
     """Send one streamed request; never raises for HTTP or protocol errors (they go in .error).
 
     Pass `res` to see partial timings if the caller cancels it (a deadline).
@@ -240,15 +252,24 @@ def summarize(results: Sequence[RequestResult], wall_s: float) -> dict[str, floa
     lat = [r.latency_s for r in ok]
     out_tokens = sum(r.num_output_tokens for r in ok)
     # Decode rate per stream: tokens after the first over the time after the first token.
-    tpot = [(r.t_end - r.chunk_times[0]) / (r.num_output_tokens - 1)
-            for r in ok if r.chunk_times and r.num_output_tokens > 1]
+    tpot = [
+        (r.t_end - r.chunk_times[0]) / (r.num_output_tokens - 1)
+        for r in ok
+        if r.chunk_times and r.num_output_tokens > 1
+    ]
     ms = 1e3
     return {
-        "requests": len(results), "errors": len(results) - len(ok), "wall_s": wall_s,
-        "output_tokens": out_tokens, "output_tok_s": out_tokens / wall_s if wall_s > 0 else math.nan,
+        "requests": len(results),
+        "errors": len(results) - len(ok),
+        "wall_s": wall_s,
+        "output_tokens": out_tokens,
+        "output_tok_s": out_tokens / wall_s if wall_s > 0 else math.nan,
         "request_s": len(ok) / wall_s if wall_s > 0 else math.nan,
-        "ttft_p50_ms": percentile(ttft, 50) * ms, "ttft_p99_ms": percentile(ttft, 99) * ms,
-        "itl_p50_ms": percentile(itl, 50) * ms, "itl_p99_ms": percentile(itl, 99) * ms,
+        "ttft_p50_ms": percentile(ttft, 50) * ms,
+        "ttft_p99_ms": percentile(ttft, 99) * ms,
+        "itl_p50_ms": percentile(itl, 50) * ms,
+        "itl_p99_ms": percentile(itl, 99) * ms,
         "tpot_mean_ms": (sum(tpot) / len(tpot)) * ms if tpot else math.nan,
-        "latency_p50_ms": percentile(lat, 50) * ms, "latency_p99_ms": percentile(lat, 99) * ms,
+        "latency_p50_ms": percentile(lat, 50) * ms,
+        "latency_p99_ms": percentile(lat, 99) * ms,
     }

@@ -87,23 +87,52 @@ def build_cases(tests: Sequence[str], pf: PromptFactory, sz: Sizes, rate: float,
 
     for t in tests:
         if t == "prefill":
-            cases.append(Case("prefill", f"prefill {sz.prefill_tokens}",
-                              unique(sz.prefill_requests, sz.prefill_tokens, 1), 1, None, sz.prefill_tokens))
+            cases.append(
+                Case(
+                    "prefill",
+                    f"prefill {sz.prefill_tokens}",
+                    unique(sz.prefill_requests, sz.prefill_tokens, 1),
+                    1,
+                    None,
+                    sz.prefill_tokens,
+                )
+            )
         elif t == "decode":
-            cases.append(Case("decode", f"decode {sz.decode_tokens}",
-                              unique(sz.decode_requests, sz.decode_prompt_tokens, sz.decode_tokens), 1, None,
-                              sz.decode_prompt_tokens))
+            cases.append(
+                Case(
+                    "decode",
+                    f"decode {sz.decode_tokens}",
+                    unique(sz.decode_requests, sz.decode_prompt_tokens, sz.decode_tokens),
+                    1,
+                    None,
+                    sz.decode_prompt_tokens,
+                )
+            )
         elif t == "sweep":
             for c in sz.sweep_levels:
-                cases.append(Case("sweep", f"sweep c={c}",
-                                  unique(max(4, 2 * c), sz.sweep_prompt_tokens, sz.sweep_output_tokens), c, None,
-                                  sz.sweep_prompt_tokens))
+                cases.append(
+                    Case(
+                        "sweep",
+                        f"sweep c={c}",
+                        unique(max(4, 2 * c), sz.sweep_prompt_tokens, sz.sweep_output_tokens),
+                        c,
+                        None,
+                        sz.sweep_prompt_tokens,
+                    )
+                )
         elif t == "shared":
             cases += _shared_cases(pf, sz, cap)
         elif t == "poisson":
-            cases.append(Case("poisson", f"poisson {rate:g} req/s",
-                              unique(sz.poisson_requests, sz.sweep_prompt_tokens, sz.sweep_output_tokens), 0, rate,
-                              sz.sweep_prompt_tokens))
+            cases.append(
+                Case(
+                    "poisson",
+                    f"poisson {rate:g} req/s",
+                    unique(sz.poisson_requests, sz.sweep_prompt_tokens, sz.sweep_output_tokens),
+                    0,
+                    rate,
+                    sz.sweep_prompt_tokens,
+                )
+            )
         else:
             raise ValueError(f"unknown test {t!r}; choose from prefill,decode,sweep,shared,poisson")
     return cases
@@ -118,14 +147,20 @@ def _shared_cases(pf: PromptFactory, sz: Sizes, cap: int) -> list[Case]:
         return [Job(pf.unique(sz.shared_suffix_tokens, "q"), sz.shared_output_tokens, system) for _ in range(n)]
 
     def unique_jobs() -> list[Job]:
-        return [Job(pf.unique(sz.shared_suffix_tokens, "q"), sz.shared_output_tokens,
-                    pf.shared(sz.shared_prefix_tokens)) for _ in range(n)]
+        return [
+            Job(pf.unique(sz.shared_suffix_tokens, "q"), sz.shared_output_tokens, pf.shared(sz.shared_prefix_tokens))
+            for _ in range(n)
+        ]
 
     c = sz.shared_concurrency
-    return [Case("shared", f"shared prefix {sz.shared_prefix_tokens}+{sz.shared_suffix_tokens}", shared_jobs, c,
-                 None, total),
-            Case("shared", f"unique prefix {sz.shared_prefix_tokens}+{sz.shared_suffix_tokens}", unique_jobs, c,
-                 None, total)]
+    return [
+        Case(
+            "shared", f"shared prefix {sz.shared_prefix_tokens}+{sz.shared_suffix_tokens}", shared_jobs, c, None, total
+        ),
+        Case(
+            "shared", f"unique prefix {sz.shared_prefix_tokens}+{sz.shared_suffix_tokens}", unique_jobs, c, None, total
+        ),
+    ]
 
 
 async def _one(client: aiohttp.ClientSession, ep: Endpoint, job: Job, out: list[RequestResult]) -> None:
@@ -138,8 +173,9 @@ async def _one(client: aiohttp.ClientSession, ep: Endpoint, job: Job, out: list[
         raise
 
 
-async def run_closed(client: aiohttp.ClientSession, ep: Endpoint, jobs: list[Job], concurrency: int,
-                     max_seconds: float) -> tuple[list[RequestResult], float]:
+async def run_closed(
+    client: aiohttp.ClientSession, ep: Endpoint, jobs: list[Job], concurrency: int, max_seconds: float
+) -> tuple[list[RequestResult], float]:
     """`concurrency` workers each send their next job as soon as the previous one ends."""
     out: list[RequestResult] = []
     pending = list(reversed(jobs))
@@ -154,8 +190,9 @@ async def run_closed(client: aiohttp.ClientSession, ep: Endpoint, jobs: list[Job
     return out, _wall(out, t0)
 
 
-async def run_poisson(client: aiohttp.ClientSession, ep: Endpoint, jobs: list[Job], rate: float, seed: int,
-                      max_seconds: float) -> tuple[list[RequestResult], float]:
+async def run_poisson(
+    client: aiohttp.ClientSession, ep: Endpoint, jobs: list[Job], rate: float, seed: int, max_seconds: float
+) -> tuple[list[RequestResult], float]:
     """Open loop: send at seeded exponential gaps of mean 1/rate, whatever is in flight."""
     rng = random.Random(seed)
     out: list[RequestResult] = []
@@ -185,17 +222,23 @@ def _wall(out: list[RequestResult], t0: float) -> float:
     return max((r.t_end for r in out), default=t0) - t0
 
 
-async def run_case(client: aiohttp.ClientSession, ep: Endpoint, case: Case, limits: Limits,
-                   seed: int) -> tuple[list[RequestResult], float]:
+async def run_case(
+    client: aiohttp.ClientSession, ep: Endpoint, case: Case, limits: Limits, seed: int
+) -> tuple[list[RequestResult], float]:
     jobs = case.make_jobs()[: limits.max_requests]
     if case.rate is not None:
         return await run_poisson(client, ep, jobs, case.rate, seed, limits.max_seconds)
     return await run_closed(client, ep, jobs, case.concurrency, limits.max_seconds)
 
 
-async def run_interleaved(cases: Sequence[Case], endpoints: dict[str, Endpoint], limits: Limits, repeats: int,
-                          seed: int, on_run: Callable[[Run, list[RequestResult], float], None] | None = None,
-                          ) -> list[Run]:
+async def run_interleaved(
+    cases: Sequence[Case],
+    endpoints: dict[str, Endpoint],
+    limits: Limits,
+    repeats: int,
+    seed: int,
+    on_run: Callable[[Run, list[RequestResult], float], None] | None = None,
+) -> list[Run]:
     """For each case: repeat × (A, B, ...) in turn; results merged per (case, server)."""
     runs: list[Run] = []
     conns = max([c.concurrency for c in cases] + [64])
@@ -203,8 +246,10 @@ async def run_interleaved(cases: Sequence[Case], endpoints: dict[str, Endpoint],
     # while its headers say keep-alive, and a pooled one then fails the next request before it is
     # sent (aiohttp: "Can not write request body"; 17 of 128 requests of a 64-stream sweep here).
     # The same for every server, so both sides pay the same loopback connect.
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=conns + 8, force_close=True),
-                                     timeout=aiohttp.ClientTimeout(total=limits.max_seconds + 10)) as client:
+    async with aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=conns + 8, force_close=True),
+        timeout=aiohttp.ClientTimeout(total=limits.max_seconds + 10),
+    ) as client:
         for case in cases:
             merged = {name: Run(case, name) for name in endpoints}
             for rep in range(repeats):

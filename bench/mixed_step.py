@@ -29,8 +29,9 @@ def _plan(decodes: int, context: int, prompt: int, block_size: int) -> Scheduler
         work.append(SeqWork(s, (100 + s,), context, tuple(range(nb, nb + per_seq)), True, greedy, s, 10))
         nb += per_seq
     blocks = -(-prompt // block_size)
-    work.append(SeqWork(decodes, tuple(range(200, 200 + prompt)), 0, tuple(range(nb, nb + blocks)), True, greedy,
-                        decodes, 0))
+    work.append(
+        SeqWork(decodes, tuple(range(200, 200 + prompt)), 0, tuple(range(nb, nb + blocks)), True, greedy, decodes, 0)
+    )
     return SchedulerOutput(tuple(work))
 
 
@@ -50,9 +51,15 @@ def run(argv: Sequence[str]) -> int:
 
     bs, tokens = 16, args.decodes + args.prompt
     blocks = args.decodes * (args.context // bs + 2) + args.prompt // bs + 8
-    cfg = EngineConfig(model_dir=args.model, num_kv_blocks=blocks, token_buckets=(tokens,),
-                       seq_buckets=(args.decodes + 1,), max_num_seqs=args.decodes + 1, max_num_batched_tokens=tokens,
-                       attention_kernel=args.attention_kernel)
+    cfg = EngineConfig(
+        model_dir=args.model,
+        num_kv_blocks=blocks,
+        token_buckets=(tokens,),
+        seq_buckets=(args.decodes + 1,),
+        max_num_seqs=args.decodes + 1,
+        max_num_batched_tokens=tokens,
+        attention_kernel=args.attention_kernel,
+    )
     runner = ModelRunner.from_model_dir(cfg)
     plan = _plan(args.decodes, args.context, args.prompt, bs)
     split = ModelRunner._pack_tokens
@@ -76,8 +83,14 @@ def run(argv: Sequence[str]) -> int:
         res["split"].append(median_s(split))
         res["no split"].append(median_s(no_split))
     ModelRunner._pack_tokens = split  # type: ignore[method-assign]
-    rows: list[dict[str, object]] = [{"variant": k, "step ms p50": round(statistics.median(v) * 1e3, 1),
-                                      "tokens/s": round(tokens / statistics.median(v), 1)} for k, v in res.items()]
+    rows: list[dict[str, object]] = [
+        {
+            "variant": k,
+            "step ms p50": round(statistics.median(v) * 1e3, 1),
+            "tokens/s": round(tokens / statistics.median(v), 1),
+        }
+        for k, v in res.items()
+    ]
     print_table(rows)
     print(f"ratio no split / split: {statistics.median(res['no split']) / statistics.median(res['split']):.2f}")
     return 0

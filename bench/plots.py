@@ -20,8 +20,11 @@ def _plt():  # type: ignore[no-untyped-def]
     return plt
 
 
-def plot_throughput(series: Mapping[str, Sequence[tuple[int, float]]], path: str | Path,
-                    title: str = "Aggregate output throughput vs concurrency") -> Path:
+def plot_throughput(
+    series: Mapping[str, Sequence[tuple[int, float]]],
+    path: str | Path,
+    title: str = "Aggregate output throughput vs concurrency",
+) -> Path:
     """series: server name -> [(concurrency, output tokens/s)]."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6, 4))

@@ -25,11 +25,14 @@ from collections.abc import Sequence
 
 from bench.report import print_table
 
-VARIANTS: dict[str, dict[str, str]] = {"int8": {"weight_dtype": "int8"}, "kv-bf16": {"kv_cache_dtype": "bfloat16"},
-                                       "high": {"matmul_precision": "high"}}
+VARIANTS: dict[str, dict[str, str]] = {
+    "int8": {"weight_dtype": "int8"},
+    "kv-bf16": {"kv_cache_dtype": "bfloat16"},
+    "high": {"matmul_precision": "high"},
+}
 PROMPTS = (
     "The capital of France is",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
     "Once upon a time, in a small village by the sea, there lived",
     "Photosynthesis is the process by which plants",
     "To make a cup of tea, first",
@@ -65,26 +68,33 @@ def run(argv: Sequence[str]) -> int:
 
     bs = 16
     blocks = max(batches) * ((args.context + bs) // bs + 1) + 64
-    base = EngineConfig(model_dir=args.model, num_kv_blocks=blocks, block_size=bs, max_num_seqs=max(batches),
-                        seq_buckets=tuple(sorted({1} | set(batches))),
-                        token_buckets=tuple(sorted(set(batches) | {1, 64})), max_num_batched_tokens=64,
-                        prefill_chunk=64)
+    base = EngineConfig(
+        model_dir=args.model,
+        num_kv_blocks=blocks,
+        block_size=bs,
+        max_num_seqs=max(batches),
+        seq_buckets=tuple(sorted({1} | set(batches))),
+        token_buckets=tuple(sorted(set(batches) | {1, 64})),
+        max_num_batched_tokens=64,
+        prefill_chunk=64,
+    )
     v = args.variant
-    runners = {"float32": ModelRunner.from_model_dir(base),
-               v: ModelRunner.from_model_dir(base.replace(**VARIANTS[v]))}
+    runners = {"float32": ModelRunner.from_model_dir(base), v: ModelRunner.from_model_dir(base.replace(**VARIANTS[v]))}
     mc = runners["float32"].model_config
     tok = Tokenizer.load(args.model)
     dense = jax.jit(llama.forward_dense, static_argnums=(1, 3))
 
     def padded_logits(r: ModelRunner, ids: list[int]) -> np.ndarray:
         pad = np.zeros(64, np.int32)
-        pad[:len(ids)] = ids
-        return np.asarray(dense(r._params, mc, jnp.asarray(pad), r.matmul.fn if v == "high" else None)[1])[:len(ids)]
+        pad[: len(ids)] = ids
+        return np.asarray(dense(r._params, mc, jnp.asarray(pad), r.matmul.fn if v == "high" else None)[1])[: len(ids)]
 
     def position_logits(r: ModelRunner, ids: list[int]) -> np.ndarray:
         if v in ("int8", "high"):
             return padded_logits(r, ids)
-        return np.concatenate([r.logits(SchedulerOutput((_step(ids, i, SeqWork, SamplingParams),))) for i in range(len(ids))])
+        return np.concatenate(
+            [r.logits(SchedulerOutput((_step(ids, i, SeqWork, SamplingParams),))) for i in range(len(ids))]
+        )
 
     agree = total = gen_agree = gen_total = 0
     max_diff = 0.0
@@ -97,13 +107,23 @@ def run(argv: Sequence[str]) -> int:
         if v == "high":
             outs = {wd: _greedy_dense(lambda t, r=r: padded_logits(r, t), ids, args.gen) for wd, r in runners.items()}
         else:
-            outs = {wd: _greedy(r, ids, args.gen, SchedulerOutput, SeqWork, SamplingParams) for wd, r in runners.items()}
+            outs = {
+                wd: _greedy(r, ids, args.gen, SchedulerOutput, SeqWork, SamplingParams) for wd, r in runners.items()
+            }
         gen_agree += _common_prefix(outs["float32"], outs[v])
         gen_total += args.gen
-    print_table([{"variant": v, "prompts": len(PROMPTS), "positions": total,
-                  "teacher-forced greedy agreement": round(agree / total, 4),
-                  "greedy continuation tokens equal (prefix)": f"{gen_agree}/{gen_total}",
-                  "max |Δlogit|": round(max_diff, 3)}])
+    print_table(
+        [
+            {
+                "variant": v,
+                "prompts": len(PROMPTS),
+                "positions": total,
+                "teacher-forced greedy agreement": round(agree / total, 4),
+                "greedy continuation tokens equal (prefix)": f"{gen_agree}/{gen_total}",
+                "max |Δlogit|": round(max_diff, 3),
+            }
+        ]
+    )
 
     rows = []
     for b in batches:
@@ -117,16 +137,30 @@ def run(argv: Sequence[str]) -> int:
                 r.execute(plan)
                 times[wd].append(time.perf_counter() - t0)
         med = {wd: statistics.median(ts) for wd, ts in times.items()}
-        rows.append({"test": f"decode batch {b} @ctx {args.context}", "float32 tok/s": round(b / med["float32"], 1),
-                     f"{v} tok/s": round(b / med[v], 1), f"{v} / float32": round(med["float32"] / med[v], 2)})
+        rows.append(
+            {
+                "test": f"decode batch {b} @ctx {args.context}",
+                "float32 tok/s": round(b / med["float32"], 1),
+                f"{v} tok/s": round(b / med[v], 1),
+                f"{v} / float32": round(med["float32"] / med[v], 2),
+            }
+        )
     print_table(rows)
     return 0
 
 
 def _step(ids: list[int], i: int, sw: type, sp: type) -> object:
     """Token i of ids as a one-token step over positions < i in the cache (blocks 0, 1, ...)."""
-    return sw(seq_id=0, token_ids=(ids[i],), start_pos=i, block_table=tuple(range(i // 16 + 1)), sample=True,
-              params=sp(temperature=0.0), seed=0, num_generated=0)
+    return sw(
+        seq_id=0,
+        token_ids=(ids[i],),
+        start_pos=i,
+        block_table=tuple(range(i // 16 + 1)),
+        sample=True,
+        params=sp(temperature=0.0),
+        seed=0,
+        num_generated=0,
+    )
 
 
 def _greedy(runner: object, prompt: list[int], n: int, so: type, sw: type, sp: type) -> list[int]:
@@ -138,8 +172,16 @@ def _greedy(runner: object, prompt: list[int], n: int, so: type, sw: type, sp: t
     ids, out, start = list(prompt), [], 0
     params = sp(temperature=0.0)
     for _ in range(n):
-        w = sw(seq_id=0, token_ids=tuple(ids[start:]), start_pos=start, block_table=table, sample=True,
-               params=params, seed=0, num_generated=len(out))
+        w = sw(
+            seq_id=0,
+            token_ids=tuple(ids[start:]),
+            start_pos=start,
+            block_table=table,
+            sample=True,
+            params=params,
+            seed=0,
+            num_generated=len(out),
+        )
         res = runner.execute(so((w,))).results[0]
         start = len(ids)
         ids.append(res.token_ids[0])
@@ -152,7 +194,7 @@ def _greedy_dense(logits: object, prompt: list[int], n: int) -> list[int]:
     ids = list(prompt)
     for _ in range(n):
         ids.append(int(logits(ids)[-1].argmax()))  # type: ignore[operator]
-    return ids[len(prompt):]
+    return ids[len(prompt) :]
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

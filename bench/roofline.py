@@ -83,6 +83,7 @@ def measure_mem_read(num_bytes: int = 256 << 20, threads: int | None = None, rep
         return float(np.dot(part, part))
 
     with ThreadPoolExecutor(threads) as pool:
+
         def read_all() -> None:
             list(pool.map(read, parts))
 
@@ -109,14 +110,23 @@ def measure_device_machine(dtype: str, gemm_n: int = 8192, mem_bytes: int = 1 <<
     gemm = min(_seconds(lambda: mm(a, b).block_until_ready()) for _ in range(repeat))
     read = min(_seconds(lambda: total(x).block_until_ready()) for _ in range(repeat))
     platform = jax.default_backend()
-    return Machine(2 * gemm_n**3 / gemm, x.nbytes / read, gemm_n, int(x.nbytes), 1, repeat,
-                   where=f"jax {platform}", gemm_dtype="bf16" if dtype == "bfloat16" else "fp32")
+    return Machine(
+        2 * gemm_n**3 / gemm,
+        x.nbytes / read,
+        gemm_n,
+        int(x.nbytes),
+        1,
+        repeat,
+        where=f"jax {platform}",
+        gemm_dtype="bf16" if dtype == "bfloat16" else "fp32",
+    )
 
 
 def measure_machine(gemm_n: int = 2048, mem_bytes: int = 256 << 20, repeat: int = 7) -> Machine:
     threads = os.cpu_count() or 1
-    return Machine(measure_gemm(gemm_n, repeat), measure_mem_read(mem_bytes, threads, repeat),
-                   gemm_n, mem_bytes, threads, repeat)
+    return Machine(
+        measure_gemm(gemm_n, repeat), measure_mem_read(mem_bytes, threads, repeat), gemm_n, mem_bytes, threads, repeat
+    )
 
 
 def _seconds(fn: object) -> float:
@@ -147,25 +157,34 @@ def load_model_cost(model_dir: str | Path, bytes_per_param: int = 4) -> ModelCos
 
 def fractions(machine: Machine, cost: ModelCost, tokens_per_s: float, steps_per_s: float) -> dict[str, float]:
     """Achieved fraction of the GEMM and memory-read ceilings (0.25 = 25 %)."""
-    return {"flop_frac": cost.flops_per_token * tokens_per_s / machine.gemm_flops_per_s,
-            "bw_frac": cost.weight_bytes * steps_per_s / machine.mem_read_bytes_per_s}
+    return {
+        "flop_frac": cost.flops_per_token * tokens_per_s / machine.gemm_flops_per_s,
+        "bw_frac": cost.weight_bytes * steps_per_s / machine.mem_read_bytes_per_s,
+    }
 
 
 def roofline_line(machine: Machine, cost: ModelCost | None, model: str = "") -> str:
     """One line: the ceilings, the model's cost, and the decode limits they imply."""
-    how = (f"{machine.mem_bytes >> 20} MiB float32 x·x over {machine.threads} threads" if machine.where == "numpy"
-           else f"{machine.mem_bytes >> 20} MiB float32 sum")
-    s = (f"roofline: {machine.gemm_dtype} GEMM {machine.gemm_flops_per_s / 1e9:.1f} GFLOP/s ({machine.where} "
-         f"{machine.gemm_n}², best of {machine.repeat}); memory read {machine.mem_read_bytes_per_s / 1e9:.1f} GB/s "
-         f"({how}, best of {machine.repeat})")
+    how = (
+        f"{machine.mem_bytes >> 20} MiB float32 x·x over {machine.threads} threads"
+        if machine.where == "numpy"
+        else f"{machine.mem_bytes >> 20} MiB float32 sum"
+    )
+    s = (
+        f"roofline: {machine.gemm_dtype} GEMM {machine.gemm_flops_per_s / 1e9:.1f} GFLOP/s ({machine.where} "
+        f"{machine.gemm_n}², best of {machine.repeat}); memory read {machine.mem_read_bytes_per_s / 1e9:.1f} GB/s "
+        f"({how}, best of {machine.repeat})"
+    )
     if cost is None:
         return s
     mem_tok_s = machine.mem_read_bytes_per_s / cost.weight_bytes
     flop_tok_s = machine.gemm_flops_per_s / cost.flops_per_token
-    return (s + f"; model {model}: {cost.num_params / 1e6:.1f} M params, {cost.weight_bytes / 1e6:.1f} MB weights "
-            f"at {cost.bytes_per_param} B/param, {cost.flops_per_token / 1e6:.1f} MFLOP/token (2 × matmul params, "
-            f"attention excluded) -> ceilings: batch-1 decode {mem_tok_s:.0f} tok/s (memory), "
-            f"{flop_tok_s:.0f} tok/s (compute)")
+    return (
+        s + f"; model {model}: {cost.num_params / 1e6:.1f} M params, {cost.weight_bytes / 1e6:.1f} MB weights "
+        f"at {cost.bytes_per_param} B/param, {cost.flops_per_token / 1e6:.1f} MFLOP/token (2 × matmul params, "
+        f"attention excluded) -> ceilings: batch-1 decode {mem_tok_s:.0f} tok/s (memory), "
+        f"{flop_tok_s:.0f} tok/s (compute)"
+    )
 
 
 def roofline_rows(machine: Machine, cost: ModelCost, items: list[tuple[str, float, float]]) -> list[dict[str, object]]:
@@ -173,13 +192,25 @@ def roofline_rows(machine: Machine, cost: ModelCost, items: list[tuple[str, floa
     rows: list[dict[str, object]] = []
     for label, tok_s, steps_s in items:
         fr = fractions(machine, cost, tok_s, steps_s)
-        rows.append({"test": label, "tokens/s": round(tok_s, 1), "steps/s": round(steps_s, 2),
-                     "% GEMM": round(100 * fr["flop_frac"], 1), "% mem BW": round(100 * fr["bw_frac"], 1)})
+        rows.append(
+            {
+                "test": label,
+                "tokens/s": round(tok_s, 1),
+                "steps/s": round(steps_s, 2),
+                "% GEMM": round(100 * fr["flop_frac"], 1),
+                "% mem BW": round(100 * fr["bw_frac"], 1),
+            }
+        )
     return rows
 
 
-def print_offline_roofline(model_dir: str, items: list[tuple[str, float, float]], bytes_per_param: int = 4,
-                           platform: str = "cpu", dtype: str = "float32") -> None:
+def print_offline_roofline(
+    model_dir: str,
+    items: list[tuple[str, float, float]],
+    bytes_per_param: int = 4,
+    platform: str = "cpu",
+    dtype: str = "float32",
+) -> None:
     """What runner_bench and engine_bench print at their end: the line and a fractions table,
     against the host's ceilings, or the accelerator's when `platform` is not "cpu"."""
     from bench.report import print_table

@@ -37,16 +37,38 @@ def _decode_plan(batch: int, ctx: int, block_size: int, vocab: int) -> Scheduler
     work = []
     for s in range(batch):
         table = tuple(range(s * blocks_per_seq, (s + 1) * blocks_per_seq))
-        work.append(SeqWork(seq_id=s, token_ids=((s * 7 + 11) % vocab,), start_pos=ctx, block_table=table,
-                            sample=True, params=params, seed=s, num_generated=ctx))
+        work.append(
+            SeqWork(
+                seq_id=s,
+                token_ids=((s * 7 + 11) % vocab,),
+                start_pos=ctx,
+                block_table=table,
+                sample=True,
+                params=params,
+                seed=s,
+                num_generated=ctx,
+            )
+        )
     return SchedulerOutput(tuple(work))
 
 
 def _prefill_plan(n: int, vocab: int, block_size: int) -> SchedulerOutput:
     table = tuple(range((n + block_size - 1) // block_size))
     ids = tuple((i * 31 + 7) % vocab for i in range(n))
-    return SchedulerOutput((SeqWork(seq_id=0, token_ids=ids, start_pos=0, block_table=table, sample=True,
-                                    params=SamplingParams(temperature=0.0), seed=0, num_generated=0),))
+    return SchedulerOutput(
+        (
+            SeqWork(
+                seq_id=0,
+                token_ids=ids,
+                start_pos=0,
+                block_table=table,
+                sample=True,
+                params=SamplingParams(temperature=0.0),
+                seed=0,
+                num_generated=0,
+            ),
+        )
+    )
 
 
 def run(argv: Sequence[str]) -> int:
@@ -69,36 +91,73 @@ def run(argv: Sequence[str]) -> int:
 
     bs = 16
     blocks = max(b for b in batches) * ((args.context + bs) // bs + 1) + 64
-    cfg = EngineConfig(model_dir=args.model, dtype=args.dtype, backend=args.backend,
-                       attention_kernel=args.attention_kernel, tensor_parallel=args.tensor_parallel,
-                       num_kv_blocks=blocks, block_size=bs,
-                       max_num_seqs=max(batches), seq_buckets=tuple(sorted(set(batches))),
-                       token_buckets=tuple(sorted(set(batches) | {args.prefill})),
-                       max_num_batched_tokens=max(args.prefill, max(batches)), prefill_chunk=args.prefill)
-    print("config:", json.dumps({"model": args.model, "dtype": args.dtype, "backend": args.backend,
-                                 "attention_kernel": args.attention_kernel, "tensor_parallel": args.tensor_parallel,
-                                 "context": args.context,
-                                 "prefill": args.prefill, "batches": batches, "repeat": args.repeat,
-                                 "compare_kernel": args.compare_kernel,
-                                 "num_kv_blocks": blocks, "block_size": bs}))
+    cfg = EngineConfig(
+        model_dir=args.model,
+        dtype=args.dtype,
+        backend=args.backend,
+        attention_kernel=args.attention_kernel,
+        tensor_parallel=args.tensor_parallel,
+        num_kv_blocks=blocks,
+        block_size=bs,
+        max_num_seqs=max(batches),
+        seq_buckets=tuple(sorted(set(batches))),
+        token_buckets=tuple(sorted(set(batches) | {args.prefill})),
+        max_num_batched_tokens=max(args.prefill, max(batches)),
+        prefill_chunk=args.prefill,
+    )
+    print(
+        "config:",
+        json.dumps(
+            {
+                "model": args.model,
+                "dtype": args.dtype,
+                "backend": args.backend,
+                "attention_kernel": args.attention_kernel,
+                "tensor_parallel": args.tensor_parallel,
+                "context": args.context,
+                "prefill": args.prefill,
+                "batches": batches,
+                "repeat": args.repeat,
+                "compare_kernel": args.compare_kernel,
+                "num_kv_blocks": blocks,
+                "block_size": bs,
+            }
+        ),
+    )
     runner = ModelRunner.from_model_dir(cfg)
     runners = [("", runner)]
     if args.compare_kernel:
         other = ModelRunner.from_model_dir(cfg.replace(attention_kernel=args.compare_kernel))
         if other.attention.name == runner.attention.name:
-            raise SystemExit(f"--compare-kernel: both runners use {runner.attention.name} "
-                             f"({other.attention.reason}); compare two different kernels")
+            raise SystemExit(
+                f"--compare-kernel: both runners use {runner.attention.name} "
+                f"({other.attention.reason}); compare two different kernels"
+            )
         runners = [(runner.attention.name, runner), (other.attention.name, other)]
     b_info = runner.backend_info
-    print("backend:", json.dumps({"platform": b_info.platform, "device_kind": b_info.device_kind,
-                                  "devices": b_info.device_count, "dtype": b_info.dtype,
-                                  "attention": b_info.attention_kernel, "why": runner.attention.reason,
-                                  "matmul": runner.matmul.name}))
+    print(
+        "backend:",
+        json.dumps(
+            {
+                "platform": b_info.platform,
+                "device_kind": b_info.device_kind,
+                "devices": b_info.device_count,
+                "dtype": b_info.dtype,
+                "attention": b_info.attention_kernel,
+                "why": runner.attention.reason,
+                "matmul": runner.matmul.name,
+            }
+        ),
+    )
     vocab = runner.model_config.vocab_size
     rows: list[dict[str, object]] = []
-    plans = [(f"prefill {args.prefill}", args.prefill, _prefill_plan(args.prefill, vocab, bs), max(3, args.repeat // 3))]
-    plans += [(f"decode batch {b} @ctx {args.context}", b, _decode_plan(b, args.context, bs, vocab), args.repeat)
-              for b in batches]
+    plans = [
+        (f"prefill {args.prefill}", args.prefill, _prefill_plan(args.prefill, vocab, bs), max(3, args.repeat // 3))
+    ]
+    plans += [
+        (f"decode batch {b} @ctx {args.context}", b, _decode_plan(b, args.context, bs, vocab), args.repeat)
+        for b in batches
+    ]
     ratios: list[dict[str, object]] = []
     for test, tokens, plan, repeat in plans:
         first = {label: _timed(lambda r=r, plan=plan: r.execute(plan), 1)[0] for label, r in runners}
@@ -108,12 +167,19 @@ def run(argv: Sequence[str]) -> int:
                 times[label] += _timed(lambda r=r, plan=plan: r.execute(plan), 1)
         for label, _ in runners:
             med = statistics.median(times[label])
-            rows.append({"test": test + (f" [{label}]" if label else ""), "tokens/s": round(tokens / med, 1),
-                         "step ms p50": round(med * 1e3, 1), "compile s": round(first[label] - med, 2)})
+            rows.append(
+                {
+                    "test": test + (f" [{label}]" if label else ""),
+                    "tokens/s": round(tokens / med, 1),
+                    "step ms p50": round(med * 1e3, 1),
+                    "compile s": round(first[label] - med, 2),
+                }
+            )
         if len(runners) == 2:
             (a, _), (b, _) = runners
-            ratios.append({"test": test, f"{a} / {b} speed": round(statistics.median(times[b])
-                                                                     / statistics.median(times[a]), 3)})
+            ratios.append(
+                {"test": test, f"{a} / {b} speed": round(statistics.median(times[b]) / statistics.median(times[a]), 3)}
+            )
     print_table(rows)
     if ratios:
         print_table(ratios)
@@ -125,6 +191,11 @@ def run(argv: Sequence[str]) -> int:
 
     # Each row's steps/s is exact here: one compiled step per timed call.
     items = [(str(r["test"]), float(str(r["tokens/s"])), 1e3 / float(str(r["step ms p50"]))) for r in rows]
-    print_offline_roofline(args.model, items, bytes_per_param=2 if b_info.dtype == "bfloat16" else 4,
-                           platform=b_info.platform, dtype=b_info.dtype)
+    print_offline_roofline(
+        args.model,
+        items,
+        bytes_per_param=2 if b_info.dtype == "bfloat16" else 4,
+        platform=b_info.platform,
+        dtype=b_info.dtype,
+    )
     return 0

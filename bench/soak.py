@@ -100,17 +100,40 @@ def _tree(pid: int) -> list[int]:
 
 
 @asynccontextmanager
-async def serve(config: str, overrides: Mapping[str, str] | None = None, env: Mapping[str, str] | None = None,
-                ready_timeout_s: float = 900.0, log_dir: Path | None = None) -> AsyncIterator[Server]:
+async def serve(
+    config: str,
+    overrides: Mapping[str, str] | None = None,
+    env: Mapping[str, str] | None = None,
+    ready_timeout_s: float = 900.0,
+    log_dir: Path | None = None,
+) -> AsyncIterator[Server]:
     """Start granian over serve.app:app with TL_CONFIG=config and `TL_ENGINE__<KEY>` overrides
     (keys lower-case as in runtime.toml); wait until /readyz answers 200; kill it at the end."""
     port, hport = free_port(), free_port()
-    full = {**os.environ, **(env or {}), "TL_CONFIG": config,
-            "TL_ENGINE__HTTP_LISTEN": f"127.0.0.1:{port}", "TL_ENGINE__HEALTH_LISTEN": f"127.0.0.1:{hport}"}
+    full = {
+        **os.environ,
+        **(env or {}),
+        "TL_CONFIG": config,
+        "TL_ENGINE__HTTP_LISTEN": f"127.0.0.1:{port}",
+        "TL_ENGINE__HEALTH_LISTEN": f"127.0.0.1:{hport}",
+    }
     for k, v in (overrides or {}).items():
         full[f"TL_ENGINE__{k.upper()}"] = v
-    argv = [GRANIAN, "--interface", "asgi", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
-            "--http", "1", "--no-ws", "serve.app:app"]
+    argv = [
+        GRANIAN,
+        "--interface",
+        "asgi",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--workers",
+        "1",
+        "--http",
+        "1",
+        "--no-ws",
+        "serve.app:app",
+    ]
     log_path = (log_dir or Path("/tmp")) / f"tl-soak-{port}.log"
     log = open(log_path, "wb")  # noqa: SIM115 - closed below
     proc = subprocess.Popen(argv, cwd=ROOT, env=full, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -142,6 +165,7 @@ async def serve(config: str, overrides: Mapping[str, str] | None = None, env: Ma
 
 # ---- one request of each kind ----------------------------------------------------------
 
+
 @dataclass
 class Outcome:
     kind: str
@@ -159,12 +183,24 @@ class Outcome:
         return [b - a for a, b in zip(t, t[1:])]
 
 
-async def stream(client: aiohttp.ClientSession, srv: Server, prompt: str, max_tokens: int,
-                 cut_after: int | None = None, kind: str = "stream") -> Outcome:
+async def stream(
+    client: aiohttp.ClientSession,
+    srv: Server,
+    prompt: str,
+    max_tokens: int,
+    cut_after: int | None = None,
+    kind: str = "stream",
+) -> Outcome:
     """A streamed greedy chat completion; cut_after: close the connection after that many chunks."""
     out = Outcome(kind, 0, time.monotonic())
-    body = {"model": srv.model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "temperature": 0, "stream": True, "ignore_eos": True}
+    body = {
+        "model": srv.model,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
     try:
         async with client.post(f"{srv.api}/v1/chat/completions", json=body) as r:
             out.status = r.status
@@ -198,8 +234,7 @@ async def stream(client: aiohttp.ClientSession, srv: Server, prompt: str, max_to
     return out
 
 
-async def post(client: aiohttp.ClientSession, srv: Server, path: str, body: dict[str, Any],
-               kind: str) -> Outcome:
+async def post(client: aiohttp.ClientSession, srv: Server, path: str, body: dict[str, Any], kind: str) -> Outcome:
     out = Outcome(kind, 0, time.monotonic())
     try:
         async with client.post(f"{srv.api}{path}", json=body) as r:
@@ -207,8 +242,9 @@ async def post(client: aiohttp.ClientSession, srv: Server, path: str, body: dict
             raw = await r.read()
             if r.status == 200 and path.endswith("completions"):
                 doc = json.loads(raw)
-                out.text = "\x00".join(c.get("text") or (c.get("message") or {}).get("content") or ""
-                                       for c in doc["choices"])
+                out.text = "\x00".join(
+                    c.get("text") or (c.get("message") or {}).get("content") or "" for c in doc["choices"]
+                )
             elif r.status != 200:
                 out.error = raw[:300].decode("utf-8", "replace")
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
@@ -217,38 +253,59 @@ async def post(client: aiohttp.ClientSession, srv: Server, path: str, body: dict
 
 
 def _words(rng: random.Random, n: int) -> str:
-    return " ".join(rng.choice(("tea", "river", "stone", "cloud", "seven", "blue", "lamp", "north", "paper"))
-                    for _ in range(n))
+    return " ".join(
+        rng.choice(("tea", "river", "stone", "cloud", "seven", "blue", "lamp", "north", "paper")) for _ in range(n)
+    )
 
 
 PROMPT_WORDS = (3, 20, 80, 200)
 
 
-async def one_mixed(client: aiohttp.ClientSession, srv: Server, rng: random.Random, max_out: int,
-                    prompt_words: Sequence[int] = PROMPT_WORDS) -> Outcome:
+async def one_mixed(
+    client: aiohttp.ClientSession,
+    srv: Server,
+    rng: random.Random,
+    max_out: int,
+    prompt_words: Sequence[int] = PROMPT_WORDS,
+) -> Outcome:
     """One request of a random kind, as a mixed production load would send."""
     roll = rng.random()
     prompt = _words(rng, rng.choice(prompt_words))
     if roll < 0.40:
         return await stream(client, srv, prompt, rng.randint(1, max_out))
     if roll < 0.55:
-        return await stream(client, srv, prompt, max_out, cut_after=rng.randint(1, max(1, max_out // 2)),
-                            kind="cancel")
+        return await stream(client, srv, prompt, max_out, cut_after=rng.randint(1, max(1, max_out // 2)), kind="cancel")
     if roll < 0.75:
-        return await post(client, srv, "/v1/completions",
-                          {"model": srv.model, "prompt": prompt, "max_tokens": rng.randint(1, max_out),
-                           "n": rng.choice((1, 2, 3)), "temperature": 0.7, "seed": rng.randint(0, 99)}, "n")
+        return await post(
+            client,
+            srv,
+            "/v1/completions",
+            {
+                "model": srv.model,
+                "prompt": prompt,
+                "max_tokens": rng.randint(1, max_out),
+                "n": rng.choice((1, 2, 3)),
+                "temperature": 0.7,
+                "seed": rng.randint(0, 99),
+            },
+            "n",
+        )
     if roll < 0.95:
         inputs = [_words(rng, rng.randint(1, max(prompt_words))) for _ in range(rng.choice((1, 4, 16, 64)))]
         return await post(client, srv, "/v1/embeddings", {"model": srv.model, "input": inputs}, "embed")
-    bad = rng.choice(({"model": srv.model, "messages": [{"role": "user", "content": "x"}], "temperature": 9},
-                      {"model": srv.model, "messages": "not a list"},
-                      {"model": srv.model, "input": []}))
+    bad = rng.choice(
+        (
+            {"model": srv.model, "messages": [{"role": "user", "content": "x"}], "temperature": 9},
+            {"model": srv.model, "messages": "not a list"},
+            {"model": srv.model, "input": []},
+        )
+    )
     path = "/v1/embeddings" if "input" in bad else "/v1/chat/completions"
     return await post(client, srv, path, bad, "bad")
 
 
 # ---- the scenarios ---------------------------------------------------------------------
+
 
 @dataclass
 class Check:
@@ -276,17 +333,27 @@ async def _idle(client: aiohttp.ClientSession, srv: Server, timeout_s: float) ->
     t0 = time.monotonic()
     while True:
         m = await srv.metrics(client)
-        if (m.get(USED, 1) == 0 and m.get("tl_engine_active_sequences", 1) == 0
-                and m.get("tl_engine_queue_depth", 1) == 0):
+        if (
+            m.get(USED, 1) == 0
+            and m.get("tl_engine_active_sequences", 1) == 0
+            and m.get("tl_engine_queue_depth", 1) == 0
+        ):
             return time.monotonic() - t0, m
         if time.monotonic() - t0 > timeout_s:
             return time.monotonic() - t0, m
         await asyncio.sleep(0.02)
 
 
-async def mixed(srv: Server, seconds: float, concurrency: int = 16, max_out: int = 64, seed: int = 0,
-                warmup_frac: float = 0.2, out_dir: Path | None = None,
-                prompt_words: Sequence[int] = PROMPT_WORDS) -> Report:
+async def mixed(
+    srv: Server,
+    seconds: float,
+    concurrency: int = 16,
+    max_out: int = 64,
+    seed: int = 0,
+    warmup_frac: float = 0.2,
+    out_dir: Path | None = None,
+    prompt_words: Sequence[int] = PROMPT_WORDS,
+) -> Report:
     rep = Report("mixed")
     rng = random.Random(seed)
     outcomes: list[Outcome] = []
@@ -295,6 +362,7 @@ async def mixed(srv: Server, seconds: float, concurrency: int = 16, max_out: int
     stop = t0 + seconds
     timeout = aiohttp.ClientTimeout(total=None, sock_read=120)
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as client:
+
         async def worker(i: int) -> None:
             wrng = random.Random(rng.random())
             while time.monotonic() < stop:
@@ -303,11 +371,16 @@ async def mixed(srv: Server, seconds: float, concurrency: int = 16, max_out: int
         async def sampler() -> None:
             while time.monotonic() < stop:
                 m = await srv.metrics(client)
-                samples.append({"t": time.monotonic() - t0, "rss": srv.rss_bytes(),
-                                "queue": m.get("tl_engine_queue_depth", 0),
-                                "blocks": m.get(USED, 0),
-                                "compilations": m.get("tl_engine_compilations", 0),
-                                "running": m.get("tl_engine_active_sequences", 0)})
+                samples.append(
+                    {
+                        "t": time.monotonic() - t0,
+                        "rss": srv.rss_bytes(),
+                        "queue": m.get("tl_engine_queue_depth", 0),
+                        "blocks": m.get(USED, 0),
+                        "compilations": m.get("tl_engine_compilations", 0),
+                        "running": m.get("tl_engine_active_sequences", 0),
+                    }
+                )
                 await asyncio.sleep(max(0.2, seconds / 600))
 
         await asyncio.gather(sampler(), *(worker(i) for i in range(concurrency)))
@@ -318,28 +391,39 @@ async def mixed(srv: Server, seconds: float, concurrency: int = 16, max_out: int
     five = [o for o in outcomes if o.status >= 500]
     rep.check("zero 5xx", not five, f"{len(five)} of {len(outcomes)} ({[o.error[:120] for o in five[:3]]})")
     unexpected = [o for o in outcomes if o.kind != "bad" and o.kind != "cancel" and o.status not in (200,)]
-    rep.check("every good request 200", not unexpected,
-              f"{len(unexpected)} others: {[(o.kind, o.status, o.error[:80]) for o in unexpected[:3]]}")
+    rep.check(
+        "every good request 200",
+        not unexpected,
+        f"{len(unexpected)} others: {[(o.kind, o.status, o.error[:80]) for o in unexpected[:3]]}",
+    )
     bad_ok = all(o.status == 400 or o.status == 422 for o in outcomes if o.kind == "bad")
     rep.check("bad requests 400/422", bad_ok, str(sorted({o.status for o in outcomes if o.kind == "bad"})))
     streams = [o for o in outcomes if o.kind == "stream"]
     rep.check("streams reach [DONE]", all(o.done and not o.error_event for o in streams), f"{len(streams)} streams")
-    rep.check("no KV block used once idle", m.get(USED, 1) == 0,
-              f"used {m.get(USED)} after {idle_s:.2f} s idle wait")
+    rep.check("no KV block used once idle", m.get(USED, 1) == 0, f"used {m.get(USED)} after {idle_s:.2f} s idle wait")
     warm = [s for s in samples if s["t"] >= seconds * warmup_frac]
     if warm:
         base = warm[0]["rss"]
         peak = max(s["rss"] for s in warm)
         end = warm[-1]["rss"]
-        rep.check("RSS flat within 5% after warm-up", peak <= base * 1.05,
-                  f"after warm-up {base / 2**20:.0f} MiB, peak {peak / 2**20:.0f}, end {end / 2**20:.0f}")
+        rep.check(
+            "RSS flat within 5% after warm-up",
+            peak <= base * 1.05,
+            f"after warm-up {base / 2**20:.0f} MiB, peak {peak / 2**20:.0f}, end {end / 2**20:.0f}",
+        )
         comp = {s["compilations"] for s in warm}
         rep.check("no compile after warm-up", len(comp) == 1, f"compile counts seen {sorted(comp)}")
     gaps = [g for o in streams for g in o.gaps]
-    rep.figures = {"seconds": seconds, "requests": len(outcomes), "by_kind": by_kind,
-                   "itl_p50_ms": percentile(gaps, 50) * 1e3, "itl_p99_ms": percentile(gaps, 99) * 1e3,
-                   "itl_max_ms": max(gaps, default=0.0) * 1e3, "samples": len(samples),
-                   "rss_mib_first_last": [samples[0]["rss"] / 2**20, samples[-1]["rss"] / 2**20] if samples else []}
+    rep.figures = {
+        "seconds": seconds,
+        "requests": len(outcomes),
+        "by_kind": by_kind,
+        "itl_p50_ms": percentile(gaps, 50) * 1e3,
+        "itl_p99_ms": percentile(gaps, 99) * 1e3,
+        "itl_max_ms": max(gaps, default=0.0) * 1e3,
+        "samples": len(samples),
+        "rss_mib_first_last": [samples[0]["rss"] / 2**20, samples[-1]["rss"] / 2**20] if samples else [],
+    }
     if out_dir is not None and samples:
         rep.figures["plot"] = str(_plot(samples, streams, t0, out_dir / "soak-mixed.png"))
     return rep
@@ -376,15 +460,25 @@ async def storm(srv: Server, streams: int = 100, max_out: int = 200, seed: int =
     rep = Report("storm")
     rng = random.Random(seed)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as client:
-        cuts = await asyncio.gather(*(stream(client, srv, _words(rng, rng.randint(2, 60)), max_out,
-                                             cut_after=rng.randint(1, 30), kind="cut") for _ in range(streams)))
+        cuts = await asyncio.gather(
+            *(
+                stream(client, srv, _words(rng, rng.randint(2, 60)), max_out, cut_after=rng.randint(1, 30), kind="cut")
+                for _ in range(streams)
+            )
+        )
         idle_s, m = await _idle(client, srv, 5.0)
         after = await stream(client, srv, "hello", 8)
     served = sum(1 for o in cuts if o.chunk_times)
-    rep.check("all blocks free within 1 s", idle_s <= 1.0 and m.get(USED, 1) == 0,
-              f"{idle_s:.3f} s after the last cut; used {m.get(USED)}")
-    rep.check("next request served", after.status == 200 and after.done and len(after.chunk_times) > 0,
-              f"status {after.status}, {len(after.chunk_times)} chunks")
+    rep.check(
+        "all blocks free within 1 s",
+        idle_s <= 1.0 and m.get(USED, 1) == 0,
+        f"{idle_s:.3f} s after the last cut; used {m.get(USED)}",
+    )
+    rep.check(
+        "next request served",
+        after.status == 200 and after.done and len(after.chunk_times) > 0,
+        f"status {after.status}, {len(after.chunk_times)} chunks",
+    )
     rep.figures = {"streams": streams, "got_tokens_before_cut": served, "idle_after_s": idle_s}
     return rep
 
@@ -393,8 +487,9 @@ async def sigterm(srv: Server, streams: int = 64, max_out: int = 64, seed: int =
     rep = Report("sigterm")
     rng = random.Random(seed)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as client:
-        tasks = [asyncio.create_task(stream(client, srv, _words(rng, rng.randint(2, 40)), max_out))
-                 for _ in range(streams)]
+        tasks = [
+            asyncio.create_task(stream(client, srv, _words(rng, rng.randint(2, 40)), max_out)) for _ in range(streams)
+        ]
         for _ in range(600):  # every stream admitted and producing
             m = await srv.metrics(client)
             if m.get("tl_engine_active_sequences", 0) + m.get("tl_engine_queue_depth", 0) >= streams:
@@ -402,17 +497,27 @@ async def sigterm(srv: Server, streams: int = 64, max_out: int = 64, seed: int =
             await asyncio.sleep(0.05)
         os.killpg(srv.proc.pid, signal.SIGTERM)
         await asyncio.sleep(0.2)
-        late = await post(client, srv, "/v1/chat/completions",
-                          {"model": srv.model, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2},
-                          "late")
+        late = await post(
+            client,
+            srv,
+            "/v1/chat/completions",
+            {"model": srv.model, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2},
+            "late",
+        )
         outs = await asyncio.gather(*tasks)
     code = await asyncio.get_running_loop().run_in_executor(None, srv.proc.wait, 60)
     admitted = [o for o in outs if o.status == 200]
-    rep.check("every admitted stream reaches [DONE]", all(o.done and not o.error_event for o in admitted),
-              f"{sum(o.done for o in admitted)} of {len(admitted)} admitted ({len(outs)} sent)")
+    rep.check(
+        "every admitted stream reaches [DONE]",
+        all(o.done and not o.error_event for o in admitted),
+        f"{sum(o.done for o in admitted)} of {len(admitted)} admitted ({len(outs)} sent)",
+    )
     rep.check("every stream was admitted", len(admitted) == len(outs), f"statuses {sorted({o.status for o in outs})}")
-    rep.check("new requests get 503", late.status == 503 or late.status == 0 and "Connect" in late.error,
-              f"status {late.status} {late.error[:80]}")
+    rep.check(
+        "new requests get 503",
+        late.status == 503 or late.status == 0 and "Connect" in late.error,
+        f"status {late.status} {late.error[:80]}",
+    )
     rep.check("exit 0", code == 0, f"exit code {code}")
     rep.figures = {"streams": streams, "tokens": sum(len(o.chunk_times) for o in admitted)}
     return rep
@@ -423,15 +528,19 @@ async def kv_exhaustion(srv: Server, requests: int = 24, max_out: int = 48, seed
     rep = Report("kv")
     rng = random.Random(seed)
     prompts = [_words(rng, rng.randint(10, 40)) for _ in range(requests)]
-    body = [{"model": srv.model, "prompt": p, "max_tokens": max_out, "temperature": 0, "ignore_eos": True}
-            for p in prompts]
+    body = [
+        {"model": srv.model, "prompt": p, "max_tokens": max_out, "temperature": 0, "ignore_eos": True} for p in prompts
+    ]
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as client:
         alone = [await post(client, srv, "/v1/completions", b, "alone") for b in body]
         before = await srv.metrics(client)
         crowd = await asyncio.gather(*(post(client, srv, "/v1/completions", b, "crowd") for b in body))
         idle_s, m = await _idle(client, srv, 5.0)
-    rep.check("every request completes", all(o.status == 200 for o in alone + crowd),
-              f"statuses {sorted({o.status for o in alone + crowd})}")
+    rep.check(
+        "every request completes",
+        all(o.status == 200 for o in alone + crowd),
+        f"statuses {sorted({o.status for o in alone + crowd})}",
+    )
     same = sum(a.text == c.text for a, c in zip(alone, crowd))
     rep.check("greedy outputs equal the uncontended ones", same == requests, f"{same} of {requests} equal")
     pre = m.get("tl_engine_preemptions_total", 0) - before.get("tl_engine_preemptions_total", 0)
@@ -442,6 +551,7 @@ async def kv_exhaustion(srv: Server, requests: int = 24, max_out: int = 48, seed
 
 
 # ---- CLI -------------------------------------------------------------------------------
+
 
 def _print(rep: Report) -> None:
     print(f"## {rep.scenario}: {'PASS' if rep.ok else 'FAIL'}")
@@ -473,9 +583,15 @@ async def _main(args: argparse.Namespace) -> int:
         async with serve(args.config, {**base, "num_kv_blocks": str(args.kv_blocks)}, log_dir=out) as srv:
             reports.append(await kv_exhaustion(srv))
             _print(reports[-1])
-    (out / "soak.json").write_text(json.dumps([{"scenario": r.scenario, "ok": r.ok, "figures": r.figures,
-                                                "checks": [c.__dict__ for c in r.checks]} for r in reports],
-                                              indent=1))
+    (out / "soak.json").write_text(
+        json.dumps(
+            [
+                {"scenario": r.scenario, "ok": r.ok, "figures": r.figures, "checks": [c.__dict__ for c in r.checks]}
+                for r in reports
+            ],
+            indent=1,
+        )
+    )
     print(f"wrote {out / 'soak.json'}")
     return 0 if all(r.ok for r in reports) else 1
 

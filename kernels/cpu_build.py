@@ -40,9 +40,26 @@ warnings (-Wsign-compare, -Wreturn-type after exhaustive switches) are jaxlib's,
 
 _V3 = frozenset({"avx", "avx2", "fma", "bmi1", "bmi2", "f16c", "movbe", "abm", "xsave"})
 _V4 = _V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
-_SPR = _V4 | {"amx_tile", "amx_bf16", "amx_int8", "avx512_bf16", "avx512_fp16", "avx512_vnni", "avx512vbmi",
-              "avx512_vbmi2", "avx512_bitalg", "avx512_vpopcntdq", "avx512ifma", "avx_vnni", "gfni", "vaes",
-              "vpclmulqdq", "movdiri", "movdir64b", "serialize"}
+_SPR = _V4 | {
+    "amx_tile",
+    "amx_bf16",
+    "amx_int8",
+    "avx512_bf16",
+    "avx512_fp16",
+    "avx512_vnni",
+    "avx512vbmi",
+    "avx512_vbmi2",
+    "avx512_bitalg",
+    "avx512_vpopcntdq",
+    "avx512ifma",
+    "avx_vnni",
+    "gfni",
+    "vaes",
+    "vpclmulqdq",
+    "movdiri",
+    "movdir64b",
+    "serialize",
+}
 
 
 class NativeUnavailable(RuntimeError):

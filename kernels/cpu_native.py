@@ -157,20 +157,36 @@ class NativeLib:
             return base
         _, _, G, hd = qg.shape
         if not bf16_supported(block_size=k_cache.shape[-1], head_dim=hd, group=G):
-            raise NativeUnavailable(f"a bf16 cache needs block_size 16 with head_dim 64 (1-4 query heads a KV head) "
-                                    f"or 128 (1-2); got block_size {k_cache.shape[-1]}, head_dim {hd}, {G} a KV head")
+            raise NativeUnavailable(
+                f"a bf16 cache needs block_size 16 with head_dim 64 (1-4 query heads a KV head) "
+                f"or 128 (1-2); got block_size {k_cache.shape[-1]}, head_dim {hd}, {G} a KV head"
+            )
         return base + "_bf16"
 
-    def cached_state(self, qg: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array,
-                     meta: AttnMetadata) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def cached_state(
+        self, qg: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array, meta: AttnMetadata
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """(m, l [T,Hk,G], acc [T,Hk,G,hd]) of each token over its cached keys (m = -inf, l = 0 if none)."""
         base = self._cache_target("tl_paged_attention_cached", qg, k_cache, v_cache)
         T, Hk, G, hd = qg.shape
         f32, i32 = jnp.float32, jnp.int32
-        call = self._call(base, (jax.ShapeDtypeStruct((T, Hk, G), f32), jax.ShapeDtypeStruct((T, Hk, G), f32),
-                                 jax.ShapeDtypeStruct((T, Hk, G, hd), f32)))
-        return call(qg.astype(f32), k_cache, v_cache, jnp.asarray(layer, i32).reshape(1), meta.seq_idx.astype(i32),
-                    meta.start_pos.astype(i32), meta.block_tables.astype(i32))
+        call = self._call(
+            base,
+            (
+                jax.ShapeDtypeStruct((T, Hk, G), f32),
+                jax.ShapeDtypeStruct((T, Hk, G), f32),
+                jax.ShapeDtypeStruct((T, Hk, G, hd), f32),
+            ),
+        )
+        return call(
+            qg.astype(f32),
+            k_cache,
+            v_cache,
+            jnp.asarray(layer, i32).reshape(1),
+            meta.seq_idx.astype(i32),
+            meta.start_pos.astype(i32),
+            meta.block_tables.astype(i32),
+        )
 
     def local_state(self, qg: jax.Array, k: jax.Array, v: jax.Array, meta: AttnMetadata) -> tuple[jax.Array, ...]:
         """kernels.paged_attention.local_state by the native kernel (float32, head dim in
@@ -179,44 +195,90 @@ class NativeLib:
         if hd not in LOCAL_HEAD_DIMS:
             return local_state(qg, k, v, meta)
         f32, i32 = jnp.float32, jnp.int32
-        call = self._call("tl_local_attention", (jax.ShapeDtypeStruct((T, Hk, G), f32),
-                                                 jax.ShapeDtypeStruct((T, Hk, G), f32),
-                                                 jax.ShapeDtypeStruct((T, Hk, G, hd), f32)))
+        call = self._call(
+            "tl_local_attention",
+            (
+                jax.ShapeDtypeStruct((T, Hk, G), f32),
+                jax.ShapeDtypeStruct((T, Hk, G), f32),
+                jax.ShapeDtypeStruct((T, Hk, G, hd), f32),
+            ),
+        )
         return call(qg.astype(f32), k.astype(f32), v.astype(f32), meta.seq_idx.astype(i32), meta.positions.astype(i32))
 
-    def small_attention(self, qg: jax.Array, k_new: jax.Array, v_new: jax.Array, k_cache: jax.Array,
-                        v_cache: jax.Array, layer: jax.Array, meta: AttnMetadata) -> jax.Array:
+    def small_attention(
+        self,
+        qg: jax.Array,
+        k_new: jax.Array,
+        v_new: jax.Array,
+        k_cache: jax.Array,
+        v_cache: jax.Array,
+        layer: jax.Array,
+        meta: AttnMetadata,
+    ) -> jax.Array:
         """Attention [T,Hk,G,hd] of a step of at most SMALL_MAX_TOKENS tokens (qg scaled, float32 or
         bf16 caches): both parts, their merge and the normalisation in one native call (padding rows 0)."""
         base = self._cache_target("tl_small_attention", qg, k_cache, v_cache)
         f32, i32 = jnp.float32, jnp.int32
         call = self._call(base, jax.ShapeDtypeStruct(qg.shape, f32))
-        return call(qg.astype(f32), k_new.astype(f32), v_new.astype(f32), k_cache, v_cache,
-                    jnp.asarray(layer, i32).reshape(1), meta.seq_idx.astype(i32), meta.positions.astype(i32),
-                    meta.start_pos.astype(i32), meta.block_tables.astype(i32))
+        return call(
+            qg.astype(f32),
+            k_new.astype(f32),
+            v_new.astype(f32),
+            k_cache,
+            v_cache,
+            jnp.asarray(layer, i32).reshape(1),
+            meta.seq_idx.astype(i32),
+            meta.positions.astype(i32),
+            meta.start_pos.astype(i32),
+            meta.block_tables.astype(i32),
+        )
 
-    def paged_attention(self, q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_cache: jax.Array,
-                        v_cache: jax.Array, layer: jax.Array, meta: AttnMetadata) -> jax.Array:
+    def paged_attention(
+        self,
+        q: jax.Array,
+        k_new: jax.Array,
+        v_new: jax.Array,
+        k_cache: jax.Array,
+        v_cache: jax.Array,
+        layer: jax.Array,
+        meta: AttnMetadata,
+    ) -> jax.Array:
         """Same contract as kernels.paged_attention.paged_attention: steps of at most
         SMALL_MAX_TOKENS tokens in one call (`small_path`), larger ones in two parts."""
         if q.shape[0] <= SMALL_MAX_TOKENS:
             return self.small_path(q, k_new, v_new, k_cache, v_cache, layer, meta)
         return self.two_part_attention(q, k_new, v_new, k_cache, v_cache, layer, meta)
 
-    def small_path(self, q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
-                   layer: jax.Array, meta: AttnMetadata) -> jax.Array:
+    def small_path(
+        self,
+        q: jax.Array,
+        k_new: jax.Array,
+        v_new: jax.Array,
+        k_cache: jax.Array,
+        v_cache: jax.Array,
+        layer: jax.Array,
+        meta: AttnMetadata,
+    ) -> jax.Array:
         """`paged_attention` by the one-call kernel (steps of at most SMALL_MAX_TOKENS tokens)."""
         T, Hq, hd = q.shape
-        qg = q.reshape(T, k_new.shape[1], Hq // k_new.shape[1], hd).astype(jnp.float32) * (hd ** -0.5)
+        qg = q.reshape(T, k_new.shape[1], Hq // k_new.shape[1], hd).astype(jnp.float32) * (hd**-0.5)
         return self.small_attention(qg, k_new, v_new, k_cache, v_cache, layer, meta).reshape(T, Hq, hd).astype(q.dtype)
 
-    def two_part_attention(self, q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_cache: jax.Array,
-                           v_cache: jax.Array, layer: jax.Array, meta: AttnMetadata) -> jax.Array:
+    def two_part_attention(
+        self,
+        q: jax.Array,
+        k_new: jax.Array,
+        v_new: jax.Array,
+        k_cache: jax.Array,
+        v_cache: jax.Array,
+        layer: jax.Array,
+        meta: AttnMetadata,
+    ) -> jax.Array:
         """`paged_attention` for steps of more than SMALL_MAX_TOKENS tokens: the local part (tiled),
         the cached part when any sequence has cached keys, merged by log-sum-exp."""
         T, Hq, hd = q.shape
         Hk = k_new.shape[1]
-        qg = q.reshape(T, Hk, Hq // Hk, hd).astype(jnp.float32) * (hd ** -0.5)
+        qg = q.reshape(T, Hk, Hq // Hk, hd).astype(jnp.float32) * (hd**-0.5)
         m1, l1, acc1 = self.local_state(qg, k_new.astype(jnp.float32), v_new.astype(jnp.float32), meta)
 
         def with_cached() -> jax.Array:

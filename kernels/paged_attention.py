@@ -59,8 +59,10 @@ class AttnMetadata:
 
 
 jax.tree_util.register_dataclass(
-    AttnMetadata, data_fields=["seq_idx", "positions", "start_pos", "block_tables"],
-    meta_fields=["chunk_blocks", "head_rows"])
+    AttnMetadata,
+    data_fields=["seq_idx", "positions", "start_pos", "block_tables"],
+    meta_fields=["chunk_blocks", "head_rows"],
+)
 
 
 K_AXES = (0, 1, 3, 4, 2)  # stored K axes, as logical [L, NB, bs, Hk, hd] axes: [L, NB, Hk, hd, bs]
@@ -94,8 +96,9 @@ def layer_pages(cache: jax.Array, kind: str, layer: jax.Array) -> jax.Array:
     return x.transpose(0, 3, 1, 2) if _is_k(kind) else x.transpose(0, 2, 1, 3)
 
 
-def write_kv(cache: jax.Array, kind: str, layer: int | jax.Array, blocks: jax.Array, offsets: jax.Array,
-             x: jax.Array) -> jax.Array:
+def write_kv(
+    cache: jax.Array, kind: str, layer: int | jax.Array, blocks: jax.Array, offsets: jax.Array, x: jax.Array
+) -> jax.Array:
     """cache with x [T, Hk, hd] written at slots (blocks[t], offsets[t]) of `layer` (in place when donated)."""
     x = x.astype(cache.dtype)
     if _is_k(kind):
@@ -107,8 +110,14 @@ def _decode(x: jax.Array, dtype: Any) -> jax.Array:
     return lax.bitcast_convert_type(x, jnp.bfloat16).astype(dtype) if x.dtype == jnp.uint16 else x.astype(dtype)
 
 
-def load_kv(cache: jax.Array, kind: str, layer: jax.Array, blocks: jax.Array, dtype: Any, heads_first: bool = False,
-            ) -> jax.Array:
+def load_kv(
+    cache: jax.Array,
+    kind: str,
+    layer: jax.Array,
+    blocks: jax.Array,
+    dtype: Any,
+    heads_first: bool = False,
+) -> jax.Array:
     """Blocks [N, C] of one layer, gathered and decoded into a dot operand (one gather, no copy of the layer).
 
     K: [N, Hk, hd, C*bs], V: [N, Hk, C*bs, hd]; with heads_first, K: [Hk, hd, N*C*bs], V: [Hk, N*C*bs, hd].
@@ -150,8 +159,14 @@ def local_state(qg: jax.Array, k: jax.Array, v: jax.Array, meta: AttnMetadata) -
     return m.transpose(1, 0, 2), p.sum(axis=-1).transpose(1, 0, 2), acc.transpose(1, 0, 2, 3)
 
 
-def _cached_per_token(qg: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array, meta: AttnMetadata,
-            state: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+def _cached_per_token(
+    qg: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    layer: jax.Array,
+    meta: AttnMetadata,
+    state: tuple[jax.Array, ...],
+) -> tuple[jax.Array, ...]:
     """Fold keys at positions < start_pos into the softmax state, chunk_blocks blocks at a time."""
     C, bs = meta.chunk_blocks, k_cache.shape[4]
     real = meta.seq_idx >= 0
@@ -178,8 +193,14 @@ def _cached_per_token(qg: jax.Array, k_cache: jax.Array, v_cache: jax.Array, lay
     return lax.fori_loop(0, num_chunks, body, state)
 
 
-def _cached_per_seq(qg: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array, meta: AttnMetadata,
-                    state: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+def _cached_per_seq(
+    qg: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    layer: jax.Array,
+    meta: AttnMetadata,
+    state: tuple[jax.Array, ...],
+) -> tuple[jax.Array, ...]:
     """As `_cached_per_token`, gathering each sequence's chunk once: scores [Hk, T*G, S*c], masked."""
     C, bs = meta.chunk_blocks, k_cache.shape[4]
     T, Hk, G, hd = qg.shape
@@ -208,8 +229,14 @@ def _cached_per_seq(qg: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer
     return m.swapaxes(0, 1), l.swapaxes(0, 1), acc.swapaxes(0, 1)
 
 
-def _cached_split(qg: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array, meta: AttnMetadata,
-                  state: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+def _cached_split(
+    qg: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    layer: jax.Array,
+    meta: AttnMetadata,
+    state: tuple[jax.Array, ...],
+) -> tuple[jax.Array, ...]:
     """`_cached_per_token` over rows [:H] and [H:] apart, each loop running to its own longest context.
 
     The runner packs decode (and draft) tokens first, so the head holds the rows with long cached
@@ -227,8 +254,14 @@ def _cached_split(qg: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: 
     return tuple(jnp.concatenate([a, b]) for a, b in zip(head, tail, strict=True))
 
 
-def _cached(qg: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array, meta: AttnMetadata,
-            state: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+def _cached(
+    qg: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    layer: jax.Array,
+    meta: AttnMetadata,
+    state: tuple[jax.Array, ...],
+) -> tuple[jax.Array, ...]:
     """The cached part in the cheaper form for this step's (static) numbers of sequences and rows."""
     if meta.block_tables.shape[0] <= SEQ_DENSE_MAX_SEQS:
         return _cached_per_seq(qg, k_cache, v_cache, layer, meta, state)
@@ -237,8 +270,15 @@ def _cached(qg: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: jax.Ar
     return _cached_per_token(qg, k_cache, v_cache, layer, meta, state)
 
 
-def paged_attention(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
-                    layer: jax.Array, meta: AttnMetadata) -> jax.Array:
+def paged_attention(
+    q: jax.Array,
+    k_new: jax.Array,
+    v_new: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    layer: jax.Array,
+    meta: AttnMetadata,
+) -> jax.Array:
     """Reference: q [T,Hq,hd], k_new/v_new [T,Hk,hd] (this step's keys, already written to the
     cache), k_cache [L,NB,Hk,hd,bs] / v_cache [L,NB,Hk,bs,hd] (stored layout), layer: scalar int32 -> [T,Hq,hd] in q's dtype.
 
@@ -247,7 +287,7 @@ def paged_attention(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_cache: j
     """
     T, Hq, hd = q.shape
     Hk = k_new.shape[1]
-    qg = q.reshape(T, Hk, Hq // Hk, hd).astype(jnp.float32) * (hd ** -0.5)
+    qg = q.reshape(T, Hk, Hq // Hk, hd).astype(jnp.float32) * (hd**-0.5)
     state = local_state(qg, k_new.astype(jnp.float32), v_new.astype(jnp.float32), meta)
     _, l, acc = _cached(qg, k_cache, v_cache, layer, meta, state)
     return (acc / l[..., None]).reshape(T, Hq, hd).astype(q.dtype)

@@ -54,12 +54,22 @@ def _pick_pages_per_block(max_blocks: int, block_size: int) -> int:
     return 1
 
 
-def paged_attention(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
-                    layer: jax.Array, meta: AttnMetadata, *, interpret: bool = False) -> jax.Array:
+def paged_attention(
+    q: jax.Array,
+    k_new: jax.Array,
+    v_new: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    layer: jax.Array,
+    meta: AttnMetadata,
+    *,
+    interpret: bool = False,
+) -> jax.Array:
     """Same contract as kernels.paged_attention.paged_attention; reads this step's keys from the cache."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "jax.experimental.pallas.ops.gpu.paged_attention is deprecated",
-                                DeprecationWarning)
+        warnings.filterwarnings(
+            "ignore", "jax.experimental.pallas.ops.gpu.paged_attention is deprecated", DeprecationWarning
+        )
         from jax.experimental.pallas.ops.gpu import paged_attention as gpu
 
     del k_new, v_new
@@ -73,9 +83,12 @@ def paged_attention(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_cache: j
     bs = k_pages.shape[2]
     per_block = _pick_pages_per_block(tables.shape[1], bs)
     if not interpret and (hd < 16 or per_block * bs < 16):
-        raise ValueError(f"pallas_gpu needs head_dim >= 16 and >= 16 keys a compute block (Triton dots); got "
-                         f"head_dim {hd} and {per_block} page(s) of {bs} tokens")
-    qs = (q.astype(jnp.float32) * hd ** -0.5).astype(dtype)
-    out = gpu.paged_attention(qs, k_pages, v_pages, tables, lengths, k_splits=1, pages_per_compute_block=per_block,
-                              interpret=interpret)
+        raise ValueError(
+            f"pallas_gpu needs head_dim >= 16 and >= 16 keys a compute block (Triton dots); got "
+            f"head_dim {hd} and {per_block} page(s) of {bs} tokens"
+        )
+    qs = (q.astype(jnp.float32) * hd**-0.5).astype(dtype)
+    out = gpu.paged_attention(
+        qs, k_pages, v_pages, tables, lengths, k_splits=1, pages_per_compute_block=per_block, interpret=interpret
+    )
     return out.astype(q.dtype)

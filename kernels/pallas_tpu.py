@@ -52,9 +52,18 @@ def combined_pages(k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array, dty
     return jnp.stack([k, v], axis=3).reshape(NB, bs, 2 * Hk, hd)
 
 
-def paged_attention(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
-                    layer: jax.Array, meta: AttnMetadata, *, interpret: bool = False,
-                    impl: Callable[..., jax.Array] | None = None) -> jax.Array:
+def paged_attention(
+    q: jax.Array,
+    k_new: jax.Array,
+    v_new: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    layer: jax.Array,
+    meta: AttnMetadata,
+    *,
+    interpret: bool = False,
+    impl: Callable[..., jax.Array] | None = None,
+) -> jax.Array:
     """Same contract as kernels.paged_attention.paged_attention; reads this step's keys from the cache.
 
     `impl` replaces the kernel (tests pass jax's ref_ragged_paged_attention, which needs
@@ -70,12 +79,12 @@ def paged_attention(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_cache: j
     pages = combined_pages(k_cache, v_cache, layer, dtype)
     args = (q.astype(dtype), pages, kv_lens, meta.block_tables.astype(jnp.int32), cu_q_lens, num_seqs)
     if impl is not None:
-        out = impl(*args, sm_scale=hd ** -0.5)
+        out = impl(*args, sm_scale=hd**-0.5)
     elif interpret:
         with pltpu.force_tpu_interpret_mode():
-            out = kernel.ragged_paged_attention(*args, sm_scale=hd ** -0.5)
+            out = kernel.ragged_paged_attention(*args, sm_scale=hd**-0.5)
     else:
-        out = kernel.ragged_paged_attention(*args, sm_scale=hd ** -0.5)
+        out = kernel.ragged_paged_attention(*args, sm_scale=hd**-0.5)
     out = out[:T]
     n_real = jnp.sum(meta.seq_idx >= 0)
     out = jnp.pad(out, ((0, T - out.shape[0]), (0, 0), (0, 0)))

@@ -106,17 +106,32 @@ def _per_device(fn: PagedAttention, mesh: Mesh) -> PagedAttention:
     """Run fn on each device's heads: q/k/v split by head over "model", metadata replicated."""
     heads, kv = P(None, "model", None), P(None, None, "model", None, None)  # stored K/V: KV heads on axis 2
 
-    def call(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
-             layer: jax.Array, meta: AttnMetadata) -> jax.Array:
+    def call(
+        q: jax.Array,
+        k_new: jax.Array,
+        v_new: jax.Array,
+        k_cache: jax.Array,
+        v_cache: jax.Array,
+        layer: jax.Array,
+        meta: AttnMetadata,
+    ) -> jax.Array:
         meta_spec = jax.tree.map(lambda _: P(), meta)
-        return jax.shard_map(fn, mesh=mesh, in_specs=(heads, heads, heads, kv, kv, P(), meta_spec),
-                             out_specs=heads, check_vma=False)(q, k_new, v_new, k_cache, v_cache, layer, meta)
+        return jax.shard_map(
+            fn, mesh=mesh, in_specs=(heads, heads, heads, kv, kv, P(), meta_spec), out_specs=heads, check_vma=False
+        )(q, k_new, v_new, k_cache, v_cache, layer, meta)
 
     return call
 
 
-def select(requested: str, platform: str, mesh: Mesh, kv_sharded: bool, probe: tuple[Any, ...],
-           native: NativeLib | None = None, why_not: str = "") -> Choice:
+def select(
+    requested: str,
+    platform: str,
+    mesh: Mesh,
+    kv_sharded: bool,
+    probe: tuple[Any, ...],
+    native: NativeLib | None = None,
+    why_not: str = "",
+) -> Choice:
     """The implementation for `requested` ("auto", "reference", "cpu_native", "pallas_tpu", "pallas_gpu").
 
     probe: ShapeDtypeStructs of one call (q, k_new, v_new, k_cache, v_cache, layer, meta) used
@@ -132,8 +147,9 @@ def select(requested: str, platform: str, mesh: Mesh, kv_sharded: bool, probe: t
         return Choice(paged_attention, "reference", f"cpu_native unavailable: {why_not}")
     tp = mesh.shape["model"]
     if tp > 1 and not kv_sharded:
-        return Choice(paged_attention, "reference",
-                      f"{name} needs KV heads split over tensor_parallel={tp}; they are replicated")
+        return Choice(
+            paged_attention, "reference", f"{name} needs KV heads split over tensor_parallel={tp}; they are replicated"
+        )
     interpret = NATIVE.get(platform) != name and name != "cpu_native"
     fn = _kernel(name, interpret, native)
     if tp > 1:
@@ -151,7 +167,9 @@ def select(requested: str, platform: str, mesh: Mesh, kv_sharded: bool, probe: t
     return Choice(fn, label, "configured" if requested != "auto" else f"native kernel for {platform}")
 
 
-def per_shape(use_native: Callable[[int], bool], native: Callable[..., Any], other: Callable[..., Any]) -> Callable[..., Any]:
+def per_shape(
+    use_native: Callable[[int], bool], native: Callable[..., Any], other: Callable[..., Any]
+) -> Callable[..., Any]:
     """A function that runs `native` where use_native(rows of its first argument) holds and
     `other` elsewhere: decided at trace time, per compiled step shape (rows are static)."""
 

@@ -52,7 +52,7 @@ EngineFactory = Callable[[EngineConfig], AsyncEngine]
 
 
 def parse_listen(addr: str) -> tuple[str, int]:
-    """"host:port" or ":port" (all interfaces) -> (host, port)."""
+    """ "host:port" or ":port" (all interfaces) -> (host, port)."""
     host, sep, port = addr.rpartition(":")
     if not sep or not port.isdigit():
         raise ValueError(f"listen address must be host:port, got {addr!r}")
@@ -78,8 +78,13 @@ def _setup_logging() -> None:
 
 
 class App:
-    def __init__(self, config: EngineConfig | None = None, engine_factory: EngineFactory | None = None,
-                 handle_signals: bool = True, start_health: bool = True) -> None:
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        engine_factory: EngineFactory | None = None,
+        handle_signals: bool = True,
+        start_health: bool = True,
+    ) -> None:
         self.config = config
         self.engine_factory = engine_factory
         self.handle_signals = handle_signals
@@ -144,8 +149,15 @@ class App:
         await engine.warmup()
         tok = engine.tokenizer
         vocab_size = int(getattr(tok, "vocab_size", 2**31 - 1))
-        self.info = ModelInfo(engine.model_id, engine.max_model_len, cfg.max_logprobs, vocab_size,
-                              tok, engine.chat_template, getattr(engine, "backend_info", None))  # type: ignore[arg-type]
+        self.info = ModelInfo(
+            engine.model_id,
+            engine.max_model_len,
+            cfg.max_logprobs,
+            vocab_size,
+            tok,
+            engine.chat_template,
+            getattr(engine, "backend_info", None),
+        )  # type: ignore[arg-type]
         if self.handle_signals:
             loop.add_signal_handler(signal.SIGTERM, self.begin_drain)
         log.info("serving %s (context %d) ready", engine.model_id, engine.max_model_len)
@@ -196,8 +208,9 @@ class App:
                 await out.whole(200, b'{"status":"ok"}')
                 return
             if route is None:
-                raise ApiError(404, f"Unknown route {req.method} {req.path}", "invalid_request_error", None,
-                               "not_found")
+                raise ApiError(
+                    404, f"Unknown route {req.method} {req.path}", "invalid_request_error", None, "not_found"
+                )
             _, method, handler, has_body = route
             if req.method != method:
                 raise _method_not_allowed(method)
@@ -208,8 +221,18 @@ class App:
             counted = True
             body = await req.body(self.config.max_body_bytes) if has_body else b""
             watcher = DisconnectWatcher(receive)
-            ctx = Ctx(self.engine, self.info, self.metrics, req, out, body, time.monotonic(),
-                      lambda: self.ping_interval_s, self.jobs, watcher)
+            ctx = Ctx(
+                self.engine,
+                self.info,
+                self.metrics,
+                req,
+                out,
+                body,
+                time.monotonic(),
+                lambda: self.ping_interval_s,
+                self.jobs,
+                watcher,
+            )
             await handler(ctx)
         except ClientGone:
             pass
@@ -240,13 +263,25 @@ class App:
         scheme, _, token = req.headers.get("authorization", "").partition(" ")
         if scheme.lower() == "bearer" and any(hmac.compare_digest(token.strip(), k) for k in keys):
             return
-        raise ApiError(401, "Incorrect or missing API key (Authorization: Bearer <key>)", "invalid_request_error",
-                       None, "invalid_api_key", ((b"www-authenticate", b"Bearer"),))
+        raise ApiError(
+            401,
+            "Incorrect or missing API key (Authorization: Bearer <key>)",
+            "invalid_request_error",
+            None,
+            "invalid_api_key",
+            ((b"www-authenticate", b"Bearer"),),
+        )
 
 
 def _method_not_allowed(allowed: str) -> ApiError:
-    return ApiError(405, f"Method not allowed; use {allowed}", "invalid_request_error", None, "method_not_allowed",
-                    ((b"allow", allowed.encode()),))
+    return ApiError(
+        405,
+        f"Method not allowed; use {allowed}",
+        "invalid_request_error",
+        None,
+        "method_not_allowed",
+        ((b"allow", allowed.encode()),),
+    )
 
 
 app = App()

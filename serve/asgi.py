@@ -34,13 +34,15 @@ class Request:
         self.receive = receive
         self.method: str = scope["method"]
         self.path: str = scope["path"]
-        self.headers: dict[str, str] = {k.decode("latin-1").lower(): v.decode("latin-1")
-                                        for k, v in scope.get("headers", ())}
+        self.headers: dict[str, str] = {
+            k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", ())
+        }
         self.request_id = _request_id(self.headers.get("x-request-id"))
 
     async def body(self, limit: int) -> bytes:
-        too_big = ApiError(413, f"Request body exceeds {limit} bytes", "invalid_request_error", None,
-                           "request_too_large")
+        too_big = ApiError(
+            413, f"Request body exceeds {limit} bytes", "invalid_request_error", None, "request_too_large"
+        )
         declared = self.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise too_big

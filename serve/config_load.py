@@ -72,7 +72,7 @@ def engine_config_from(table: Mapping[str, object], env: Mapping[str, str]) -> E
     for name, text in env.items():
         if not name.startswith(ENV_PREFIX):
             continue
-        key = name[len(ENV_PREFIX):].lower()
+        key = name[len(ENV_PREFIX) :].lower()
         if key not in types:
             bad_env.append(name)
             continue

@@ -26,9 +26,15 @@ class ErrorDoc(msgspec.Struct, frozen=True):
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None,
-                 headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: tuple[tuple[bytes, bytes], ...] = (),
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -58,24 +64,48 @@ def model_not_found(model: str) -> ApiError:
 
 
 def queue_full() -> ApiError:
-    return ApiError(429, "The server's admission queue is full; retry shortly", "rate_limit_exceeded", None,
-                    "rate_limit_exceeded", ((b"retry-after", b"1"),))
+    return ApiError(
+        429,
+        "The server's admission queue is full; retry shortly",
+        "rate_limit_exceeded",
+        None,
+        "rate_limit_exceeded",
+        ((b"retry-after", b"1"),),
+    )
 
 
 def no_capacity() -> ApiError:
-    return ApiError(503, "No KV-cache capacity became free before the queue deadline", "server_error", None,
-                    "no_capacity", ((b"retry-after", b"1"),))
+    return ApiError(
+        503,
+        "No KV-cache capacity became free before the queue deadline",
+        "server_error",
+        None,
+        "no_capacity",
+        ((b"retry-after", b"1"),),
+    )
 
 
 def draining() -> ApiError:
-    return ApiError(503, "The server is shutting down", "server_error", None, "server_shutting_down",
-                    ((b"retry-after", b"1"), (b"connection", b"close")))
+    return ApiError(
+        503,
+        "The server is shutting down",
+        "server_error",
+        None,
+        "server_shutting_down",
+        ((b"retry-after", b"1"), (b"connection", b"close")),
+    )
 
 
 def aborted() -> ApiError:
     """A request the server aborted (the drain deadline, a shutdown)."""
-    return ApiError(503, "The request was aborted (the server is shutting down)", "server_error", None, "aborted",
-                    ((b"retry-after", b"1"),))
+    return ApiError(
+        503,
+        "The request was aborted (the server is shutting down)",
+        "server_error",
+        None,
+        "aborted",
+        ((b"retry-after", b"1"),),
+    )
 
 
 def internal(message: str = "Internal server error") -> ApiError:

@@ -93,8 +93,9 @@ class Choice:
 class Job:
     """One HTTP generation request: its choices, merged deliveries and cleanup."""
 
-    def __init__(self, spec: GenSpec, engine: AsyncEngine, model_id: str, priority: int, metrics: Metrics,
-                 arrived: float) -> None:
+    def __init__(
+        self, spec: GenSpec, engine: AsyncEngine, model_id: str, priority: int, metrics: Metrics, arrived: float
+    ) -> None:
         self.spec = spec
         self.engine = engine
         self.model_id = model_id
@@ -116,8 +117,16 @@ class Job:
                 for c_idx, params in enumerate(self.spec.params):
                     handle = self.engine.submit(GenRequest(prompt, params, priority))
                     stops = stop_ids | set(params.stop_token_ids)
-                    choices.append(Choice(p_idx * self.spec.n + c_idx, len(prompt), handle,
-                                          TextStream(self.spec.stops), stops, hidden_ids))
+                    choices.append(
+                        Choice(
+                            p_idx * self.spec.n + c_idx,
+                            len(prompt),
+                            handle,
+                            TextStream(self.spec.stops),
+                            stops,
+                            hidden_ids,
+                        )
+                    )
         except RequestError as e:
             for c in choices:
                 c.handle.abort()
@@ -223,36 +232,73 @@ class Job:
 
     def final_document(self) -> bytes:
         if self.spec.kind == "chat":
-            return encoder.encode(ChatCompletion(self.id, "chat.completion", self.created, self.model_id, [
-                ChatChoice(c.index, AssistantMessage("assistant", "".join(c.text)), self.chat_logprobs(c.logprobs),
-                           c.finish or "stop") for c in self.choices], self.usage()))
-        return encoder.encode(Completion(self.id, "text_completion", self.created, self.model_id, [
-            CompletionChoice(c.index, "".join(c.text), self.completion_logprobs(c.logprobs, 0), c.finish or "stop")
-            for c in self.choices], self.usage()))
+            return encoder.encode(
+                ChatCompletion(
+                    self.id,
+                    "chat.completion",
+                    self.created,
+                    self.model_id,
+                    [
+                        ChatChoice(
+                            c.index,
+                            AssistantMessage("assistant", "".join(c.text)),
+                            self.chat_logprobs(c.logprobs),
+                            c.finish or "stop",
+                        )
+                        for c in self.choices
+                    ],
+                    self.usage(),
+                )
+            )
+        return encoder.encode(
+            Completion(
+                self.id,
+                "text_completion",
+                self.created,
+                self.model_id,
+                [
+                    CompletionChoice(
+                        c.index, "".join(c.text), self.completion_logprobs(c.logprobs, 0), c.finish or "stop"
+                    )
+                    for c in self.choices
+                ],
+                self.usage(),
+            )
+        )
 
     def chunk(self, c: Choice, piece: str, first: bool = False) -> bytes:
         outs, c.pending = c.pending, []
         if self.spec.kind == "chat":
             delta = Delta(role="assistant", content="") if first else Delta(content=piece or None)
-            doc: object = ChatCompletionChunk(self.id, "chat.completion.chunk", self.created, self.model_id, [
-                ChunkChoice(c.index, delta, None if first else self.chat_logprobs(outs), c.finish)])
+            doc: object = ChatCompletionChunk(
+                self.id,
+                "chat.completion.chunk",
+                self.created,
+                self.model_id,
+                [ChunkChoice(c.index, delta, None if first else self.chat_logprobs(outs), c.finish)],
+            )
         else:
             offset = sum(len(t) for t in c.text) - len(piece)
-            doc = Completion(self.id, "text_completion", self.created, self.model_id, [
-                CompletionChoice(c.index, piece, self.completion_logprobs(outs, offset), c.finish)])
+            doc = Completion(
+                self.id,
+                "text_completion",
+                self.created,
+                self.model_id,
+                [CompletionChoice(c.index, piece, self.completion_logprobs(outs, offset), c.finish)],
+            )
         return sse.event(encoder.encode(doc))
 
     def usage_chunk(self) -> bytes:
         if self.spec.kind == "chat":
-            doc: object = ChatCompletionChunk(self.id, "chat.completion.chunk", self.created, self.model_id, [],
-                                              self.usage())
+            doc: object = ChatCompletionChunk(
+                self.id, "chat.completion.chunk", self.created, self.model_id, [], self.usage()
+            )
         else:
             doc = Completion(self.id, "text_completion", self.created, self.model_id, [], self.usage())
         return sse.event(encoder.encode(doc))
 
 
-async def respond(job: Job, out: Sender, watcher: DisconnectWatcher,
-                  ping_interval_s: Callable[[], float]) -> None:
+async def respond(job: Job, out: Sender, watcher: DisconnectWatcher, ping_interval_s: Callable[[], float]) -> None:
     """Answer one generation request (errors before the first byte are raised as ApiError)."""
     watcher.on_gone(job.gone)
     try:

@@ -41,7 +41,9 @@ class HealthServer:
         try:
             writer.write(
                 f"HTTP/1.1 {status}\r\ncontent-type: {ctype}\r\ncontent-length: {len(body)}\r\n"
-                "connection: close\r\n\r\n".encode("latin-1") + body)
+                "connection: close\r\n\r\n".encode("latin-1")
+                + body
+            )
             await writer.drain()
         except ConnectionError:
             pass
@@ -63,7 +65,10 @@ class HealthServer:
         if path == "/healthz":
             return "200 OK", "text/plain", b"ok\n"
         if path == "/readyz":
-            return ("200 OK", "text/plain", b"ready\n") if self.is_ready() else (
-                "503 Service Unavailable", "text/plain", b"not ready\n")
+            return (
+                ("200 OK", "text/plain", b"ready\n")
+                if self.is_ready()
+                else ("503 Service Unavailable", "text/plain", b"not ready\n")
+            )
         body, ctype = self.metrics.render(headers.get("accept", ""))
         return "200 OK", ctype, body

@@ -21,8 +21,21 @@ def granian_argv(config_path: str) -> list[str]:
     host, port = parse_listen(cfg.http_listen)
     parse_listen(cfg.health_listen)
     exe = shutil.which("granian") or os.path.join(os.path.dirname(sys.executable), "granian")
-    return [exe, "--interface", "asgi", "--host", host, "--port", str(port), "--workers", "1", "--http", "1",
-            "--no-ws", "serve.app:app"]
+    return [
+        exe,
+        "--interface",
+        "asgi",
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--workers",
+        "1",
+        "--http",
+        "1",
+        "--no-ws",
+        "serve.app:app",
+    ]
 
 
 def serve_main(config_path: str) -> NoReturn:

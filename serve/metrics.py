@@ -29,16 +29,18 @@ TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.
 
 
 class _EngineCollector(Collector):
-    def __init__(self, stats: Callable[[], EngineStats | None],
-                 backend: Callable[[], BackendInfo | None] | None = None) -> None:
+    def __init__(
+        self, stats: Callable[[], EngineStats | None], backend: Callable[[], BackendInfo | None] | None = None
+    ) -> None:
         self._stats = stats
         self._backend = backend
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily | HistogramMetricFamily | InfoMetricFamily]:
         b = self._backend() if self._backend else None
         if b is not None:
-            yield InfoMetricFamily("tl_engine_backend", "Platform, devices, parallelism and kernel of the engine",
-                                   value=b.labels())
+            yield InfoMetricFamily(
+                "tl_engine_backend", "Platform, devices, parallelism and kernel of the engine", value=b.labels()
+            )
         s = self._stats() or EngineStats()
         blocks = GaugeMetricFamily("tl_engine_kv_blocks", "KV-cache blocks by state", labels=["state"])
         blocks.add_metric(["free"], s.kv_blocks_free)
@@ -48,8 +50,11 @@ class _EngineCollector(Collector):
         yield GaugeMetricFamily("tl_engine_queue_depth", "Requests waiting for admission", value=s.queue_depth)
         yield GaugeMetricFamily("tl_engine_active_sequences", "Sequences holding KV blocks", value=s.running)
         yield GaugeMetricFamily("tl_engine_batch_tokens", "Tokens computed by the last step", value=s.batch_tokens)
-        yield GaugeMetricFamily("tl_engine_prefix_cache_hit_ratio", "Prompt tokens found in the prefix cache",
-                                value=s.prefix_cache_hit_ratio)
+        yield GaugeMetricFamily(
+            "tl_engine_prefix_cache_hit_ratio",
+            "Prompt tokens found in the prefix cache",
+            value=s.prefix_cache_hit_ratio,
+        )
         yield GaugeMetricFamily("tl_engine_compilations", "Compiled step variants", value=s.compilations)
         for name, doc, value in (
             ("tl_engine_preemptions", "Sequences preempted for KV blocks", s.preemptions),
@@ -64,29 +69,44 @@ class _EngineCollector(Collector):
             yield CounterMetricFamily(name, doc, value=value)
         for name, doc, h in (
             ("tl_engine_step_seconds", "Runner time of each engine step", s.step_seconds),
-            ("tl_engine_prompt_tokens_per_step", "Prompt-work tokens (prefill chunks, embeddings inputs) of each step",
-             s.prompt_tokens_per_step),
+            (
+                "tl_engine_prompt_tokens_per_step",
+                "Prompt-work tokens (prefill chunks, embeddings inputs) of each step",
+                s.prompt_tokens_per_step,
+            ),
         ):
             if h.bounds:
                 yield HistogramMetricFamily(name, doc, buckets=h.cumulative(), sum_value=h.total)
 
 
 class Metrics:
-    def __init__(self, stats: Callable[[], EngineStats | None],
-                 backend: Callable[[], BackendInfo | None] | None = None) -> None:
+    def __init__(
+        self, stats: Callable[[], EngineStats | None], backend: Callable[[], BackendInfo | None] | None = None
+    ) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_EngineCollector(stats, backend))
         r = self.registry
-        self.ttft = Histogram("tl_request_time_to_first_token_seconds", "Arrival to first token",
-                              buckets=LATENCY_BUCKETS, registry=r)
-        self.tpot = Histogram("tl_request_time_per_output_token_seconds", "Mean gap between output tokens",
-                              buckets=TPOT_BUCKETS, registry=r)
-        self.e2e = Histogram("tl_request_e2e_latency_seconds", "Arrival to last token",
-                             buckets=LATENCY_BUCKETS, registry=r)
-        self.queue_time = Histogram("tl_request_queue_time_seconds", "Submit until the engine took the request",
-                                    buckets=LATENCY_BUCKETS, registry=r)
-        self.requests = Counter("tl_http_requests", "HTTP requests by endpoint and status",
-                                ["endpoint", "status"], registry=r)
+        self.ttft = Histogram(
+            "tl_request_time_to_first_token_seconds", "Arrival to first token", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.tpot = Histogram(
+            "tl_request_time_per_output_token_seconds",
+            "Mean gap between output tokens",
+            buckets=TPOT_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "tl_request_e2e_latency_seconds", "Arrival to last token", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.queue_time = Histogram(
+            "tl_request_queue_time_seconds",
+            "Submit until the engine took the request",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.requests = Counter(
+            "tl_http_requests", "HTTP requests by endpoint and status", ["endpoint", "status"], registry=r
+        )
 
     def render(self, accept: str) -> tuple[bytes, str]:
         encoder, content_type = exposition.choose_encoder(accept)

@@ -34,8 +34,9 @@ class TokenizerLike(Protocol):
 
 
 class TemplateLike(Protocol):
-    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
-               tools: object = None) -> str: ...
+    def render(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True, tools: object = None
+    ) -> str: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,8 +121,10 @@ def prompt_token_lists(prompt: str | list[PromptItem], info: ModelInfo, param: s
         return [info.tokenizer.encode(x) for x in prompt]  # type: ignore[arg-type]
     if all(isinstance(x, list) for x in prompt):
         return [list(x) for x in prompt]  # type: ignore[arg-type]
-    raise errors.bad_request(f"{param} must be a string, a list of strings, a list of token ids or a list of "
-                             "token-id lists, not a mix", param)
+    raise errors.bad_request(
+        f"{param} must be a string, a list of strings, a list of token ids or a list of token-id lists, not a mix",
+        param,
+    )
 
 
 def _check_tokens(ids: list[int], info: ModelInfo, param: str) -> None:
@@ -136,10 +139,15 @@ def _max_tokens(asked: int | None, default: int | None, prompt_len: int, info: M
     ctx = info.max_model_len
     max_tokens = asked if asked is not None else (default if default is not None else ctx - prompt_len)
     if prompt_len + max(max_tokens, 1) > ctx:
-        raise ApiError(400, f"This model's maximum context length is {ctx} tokens. However, you requested "
-                            f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the "
-                            f"completion (max_tokens)). Reduce the prompt or max_tokens.",
-                       "invalid_request_error", param, "context_length_exceeded")
+        raise ApiError(
+            400,
+            f"This model's maximum context length is {ctx} tokens. However, you requested "
+            f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the "
+            f"completion (max_tokens)). Reduce the prompt or max_tokens.",
+            "invalid_request_error",
+            param,
+            "context_length_exceeded",
+        )
     return max_tokens
 
 
@@ -154,31 +162,36 @@ def _logit_bias(raw: dict[str, float] | None, info: ModelInfo) -> tuple[tuple[in
     return tuple(sorted(out))
 
 
-def _sampling(req: SamplingFields, max_tokens: int, logprobs: bool, top_logprobs: int, info: ModelInfo,
-              n: int) -> tuple[SamplingParams, ...]:
+def _sampling(
+    req: SamplingFields, max_tokens: int, logprobs: bool, top_logprobs: int, info: ModelInfo, n: int
+) -> tuple[SamplingParams, ...]:
     if top_logprobs > info.max_logprobs:
-        raise errors.bad_request(f"top_logprobs must be <= {info.max_logprobs}, got {top_logprobs}",
-                                 "top_logprobs" if isinstance(req, ChatRequest) else "logprobs")
+        raise errors.bad_request(
+            f"top_logprobs must be <= {info.max_logprobs}, got {top_logprobs}",
+            "top_logprobs" if isinstance(req, ChatRequest) else "logprobs",
+        )
     base_seed = None if req.seed is None else req.seed % (MAX_SEED + 1)
     out = []
     for i in range(n):
         try:
-            out.append(SamplingParams(
-                temperature=1.0 if req.temperature is None else req.temperature,
-                top_p=1.0 if req.top_p is None else req.top_p,
-                top_k=max(req.top_k or 0, 0),
-                min_p=req.min_p or 0.0,
-                seed=None if base_seed is None else (base_seed + i) % (MAX_SEED + 1),
-                max_tokens=max_tokens,
-                stop_token_ids=tuple(req.stop_token_ids or ()),
-                ignore_eos=bool(req.ignore_eos),
-                logprobs=logprobs,
-                top_logprobs=top_logprobs,
-                presence_penalty=req.presence_penalty or 0.0,
-                frequency_penalty=req.frequency_penalty or 0.0,
-                repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-                logit_bias=_logit_bias(req.logit_bias, info),
-            ))
+            out.append(
+                SamplingParams(
+                    temperature=1.0 if req.temperature is None else req.temperature,
+                    top_p=1.0 if req.top_p is None else req.top_p,
+                    top_k=max(req.top_k or 0, 0),
+                    min_p=req.min_p or 0.0,
+                    seed=None if base_seed is None else (base_seed + i) % (MAX_SEED + 1),
+                    max_tokens=max_tokens,
+                    stop_token_ids=tuple(req.stop_token_ids or ()),
+                    ignore_eos=bool(req.ignore_eos),
+                    logprobs=logprobs,
+                    top_logprobs=top_logprobs,
+                    presence_penalty=req.presence_penalty or 0.0,
+                    frequency_penalty=req.frequency_penalty or 0.0,
+                    repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+                    logit_bias=_logit_bias(req.logit_bias, info),
+                )
+            )
         except RequestError as e:
             raise errors.from_request_error(e) from None
     return tuple(out)
@@ -204,8 +217,15 @@ def chat_spec(req: ChatRequest, info: ModelInfo) -> GenSpec:
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = _max_tokens(asked, None, len(ids), info, "messages" if asked is None else param)
     params = _sampling(req, max_tokens, bool(req.logprobs), req.top_logprobs or 0, info, req.n or 1)
-    return GenSpec("chat", (tuple(ids),), params, _stops(req.stop), bool(req.stream),
-                   bool(req.stream_options and req.stream_options.include_usage), bool(req.logprobs))
+    return GenSpec(
+        "chat",
+        (tuple(ids),),
+        params,
+        _stops(req.stop),
+        bool(req.stream),
+        bool(req.stream_options and req.stream_options.include_usage),
+        bool(req.logprobs),
+    )
 
 
 def completion_spec(req: CompletionRequest, info: ModelInfo) -> GenSpec:
@@ -224,5 +244,12 @@ def completion_spec(req: CompletionRequest, info: ModelInfo) -> GenSpec:
         _max_tokens(max_tokens, None, len(ids), info, "max_tokens")
     logprobs = req.logprobs is not None
     params = _sampling(req, max_tokens, logprobs, req.logprobs or 0, info, req.n or 1)
-    return GenSpec("completion", tuple(tuple(p) for p in prompts), params, _stops(req.stop), bool(req.stream),
-                   bool(req.stream_options and req.stream_options.include_usage), logprobs)
+    return GenSpec(
+        "completion",
+        tuple(tuple(p) for p in prompts),
+        params,
+        _stops(req.stop),
+        bool(req.stream),
+        bool(req.stream_options and req.stream_options.include_usage),
+        logprobs,
+    )

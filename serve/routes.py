@@ -68,8 +68,9 @@ class Ctx:
 
 
 _DECODERS: dict[type, msgspec.json.Decoder[Any]] = {
-    t: msgspec.json.Decoder(t) for t in (ChatRequest, CompletionRequest, EmbeddingRequest, TokenizeRequest,
-                                         DetokenizeRequest)}
+    t: msgspec.json.Decoder(t)
+    for t in (ChatRequest, CompletionRequest, EmbeddingRequest, TokenizeRequest, DetokenizeRequest)
+}
 
 
 def decode(body: bytes, typ: type[S]) -> S:
@@ -94,8 +95,13 @@ def priority(ctx: Ctx) -> int:
 
 async def _generate(ctx: Ctx, spec_fn: Callable[[], object]) -> None:
     if "x-tl-kv-handle" in ctx.request.headers:
-        raise errors.ApiError(404, "KV handles are not served by this engine (no disaggregated prefill)",
-                              "invalid_request_error", "X-TL-KV-Handle", "kv_handle_not_found")
+        raise errors.ApiError(
+            404,
+            "KV handles are not served by this engine (no disaggregated prefill)",
+            "invalid_request_error",
+            "X-TL-KV-Handle",
+            "kv_handle_not_found",
+        )
     spec = spec_fn()
     prio = priority(ctx)
     job = Job(spec, ctx.engine, ctx.info.model_id, prio, ctx.metrics, ctx.arrived)  # type: ignore[arg-type]
@@ -128,22 +134,32 @@ async def embeddings(ctx: Ctx) -> None:
     check_model(req.model, ctx.info)
     if req.dimensions is not None:
         raise errors.unsupported("dimensions")
-    if isinstance(req.input, list) and len(req.input) > MAX_EMBED_INPUTS and not all(
-            isinstance(x, int) for x in req.input):
-        raise errors.bad_request(f"input holds {len(req.input)} inputs; at most {MAX_EMBED_INPUTS} are allowed",
-                                 "input")
+    if (
+        isinstance(req.input, list)
+        and len(req.input) > MAX_EMBED_INPUTS
+        and not all(isinstance(x, int) for x in req.input)
+    ):
+        raise errors.bad_request(
+            f"input holds {len(req.input)} inputs; at most {MAX_EMBED_INPUTS} are allowed", "input"
+        )
     inputs = prompt_token_lists(req.input, ctx.info, "input")
     for i, ids in enumerate(inputs):
         if not ids:
             raise errors.bad_request(f"input[{i}] is empty", "input")
         if len(ids) > ctx.info.max_model_len:
-            raise errors.ApiError(400, f"input[{i}] has {len(ids)} tokens; this model's maximum context length is "
-                                       f"{ctx.info.max_model_len} tokens", "invalid_request_error", "input",
-                                  "context_length_exceeded")
+            raise errors.ApiError(
+                400,
+                f"input[{i}] has {len(ids)} tokens; this model's maximum context length is "
+                f"{ctx.info.max_model_len} tokens",
+                "invalid_request_error",
+                "input",
+                "context_length_exceeded",
+            )
         bad = next((t for t in ids if not 0 <= t < ctx.info.vocab_size), None)
         if bad is not None:
-            raise errors.bad_request(f"input[{i}]: token id {bad} is outside the vocabulary "
-                                     f"(size {ctx.info.vocab_size})", "input")
+            raise errors.bad_request(
+                f"input[{i}]: token id {bad} is outside the vocabulary (size {ctx.info.vocab_size})", "input"
+            )
     try:
         handle = ctx.engine.submit_embedding(EmbedRequest(tuple(tuple(x) for x in inputs), priority(ctx)))
     except RequestError as e:
@@ -162,8 +178,7 @@ async def embeddings(ctx: Ctx) -> None:
     finally:
         handle.abort()
         ctx.jobs.discard(handle)
-    data = [Embedding("embedding", i, _pack([float(x) for x in v], req.encoding_format))
-            for i, v in enumerate(vectors)]
+    data = [Embedding("embedding", i, _pack([float(x) for x in v], req.encoding_format)) for i, v in enumerate(vectors)]
     if any(isinstance(v, list) and not all(math.isfinite(x) for x in v) for v in (d.embedding for d in data)):
         raise errors.internal("the model produced a non-finite embedding")
     n = sum(len(x) for x in inputs)
@@ -192,10 +207,25 @@ async def detokenize(ctx: Ctx) -> None:
 
 def _card(ctx: Ctx) -> ModelCard:
     b = ctx.info.backend
-    card = None if b is None else BackendCard(b.platform, b.device_kind, b.device_count, b.tensor_parallel,
-                                              b.process_count, b.dtype, b.attention_kernel, b.kv_heads,
-                                              b.kv_cache_dtype, b.matmul_precision, b.matmul_kernel,
-                                              b.native_target, list(b.kernel_choices))
+    card = (
+        None
+        if b is None
+        else BackendCard(
+            b.platform,
+            b.device_kind,
+            b.device_count,
+            b.tensor_parallel,
+            b.process_count,
+            b.dtype,
+            b.attention_kernel,
+            b.kv_heads,
+            b.kv_cache_dtype,
+            b.matmul_precision,
+            b.matmul_kernel,
+            b.native_target,
+            list(b.kernel_choices),
+        )
+    )
     return ModelCard(ctx.info.model_id, "model", STARTED_AT, "tl", ctx.info.max_model_len, card)
 
 
@@ -204,7 +234,7 @@ async def models(ctx: Ctx) -> None:
 
 
 async def model(ctx: Ctx) -> None:
-    name = ctx.request.path[len("/v1/models/"):]
+    name = ctx.request.path[len("/v1/models/") :]
     check_model(name, ctx.info)
     await ctx.out.whole(200, encoder.encode(_card(ctx)))
 

@@ -45,7 +45,7 @@ class TextStream:
             self._held = ""
             return text[:cut]
         keep = 0 if final else self._held_suffix(text)
-        self._held = text[len(text) - keep:] if keep else ""
+        self._held = text[len(text) - keep :] if keep else ""
         return text[: len(text) - keep]
 
     def _held_suffix(self, text: str) -> int:

@@ -39,7 +39,7 @@ class Reply:
             if block.startswith(":"):
                 continue
             assert block.startswith("data: ") and "\n" not in block, block
-            out.append(block[len("data: "):])
+            out.append(block[len("data: ") :])
         return out
 
     def error(self) -> dict[str, Any]:
@@ -58,9 +58,16 @@ async def served(app: App) -> AsyncIterator[App]:
         await app.shutdown()
 
 
-async def call(app: App, method: str, path: str, json: Any = None, body: bytes | None = None,
-               headers: dict[str, str] | None = None, disconnect_after: float | None = None,
-               on_message: Any = None) -> Reply:
+async def call(
+    app: App,
+    method: str,
+    path: str,
+    json: Any = None,
+    body: bytes | None = None,
+    headers: dict[str, str] | None = None,
+    disconnect_after: float | None = None,
+    on_message: Any = None,
+) -> Reply:
     """One request. disconnect_after: seconds after the body until receive() reports a disconnect."""
     if body is None:
         body = b"" if json is None else jsonlib.dumps(json).encode()
@@ -68,9 +75,19 @@ async def call(app: App, method: str, path: str, json: Any = None, body: bytes |
     if json is not None:
         hdrs.append((b"content-type", b"application/json"))
     hdrs.append((b"content-length", str(len(body)).encode()))
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "path": path,
-             "raw_path": path.encode(), "query_string": b"", "headers": hdrs, "scheme": "http",
-             "server": ("test", 80), "client": ("test", 1)}
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": method,
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "headers": hdrs,
+        "scheme": "http",
+        "server": ("test", 80),
+        "client": ("test", 1),
+    }
     sent_body = False
     done = asyncio.Event()
     reply: Reply | None = None

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-U = 2.0 ** -24  # float32 unit roundoff
+U = 2.0**-24  # float32 unit roundoff
 EXP_ERR = 4 * U  # relative error of an exp: the native kernels' polynomial ~2e-7 (3.4 u), XLA's and libm's within it
 
 
@@ -42,8 +42,15 @@ def softmax_bound(scores_abs: np.ndarray, v: np.ndarray, head_dim: int) -> float
     return (2 * rho / (1 - rho) + 2 * gamma(n) + 2 * U) * float(np.max(np.abs(v)))
 
 
-def attention64(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, layer: int, seq_idx: np.ndarray,
-                positions: np.ndarray, tables: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def attention64(
+    q: np.ndarray,
+    k_cache: np.ndarray,
+    v_cache: np.ndarray,
+    layer: int,
+    seq_idx: np.ndarray,
+    positions: np.ndarray,
+    tables: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray]:
     """(out [T,Hq,hd] in float64, bound [T,Hq]) of causal paged attention: token t of sequence s at
     position p attends to its sequence's positions 0..p, read from the logical caches
     [L, NB, bs, Hk, hd] through the block table (this step's keys already written there).
@@ -82,7 +89,7 @@ def local64(qg: np.ndarray, k: np.ndarray, v: np.ndarray, seq_idx: np.ndarray) -
             continue
         if t == 0 or seq_idx[t] != seq_idx[t - 1]:
             lo = t
-        kk, vv = k[lo:t + 1].astype(np.float64), v[lo:t + 1].astype(np.float64)
+        kk, vv = k[lo : t + 1].astype(np.float64), v[lo : t + 1].astype(np.float64)
         for h in range(Hk):
             for g in range(G):
                 qh = qg[t, h, g].astype(np.float64)

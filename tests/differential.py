@@ -25,8 +25,9 @@ class Arrival:
     request: GenRequest
 
 
-def drive(engine: Engine, arrivals: Sequence[Arrival], *, check: EngineCheck | None = None,
-          max_steps: int = 5000) -> list[list[TokenOut]]:
+def drive(
+    engine: Engine, arrivals: Sequence[Arrival], *, check: EngineCheck | None = None, max_steps: int = 5000
+) -> list[list[TokenOut]]:
     """Add each request at its step and step until no work is left; TokenOuts per arrival."""
     pending = sorted(range(len(arrivals)), key=lambda i: arrivals[i].step)
     index_of: dict[int, int] = {}
@@ -58,8 +59,13 @@ def run_alone(factory: RunnerFactory, cfg: EngineConfig, request: GenRequest) ->
     return drive(engine, [Arrival(0, request)])[0]
 
 
-def assert_concurrent_equals_alone(factory: RunnerFactory, cfg: EngineConfig, reference_cfg: EngineConfig,
-                                   arrivals: Sequence[Arrival], check: EngineCheck | None = None) -> Engine:
+def assert_concurrent_equals_alone(
+    factory: RunnerFactory,
+    cfg: EngineConfig,
+    reference_cfg: EngineConfig,
+    arrivals: Sequence[Arrival],
+    check: EngineCheck | None = None,
+) -> Engine:
     """Every request gets exactly the tokens and finish reason it gets alone under reference_cfg.
 
     Requests must carry explicit seeds when sampled (temperature > 0). Returns the engine.

@@ -47,16 +47,18 @@ class ByteTokenizer:
 class ConcatTemplate:
     """Renders the content of every message, nothing else (the seed's succ template)."""
 
-    def render(self, messages: Sequence[Mapping[str, object]], add_generation_prompt: bool = True,
-               tools: object = None) -> str:
+    def render(
+        self, messages: Sequence[Mapping[str, object]], add_generation_prompt: bool = True, tools: object = None
+    ) -> str:
         return "".join(str(m.get("content") or "") for m in messages)
 
 
 class RoleTemplate:
     """The seed's default template: <|role|>\\ncontent\\n per message, then <|assistant|>\\n."""
 
-    def render(self, messages: Sequence[Mapping[str, object]], add_generation_prompt: bool = True,
-               tools: object = None) -> str:
+    def render(
+        self, messages: Sequence[Mapping[str, object]], add_generation_prompt: bool = True, tools: object = None
+    ) -> str:
         text = "".join(f"<|{m['role']}|>\n{m.get('content') or ''}\n" for m in messages)
         return text + ("<|assistant|>\n" if add_generation_prompt else "")
 
@@ -73,8 +75,13 @@ def fake_embedding(ids: Sequence[int]) -> list[float]:
 
 
 class FakeRunner:
-    def __init__(self, block_size: int = 4, num_kv_blocks: int = 256, max_model_len: int = 512,
-                 eos_token_ids: tuple[int, ...] = ()) -> None:
+    def __init__(
+        self,
+        block_size: int = 4,
+        num_kv_blocks: int = 256,
+        max_model_len: int = 512,
+        eos_token_ids: tuple[int, ...] = (),
+    ) -> None:
         self.block_size = block_size
         self.num_kv_blocks = num_kv_blocks
         self.max_model_len = max_model_len
@@ -128,7 +135,9 @@ class FakeEngine:
         if len(req.prompt_ids) + req.params.max_tokens > self.max_model_len:
             raise ContextLengthError(
                 f"prompt ({len(req.prompt_ids)} tokens) + max_tokens ({req.params.max_tokens}) exceeds "
-                f"the context ({self.max_model_len})", param="max_tokens")
+                f"the context ({self.max_model_len})",
+                param="max_tokens",
+            )
         if len(self._waiting) >= self.config.queue_capacity:
             raise QueueFullError("waiting queue full")
         rid = self._next_id
@@ -217,9 +226,15 @@ class FakeEngine:
 
     def stats(self) -> EngineStats:
         used = self.runner.num_kv_blocks - self._free
-        return EngineStats(kv_blocks_free=self._free, kv_blocks_used=used, queue_depth=len(self._waiting),
-                           running=len(self._running), batch_tokens=self._batch_tokens, steps=self._steps,
-                           compilations=self.runner.num_compilations)
+        return EngineStats(
+            kv_blocks_free=self._free,
+            kv_blocks_used=used,
+            queue_depth=len(self._waiting),
+            running=len(self._running),
+            batch_tokens=self._batch_tokens,
+            steps=self._steps,
+            compilations=self.runner.num_compilations,
+        )
 
 
 def make_async_engine(cfg: EngineConfig) -> AsyncEngine:
@@ -234,8 +249,9 @@ def make_async_engine(cfg: EngineConfig) -> AsyncEngine:
 class SuccRunner:
     """A Runner (tl/plan.py) with the pure succ rule, for the real tl.engine.Engine behind the server."""
 
-    def __init__(self, block_size: int = 4, num_kv_blocks: int = 256, max_model_len: int = 512,
-                 step_delay_s: float = 0.0) -> None:
+    def __init__(
+        self, block_size: int = 4, num_kv_blocks: int = 256, max_model_len: int = 512, step_delay_s: float = 0.0
+    ) -> None:
         self.block_size = block_size
         self.num_kv_blocks = num_kv_blocks
         self.max_model_len = max_model_len
@@ -269,8 +285,11 @@ def make_real_async_engine(cfg: EngineConfig) -> AsyncEngine:
     """TL_ENGINE_FACTORY target: the real tl.engine.Engine over SuccRunner (FAKE_STEP_DELAY_S applies)."""
     from tl.engine import Engine
 
-    runner = SuccRunner(block_size=cfg.block_size, num_kv_blocks=min(cfg.num_kv_blocks, 256),
-                        max_model_len=int(os.environ.get("FAKE_MAX_LEN", "512")),
-                        step_delay_s=float(os.environ.get("FAKE_STEP_DELAY_S", "0")))
+    runner = SuccRunner(
+        block_size=cfg.block_size,
+        num_kv_blocks=min(cfg.num_kv_blocks, 256),
+        max_model_len=int(os.environ.get("FAKE_MAX_LEN", "512")),
+        step_delay_s=float(os.environ.get("FAKE_STEP_DELAY_S", "0")),
+    )
     engine = Engine(runner, cfg)
     return AsyncEngine(engine, ByteTokenizer(), ConcatTemplate(), cfg.served_model_id(), config=cfg)

@@ -31,8 +31,7 @@ def _noise(seed: int, counter: int) -> int:
     return (x >> 33) % 3
 
 
-def next_token(context: Sequence[int], vocab_size: int, *, greedy: bool = True, seed: int = 0,
-               counter: int = 0) -> int:
+def next_token(context: Sequence[int], vocab_size: int, *, greedy: bool = True, seed: int = 0, counter: int = 0) -> int:
     """The rule, on a full context (prompt + tokens so far)."""
     token = (context[-1] + 1 + (mix(context) % 5 == 0)) % vocab_size
     return token if greedy else (token + _noise(seed, counter)) % vocab_size
@@ -55,8 +54,15 @@ def logprob_of(token: int) -> float:
 
 
 class FakeRunner:
-    def __init__(self, *, block_size: int = 4, num_kv_blocks: int = 64, max_model_len: int = 256,
-                 vocab_size: int = 97, eos_token_ids: tuple[int, ...] = (0,)) -> None:
+    def __init__(
+        self,
+        *,
+        block_size: int = 4,
+        num_kv_blocks: int = 64,
+        max_model_len: int = 256,
+        vocab_size: int = 97,
+        eos_token_ids: tuple[int, ...] = (0,),
+    ) -> None:
         self.block_size = block_size
         self.num_kv_blocks = num_kv_blocks
         self.max_model_len = max_model_len
@@ -69,8 +75,9 @@ class FakeRunner:
 
     @classmethod
     def from_config(cls, cfg: EngineConfig, **kw: object) -> FakeRunner:
-        return cls(block_size=cfg.block_size, num_kv_blocks=cfg.num_kv_blocks,
-                   max_model_len=cfg.max_model_len or 256, **kw)  # type: ignore[arg-type]
+        return cls(
+            block_size=cfg.block_size, num_kv_blocks=cfg.num_kv_blocks, max_model_len=cfg.max_model_len or 256, **kw
+        )  # type: ignore[arg-type]
 
     def slot(self, work: SeqWork, pos: int) -> int:
         return work.block_table[pos // self.block_size] * self.block_size + pos % self.block_size
@@ -115,25 +122,28 @@ class FakeRunner:
         out: list[int] = []
         for j in range(k + 1):
             context = self._context(work, last - k + j)
-            token = next_token(context, self.vocab_size, greedy=work.params.greedy, seed=work.seed,
-                               counter=work.num_generated + j)
+            token = next_token(
+                context, self.vocab_size, greedy=work.params.greedy, seed=work.seed, counter=work.num_generated + j
+            )
             out.append(token)
             if j == k or token != work.draft_ids[j]:
                 break
         return SeqResult(work.seq_id, tuple(out), tuple(logprob_of(t) for t in out), num_accepted=len(out) - 1)
 
     def _commit(self, work: SeqWork, result: SeqResult | None) -> None:
-        fed = work.token_ids[:len(work.token_ids) - len(work.draft_ids)]
-        accepted = work.draft_ids[:result.num_accepted] if result else ()
-        hist = self.history.setdefault(work.seq_id, [])[:work.start_pos]
+        fed = work.token_ids[: len(work.token_ids) - len(work.draft_ids)]
+        accepted = work.draft_ids[: result.num_accepted] if result else ()
+        hist = self.history.setdefault(work.seq_id, [])[: work.start_pos]
         hist += [-1] * (work.start_pos - len(hist))  # positions first seen as a prefix-cache hit
         self.history[work.seq_id] = hist + list(fed) + list(accepted)
 
     def _check_plan(self, plan: SchedulerOutput) -> None:
         ids = [w.seq_id for w in plan.work]
         assert len(ids) == len(set(ids)), f"a sequence appears twice in one step: {ids}"
-        written = {w.seq_id: {w.block_table[p // self.block_size]
-                              for p in range(w.start_pos, w.start_pos + len(w.token_ids))} for w in plan.work}
+        written = {
+            w.seq_id: {w.block_table[p // self.block_size] for p in range(w.start_pos, w.start_pos + len(w.token_ids))}
+            for w in plan.work
+        }
         for w in plan.work:
             self._check_work(w)
             for other in plan.work:
@@ -149,14 +159,14 @@ class FakeRunner:
         assert len(set(w.block_table)) == len(w.block_table), f"seq {w.seq_id}: block twice in {w.block_table}"
         assert all(0 <= b < self.num_kv_blocks for b in w.block_table), f"bad block id in {w.block_table}"
         if w.draft_ids:
-            assert w.sample and w.token_ids[-len(w.draft_ids):] == w.draft_ids, f"seq {w.seq_id}: bad drafts"
+            assert w.sample and w.token_ids[-len(w.draft_ids) :] == w.draft_ids, f"seq {w.seq_id}: bad drafts"
         hist = self.history.get(w.seq_id, [])
         for p in range(w.start_pos):
             entry = self.kv[self.slot(w, p)]
             assert entry is not None and entry[0] == p, f"seq {w.seq_id}: position {p} < start has no KV"
             if p < len(hist) and hist[p] >= 0:
                 assert entry[1] == hist[p], f"seq {w.seq_id}: KV at {p} holds {entry[1]}, seq had {hist[p]}"
-        fed = w.token_ids[:len(w.token_ids) - len(w.draft_ids)]
+        fed = w.token_ids[: len(w.token_ids) - len(w.draft_ids)]
         for i, token in enumerate(fed):
             p = w.start_pos + i
             if p < len(hist) and hist[p] >= 0:

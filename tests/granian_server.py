@@ -29,16 +29,31 @@ def free_port() -> int:
 
 
 def granian_argv(port: int) -> list[str]:
-    return [GRANIAN, "--interface", "asgi", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
-            "--http", "1", "--no-ws", "serve.app:app"]
+    return [
+        GRANIAN,
+        "--interface",
+        "asgi",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--workers",
+        "1",
+        "--http",
+        "1",
+        "--no-ws",
+        "serve.app:app",
+    ]
 
 
 @contextmanager
-def running(argv: Sequence[str], env: Mapping[str, str], ready_url: str | None,
-            timeout_s: float) -> Iterator[subprocess.Popen[bytes]]:
+def running(
+    argv: Sequence[str], env: Mapping[str, str], ready_url: str | None, timeout_s: float
+) -> Iterator[subprocess.Popen[bytes]]:
     """Run argv in its own session; wait until ready_url answers 200 (if given); kill it at the end."""
-    proc = subprocess.Popen(list(argv), cwd=ROOT, env=dict(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        list(argv), cwd=ROOT, env=dict(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+    )
     try:
         deadline = time.monotonic() + timeout_s
         while ready_url is not None:

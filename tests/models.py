@@ -49,16 +49,38 @@ def byte_tokenizer_json(specials: tuple[str, ...] = SPECIAL_TOKENS) -> dict[str,
     added = []
     for i, content in enumerate(specials):
         vocab[content] = 256 + i
-        added.append({"id": 256 + i, "content": content, "single_word": False, "lstrip": False,
-                      "rstrip": False, "normalized": False, "special": True})
+        added.append(
+            {
+                "id": 256 + i,
+                "content": content,
+                "single_word": False,
+                "lstrip": False,
+                "rstrip": False,
+                "normalized": False,
+                "special": True,
+            }
+        )
     return {
-        "version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": None,
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": added,
+        "normalizer": None,
         "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False},
         "post_processor": None,
         "decoder": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False},
-        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
-                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
-                  "vocab": vocab, "merges": []},
+        "model": {
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": None,
+            "continuing_subword_prefix": None,
+            "end_of_word_suffix": None,
+            "fuse_unk": False,
+            "byte_fallback": False,
+            "ignore_merges": False,
+            "vocab": vocab,
+            "merges": [],
+        },
     }
 
 
@@ -83,21 +105,48 @@ def _write_weights(path: Path, tensors: dict[str, np.ndarray], sharded: bool) ->
     _write_json(path / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
 
 
-def _write_dir(path: Path, cfg: ModelConfig, tensors: dict[str, np.ndarray], *, sharded: bool,
-               bos: str | None, eos: str, chat_template: str) -> Path:
+def _write_dir(
+    path: Path,
+    cfg: ModelConfig,
+    tensors: dict[str, np.ndarray],
+    *,
+    sharded: bool,
+    bos: str | None,
+    eos: str,
+    chat_template: str,
+) -> Path:
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     _write_json(path / "config.json", cfg.to_dict())
     _write_weights(path, tensors, sharded)
     _write_json(path / "tokenizer.json", byte_tokenizer_json())
-    decoder = {str(256 + i): {"content": c, "lstrip": False, "normalized": False, "rstrip": False,
-                              "single_word": False, "special": True} for i, c in enumerate(SPECIAL_TOKENS)}
-    _write_json(path / "tokenizer_config.json", {
-        "added_tokens_decoder": decoder, "bos_token": bos, "eos_token": eos, "pad_token": None,
-        "chat_template": chat_template, "model_max_length": cfg.max_position_embeddings,
-        "tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
-    })
-    gen: dict[str, Any] = {"eos_token_id": list(cfg.eos_token_ids) if len(cfg.eos_token_ids) > 1 else cfg.eos_token_ids[0]}
+    decoder = {
+        str(256 + i): {
+            "content": c,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
+        }
+        for i, c in enumerate(SPECIAL_TOKENS)
+    }
+    _write_json(
+        path / "tokenizer_config.json",
+        {
+            "added_tokens_decoder": decoder,
+            "bos_token": bos,
+            "eos_token": eos,
+            "pad_token": None,
+            "chat_template": chat_template,
+            "model_max_length": cfg.max_position_embeddings,
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "clean_up_tokenization_spaces": False,
+        },
+    )
+    gen: dict[str, Any] = {
+        "eos_token_id": list(cfg.eos_token_ids) if len(cfg.eos_token_ids) > 1 else cfg.eos_token_ids[0]
+    }
     if cfg.bos_token_id is not None:
         gen["bos_token_id"] = cfg.bos_token_id
     _write_json(path / "generation_config.json", gen)
@@ -107,10 +156,21 @@ def _write_dir(path: Path, cfg: ModelConfig, tensors: dict[str, np.ndarray], *, 
 def tiny_config(vocab_size: int = BYTE_VOCAB_SIZE, tie: bool = True, qwen2: bool = False) -> ModelConfig:
     """The ModelConfig make_tiny_llama writes."""
     return ModelConfig(
-        architecture="Qwen2ForCausalLM" if qwen2 else "LlamaForCausalLM", vocab_size=vocab_size, hidden_size=64,
-        intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=512, tie_word_embeddings=tie,
-        attention_bias=qwen2, bos_token_id=IM_START_ID, eos_token_ids=(IM_END_ID,),
+        architecture="Qwen2ForCausalLM" if qwen2 else "LlamaForCausalLM",
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=512,
+        tie_word_embeddings=tie,
+        attention_bias=qwen2,
+        bos_token_id=IM_START_ID,
+        eos_token_ids=(IM_END_ID,),
     )
 
 
@@ -145,16 +205,29 @@ def tiny_tensors(cfg: ModelConfig, seed: int = 0, std: float = 0.1) -> dict[str,
     return t
 
 
-def make_tiny_llama(path: str | Path, seed: int = 0, vocab_size: int = BYTE_VOCAB_SIZE, tie: bool = True,
-                    qwen2: bool = False, sharded: bool = False) -> Path:
+def make_tiny_llama(
+    path: str | Path,
+    seed: int = 0,
+    vocab_size: int = BYTE_VOCAB_SIZE,
+    tie: bool = True,
+    qwen2: bool = False,
+    sharded: bool = False,
+) -> Path:
     """A random-weight 2-layer model dir (hidden 64, 4 heads, 2 KV heads, head_dim 16, FFN 128).
 
     vocab_size >= 259; rows past the tokenizer's 259 tokens are never produced by encode."""
     if vocab_size < BYTE_VOCAB_SIZE:
         raise ValueError(f"vocab_size must be >= {BYTE_VOCAB_SIZE} (the byte tokenizer), got {vocab_size}")
     cfg = tiny_config(vocab_size, tie=tie, qwen2=qwen2)
-    return _write_dir(Path(path), cfg, tiny_tensors(cfg, seed), sharded=sharded,
-                      bos="<|im_start|>", eos="<|im_end|>", chat_template=CHATML_TEMPLATE)
+    return _write_dir(
+        Path(path),
+        cfg,
+        tiny_tensors(cfg, seed),
+        sharded=sharded,
+        bos="<|im_start|>",
+        eos="<|im_end|>",
+        chat_template=CHATML_TEMPLATE,
+    )
 
 
 SUCC_MARGIN = 16.0  # logit of the successor byte; every other logit is 0
@@ -163,10 +236,21 @@ SUCC_MARGIN = 16.0  # logit of the successor byte; every other logit is 0
 def succ_config() -> ModelConfig:
     """The ModelConfig make_succ writes (hidden 256 = one dimension per byte)."""
     return ModelConfig(
-        architecture="LlamaForCausalLM", vocab_size=BYTE_VOCAB_SIZE, hidden_size=256, intermediate_size=32,
-        num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=64, rope_theta=10000.0,
-        rms_norm_eps=1e-6, max_position_embeddings=2048, tie_word_embeddings=False, attention_bias=False,
-        bos_token_id=None, eos_token_ids=(ENDOFTEXT_ID,),
+        architecture="LlamaForCausalLM",
+        vocab_size=BYTE_VOCAB_SIZE,
+        hidden_size=256,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        bos_token_id=None,
+        eos_token_ids=(ENDOFTEXT_ID,),
     )
 
 
@@ -182,7 +266,9 @@ def succ_tensors(cfg: ModelConfig) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(0)
     p = "model.layers.0."
     return {
-        "model.embed_tokens.weight": embed, "model.norm.weight": np.ones(d, np.float32), "lm_head.weight": lm_head,
+        "model.embed_tokens.weight": embed,
+        "model.norm.weight": np.ones(d, np.float32),
+        "lm_head.weight": lm_head,
         p + "input_layernorm.weight": np.ones(d, np.float32),
         p + "post_attention_layernorm.weight": np.ones(d, np.float32),
         p + "self_attn.q_proj.weight": (rng.standard_normal((cfg.q_size, d)) * 0.05).astype(np.float32),
@@ -198,8 +284,9 @@ def succ_tensors(cfg: ModelConfig) -> dict[str, np.ndarray]:
 def make_succ(path: str | Path, sharded: bool = False) -> Path:
     """The byte-level bigram model: greedy continuation of b"abc" is b"defg…"."""
     cfg = succ_config()
-    return _write_dir(Path(path), cfg, succ_tensors(cfg), sharded=sharded,
-                      bos=None, eos="<|endoftext|>", chat_template=SUCC_TEMPLATE)
+    return _write_dir(
+        Path(path), cfg, succ_tensors(cfg), sharded=sharded, bos=None, eos="<|endoftext|>", chat_template=SUCC_TEMPLATE
+    )
 
 
 def succ_logits(token_id: int) -> np.ndarray:

@@ -32,9 +32,14 @@ class GGUFModel:
             return float(r.fields[name].contents())
 
         w = {t.name: np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32) for t in r.tensors}
-        return cls(n_layer=int(field("llama.block_count")), n_head=int(field("llama.attention.head_count")),
-                   n_kv=int(field("llama.attention.head_count_kv")),
-                   eps=field("llama.attention.layer_norm_rms_epsilon"), theta=field("llama.rope.freq_base"), w=w)
+        return cls(
+            n_layer=int(field("llama.block_count")),
+            n_head=int(field("llama.attention.head_count")),
+            n_kv=int(field("llama.attention.head_count_kv")),
+            eps=field("llama.attention.layer_norm_rms_epsilon"),
+            theta=field("llama.rope.freq_base"),
+            w=w,
+        )
 
     def logits(self, ids: list[int]) -> np.ndarray:
         """[T, V] float32 logits of a causal forward over `ids` (no cache)."""
@@ -66,7 +71,7 @@ class GGUFModel:
         out = list(ids)
         for _ in range(n):
             out.append(int(np.argmax(self.logits(out)[-1])))
-        return out[len(ids):]
+        return out[len(ids) :]
 
 
 def _rms(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:

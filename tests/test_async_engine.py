@@ -62,6 +62,7 @@ def test_generates_on_its_thread(build: Callable[..., AsyncEngine]) -> None:
         assert [o.token_id for o in outs] == [98, 99, 100] and outs[-1].finish_reason == "length"
         assert await eng.embed([[1, 2], [3]]) == [fake_embedding([1, 2]), fake_embedding([3])]
         eng.shutdown()
+
     run(body)
 
 
@@ -84,6 +85,7 @@ def test_full_admission_refuses_at_once_and_abort_frees_blocks(build: Callable[.
         second.abort()
         await until(lambda: eng.stats().running == 0 and eng.stats().kv_blocks_used == 0)
         eng.shutdown()
+
     run(body)
 
 
@@ -112,4 +114,5 @@ def test_thread_survives_a_failing_step(build: Callable[..., AsyncEngine]) -> No
         outs = await tokens(eng.submit(GenRequest((97,), GREEDY)))
         assert [o.token_id for o in outs] == [98, 99, 100]
         eng.shutdown()
+
     run(body)

@@ -29,9 +29,17 @@ from bench.load_tests import CUT, Job, run_closed, run_poisson
 from bench.roofline import Machine, fractions, measure_machine, model_cost, roofline_line
 from tests.models import byte_tokenizer_json
 
-SMOL = {"architectures": ["LlamaForCausalLM"], "vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536,
-        "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
-        "tie_word_embeddings": True}
+SMOL = {
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 49152,
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "head_dim": 64,
+    "tie_word_embeddings": True,
+}
 
 
 # ---- fake server -------------------------------------------------------------------------------
@@ -85,12 +93,18 @@ class FakeServer:
                     self.auth.append(hdrs.get("authorization", ""))
                 if method == "GET" and path == "/v1/models":
                     data = json.dumps({"object": "list", "data": [{"id": "fake-model", "object": "model"}]}).encode()
-                    writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
-                                 + str(len(data)).encode() + b"\r\n\r\n" + data)
+                    writer.write(
+                        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
+                        + str(len(data)).encode()
+                        + b"\r\n\r\n"
+                        + data
+                    )
                 elif json.loads(body).get("max_tokens") == 0:  # a refusal with a JSON error body
                     data = b'{"error": {"message": "busy", "type": "rate_limit_exceeded"}}'
-                    writer.write(b"HTTP/1.1 429 Too Many Requests\r\ncontent-type: application/json\r\n"
-                                 b"content-length: " + str(len(data)).encode() + b"\r\n\r\n" + data)
+                    writer.write(
+                        b"HTTP/1.1 429 Too Many Requests\r\ncontent-type: application/json\r\n"
+                        b"content-length: " + str(len(data)).encode() + b"\r\n\r\n" + data
+                    )
                 else:
                     await self._stream(json.loads(body), path, writer)
                 await writer.drain()
@@ -133,9 +147,20 @@ def server() -> Iterator[FakeServer]:
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     d = tmp_path_factory.mktemp("bytemodel")
     (d / "tokenizer.json").write_text(json.dumps(byte_tokenizer_json()))
-    (d / "config.json").write_text(json.dumps({**SMOL, "vocab_size": 259, "hidden_size": 64, "intermediate_size": 128,
-                                               "num_hidden_layers": 2, "num_attention_heads": 4,
-                                               "num_key_value_heads": 2, "head_dim": 16}))
+    (d / "config.json").write_text(
+        json.dumps(
+            {
+                **SMOL,
+                "vocab_size": 259,
+                "hidden_size": 64,
+                "intermediate_size": 128,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "head_dim": 16,
+            }
+        )
+    )
     return d
 
 
@@ -143,8 +168,20 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_sse_parser() -> None:
-    lines = [": keep-alive", "data: {\"a\": 1}", "", "data:x", "data: y", "", "event: e", "", "",
-             "data: [DONE]\r", "", "data: tail"]
+    lines = [
+        ": keep-alive",
+        'data: {"a": 1}',
+        "",
+        "data:x",
+        "data: y",
+        "",
+        "event: e",
+        "",
+        "",
+        "data: [DONE]\r",
+        "",
+        "data: tail",
+    ]
     assert parse_sse(lines) == ['{"a": 1}', "x\ny", "[DONE]", "tail"]
     assert chunk_text({"choices": [{"text": "hi"}]}) == "hi"
     assert chunk_text({"choices": [{"delta": {"role": "assistant"}}]}) == ""
@@ -178,10 +215,14 @@ def test_percentile_matches_numpy() -> None:
 def _trained_bpe() -> Tokenizer:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    text = [" ".join(random.Random(i).choices("the of and to in water people sound number [] 0123456789".split(),
-                                                k=50)) for i in range(200)]
-    tok.train_from_iterator(text, trainers.BpeTrainer(vocab_size=400, show_progress=False,
-                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    text = [
+        " ".join(random.Random(i).choices("the of and to in water people sound number [] 0123456789".split(), k=50))
+        for i in range(200)
+    ]
+    tok.train_from_iterator(
+        text,
+        trainers.BpeTrainer(vocab_size=400, show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()),
+    )
     return tok
 
 
@@ -204,8 +245,9 @@ def test_prompts_are_sized_exactly(kind: str) -> None:
 
 
 def test_ratio_table() -> None:
-    rows = [{"case": "c1", "server": s, **{m: v for m in http_bench.RATIO_METRICS}}
-            for s, v in (("A", 10.0), ("B", 25.0))]
+    rows = [
+        {"case": "c1", "server": s, **{m: v for m in http_bench.RATIO_METRICS}} for s, v in (("A", 10.0), ("B", 25.0))
+    ]
     rows.append({"case": "only-a", "server": "A", **{m: 1.0 for m in http_bench.RATIO_METRICS}})
     ratios = http_bench.ratio_rows(rows)
     assert len(ratios) == len(http_bench.RATIO_METRICS)
@@ -243,10 +285,20 @@ def test_stream_request_and_body(server: FakeServer) -> None:
         async with aiohttp.ClientSession() as c:
             comp = Endpoint(server.url, "fake-model", "completions")
             chat = Endpoint(server.url, "fake-model", "chat")
-            r1 = await stream_request(c, comp, {"model": "m", "prompt": "x", "max_tokens": 5, "stream": True,
-                                                "stream_options": {"include_usage": True}})
-            r2 = await stream_request(c, chat, {"model": "m", "max_tokens": 3, "stream": True,
-                                                "messages": [{"role": "user", "content": "x"}]})
+            r1 = await stream_request(
+                c,
+                comp,
+                {
+                    "model": "m",
+                    "prompt": "x",
+                    "max_tokens": 5,
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                },
+            )
+            r2 = await stream_request(
+                c, chat, {"model": "m", "max_tokens": 3, "stream": True, "messages": [{"role": "user", "content": "x"}]}
+            )
             return r1, r2
 
     r1, r2 = asyncio.run(go())
@@ -284,7 +336,7 @@ def test_lines_split_across_chunks() -> None:
     async def go(parts: list[bytes]) -> list[str]:
         return [line async for line in load._lines(Chunks(parts))]  # type: ignore[arg-type]
 
-    parts = [b"data: {\"a\"", b": \"\xc3", b"\xa9\"}\r\n\r", b"\ndata: [DONE]\n\n", b"tail"]
+    parts = [b'data: {"a"', b': "\xc3', b'\xa9"}\r\n\r', b"\ndata: [DONE]\n\n", b"tail"]
     assert asyncio.run(go(parts)) == ['data: {"a": "\u00e9"}\r', "\r", "data: [DONE]", "", "tail"]
 
 
@@ -303,15 +355,54 @@ def test_deadline_cuts_and_poisson(server: FakeServer) -> None:
     assert 10 <= len(pois) <= 60 and pwall < 1.0  # ~30 arrivals expected in 0.3 s at 100/s
 
 
-def test_http_bench_end_to_end(server: FakeServer, model_dir: Path, tmp_path: Path,
-                               capsys: pytest.CaptureFixture[str]) -> None:
+def test_http_bench_end_to_end(
+    server: FakeServer, model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = tmp_path / "out"
-    argv = ["--url", server.url, "--compare", server.url, "--tests", "prefill,decode,sweep,shared,poisson",
-            "--model-dir", str(model_dir), "--out", str(out), "--levels", "1,4", "--rate", "50",
-            "--repeats", "2", "--max-seconds", "5", "--seed", "7", "--roofline-gemm-n", "128",
-            "--roofline-mem-mib", "4", "--prefill-tokens", "64", "--decode-tokens", "8", "--sweep-prompt-tokens", "32",
-            "--sweep-output-tokens", "4", "--shared-prefix-tokens", "96", "--shared-output-tokens", "2",
-            "--shared-requests", "4", "--poisson-requests", "6", "--prefill-requests", "2"]
+    argv = [
+        "--url",
+        server.url,
+        "--compare",
+        server.url,
+        "--tests",
+        "prefill,decode,sweep,shared,poisson",
+        "--model-dir",
+        str(model_dir),
+        "--out",
+        str(out),
+        "--levels",
+        "1,4",
+        "--rate",
+        "50",
+        "--repeats",
+        "2",
+        "--max-seconds",
+        "5",
+        "--seed",
+        "7",
+        "--roofline-gemm-n",
+        "128",
+        "--roofline-mem-mib",
+        "4",
+        "--prefill-tokens",
+        "64",
+        "--decode-tokens",
+        "8",
+        "--sweep-prompt-tokens",
+        "32",
+        "--sweep-output-tokens",
+        "4",
+        "--shared-prefix-tokens",
+        "96",
+        "--shared-output-tokens",
+        "2",
+        "--shared-requests",
+        "4",
+        "--poisson-requests",
+        "6",
+        "--prefill-requests",
+        "2",
+    ]
     assert http_bench.run(argv) == 0
     printed = capsys.readouterr().out
     assert printed.startswith("config: ") and '"seed": 7' in printed and "roofline: fp32 GEMM" in printed
@@ -334,10 +425,34 @@ def test_http_bench_end_to_end(server: FakeServer, model_dir: Path, tmp_path: Pa
 
 
 def test_http_bench_chat_api(server: FakeServer, model_dir: Path, tmp_path: Path) -> None:
-    argv = ["--url", server.url, "--api", "chat", "--tests", "shared", "--model", "m", "--model-dir", str(model_dir),
-            "--out", str(tmp_path), "--no-plots", "--roofline-gemm-n", "64", "--roofline-mem-mib", "1",
-            "--shared-prefix-tokens", "64", "--shared-requests", "2", "--shared-output-tokens", "2", "--no-ignore-eos",
-            "--api-key", "sekrit"]
+    argv = [
+        "--url",
+        server.url,
+        "--api",
+        "chat",
+        "--tests",
+        "shared",
+        "--model",
+        "m",
+        "--model-dir",
+        str(model_dir),
+        "--out",
+        str(tmp_path),
+        "--no-plots",
+        "--roofline-gemm-n",
+        "64",
+        "--roofline-mem-mib",
+        "1",
+        "--shared-prefix-tokens",
+        "64",
+        "--shared-requests",
+        "2",
+        "--shared-output-tokens",
+        "2",
+        "--no-ignore-eos",
+        "--api-key",
+        "sekrit",
+    ]
     before, before_auth = len(server.bodies), len(server.auth)
     assert http_bench.run(argv) == 0
     sent = server.bodies[before:]

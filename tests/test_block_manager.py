@@ -153,7 +153,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def _write(self, seq_id: int, upto: int) -> None:
         table, toks_ = self.bm.block_table(seq_id), self.tokens[seq_id]
         for i in range(self.computed[seq_id] // BS, -(-upto // BS)):
-            self.content[table[i]] = tuple(toks_[i * BS:min(upto, (i + 1) * BS)])
+            self.content[table[i]] = tuple(toks_[i * BS : min(upto, (i + 1) * BS)])
         self.computed[seq_id] = upto
         self.bm.cache_blocks(seq_id, toks_, upto)
 
@@ -161,7 +161,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def start(self, prompt: list[int]) -> None:
         prefix = self.bm.lookup(prompt)
         for i, block in enumerate(prefix):
-            assert self.content[block] == tuple(prompt[i * BS:(i + 1) * BS]), "a hit holds other tokens"
+            assert self.content[block] == tuple(prompt[i * BS : (i + 1) * BS]), "a hit holds other tokens"
         seq_id, self.next_id = self.next_id, self.next_id + 1
         if self.bm.allocate(seq_id, len(prompt), prefix):
             self.tokens[seq_id], self.computed[seq_id] = list(prompt), len(prefix) * BS

@@ -19,8 +19,10 @@ SMOLLM2_TEMPLATE = (
     "{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
-SMOLLM2_HI = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
-              "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+SMOLLM2_HI = (
+    "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+    "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+)
 
 # A tools-aware ChatML template in the style of Qwen2.5's, and a Llama-3 style one.
 TOOLS_TEMPLATE = """{%- if tools %}
@@ -77,22 +79,43 @@ A: {{ m.content | replace('a', '4') }}{{ '' if loop.last else ' |' }}
 
 CONVERSATIONS = [
     [{"role": "user", "content": "Hi"}],
-    [{"role": "system", "content": "Be brief. "}, {"role": "user", "content": "  2+2? "},
-     {"role": "assistant", "content": "a 4, naïve <b>"}, {"role": "user", "content": "Sûr? 🙂"}],
-    [{"role": "user", "content": "weather?"},
-     {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": {
-         "name": "get_weather", "arguments": {"city": "Zürich", "unit": "°C"}}}]},
-     {"role": "tool", "content": '{"t": 21}'}, {"role": "user", "content": "thanks"}],
+    [
+        {"role": "system", "content": "Be brief. "},
+        {"role": "user", "content": "  2+2? "},
+        {"role": "assistant", "content": "a 4, naïve <b>"},
+        {"role": "user", "content": "Sûr? 🙂"},
+    ],
+    [
+        {"role": "user", "content": "weather?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Zürich", "unit": "°C"}}}
+            ],
+        },
+        {"role": "tool", "content": '{"t": 21}'},
+        {"role": "user", "content": "thanks"},
+    ],
 ]
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather <now> & ☀",
-                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather <now> & ☀",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
 
 
 def test_smollm2_template_exact() -> None:
     assert ChatTemplate(SMOLLM2_TEMPLATE).render([{"role": "user", "content": "Hi"}]) == SMOLLM2_HI
     with_system = [{"role": "system", "content": "S"}, {"role": "user", "content": "Hi"}]
     assert ChatTemplate(SMOLLM2_TEMPLATE).render(with_system, add_generation_prompt=False) == (
-        "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n")
+        "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+    )
 
 
 @pytest.mark.slow
@@ -102,8 +125,11 @@ def test_smollm2_model_dir_template(smol_dir: Path) -> None:
     assert (t.bos_token, t.eos_token) == ("<|im_start|>", "<|im_end|>")
 
 
-@pytest.mark.parametrize("source", [SMOLLM2_TEMPLATE, TOOLS_TEMPLATE, LLAMA3_TEMPLATE, DEFAULT_TEMPLATE],
-                         ids=["smollm2", "tools", "llama3", "default"])
+@pytest.mark.parametrize(
+    "source",
+    [SMOLLM2_TEMPLATE, TOOLS_TEMPLATE, LLAMA3_TEMPLATE, DEFAULT_TEMPLATE],
+    ids=["smollm2", "tools", "llama3", "default"],
+)
 @pytest.mark.parametrize("conv", range(len(CONVERSATIONS)))
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
 @pytest.mark.parametrize("with_tools", [False, True])
@@ -114,10 +140,17 @@ def test_matches_transformers(source: str, conv: int, add_generation_prompt: boo
     if source in (SMOLLM2_TEMPLATE, DEFAULT_TEMPLATE, LLAMA3_TEMPLATE) and conv == 2:
         messages = [m for m in messages if m.get("content") is not None]
     tools = TOOLS if with_tools else None
-    want, _ = render_jinja_template([messages], tools=tools, chat_template=source,
-                                    add_generation_prompt=add_generation_prompt, bos_token="<s>", eos_token="</s>")
+    want, _ = render_jinja_template(
+        [messages],
+        tools=tools,
+        chat_template=source,
+        add_generation_prompt=add_generation_prompt,
+        bos_token="<s>",
+        eos_token="</s>",
+    )
     got = ChatTemplate(source, bos_token="<s>", eos_token="</s>").render(
-        messages, add_generation_prompt=add_generation_prompt, tools=tools)
+        messages, add_generation_prompt=add_generation_prompt, tools=tools
+    )
     assert got == want[0]
 
 
@@ -128,13 +161,22 @@ def test_default_template() -> None:
 
 
 def test_blocks_filters_whitespace_and_loop() -> None:
-    msgs = [{"role": "user", "content": "hey"}, {"role": "assistant", "content": "banana"},
-            {"role": "user", "content": "x"}, {"role": "assistant", "content": "aa"}]
-    assert ChatTemplate(BLOCKS_TEMPLATE).render(msgs) == "U: HEY\nA: b4n4n4 |\nU: X\nA: 44\n4 user,assistant,user,assistant dflt"  # final newline dropped (keep_trailing_newline off)
+    msgs = [
+        {"role": "user", "content": "hey"},
+        {"role": "assistant", "content": "banana"},
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "content": "aa"},
+    ]
+    assert (
+        ChatTemplate(BLOCKS_TEMPLATE).render(msgs)
+        == "U: HEY\nA: b4n4n4 |\nU: X\nA: 44\n4 user,assistant,user,assistant dflt"
+    )  # final newline dropped (keep_trailing_newline off)
 
 
 def test_whitespace_control_and_loopcontrols() -> None:
-    src = "{% for m in messages %}\n  {%- if loop.index > 2 %}{% break %}{% endif -%}\n  [{{ m.content }}]\n{%- endfor %}"
+    src = (
+        "{% for m in messages %}\n  {%- if loop.index > 2 %}{% break %}{% endif -%}\n  [{{ m.content }}]\n{%- endfor %}"
+    )
     msgs = [{"role": "user", "content": str(i)} for i in range(5)]
     assert ChatTemplate(src).render(msgs) == "[0][1]"
 
@@ -147,7 +189,9 @@ def test_tojson_is_not_html_escaped_and_keeps_unicode() -> None:
 
 
 def test_none_keys_are_dropped_and_special_tokens_are_variables() -> None:
-    src = "{{ bos_token }}{% for m in messages %}{{ 'T' if m.tool_calls is defined else 'N' }}{% endfor %}{{ eos_token }}"
+    src = (
+        "{{ bos_token }}{% for m in messages %}{{ 'T' if m.tool_calls is defined else 'N' }}{% endfor %}{{ eos_token }}"
+    )
     msgs = [{"role": "assistant", "content": "x", "tool_calls": None}, {"role": "assistant", "tool_calls": []}]
     assert ChatTemplate(src, bos_token="<s>", eos_token="</s>").render(msgs) == "<s>NT</s>"
     assert ChatTemplate(src).render(msgs) == "NT"  # unset tokens are undefined, not "None"
@@ -170,15 +214,18 @@ def test_sandbox_refuses_mutation_and_internals() -> None:
     assert ChatTemplate("{{ ''.__class__ }}").render([]) == ""
 
 
-@pytest.mark.parametrize("source,why", [
-    ("{% for m in messages %}{{ m.content }}", r"line 1: Unexpected end of template.*'endfor'"),
-    ("{% if x %}a{% else %}b", r"Unexpected end of template.*'endif'"),
-    ("hello\n{% frobnicate %}", r"line 2: Encountered unknown tag 'frobnicate'"),
-    ("{{ messages | frobnicate }}", r"No filter named 'frobnicate'"),
-    ("{% if add_generation_prompt %}{{ x | nope }}{% endif %}", r"No filter named 'nope'"),
-    ("{{ x is nope }}", r"No test named 'nope'"),
-    ("{{ 'a' + }}", r"line 1: unexpected"),
-])
+@pytest.mark.parametrize(
+    "source,why",
+    [
+        ("{% for m in messages %}{{ m.content }}", r"line 1: Unexpected end of template.*'endfor'"),
+        ("{% if x %}a{% else %}b", r"Unexpected end of template.*'endif'"),
+        ("hello\n{% frobnicate %}", r"line 2: Encountered unknown tag 'frobnicate'"),
+        ("{{ messages | frobnicate }}", r"No filter named 'frobnicate'"),
+        ("{% if add_generation_prompt %}{{ x | nope }}{% endif %}", r"No filter named 'nope'"),
+        ("{{ x is nope }}", r"No test named 'nope'"),
+        ("{{ 'a' + }}", r"line 1: unexpected"),
+    ],
+)
 def test_parse_errors_refused_at_construction(source: str, why: str) -> None:
     with pytest.raises(TemplateError, match=why):
         ChatTemplate(source)

@@ -15,19 +15,22 @@ def test_defaults_are_valid_and_complete() -> None:
     assert "model_dir" in engine_keys() and "http_listen" in engine_keys()
 
 
-@pytest.mark.parametrize(("changes", "needle"), [
-    ({"dtype": "float16"}, "dtype"),
-    ({"block_size": 12}, "block_size"),
-    ({"num_kv_blocks": 1}, "num_kv_blocks"),
-    ({"token_buckets": (64, 32)}, "token_buckets"),
-    ({"token_buckets": (16, 32)}, "max_num_batched_tokens"),
-    ({"seq_buckets": (1, 4)}, "max_num_seqs"),
-    ({"prefix_cache": "lru"}, "prefix_cache"),
-    ({"speculative": "medusa"}, "speculative"),
-    ({"max_num_seqs": 1024, "seq_buckets": (1, 1024)}, "max_num_batched_tokens"),
-    ({"queue_capacity": 0}, "queue_capacity"),
-    ({"max_logprobs": 21}, "max_logprobs"),
-])
+@pytest.mark.parametrize(
+    ("changes", "needle"),
+    [
+        ({"dtype": "float16"}, "dtype"),
+        ({"block_size": 12}, "block_size"),
+        ({"num_kv_blocks": 1}, "num_kv_blocks"),
+        ({"token_buckets": (64, 32)}, "token_buckets"),
+        ({"token_buckets": (16, 32)}, "max_num_batched_tokens"),
+        ({"seq_buckets": (1, 4)}, "max_num_seqs"),
+        ({"prefix_cache": "lru"}, "prefix_cache"),
+        ({"speculative": "medusa"}, "speculative"),
+        ({"max_num_seqs": 1024, "seq_buckets": (1, 1024)}, "max_num_batched_tokens"),
+        ({"queue_capacity": 0}, "queue_capacity"),
+        ({"max_logprobs": 21}, "max_logprobs"),
+    ],
+)
 def test_bad_values_name_the_key(changes: dict[str, object], needle: str) -> None:
     with pytest.raises(ConfigError, match=needle):
         EngineConfig(**changes)  # type: ignore[arg-type]

@@ -67,7 +67,9 @@ def quantize_q6_k(x: np.ndarray) -> np.ndarray:
     d = d.astype(np.float16).astype(np.float32)
     sc = np.clip(np.round(amax / 31 / d[:, None]), 1, 127).astype(np.int8)
     step = (d[:, None] * sc)[..., None]
-    q = (np.clip(np.round(blocks / step), -32, 31) + 32).astype(np.uint8).reshape(-1, 2, 4, 32)  # [nb, half, quarter, l]
+    q = (
+        (np.clip(np.round(blocks / step), -32, 31) + 32).astype(np.uint8).reshape(-1, 2, 4, 32)
+    )  # [nb, half, quarter, l]
     ql = np.concatenate([q[:, :, 0] & 15 | (q[:, :, 2] & 15) << 4, q[:, :, 1] & 15 | (q[:, :, 3] & 15) << 4], axis=2)
     qh = (q[:, :, 0] >> 4) | (q[:, :, 1] >> 4) << 2 | (q[:, :, 2] >> 4) << 4 | (q[:, :, 3] >> 4) << 6
     return np.concatenate([ql.reshape(-1, 128), qh.reshape(-1, 64), sc.view(np.uint8), _f16_bytes(d)], axis=1)
@@ -85,12 +87,21 @@ def quantized_bytes(x: np.ndarray, qtype: Q) -> np.ndarray:
 
 
 # Largest |error| allowed relative to the row's largest |value| for each type.
-TOLERANCE = {Q.F32: 0.0, Q.F16: 1e-3, Q.BF16: 8e-3, Q.Q8_0: 1e-2, Q.Q4_0: 0.16, Q.Q4_1: 0.1, Q.Q4_K: 0.08,
-             Q.Q6_K: 0.025}
+TOLERANCE = {
+    Q.F32: 0.0,
+    Q.F16: 1e-3,
+    Q.BF16: 8e-3,
+    Q.Q8_0: 1e-2,
+    Q.Q4_0: 0.16,
+    Q.Q4_1: 0.1,
+    Q.Q4_K: 0.08,
+    Q.Q6_K: 0.025,
+}
 
 
-def write_gguf(path: Path, arch: str, tensors: dict[str, tuple[np.ndarray, Q]],
-               metadata: dict[str, object] | None = None) -> Path:
+def write_gguf(
+    path: Path, arch: str, tensors: dict[str, tuple[np.ndarray, Q]], metadata: dict[str, object] | None = None
+) -> Path:
     w = gguf.GGUFWriter(str(path), arch=arch)
     for key, value in (metadata or {}).items():
         if isinstance(value, bool):
@@ -145,12 +156,22 @@ def test_unpermute_is_the_exact_inverse(n_head: int, head_dim: int, cols: int) -
     assert np.array_equal(unpermute_qk(permute_qk(w[:, 0], n_head), n_head), w[:, 0])  # 1-D (biases)
 
 
-GGUF_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-              "lm_head.weight": "output.weight"}
-LAYER_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-               "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-               "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-               "mlp.down_proj": "ffn_down"}
+GGUF_NAMES = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+LAYER_NAMES = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
 
 
 def to_gguf_name(hf: str) -> str:
@@ -163,10 +184,15 @@ def to_gguf_name(hf: str) -> str:
 
 def byte_vocab_metadata() -> dict[str, object]:
     tokens = [*byte_level_alphabet(), *SPECIAL_TOKENS]
-    return {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "smollm", "tokenizer.ggml.tokens": tokens,
-            "tokenizer.ggml.token_type": [1] * 256 + [3] * len(SPECIAL_TOKENS),
-            "tokenizer.ggml.bos_token_id": 257, "tokenizer.ggml.eos_token_id": 258,
-            "tokenizer.chat_template": "{{ messages[0]['content'] }}"}
+    return {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "smollm",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": [1] * 256 + [3] * len(SPECIAL_TOKENS),
+        "tokenizer.ggml.bos_token_id": 257,
+        "tokenizer.ggml.eos_token_id": 258,
+        "tokenizer.chat_template": "{{ messages[0]['content'] }}",
+    }
 
 
 def tiny_gguf(path: Path, cfg: ModelConfig, hf: dict[str, np.ndarray], arch: str, qtype: Q = Q.F32) -> Path:
@@ -179,11 +205,15 @@ def tiny_gguf(path: Path, cfg: ModelConfig, hf: dict[str, np.ndarray], arch: str
             x = permute_qk(x, cfg.num_key_value_heads)
         tensors[to_gguf_name(name)] = (x, qtype if x.ndim == 2 else Q.F32)
     meta: dict[str, object] = {
-        f"{arch}.block_count": cfg.num_hidden_layers, f"{arch}.context_length": cfg.max_position_embeddings,
-        f"{arch}.embedding_length": cfg.hidden_size, f"{arch}.feed_forward_length": cfg.intermediate_size,
+        f"{arch}.block_count": cfg.num_hidden_layers,
+        f"{arch}.context_length": cfg.max_position_embeddings,
+        f"{arch}.embedding_length": cfg.hidden_size,
+        f"{arch}.feed_forward_length": cfg.intermediate_size,
         f"{arch}.attention.head_count": cfg.num_attention_heads,
-        f"{arch}.attention.head_count_kv": cfg.num_key_value_heads, f"{arch}.rope.freq_base": cfg.rope_theta,
-        f"{arch}.attention.layer_norm_rms_epsilon": cfg.rms_norm_eps, **byte_vocab_metadata(),
+        f"{arch}.attention.head_count_kv": cfg.num_key_value_heads,
+        f"{arch}.rope.freq_base": cfg.rope_theta,
+        f"{arch}.attention.layer_norm_rms_epsilon": cfg.rms_norm_eps,
+        **byte_vocab_metadata(),
     }
     return write_gguf(path, arch, tensors, meta)
 
@@ -265,7 +295,9 @@ def test_real_smollm2_dir(smol_dir: Path) -> None:
     check_shapes(read_tensors(smol_dir), cfg)
 
 
-def test_pull_converts_into_place_and_never_leaves_half_a_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_pull_converts_into_place_and_never_leaves_half_a_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import tl.pull as pull_mod
 
     cfg = tiny_config()

@@ -38,8 +38,11 @@ def test_every_target_compiles_without_warnings(target: cpu_build.Target, tmp_pa
     if lib is not None and lib.with_suffix(".log").exists():  # built for tests/test_cpu_native.py: read its log
         log = lib.with_suffix(".log").read_text()
         assert "warning:" not in log and "error" not in log, log
-        assert all(f"-march={target.march}" in line and "-Wall -Wextra" in line
-                   for line in log.splitlines() if line.startswith("$ "))
+        assert all(
+            f"-march={target.march}" in line and "-Wall -Wextra" in line
+            for line in log.splitlines()
+            if line.startswith("$ ")
+        )
         objects = [lib]
     else:
         objects = cpu_build.compile_objects(target, tmp_path)  # -Werror: a warning fails
@@ -51,12 +54,17 @@ def test_every_target_compiles_without_warnings(target: cpu_build.Target, tmp_pa
 
 def test_runnable_targets_follow_the_cpu_flags(monkeypatch: pytest.MonkeyPatch) -> None:
     v3 = cpu_build.BY_NAME["x86-64-v3"].needs
-    cases = [("x86_64", {"sse2"}, ["x86-64"]),
-             ("x86_64", v3 | {"sse2"}, ["x86-64-v3", "x86-64"]),
-             ("x86_64", cpu_build.BY_NAME["x86-64-v4"].needs | {"sse2"}, ["x86-64-v4", "x86-64-v3", "x86-64"]),
-             ("x86_64", cpu_build.BY_NAME["sapphirerapids"].needs | {"sse2"},
-              ["sapphirerapids", "x86-64-v4", "x86-64-v3", "x86-64"]),
-             ("aarch64", {"fp", "asimd"}, ["aarch64"])]
+    cases = [
+        ("x86_64", {"sse2"}, ["x86-64"]),
+        ("x86_64", v3 | {"sse2"}, ["x86-64-v3", "x86-64"]),
+        ("x86_64", cpu_build.BY_NAME["x86-64-v4"].needs | {"sse2"}, ["x86-64-v4", "x86-64-v3", "x86-64"]),
+        (
+            "x86_64",
+            cpu_build.BY_NAME["sapphirerapids"].needs | {"sse2"},
+            ["sapphirerapids", "x86-64-v4", "x86-64-v3", "x86-64"],
+        ),
+        ("aarch64", {"fp", "asimd"}, ["aarch64"]),
+    ]
     for machine, flags, want in cases:
         monkeypatch.setattr(platform, "machine", lambda m=machine: m)
         monkeypatch.setattr(cpu_build, "cpu_flags", lambda f=flags: frozenset(f))
@@ -76,11 +84,13 @@ def test_a_build_this_cpu_cannot_run_is_refused() -> None:
 def _fake_compiler(tmp_path: Path) -> tuple[Path, Path]:
     calls = tmp_path / "calls"
     cxx = tmp_path / "fake-g++"
-    cxx.write_text(f'#!/bin/sh\necho "$@" >> {calls}\n'
-                   'case "$1" in --version) echo "fake-g++ 1.0"; exit 0;; esac\n'
-                   'echo "attention.cc:12:3: warning: not this line" >&2\n'
-                   'echo "attention.cc:40:7: error: the first error" >&2\n'
-                   'echo "attention.cc:41:1: error: a second one" >&2\nexit 1\n')
+    cxx.write_text(
+        f'#!/bin/sh\necho "$@" >> {calls}\n'
+        'case "$1" in --version) echo "fake-g++ 1.0"; exit 0;; esac\n'
+        'echo "attention.cc:12:3: warning: not this line" >&2\n'
+        'echo "attention.cc:40:7: error: the first error" >&2\n'
+        'echo "attention.cc:41:1: error: a second one" >&2\nexit 1\n'
+    )
     cxx.chmod(0o755)
     return cxx, calls
 
@@ -116,7 +126,9 @@ def test_no_compiler_is_said_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setenv("CXX", "/nonexistent/c++")
     monkeypatch.setenv("TL_NATIVE_CACHE", str(tmp_path))
     target = cpu_build.best()
-    with pytest.raises(NativeUnavailable, match=f"no C\\+\\+ compiler for {target.name}: '/nonexistent/c\\+\\+' not found"):
+    with pytest.raises(
+        NativeUnavailable, match=f"no C\\+\\+ compiler for {target.name}: '/nonexistent/c\\+\\+' not found"
+    ):
         cpu_build.build(target)
 
 
@@ -130,7 +142,9 @@ def test_a_compiler_that_fails_is_the_fallback_reason(tmp_path: Path, monkeypatc
     monkeypatch.setattr(cpu_build, "_failures", {})
     native, why = select.native_library("cpu", "auto")
     assert native is None and "\n" not in why
-    assert why.startswith(f"building the native kernels ({cpu_build.best().name}) failed: no output (command: /bin/false")
+    assert why.startswith(
+        f"building the native kernels ({cpu_build.best().name}) failed: no output (command: /bin/false"
+    )
     assert "full log: " in why
 
 
@@ -144,27 +158,50 @@ def test_server_without_a_compiler_answers_on_the_reference(tmp_path: Path, tiny
     from tl.tokenizer import Tokenizer
 
     port, hport = free_port(), free_port()
-    engine_toml = (f'model_dir = "{tiny_dir}"\nblock_size = 4\nnum_kv_blocks = 64\nmax_num_seqs = 4\n'
-                   'max_num_batched_tokens = 32\ntoken_buckets = [8, 32]\nseq_buckets = [1, 4]\ncompile_cache_dir = ""\n')
+    engine_toml = (
+        f'model_dir = "{tiny_dir}"\nblock_size = 4\nnum_kv_blocks = 64\nmax_num_seqs = 4\n'
+        'max_num_batched_tokens = 32\ntoken_buckets = [8, 32]\nseq_buckets = [1, 4]\ncompile_cache_dir = ""\n'
+    )
     cfg = tmp_path / "runtime.toml"
     cfg.write_text(f'[engine]\n{engine_toml}http_listen = "127.0.0.1:{port}"\nhealth_listen = "127.0.0.1:{hport}"\n')
-    env = {**os.environ, "TL_CONFIG": str(cfg), "PYTHONPATH": str(ROOT), "CXX": "/bin/false",
-           "TL_NATIVE_CACHE": str(tmp_path / "cache")}
+    env = {
+        **os.environ,
+        "TL_CONFIG": str(cfg),
+        "PYTHONPATH": str(ROOT),
+        "CXX": "/bin/false",
+        "TL_NATIVE_CACHE": str(tmp_path / "cache"),
+    }
     env.pop("TL_ENGINE_FACTORY", None)
     prompts = ["The quick brown fox", "abc"]
     with running(granian_argv(port), env, f"http://127.0.0.1:{hport}/readyz", timeout_s=120) as proc:
         model = httpx.get(f"http://127.0.0.1:{port}/v1/models").json()["data"][0]
         card = model["backend"]
-        texts = [httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
-                            json={"model": model["id"], "prompt": p, "max_tokens": 12, "temperature": 0}).json()
-                 ["choices"][0]["text"] for p in prompts]
+        texts = [
+            httpx.post(
+                f"http://127.0.0.1:{port}/v1/completions",
+                timeout=60,
+                json={"model": model["id"], "prompt": p, "max_tokens": 12, "temperature": 0},
+            ).json()["choices"][0]["text"]
+            for p in prompts
+        ]
     assert proc.stdout is not None
     assert card["attention_kernel"] == "reference" and card["matmul_kernel"] == "xla" and card["native_target"] == ""
     assert card["kernel_choices"] == []
-    engine = build_engine(EngineConfig(model_dir=str(tiny_dir), block_size=4, num_kv_blocks=64, max_num_seqs=4,
-                                       max_num_batched_tokens=32, token_buckets=(8, 32), seq_buckets=(1, 4),
-                                       compile_cache_dir="", attention_kernel="reference", matmul_kernel="xla"),
-                          warmup=False)
+    engine = build_engine(
+        EngineConfig(
+            model_dir=str(tiny_dir),
+            block_size=4,
+            num_kv_blocks=64,
+            max_num_seqs=4,
+            max_num_batched_tokens=32,
+            token_buckets=(8, 32),
+            seq_buckets=(1, 4),
+            compile_cache_dir="",
+            attention_kernel="reference",
+            matmul_kernel="xla",
+        ),
+        warmup=False,
+    )
     tok = Tokenizer.load(tiny_dir)
     for prompt, text in zip(prompts, texts, strict=True):
         rid = engine.add_request(GenRequest(tuple(tok.encode(prompt)), SamplingParams(temperature=0.0, max_tokens=12)))

@@ -51,8 +51,11 @@ def _case_bound(c: dict) -> tuple[np.ndarray, np.ndarray]:
 
 
 @BOTH_PATHS
-@pytest.mark.parametrize("seqs", [MIXED, [(0, 9), (0, 2)], [(3, 1), (17, 1), (0, 1), (30, 1)], MIXED[:4] + [(0, 2)]],
-                         ids=["mixed", "fresh_prefill", "decodes", "with_padding_seq"])
+@pytest.mark.parametrize(
+    "seqs",
+    [MIXED, [(0, 9), (0, 2)], [(3, 1), (17, 1), (0, 1), (30, 1)], MIXED[:4] + [(0, 2)]],
+    ids=["mixed", "fresh_prefill", "decodes", "with_padding_seq"],
+)
 def test_matches_float64(lib: cpu_native.NativeLib, seqs: list[tuple[int, int]], path: str) -> None:
     c = build_case(np.random.default_rng(len(seqs)), seqs, pad=3)
     got = np.asarray(jax.jit(getattr(lib, path))(*inputs(c)))
@@ -62,8 +65,9 @@ def test_matches_float64(lib: cpu_native.NativeLib, seqs: list[tuple[int, int]],
     assert np.isfinite(got).all()  # padding rows too
 
 
-def _smol_case(rng: np.random.Generator, contexts: list[int], new: int, HK: int = 3, G: int = 3,
-               HD: int = 64) -> tuple[tuple, dict]:
+def _smol_case(
+    rng: np.random.Generator, contexts: list[int], new: int, HK: int = 3, G: int = 3, HD: int = 64
+) -> tuple[tuple, dict]:
     """SmolLM2 attention shapes (Hk 3, G 3, hd 64, block 16) unless given; each sequence decodes
     `new` tokens. Returns the kernel's arguments and the logical case for attention64."""
     L, NB, BS = 2, 96, 16
@@ -75,7 +79,7 @@ def _smol_case(rng: np.random.Generator, contexts: list[int], new: int, HK: int 
     used, seq_idx, positions = 0, [], []
     for s, ctx in enumerate(contexts):
         n = -(-(ctx + new) // BS)
-        tables[s, :n] = free[used:used + n]
+        tables[s, :n] = free[used : used + n]
         used += n
         seq_idx += [s] * new
         positions += list(range(ctx, ctx + new))
@@ -87,28 +91,52 @@ def _smol_case(rng: np.random.Generator, contexts: list[int], new: int, HK: int 
     for t in range(T):  # the model writes this step's keys before attention
         b, o = tables[seq_idx[t], positions[t] // BS], positions[t] % BS
         k[layer, b, o], v[layer, b, o] = kn[t], vn[t]
-    meta = AttnMetadata(seq_idx=jnp.asarray(seq_idx, jnp.int32), positions=jnp.asarray(positions, jnp.int32),
-                        start_pos=jnp.asarray(contexts, jnp.int32), block_tables=jnp.asarray(tables), chunk_blocks=8)
-    args = (jnp.asarray(q), jnp.asarray(kn), jnp.asarray(vn), to_stored("k", jnp.asarray(k)),
-            to_stored("v", jnp.asarray(v)), jnp.int32(layer), meta)
-    case = dict(q=q, k_cache=k, v_cache=v, layer=layer, seq_idx=np.asarray(seq_idx), positions=np.asarray(positions),
-                tables=tables)
+    meta = AttnMetadata(
+        seq_idx=jnp.asarray(seq_idx, jnp.int32),
+        positions=jnp.asarray(positions, jnp.int32),
+        start_pos=jnp.asarray(contexts, jnp.int32),
+        block_tables=jnp.asarray(tables),
+        chunk_blocks=8,
+    )
+    args = (
+        jnp.asarray(q),
+        jnp.asarray(kn),
+        jnp.asarray(vn),
+        to_stored("k", jnp.asarray(k)),
+        to_stored("v", jnp.asarray(v)),
+        jnp.int32(layer),
+        meta,
+    )
+    case = dict(
+        q=q,
+        k_cache=k,
+        v_cache=v,
+        layer=layer,
+        seq_idx=np.asarray(seq_idx),
+        positions=np.asarray(positions),
+        tables=tables,
+    )
     return args, case
 
 
 # (contexts, new tokens a sequence, (Hk, G, hd)): the vector fold's shapes (block 16; hd 64 with
 # G 1-4, hd 128 with G 1-2), which read float32 and bf16 caches alike.
-VECTOR_FOLD_CASES = [pytest.param([300, 5, 16, 0, 129], 1, (3, 3, 64), id="decodes"),
-                     pytest.param([47, 200], 4, (3, 3, 64), id="drafts"),
-                     pytest.param([100, 17, 0], 2, (2, 2, 128), id="hd128_g2"),
-                     pytest.param([33, 64], 1, (4, 1, 64), id="mha"),
-                     pytest.param([40, 2], 1, (2, 4, 64), id="g4")]
+VECTOR_FOLD_CASES = [
+    pytest.param([300, 5, 16, 0, 129], 1, (3, 3, 64), id="decodes"),
+    pytest.param([47, 200], 4, (3, 3, 64), id="drafts"),
+    pytest.param([100, 17, 0], 2, (2, 2, 128), id="hd128_g2"),
+    pytest.param([33, 64], 1, (4, 1, 64), id="mha"),
+    pytest.param([40, 2], 1, (2, 4, 64), id="g4"),
+]
 
 
-@pytest.mark.parametrize("contexts,new,shape", [*VECTOR_FOLD_CASES, pytest.param([70, 3], 3, (2, 5, 64), id="g5_generic")])
+@pytest.mark.parametrize(
+    "contexts,new,shape", [*VECTOR_FOLD_CASES, pytest.param([70, 3], 3, (2, 5, 64), id="g5_generic")]
+)
 @BOTH_PATHS
-def test_smollm2_shapes_match_float64_and_reference(lib: cpu_native.NativeLib, contexts: list[int], new: int,
-                                                    shape: tuple[int, int, int], path: str) -> None:
+def test_smollm2_shapes_match_float64_and_reference(
+    lib: cpu_native.NativeLib, contexts: list[int], new: int, shape: tuple[int, int, int], path: str
+) -> None:
     """The vectorised cached part (block 16, accumulators in registers or chunked, by the
     target's registers) and the generic one, with the jnp reference inside the same bound."""
     args, case = _smol_case(np.random.default_rng(7), contexts, new, *shape)
@@ -129,8 +157,9 @@ def _bf16_round(x: np.ndarray) -> np.ndarray:
 
 @pytest.mark.parametrize("contexts,new,shape", VECTOR_FOLD_CASES)
 @BOTH_PATHS
-def test_bf16_cache_matches_float64(lib: cpu_native.NativeLib, contexts: list[int], new: int,
-                                    shape: tuple[int, int, int], path: str) -> None:
+def test_bf16_cache_matches_float64(
+    lib: cpu_native.NativeLib, contexts: list[int], new: int, shape: tuple[int, int, int], path: str
+) -> None:
     """A cache of bf16 bits (kv_cache_dtype "bfloat16"): the native fold widens each cached key
     and value exactly (bf16 is a float's top half), so it meets the float32 bound against a
     float64 attention over the bf16-rounded cache (this step's keys, which the one-call path
@@ -161,8 +190,9 @@ def test_mismatched_cache_shapes_are_an_error(lib: cpu_native.NativeLib) -> None
     with pytest.raises(Exception, match="v_cache is not"):
         jax.block_until_ready(lib.cached_state(qg, kc, vc[:, :-1], layer, meta))
     with pytest.raises(Exception, match="start_pos is not"):
-        short = AttnMetadata(seq_idx=meta.seq_idx, positions=meta.positions, start_pos=meta.start_pos[:1],
-                             block_tables=meta.block_tables)
+        short = AttnMetadata(
+            seq_idx=meta.seq_idx, positions=meta.positions, start_pos=meta.start_pos[:1], block_tables=meta.block_tables
+        )
         jax.block_until_ready(lib.cached_state(qg, kc, vc, layer, short))
 
 
@@ -172,24 +202,32 @@ def _local_case(runs: list[tuple[int, int]], pad: int, hk: int, g: int, hd: int)
     seq_idx = [s for s, (_, n) in enumerate(runs) for _ in range(n)] + [-1] * pad
     positions = [p for start, n in runs for p in range(start, start + n)] + [0] * pad
     T = len(seq_idx)
-    qg = jnp.asarray(rng.standard_normal((T, hk, g, hd), dtype=np.float32) * hd ** -0.25)
-    k = jnp.asarray(rng.standard_normal((T, hk, hd), dtype=np.float32) * hd ** -0.25)
+    qg = jnp.asarray(rng.standard_normal((T, hk, g, hd), dtype=np.float32) * hd**-0.25)
+    k = jnp.asarray(rng.standard_normal((T, hk, hd), dtype=np.float32) * hd**-0.25)
     v = jnp.asarray(rng.standard_normal((T, hk, hd), dtype=np.float32))
-    meta = AttnMetadata(seq_idx=jnp.asarray(seq_idx, jnp.int32), positions=jnp.asarray(positions, jnp.int32),
-                        start_pos=jnp.asarray([s for s, _ in runs], jnp.int32),
-                        block_tables=jnp.zeros((len(runs), 1), jnp.int32))
+    meta = AttnMetadata(
+        seq_idx=jnp.asarray(seq_idx, jnp.int32),
+        positions=jnp.asarray(positions, jnp.int32),
+        start_pos=jnp.asarray([s for s, _ in runs], jnp.int32),
+        block_tables=jnp.zeros((len(runs), 1), jnp.int32),
+    )
     return qg, k, v, meta
 
 
-@pytest.mark.parametrize("runs,pad,hk,g,hd", [
-    ([(0, 150)], 0, 3, 3, 64),  # a fresh prompt: causal tiles, a partial last key chunk
-    ([(5, 70), (0, 1), (30, 90), (0, 17)], 22, 3, 3, 64),  # chunks and a decode mixed, padding
-    ([(9, 1)] * 20, 0, 3, 3, 64),  # decodes only: every token sees itself
-    ([(0, 40)], 3, 2, 7, 128),  # 7 query heads per KV head: tiles of 9 tokens
-    ([(3, 33), (0, 4)], 1, 4, 1, 32),
-], ids=["prompt", "mixed", "decodes", "hd128_g7", "hd32_mha"])
-def test_local_part_matches_float64(lib: cpu_native.NativeLib, runs: list[tuple[int, int]], pad: int, hk: int, g: int,
-                                    hd: int) -> None:
+@pytest.mark.parametrize(
+    "runs,pad,hk,g,hd",
+    [
+        ([(0, 150)], 0, 3, 3, 64),  # a fresh prompt: causal tiles, a partial last key chunk
+        ([(5, 70), (0, 1), (30, 90), (0, 17)], 22, 3, 3, 64),  # chunks and a decode mixed, padding
+        ([(9, 1)] * 20, 0, 3, 3, 64),  # decodes only: every token sees itself
+        ([(0, 40)], 3, 2, 7, 128),  # 7 query heads per KV head: tiles of 9 tokens
+        ([(3, 33), (0, 4)], 1, 4, 1, 32),
+    ],
+    ids=["prompt", "mixed", "decodes", "hd128_g7", "hd32_mha"],
+)
+def test_local_part_matches_float64(
+    lib: cpu_native.NativeLib, runs: list[tuple[int, int]], pad: int, hk: int, g: int, hd: int
+) -> None:
     """The native local part (this step's own keys) and local_state's dense masked softmax, both
     within the bound of a float64 causal attention; their running maxima agree (so merges do)."""
     qg, k, v, meta = _local_case(runs, pad, hk, g, hd)
@@ -206,17 +244,25 @@ def test_local_part_matches_float64(lib: cpu_native.NativeLib, runs: list[tuple[
     assert np.isfinite(got).all() and (got[~real] == 0).all()
 
 
-@pytest.mark.parametrize("seq_idx,positions,msg", [
-    ([0, 1, 0], [0, 0, 1], "not contiguous"),
-    ([0, 0, 0], [0, 2, 1], "not increasing"),
-    ([0, 0, 1 << 30], [0, 1, 0], "seq_idx out of range"),  # not a huge allocation
-])
-def test_local_part_refuses_a_layout_it_would_misread(lib: cpu_native.NativeLib, seq_idx: list[int],
-                                                      positions: list[int], msg: str) -> None:
+@pytest.mark.parametrize(
+    "seq_idx,positions,msg",
+    [
+        ([0, 1, 0], [0, 0, 1], "not contiguous"),
+        ([0, 0, 0], [0, 2, 1], "not increasing"),
+        ([0, 0, 1 << 30], [0, 1, 0], "seq_idx out of range"),  # not a huge allocation
+    ],
+)
+def test_local_part_refuses_a_layout_it_would_misread(
+    lib: cpu_native.NativeLib, seq_idx: list[int], positions: list[int], msg: str
+) -> None:
     """The kernel relies on each sequence being one run in position order; anything else is an error."""
     qg, k, v, meta = _local_case([(0, 3)], 0, 3, 3, 64)
-    meta = AttnMetadata(seq_idx=jnp.asarray(seq_idx, jnp.int32), positions=jnp.asarray(positions, jnp.int32),
-                        start_pos=jnp.zeros(2, jnp.int32), block_tables=jnp.zeros((2, 1), jnp.int32))
+    meta = AttnMetadata(
+        seq_idx=jnp.asarray(seq_idx, jnp.int32),
+        positions=jnp.asarray(positions, jnp.int32),
+        start_pos=jnp.zeros(2, jnp.int32),
+        block_tables=jnp.zeros((2, 1), jnp.int32),
+    )
     with pytest.raises(Exception, match=msg):
         jax.block_until_ready(lib.local_state(qg, k, v, meta))
     kc = jnp.zeros((1, 2, 3, 64, 16), jnp.float32)  # the one-call path checks the same layout
@@ -275,10 +321,14 @@ def test_not_offered_off_cpu(lib: cpu_native.NativeLib) -> None:
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13, 16, 17, 31, 32, 33, 47, 48, 49, 64])
-@pytest.mark.parametrize("shape", [(3, 5, 64, 576), (5, 3, 37), (576, 1536), (2, 3), (23, 40), (6, 33), (13, 2, 48)],
-                         ids=["qkv", "odd_3d", "down", "tiny", "odd_k_and_o", "o_multiple_of_4", "o_26_k_48"])
-def test_matmul_within_gamma_k_of_the_exact_product(lib: cpu_native.NativeLib, rows: int,
-                                                    shape: tuple[int, ...]) -> None:
+@pytest.mark.parametrize(
+    "shape",
+    [(3, 5, 64, 576), (5, 3, 37), (576, 1536), (2, 3), (23, 40), (6, 33), (13, 2, 48)],
+    ids=["qkv", "odd_3d", "down", "tiny", "odd_k_and_o", "o_multiple_of_4", "o_26_k_48"],
+)
+def test_matmul_within_gamma_k_of_the_exact_product(
+    lib: cpu_native.NativeLib, rows: int, shape: tuple[int, ...]
+) -> None:
     """Row counts up to the limit: the one-row form, the dot form's row blocks and the broadcast
     form's tiles (of 8 to 64 rows, by target), full and partial; K not a multiple of any vector
     width (nor of a packing transpose's), O not of any output block; w with several out axes."""

@@ -17,17 +17,25 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from tests.differential import (Arrival, RunnerFactory, assert_concurrent_equals_alone, drive, finish_reason,
-                                token_ids)
+from tests.differential import Arrival, RunnerFactory, assert_concurrent_equals_alone, drive, finish_reason, token_ids
 from tests.fake_runner import FakeRunner, next_token, pooled_embedding
 from tl.config import EngineConfig
 from tl.engine import Engine
 from tl.request import ContextLengthError, EmbedRequest, GenRequest, QueueFullError, SamplingParams, TokenOut
 from tl.sequence import SeqStatus
 
-BASE_CFG = EngineConfig(block_size=4, num_kv_blocks=64, max_num_seqs=4, max_num_batched_tokens=32,
-                        token_buckets=(8, 16, 32), seq_buckets=(1, 4), prefill_chunk=0, prefix_cache="none",
-                        speculative="none", queue_capacity=16)
+BASE_CFG = EngineConfig(
+    block_size=4,
+    num_kv_blocks=64,
+    max_num_seqs=4,
+    max_num_batched_tokens=32,
+    token_buckets=(8, 16, 32),
+    seq_buckets=(1, 4),
+    prefill_chunk=0,
+    prefix_cache="none",
+    speculative="none",
+    queue_capacity=16,
+)
 VARIANTS: dict[str, dict[str, Any]] = {
     "plain": {},
     "prefix_cache": {"prefix_cache": "radix"},
@@ -85,8 +93,9 @@ def check_engine(engine: Engine) -> None:
         raise AssertionError("cached blocks without a prefix cache")
 
 
-def reference(req: GenRequest, seed: int, vocab_size: int = 97, eos: Sequence[int] = (0,),
-              max_model_len: int = 256) -> tuple[list[int], str]:
+def reference(
+    req: GenRequest, seed: int, vocab_size: int = 97, eos: Sequence[int] = (0,), max_model_len: int = 256
+) -> tuple[list[int], str]:
     """What the FakeRunner's rule produces for one request, computed directly."""
     ctx, out, p = list(req.prompt_ids), [], req.params
     while True:
@@ -119,8 +128,7 @@ def test_the_fake_engine_follows_the_rule() -> None:
         outs = drive(Engine(FakeRunner.from_config(BASE_CFG), BASE_CFG), [arrival])[0]
         seed = arrival.request.params.seed or 0
         assert (token_ids(outs), finish_reason(outs)) == reference(arrival.request, seed)
-    assert finish_reason(drive(Engine(FakeRunner.from_config(BASE_CFG), BASE_CFG),
-                               [workload()[3]])[0]) == "stop"
+    assert finish_reason(drive(Engine(FakeRunner.from_config(BASE_CFG), BASE_CFG), [workload()[3]])[0]) == "stop"
 
 
 def test_greedy_speculation_is_token_identical_and_saves_steps() -> None:
@@ -242,17 +250,31 @@ class EngineMachine(RuleBasedStateMachine):
         self.outs: dict[int, list[TokenOut]] = {}
         self.embeds: dict[int, tuple[int, ...]] = {}
 
-    @rule(requests=st.lists(st.tuples(st.sampled_from([10, 10, 30, 90]), st.integers(1, 20), st.integers(1, 16),
-                                       st.integers(-2, 2), st.none() | st.integers(0, 5), st.booleans()),
-                             min_size=1, max_size=4))
+    @rule(
+        requests=st.lists(
+            st.tuples(
+                st.sampled_from([10, 10, 30, 90]),
+                st.integers(1, 20),
+                st.integers(1, 16),
+                st.integers(-2, 2),
+                st.none() | st.integers(0, 5),
+                st.booleans(),
+            ),
+            min_size=1,
+            max_size=4,
+        )
+    )
     def add(self, requests: list[tuple[int, int, int, int, int | None, bool]]) -> None:
         """A burst of requests: (first token, length, max_tokens, priority, seed (None: greedy), repetitive)."""
         for start, n, max_tokens, priority, seed, repeat in requests:
             prompt = run(n, start) + (run(min(n, 4), start) if repeat else ())
             max_tokens = min(max_tokens, self.engine.max_model_len - len(prompt))
             if max_tokens >= 1:
-                params = (SamplingParams(temperature=0.0, max_tokens=max_tokens) if seed is None
-                          else SamplingParams(temperature=0.7, max_tokens=max_tokens, seed=seed))
+                params = (
+                    SamplingParams(temperature=0.0, max_tokens=max_tokens)
+                    if seed is None
+                    else SamplingParams(temperature=0.7, max_tokens=max_tokens, seed=seed)
+                )
                 self._add(GenRequest(prompt, params, priority))
 
     def _add(self, req: GenRequest) -> None:
@@ -263,8 +285,10 @@ class EngineMachine(RuleBasedStateMachine):
             return
         self.requests[rid], self.outs[rid] = req, []
 
-    @rule(inputs=st.lists(st.tuples(st.integers(1, 60), st.integers(1, 30)), min_size=1, max_size=5),
-          priority=st.integers(-2, 2))
+    @rule(
+        inputs=st.lists(st.tuples(st.integers(1, 60), st.integers(1, 30)), min_size=1, max_size=5),
+        priority=st.integers(-2, 2),
+    )
     def embed(self, inputs: list[tuple[int, int]], priority: int) -> None:
         """An embeddings request: (first token, length) per input."""
         ids = tuple(run(n, start) for start, n in inputs)
@@ -313,7 +337,7 @@ class EngineMachine(RuleBasedStateMachine):
             seed = req.params.seed if req.params.seed is not None else 0
             want, reason = reference(req, seed, max_model_len=self.engine.max_model_len)
             got = token_ids(outs)
-            assert got == want[:len(got)], f"request {rid}: {got} is not a prefix of {want}"
+            assert got == want[: len(got)], f"request {rid}: {got} is not a prefix of {want}"
             if outs and outs[-1].finish_reason in ("stop", "length"):
                 assert (got, outs[-1].finish_reason) == (want, reason)
 
@@ -433,8 +457,7 @@ def test_the_prompt_cap_applies_only_beside_decodes() -> None:
 
 def test_a_request_waiting_only_for_the_prompt_budget_is_not_expired() -> None:
     now = [0.0]
-    cfg = BASE_CFG.replace(prefill_chunk=32, prompt_tokens_while_decoding=2, queue_deadline_ms=1000,
-                           max_num_seqs=4)
+    cfg = BASE_CFG.replace(prefill_chunk=32, prompt_tokens_while_decoding=2, queue_deadline_ms=1000, max_num_seqs=4)
     engine = Engine(FakeRunner.from_config(cfg), cfg, clock=lambda: now[0])
     engine.add_request(GenRequest(run(3), greedy(40)))
     engine.step()  # decoding from here on: 2 prompt tokens a step beside it

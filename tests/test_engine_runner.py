@@ -52,11 +52,15 @@ def runners() -> dict[str, Any]:
     return out
 
 
-@pytest.mark.parametrize("variant", [
-    {},
-    {"num_kv_blocks": 14, "prefix_cache": "radix", "prefill_chunk": 4, "speculative": "prompt_lookup"},
-    {"num_kv_blocks": 14, "prefix_cache": "none", "prefill_chunk": 0, "speculative": "prompt_lookup"},
-], ids=["plain", "everything", "tiny_kv_spec"])
+@pytest.mark.parametrize(
+    "variant",
+    [
+        {},
+        {"num_kv_blocks": 14, "prefix_cache": "radix", "prefill_chunk": 4, "speculative": "prompt_lookup"},
+        {"num_kv_blocks": 14, "prefix_cache": "none", "prefill_chunk": 0, "speculative": "prompt_lookup"},
+    ],
+    ids=["plain", "everything", "tiny_kv_spec"],
+)
 def test_each_request_gets_exactly_what_it_gets_alone(runners: dict[str, Any], variant: dict[str, Any]) -> None:
     def factory(cfg: EngineConfig) -> Runner:
         return NarrowKV(runners[cfg.speculative], cfg.num_kv_blocks)  # type: ignore[return-value]

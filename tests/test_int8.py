@@ -60,8 +60,16 @@ def test_int8_runner_paged_matches_dense_int8() -> None:
     ids, out, start = list(prompt), [], 0
     table = tuple(range(8))
     for _ in range(6):
-        w = SeqWork(seq_id=0, token_ids=tuple(ids[start:]), start_pos=start, block_table=table, sample=True,
-                    params=GREEDY, seed=0, num_generated=len(out))
+        w = SeqWork(
+            seq_id=0,
+            token_ids=tuple(ids[start:]),
+            start_pos=start,
+            block_table=table,
+            sample=True,
+            params=GREEDY,
+            seed=0,
+            num_generated=len(out),
+        )
         tok = runner.execute(SchedulerOutput((w,))).results[0].token_ids[0]
         start = len(ids)
         ids.append(tok)

@@ -14,10 +14,37 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-PURE = ["tl/config.py", "tl/request.py", "tl/plan.py", "tl/stats.py", "tl/block_manager.py", "tl/scheduler.py",
-        "tl/sequence.py", "tl/spec_decode.py", "tl/engine.py", "tl/model/config.py"]
-JAX_ALLOWED = {"tl/runner.py", "tl/verdicts.py", "tl/weight_pages.py", "tl/sampler.py", "tl/model/llama.py", "tl/mesh.py", "tl/backend.py", "tl/async_engine.py"}
-SERVE_FORBIDDEN = ("tl.scheduler", "tl.block_manager", "tl.runner", "tl.sequence", "tl.sampler", "tl.model.llama", "jax")
+PURE = [
+    "tl/config.py",
+    "tl/request.py",
+    "tl/plan.py",
+    "tl/stats.py",
+    "tl/block_manager.py",
+    "tl/scheduler.py",
+    "tl/sequence.py",
+    "tl/spec_decode.py",
+    "tl/engine.py",
+    "tl/model/config.py",
+]
+JAX_ALLOWED = {
+    "tl/runner.py",
+    "tl/verdicts.py",
+    "tl/weight_pages.py",
+    "tl/sampler.py",
+    "tl/model/llama.py",
+    "tl/mesh.py",
+    "tl/backend.py",
+    "tl/async_engine.py",
+}
+SERVE_FORBIDDEN = (
+    "tl.scheduler",
+    "tl.block_manager",
+    "tl.runner",
+    "tl.sequence",
+    "tl.sampler",
+    "tl.model.llama",
+    "jax",
+)
 
 
 def imports(path: Path) -> set[str]:

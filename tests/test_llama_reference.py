@@ -16,10 +16,21 @@ from tl.model.config import ModelConfig, ModelDirError
 
 
 def tiny_cfg(*, tied: bool = True, bias: bool = False, vocab: int = 160) -> ModelConfig:
-    return ModelConfig(architecture="Qwen2ForCausalLM" if bias else "LlamaForCausalLM", vocab_size=vocab,
-                       hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                       num_key_value_heads=2, head_dim=16, rope_theta=10000.0, rms_norm_eps=1e-5,
-                       max_position_embeddings=256, tie_word_embeddings=tied, attention_bias=bias)
+    return ModelConfig(
+        architecture="Qwen2ForCausalLM" if bias else "LlamaForCausalLM",
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=256,
+        tie_word_embeddings=tied,
+        attention_bias=bias,
+    )
 
 
 def random_hf(cfg: ModelConfig, seed: int) -> dict[str, np.ndarray]:
@@ -36,11 +47,17 @@ def random_hf(cfg: ModelConfig, seed: int) -> dict[str, np.ndarray]:
     t = {"model.embed_tokens.weight": w(cfg.vocab_size, D), "model.norm.weight": norm(D)}
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
-        t |= {p + "input_layernorm.weight": norm(D), p + "post_attention_layernorm.weight": norm(D),
-              p + "self_attn.q_proj.weight": w(q, D), p + "self_attn.k_proj.weight": w(kv, D),
-              p + "self_attn.v_proj.weight": w(kv, D), p + "self_attn.o_proj.weight": w(D, q),
-              p + "mlp.gate_proj.weight": w(F, D), p + "mlp.up_proj.weight": w(F, D),
-              p + "mlp.down_proj.weight": w(D, F)}
+        t |= {
+            p + "input_layernorm.weight": norm(D),
+            p + "post_attention_layernorm.weight": norm(D),
+            p + "self_attn.q_proj.weight": w(q, D),
+            p + "self_attn.k_proj.weight": w(kv, D),
+            p + "self_attn.v_proj.weight": w(kv, D),
+            p + "self_attn.o_proj.weight": w(D, q),
+            p + "mlp.gate_proj.weight": w(F, D),
+            p + "mlp.up_proj.weight": w(F, D),
+            p + "mlp.down_proj.weight": w(D, F),
+        }
         if cfg.attention_bias:
             for n, size in (("q", q), ("k", kv), ("v", kv)):
                 t[p + f"self_attn.{n}_proj.bias"] = (0.1 * rng.standard_normal(size)).astype(np.float32)
@@ -51,8 +68,9 @@ def random_hf(cfg: ModelConfig, seed: int) -> dict[str, np.ndarray]:
 
 # ---- independent numpy reference (float64) ----
 
+
 def np_rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
-    return x / np.sqrt((x ** 2).mean(-1, keepdims=True) + eps) * w
+    return x / np.sqrt((x**2).mean(-1, keepdims=True) + eps) * w
 
 
 def np_rope(x: np.ndarray, theta: float) -> np.ndarray:
@@ -61,7 +79,7 @@ def np_rope(x: np.ndarray, theta: float) -> np.ndarray:
     freqs = theta ** (-np.arange(hd // 2) * 2.0 / hd)
     ang = np.arange(T)[:, None] * freqs[None, :]  # [T, hd/2]
     c, s = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
-    x1, x2 = x[..., : hd // 2], x[..., hd // 2:]
+    x1, x2 = x[..., : hd // 2], x[..., hd // 2 :]
     return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
 
 
@@ -115,8 +133,9 @@ def test_param_shapes_match_init() -> None:
     for s, p in zip(jax.tree.leaves(shapes), jax.tree.leaves(params), strict=True):
         assert s.shape == p.shape and s.dtype == p.dtype
     specs = llama.param_partition_specs(cfg)
-    assert jax.tree.structure(specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)) == \
-        jax.tree.structure(shapes)
+    assert jax.tree.structure(specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)) == jax.tree.structure(
+        shapes
+    )
 
 
 def test_missing_tensor_is_named() -> None:

@@ -42,29 +42,35 @@ def test_pack_layout_and_split() -> None:
     for o, k in [(0, 0), (17, 33), (39, 69), (5, 31), (16, 32)]:
         hi, lo = (_f32(tiles[o // 16, k // 32, part, (k % 32) // 2, o % 16, k % 2]) for part in (0, 1))
         assert hi == np.float32(jnp.asarray(w[o, k]).astype(jnp.bfloat16).astype(jnp.float32))
-        assert abs(float(hi) + float(lo) - float(w[o, k])) <= 2.0 ** -16 * abs(float(w[o, k]))
+        assert abs(float(hi) + float(lo) - float(w[o, k])) <= 2.0**-16 * abs(float(w[o, k]))
     whole = _f32(tiles[:, :, 0]) + _f32(tiles[:, :, 1])  # [OB, KB, kp, o, j] -> [O, K]
     dense = whole.transpose(0, 3, 1, 2, 4).reshape(64, 96)
-    assert np.abs(dense[:40, :70] - w).max() <= 2.0 ** -16 * np.abs(w).max()
+    assert np.abs(dense[:40, :70] - w).max() <= 2.0**-16 * np.abs(w).max()
     assert not dense[40:].any() and not dense[:, 70:].any()
 
 
 @needs_amx
 @pytest.mark.parametrize("rows", [17, 31, 32, 33, 64, 100, 512])
-@pytest.mark.parametrize("shape", [(3, 5, 64, 576), (576, 1536), (23, 40), (6, 33), (13, 2, 48)],
-                         ids=["qkv", "down", "odd_k_and_o", "k_33", "o_26_k_48"])
+@pytest.mark.parametrize(
+    "shape",
+    [(3, 5, 64, 576), (576, 1536), (23, 40), (6, 33), (13, 2, 48)],
+    ids=["qkv", "down", "odd_k_and_o", "k_33", "o_26_k_48"],
+)
 def test_bf16x3_matches_float64(rows: int, shape: tuple[int, ...]) -> None:
     rng = np.random.default_rng(rows)
     x = rng.standard_normal((rows, shape[-1])).astype(np.float32)
     w = (rng.standard_normal(shape) / 8).astype(np.float32)
-    got = np.asarray(jax.jit(_lib().matmul_bf16x3, static_argnums=2)(jnp.asarray(x), jnp.asarray(
-        cpu_native.pack_bf16x3(w)), shape[:-1]))
+    got = np.asarray(
+        jax.jit(_lib().matmul_bf16x3, static_argnums=2)(
+            jnp.asarray(x), jnp.asarray(cpu_native.pack_bf16x3(w)), shape[:-1]
+        )
+    )
     x64, w64 = x.astype(np.float64), w.astype(np.float64)
     want = np.einsum("nk,...k->n...", x64, w64)
     assert got.shape == want.shape
     # Each product carries ~2^-16 of |x w| (x_lo w_lo dropped, the splits' residues), plus the
     # float32 sums.
-    bound = np.einsum("nk,...k->n...", np.abs(x64), np.abs(w64)) * 2.0 ** -15 + 1e-6
+    bound = np.einsum("nk,...k->n...", np.abs(x64), np.abs(w64)) * 2.0**-15 + 1e-6
     assert (np.abs(got - want) <= bound).all()
 
 
@@ -80,12 +86,13 @@ def test_stale_nan_does_not_reach_a_later_call() -> None:
     @jax.jit
     def both(bx: jax.Array, sx: jax.Array) -> jax.Array:
         y = _lib().matmul_bf16x3(bx, jnp.asarray(cpu_native.pack_bf16x3(big_w)), (32,))
-        return _lib().matmul_bf16x3(sx + 0 * jnp.nan_to_num(y[:17, :1]), jnp.asarray(cpu_native.pack_bf16x3(small_w)),
-                                        (20,))
+        return _lib().matmul_bf16x3(
+            sx + 0 * jnp.nan_to_num(y[:17, :1]), jnp.asarray(cpu_native.pack_bf16x3(small_w)), (20,)
+        )
 
     got = np.asarray(both(jnp.full((512, 64), jnp.nan, jnp.float32), jnp.asarray(small_x)))
     want = small_x.astype(np.float64) @ small_w.astype(np.float64).T
-    bound = np.abs(small_x.astype(np.float64)) @ np.abs(small_w.astype(np.float64)).T * 2.0 ** -15 + 1e-6
+    bound = np.abs(small_x.astype(np.float64)) @ np.abs(small_w.astype(np.float64)).T * 2.0**-15 + 1e-6
     assert (np.abs(got - want) <= bound).all()
 
 
@@ -95,8 +102,9 @@ def test_high_differs_from_float32_where_bf16x3_runs() -> None:
     rng = np.random.default_rng(1)
     x = jnp.asarray(rng.standard_normal((64, 576)).astype(np.float32))
     w = rng.standard_normal((960, 576)).astype(np.float32) / 8
-    high = np.asarray(jax.jit(_lib().matmul)(x, {"f32": jnp.asarray(w), "bf16x3": jnp.asarray(
-        cpu_native.pack_bf16x3(w))}))
+    high = np.asarray(
+        jax.jit(_lib().matmul)(x, {"f32": jnp.asarray(w), "bf16x3": jnp.asarray(cpu_native.pack_bf16x3(w))})
+    )
     f32 = np.asarray(jax.jit(_lib().matmul)(x, jnp.asarray(w)))
     diff = np.abs(high - f32).max()
     assert 0 < diff < 1e-3
@@ -105,7 +113,10 @@ def test_high_differs_from_float32_where_bf16x3_runs() -> None:
 @needs_amx
 def test_dispatch_by_rows() -> None:
     """Below HIGH_MIN_ROWS rows the float32 few-row kernel runs on "f32"; from it, bf16x3."""
-    w = {"f32": jnp.ones((32, 64), jnp.float32), "bf16x3": jnp.asarray(cpu_native.pack_bf16x3(np.ones((32, 64), np.float32)))}
+    w = {
+        "f32": jnp.ones((32, 64), jnp.float32),
+        "bf16x3": jnp.asarray(cpu_native.pack_bf16x3(np.ones((32, 64), np.float32))),
+    }
     lib = _lib()
     gemv, amx = lib.ffi_names["tl_gemv"], lib.ffi_names["tl_gemm_bf16x3"]
     few = str(jax.make_jaxpr(lib.matmul)(jnp.ones((cpu_native.HIGH_MIN_ROWS - 1, 64)), w))
@@ -142,8 +153,10 @@ def test_runner_high_matches_float32_runner() -> None:
         assert a.out == b.out and np.allclose(a.logprobs, b.logprobs, atol=1e-3)
 
 
-@pytest.mark.parametrize(("kw", "why"), [({"weight_dtype": "int8"}, "weight_dtype int8"),
-                                         ({"matmul_kernel": "xla"}, "the matmul is xla (configured)")])
+@pytest.mark.parametrize(
+    ("kw", "why"),
+    [({"weight_dtype": "int8"}, "weight_dtype int8"), ({"matmul_kernel": "xla"}, "the matmul is xla (configured)")],
+)
 def test_high_falls_back_with_a_reason(kw: dict, why: str) -> None:
     """int8 weights, or no native matmul (and, on a machine without AMX, everything) run
     highest, and say why."""

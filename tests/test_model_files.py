@@ -64,10 +64,15 @@ def test_sharded_equals_single(tmp_path: Path, qwen2: bool, tie: bool) -> None:
 def test_f16_and_bf16_are_widened_to_float32(tmp_path: Path) -> None:
     x = np.array([[1.5, -2.25], [0.0, 65280.0]], dtype=np.float32)
     bf16 = (x.view(np.uint32) >> 16).astype("<u2").tobytes()  # these values are exact in bf16
-    path = write_safetensors(tmp_path / "m.safetensors", {
-        "a": ("F16", (2, 2), x.astype("<f2").tobytes()), "b": ("BF16", (2, 2), bf16),
-        "c": ("F32", (2, 2), x.astype("<f4").tobytes()), "s": ("F32", (), np.float32(3).tobytes()),
-    })
+    path = write_safetensors(
+        tmp_path / "m.safetensors",
+        {
+            "a": ("F16", (2, 2), x.astype("<f2").tobytes()),
+            "b": ("BF16", (2, 2), bf16),
+            "c": ("F32", (2, 2), x.astype("<f4").tobytes()),
+            "s": ("F32", (), np.float32(3).tobytes()),
+        },
+    )
     got = read_safetensors(path)
     for k in "abc":
         assert got[k].dtype == np.float32 and np.array_equal(got[k], x), k
@@ -88,9 +93,12 @@ def test_missing_dir_config_and_weights_name_the_path(tmp_path: Path) -> None:
 
 def test_bad_json_names_the_file(tmp_path: Path) -> None:
     d = make_tiny_llama(tmp_path / "m", sharded=True)
-    for name, load in [("config.json", load_model_config), ("generation_config.json", load_generation_config),
-                       ("tokenizer_config.json", load_tokenizer_config),
-                       ("model.safetensors.index.json", read_tensors)]:
+    for name, load in [
+        ("config.json", load_model_config),
+        ("generation_config.json", load_generation_config),
+        ("tokenizer_config.json", load_tokenizer_config),
+        ("model.safetensors.index.json", read_tensors),
+    ]:
         good = (d / name).read_text()
         (d / name).write_text(good[:-3])
         with pytest.raises(ModelDirError, match=rf"{name}: not valid JSON"):
@@ -109,8 +117,11 @@ def test_missing_shard_and_missing_listed_tensor(tmp_path: Path) -> None:
     with pytest.raises(ModelDirError, match=r"model-00001-of-00002.safetensors: tensor 'extra.weight' listed"):
         read_tensors(d)
     (d / "model-00002-of-00002.safetensors").unlink()
-    with pytest.raises(ModelDirError, match=r"index.json: points at shard 'model-00002-of-00002.safetensors', "
-                                            r"which does not exist"):
+    with pytest.raises(
+        ModelDirError,
+        match=r"index.json: points at shard 'model-00002-of-00002.safetensors', "
+        r"which does not exist",
+    ):
         read_tensors(d)
     (d / "model.safetensors.index.json").write_text('{"metadata": {}}')
     with pytest.raises(ModelDirError, match=r"index.json: missing or malformed 'weight_map'"):
@@ -121,18 +132,23 @@ def test_truncated_and_malformed_safetensors(tmp_path: Path) -> None:
     d = make_tiny_llama(tmp_path / "m")
     path = d / "model.safetensors"
     data = path.read_bytes()
-    for cut, why in [(len(data) - 100, "ends at byte .*truncated file"), (40, "truncated safetensors file .header"),
-                     (5, "truncated safetensors file .5 bytes")]:
+    for cut, why in [
+        (len(data) - 100, "ends at byte .*truncated file"),
+        (40, "truncated safetensors file .header"),
+        (5, "truncated safetensors file .5 bytes"),
+    ]:
         path.write_bytes(data[:cut])
         with pytest.raises(ModelDirError, match=rf"model.safetensors.*{why}"):
             read_tensors(d)
     (n,) = struct.unpack("<Q", data[:8])
-    path.write_bytes(data[:8] + b"{" * n + data[8 + n:])
+    path.write_bytes(data[:8] + b"{" * n + data[8 + n :])
     with pytest.raises(ModelDirError, match="model.safetensors: malformed safetensors header"):
         read_tensors(d)
-    for info, why in [({"dtype": "F8_E4M3", "shape": [1], "data_offsets": [0, 1]}, "unsupported or missing dtype"),
-                      ({"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}, "do not match shape"),
-                      ({"dtype": "F32", "shape": "x", "data_offsets": [0, 8]}, "malformed shape")]:
+    for info, why in [
+        ({"dtype": "F8_E4M3", "shape": [1], "data_offsets": [0, 1]}, "unsupported or missing dtype"),
+        ({"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}, "do not match shape"),
+        ({"dtype": "F32", "shape": "x", "data_offsets": [0, 8]}, "malformed shape"),
+    ]:
         head = json.dumps({"w": info}).encode()
         path.write_bytes(struct.pack("<Q", len(head)) + head + bytes(8))
         with pytest.raises(ModelDirError, match=f"model.safetensors: tensor 'w'.*{why}"):
@@ -144,8 +160,11 @@ def test_wrong_shape_and_missing_tensor_are_named(tmp_path: Path) -> None:
     cfg = load_model_config(d)
     tensors = read_tensors(d)
     tensors["model.layers.1.mlp.up_proj.weight"] = tensors["model.layers.1.mlp.up_proj.weight"][:, :32]
-    with pytest.raises(ModelDirError, match=r"tensor 'model.layers.1.mlp.up_proj.weight' has shape \[128, 32\], "
-                                            r"expected \[128, 64\]"):
+    with pytest.raises(
+        ModelDirError,
+        match=r"tensor 'model.layers.1.mlp.up_proj.weight' has shape \[128, 32\], "
+        r"expected \[128, 64\]",
+    ):
         check_shapes(tensors, cfg)
     del tensors["model.norm.weight"]
     with pytest.raises(ModelDirError, match=r"tensor 'model.norm.weight' is missing \(expected shape \[64\]\)"):
@@ -167,9 +186,15 @@ def test_generation_and_tokenizer_config(tmp_path: Path) -> None:
         load_generation_config(d)
     (d / "generation_config.json").unlink()
     assert load_generation_config(d) == GenerationConfig()
-    (d / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": {"content": "<s>", "lstrip": False}, "eos_token": "</s>",
-        "chat_template": [{"name": "default", "template": "a"}, {"name": "tool_use", "template": "b"}]}))
+    (d / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": {"content": "<s>", "lstrip": False},
+                "eos_token": "</s>",
+                "chat_template": [{"name": "default", "template": "a"}, {"name": "tool_use", "template": "b"}],
+            }
+        )
+    )
     t = load_tokenizer_config(d)
     assert (t.bos_token, t.eos_token, t.chat_template) == ("<s>", "</s>", {"default": "a", "tool_use": "b"})
     (d / "tokenizer_config.json").write_text('{"eos_token": 5}')

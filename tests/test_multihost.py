@@ -34,8 +34,17 @@ def test_two_processes_form_one_job() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
-    procs = [subprocess.Popen([sys.executable, "-c", CHILD, f"127.0.0.1:{port}", str(i)], cwd=ROOT, env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", CHILD, f"127.0.0.1:{port}", str(i)],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
     outs = [p.communicate(timeout=120) for p in procs]
     for p, (out, err) in zip(procs, outs, strict=True):
         assert p.returncode == 0, err[-3000:]
@@ -49,8 +58,11 @@ def test_distributed_args_from_config_then_environment() -> None:
 
     assert distributed_args(EngineConfig(), {}) is None
     env = {"JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234", "JAX_NUM_PROCESSES": "4", "JAX_PROCESS_ID": "2"}
-    assert distributed_args(EngineConfig(), env) == {"coordinator_address": "10.0.0.1:1234", "num_processes": 4,
-                                                     "process_id": 2}
+    assert distributed_args(EngineConfig(), env) == {
+        "coordinator_address": "10.0.0.1:1234",
+        "num_processes": 4,
+        "process_id": 2,
+    }
     cfg = EngineConfig(coordinator_address="h:1", num_processes=2, process_id=0)
     assert distributed_args(cfg, env) == {"coordinator_address": "h:1", "num_processes": 2, "process_id": 0}
     assert distributed_args(EngineConfig(num_processes=8), {}) == {"num_processes": 8}  # the rest auto-detected

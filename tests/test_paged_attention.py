@@ -16,8 +16,9 @@ from kernels.paged_attention import AttnMetadata, paged_attention, to_stored
 L, BS, NB, HK, G, HD = 2, 4, 40, 2, 2, 8
 
 
-def build_case(rng: np.random.Generator, seqs: list[tuple[int, int]], pad: int, max_blocks: int = 10,
-               bs: int = BS, hd: int = HD) -> dict:
+def build_case(
+    rng: np.random.Generator, seqs: list[tuple[int, int]], pad: int, max_blocks: int = 10, bs: int = BS, hd: int = HD
+) -> dict:
     """seqs: (start_pos, num_new) per sequence. Returns cache, step tensors and full per-seq K/V."""
     k_cache = rng.standard_normal((L, NB, bs, HK, hd)).astype(np.float32)
     v_cache = rng.standard_normal((L, NB, bs, HK, hd)).astype(np.float32)
@@ -28,7 +29,7 @@ def build_case(rng: np.random.Generator, seqs: list[tuple[int, int]], pad: int, 
     layer = 1
     for s, (start, n) in enumerate(seqs):
         nblk = -(-(start + n) // bs)
-        tables[s, :nblk] = free[used:used + nblk]
+        tables[s, :nblk] = free[used : used + nblk]
         used += nblk
         kn = rng.standard_normal((n, HK, hd)).astype(np.float32)
         vn = rng.standard_normal((n, HK, hd)).astype(np.float32)
@@ -43,10 +44,20 @@ def build_case(rng: np.random.Generator, seqs: list[tuple[int, int]], pad: int, 
     k_new.append(rng.standard_normal((pad, HK, hd)).astype(np.float32))
     v_new.append(rng.standard_normal((pad, HK, hd)).astype(np.float32))
     T = len(seq_idx) + pad
-    return dict(k_cache=k_cache, v_cache=v_cache, tables=tables, layer=layer, bs=bs, hd=hd,
-                seq_idx=np.array(seq_idx + [-1] * pad, np.int32), positions=np.array(positions + [0] * pad, np.int32),
-                start=np.array([s for s, _ in seqs], np.int32), k_new=np.concatenate(k_new),
-                v_new=np.concatenate(v_new), q=rng.standard_normal((T, HK * G, hd)).astype(np.float32))
+    return dict(
+        k_cache=k_cache,
+        v_cache=v_cache,
+        tables=tables,
+        layer=layer,
+        bs=bs,
+        hd=hd,
+        seq_idx=np.array(seq_idx + [-1] * pad, np.int32),
+        positions=np.array(positions + [0] * pad, np.int32),
+        start=np.array([s for s, _ in seqs], np.int32),
+        k_new=np.concatenate(k_new),
+        v_new=np.concatenate(v_new),
+        q=rng.standard_normal((T, HK * G, hd)).astype(np.float32),
+    )
 
 
 def naive(c: dict) -> np.ndarray:
@@ -72,9 +83,14 @@ def inputs(c: dict, chunk_blocks: int = 2, bf16: bool = False, head_rows: int = 
     if bf16:
         kc = jax.lax.bitcast_convert_type(kc.astype(jnp.bfloat16), jnp.uint16)
         vc = jax.lax.bitcast_convert_type(vc.astype(jnp.bfloat16), jnp.uint16)
-    meta = AttnMetadata(seq_idx=jnp.asarray(c["seq_idx"]), positions=jnp.asarray(c["positions"]),
-                        start_pos=jnp.asarray(c["start"]), block_tables=jnp.asarray(c["tables"]),
-                        chunk_blocks=chunk_blocks, head_rows=head_rows)
+    meta = AttnMetadata(
+        seq_idx=jnp.asarray(c["seq_idx"]),
+        positions=jnp.asarray(c["positions"]),
+        start_pos=jnp.asarray(c["start"]),
+        block_tables=jnp.asarray(c["tables"]),
+        chunk_blocks=chunk_blocks,
+        head_rows=head_rows,
+    )
     return (jnp.asarray(c["q"]), jnp.asarray(c["k_new"]), jnp.asarray(c["v_new"]), kc, vc, jnp.int32(c["layer"]), meta)
 
 

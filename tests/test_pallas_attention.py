@@ -19,8 +19,12 @@ from test_paged_attention import MIXED, build_case, inputs, run
 from kernels import pallas_gpu, pallas_tpu, select
 
 NOT_GPU = jax.default_backend() != "gpu"  # on a GPU (bench/gpu_check.sh) the kernel runs natively
-CASES = {"mixed": (MIXED, 3), "decodes": ([(3, 1), (17, 1), (0, 1), (30, 1)], 0),
-         "prefill": ([(0, 9), (0, 2)], 5), "padded_seq": ([(6, 2), (0, 0)], 2)}
+CASES = {
+    "mixed": (MIXED, 3),
+    "decodes": ([(3, 1), (17, 1), (0, 1), (30, 1)], 0),
+    "prefill": ([(0, 9), (0, 2)], 5),
+    "padded_seq": ([(6, 2), (0, 0)], 2),
+}
 
 
 def _real(c: dict, x: np.ndarray) -> np.ndarray:
@@ -47,8 +51,9 @@ BOTH_DTYPES = pytest.mark.parametrize("bf16", [False, True], ids=["f32", "bf16"]
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_gpu_kernel_matches_reference(case: str, bf16: bool) -> None:
     """At the smallest shapes the compiled kernel takes: head_dim 16, two 8-token pages a block."""
-    _assert_matches_reference(case, bf16, jax.jit(lambda *a: pallas_gpu.paged_attention(*a, interpret=NOT_GPU)),
-                              bs=8, hd=16)
+    _assert_matches_reference(
+        case, bf16, jax.jit(lambda *a: pallas_gpu.paged_attention(*a, interpret=NOT_GPU)), bs=8, hd=16
+    )
 
 
 def test_gpu_kernel_refuses_shapes_triton_cannot_take() -> None:
@@ -67,13 +72,17 @@ def test_tpu_adaptation_matches_reference(case: str, bf16: bool) -> None:
     from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel
 
     padding_rows = _assert_matches_reference(
-        case, bf16, lambda *a: pallas_tpu.paged_attention(*a, impl=kernel.ref_ragged_paged_attention))
+        case, bf16, lambda *a: pallas_tpu.paged_attention(*a, impl=kernel.ref_ragged_paged_attention)
+    )
     assert not padding_rows.any()
 
 
-@pytest.mark.xfail(raises=Exception, strict=True,
-                   reason="jax 0.10.2's Pallas TPU interpreter has no ReshapeTransform (the kernel's "
-                          "`wait().reshape`); flips to XPASS when jax supports it")
+@pytest.mark.xfail(
+    raises=Exception,
+    strict=True,
+    reason="jax 0.10.2's Pallas TPU interpreter has no ReshapeTransform (the kernel's "
+    "`wait().reshape`); flips to XPASS when jax supports it",
+)
 def test_tpu_kernel_in_interpret_mode() -> None:
     seqs, pad = CASES["mixed"]
     c = build_case(np.random.default_rng(5), seqs, pad)
@@ -92,7 +101,9 @@ def test_selection_rules() -> None:
     c = build_case(np.random.default_rng(0), MIXED, 3)
     mesh, probe = default_mesh(), _probe(c)
     native, why = select.native_library("cpu", "auto")
-    assert select.select("auto", "cpu", mesh, True, probe, native, why).name == ("cpu_native" if native else "reference")
+    assert select.select("auto", "cpu", mesh, True, probe, native, why).name == (
+        "cpu_native" if native else "reference"
+    )
     assert select.select("pallas_gpu", "cpu", mesh, True, probe).name == "pallas_gpu (interpret)"
     gpu_probe = _probe(build_case(np.random.default_rng(0), MIXED, 3, bs=8, hd=16))
     assert select.select("auto", "gpu", mesh, True, gpu_probe).name == "pallas_gpu"
@@ -108,9 +119,17 @@ def test_runner_step_with_gpu_kernel(tiny_dir) -> None:  # type: ignore[no-untyp
     from tl.request import SamplingParams
     from tl.runner import ModelRunner
 
-    base = EngineConfig(model_dir=str(tiny_dir), num_kv_blocks=32, block_size=4, max_model_len=64,
-                        max_num_seqs=4, max_num_batched_tokens=32, token_buckets=(32,), seq_buckets=(4,),
-                        compile_cache_dir="")
+    base = EngineConfig(
+        model_dir=str(tiny_dir),
+        num_kv_blocks=32,
+        block_size=4,
+        max_model_len=64,
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        token_buckets=(32,),
+        seq_buckets=(4,),
+        compile_cache_dir="",
+    )
     outs = []
     for kernel in ("reference", "pallas_gpu"):
         runner = ModelRunner.from_model_dir(base.replace(attention_kernel=kernel))
@@ -119,10 +138,19 @@ def test_runner_step_with_gpu_kernel(tiny_dir) -> None:  # type: ignore[no-untyp
         prompts = ([1, 2, 3, 4, 5, 6, 7], [9, 8, 7])
         seqs = [list(p) for p in prompts]
         for step in range(4):
-            work = tuple(SeqWork(seq_id=i, token_ids=tuple(s if step == 0 else s[-1:]),
-                                 start_pos=0 if step == 0 else len(s) - 1, block_table=tables[i], sample=True,
-                                 params=SamplingParams(temperature=0.0), seed=0, num_generated=step)
-                         for i, s in enumerate(seqs))
+            work = tuple(
+                SeqWork(
+                    seq_id=i,
+                    token_ids=tuple(s if step == 0 else s[-1:]),
+                    start_pos=0 if step == 0 else len(s) - 1,
+                    block_table=tables[i],
+                    sample=True,
+                    params=SamplingParams(temperature=0.0),
+                    seed=0,
+                    num_generated=step,
+                )
+                for i, s in enumerate(seqs)
+            )
             res = runner.execute(SchedulerOutput(work=work))
             for i, r in enumerate(res.results):
                 seqs[i].append(r.token_ids[0])

@@ -25,15 +25,34 @@ from tl.runner import ModelRunner
 
 GREEDY = SamplingParams(temperature=0.0)
 # few buckets: every step variant costs seconds of XLA compile on a 2-core CPU
-ENGINE = EngineConfig(token_buckets=(8, 32), seq_buckets=(1, 4), num_kv_blocks=64, block_size=4,
-                      max_num_seqs=4, max_num_batched_tokens=32, max_logprobs=5, compile_cache_dir="")
+ENGINE = EngineConfig(
+    token_buckets=(8, 32),
+    seq_buckets=(1, 4),
+    num_kv_blocks=64,
+    block_size=4,
+    max_num_seqs=4,
+    max_num_batched_tokens=32,
+    max_logprobs=5,
+    compile_cache_dir="",
+)
 
 
 def tiny_cfg(vocab: int = 160, bias: bool = False, tied: bool = True) -> ModelConfig:
-    return ModelConfig(architecture="Qwen2ForCausalLM" if bias else "LlamaForCausalLM", vocab_size=vocab,
-                       hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                       num_key_value_heads=2, head_dim=16, rope_theta=10000.0, rms_norm_eps=1e-5,
-                       max_position_embeddings=128, tie_word_embeddings=tied, attention_bias=bias)
+    return ModelConfig(
+        architecture="Qwen2ForCausalLM" if bias else "LlamaForCausalLM",
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=128,
+        tie_word_embeddings=tied,
+        attention_bias=bias,
+    )
 
 
 def make_runner(engine: EngineConfig = ENGINE, seed: int = 0, **cfg_kw: object) -> tuple[ModelRunner, dict]:
@@ -61,7 +80,7 @@ def dense_greedy(params: dict, cfg: ModelConfig, prompt: list[int], n: int) -> t
         lp = jax.nn.log_softmax(logits[len(ids) - 1])
         ids.append(int(jnp.argmax(lp)))
         lps.append(float(lp[ids[-1]]))
-    return ids[len(prompt):], lps
+    return ids[len(prompt) :], lps
 
 
 @dataclass
@@ -98,9 +117,16 @@ class Driver:
         end = s.computed + n
         while len(s.blocks) * self.runner.block_size < end:
             s.blocks.append(self.free.pop())
-        return SeqWork(seq_id=s.seq_id, token_ids=tuple(s.tokens[s.computed:end]), start_pos=s.computed,
-                       block_table=tuple(s.blocks), sample=end >= len(s.prompt), params=s.params, seed=s.seed,
-                       num_generated=len(s.out))
+        return SeqWork(
+            seq_id=s.seq_id,
+            token_ids=tuple(s.tokens[s.computed : end]),
+            start_pos=s.computed,
+            block_table=tuple(s.blocks),
+            sample=end >= len(s.prompt),
+            params=s.params,
+            seed=s.seed,
+            num_generated=len(s.out),
+        )
 
     def step(self, seqs: list[Seq]) -> None:
         live = [s for s in seqs if not s.done]
@@ -190,11 +216,22 @@ def test_compile_count_flat_after_warmup(runner_and_params: tuple[ModelRunner, d
 
     monitoring.register_event_duration_secs_listener(listen)
     rng = np.random.default_rng(6)
-    mixes = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, top_k=5, logprobs=True, top_logprobs=3),
-             SamplingParams(temperature=1.0, top_p=0.8, min_p=0.1, frequency_penalty=0.5, logit_bias=((3, 2.0),))]
+    mixes = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.9, top_k=5, logprobs=True, top_logprobs=3),
+        SamplingParams(temperature=1.0, top_p=0.8, min_p=0.1, frequency_penalty=0.5, logit_bias=((3, 2.0),)),
+    ]
     for trial in range(6):
-        seqs = [Seq(i, rng.integers(0, 160, int(rng.integers(1, 14))).tolist(), int(rng.integers(1, 5)),
-                    mixes[(i + trial) % 3], seed=i) for i in range(int(rng.integers(1, 5)))]
+        seqs = [
+            Seq(
+                i,
+                rng.integers(0, 160, int(rng.integers(1, 14))).tolist(),
+                int(rng.integers(1, 5)),
+                mixes[(i + trial) % 3],
+                seed=i,
+            )
+            for i in range(int(rng.integers(1, 5)))
+        ]
         Driver(runner, seed=trial, chunk=int(rng.integers(1, 9))).run(seqs)
         assert all(len(s.out) >= s.max_new for s in seqs)
     assert runner.num_compilations == warm
@@ -276,8 +313,20 @@ def test_bfloat16_runs_with_bits_cache() -> None:
 def test_logits_are_the_dense_forwards_and_what_execute_samples(runner_and_params: tuple[ModelRunner, dict]) -> None:
     runner, params = runner_and_params
     prompt = [3, 1, 4, 1, 5]
-    plan = SchedulerOutput((SeqWork(seq_id=0, token_ids=tuple(prompt), start_pos=0, block_table=(7, 2), sample=True,
-                                    params=GREEDY, seed=0, num_generated=0),))
+    plan = SchedulerOutput(
+        (
+            SeqWork(
+                seq_id=0,
+                token_ids=tuple(prompt),
+                start_pos=0,
+                block_table=(7, 2),
+                sample=True,
+                params=GREEDY,
+                seed=0,
+                num_generated=0,
+            ),
+        )
+    )
     logits = runner.logits(plan)
     _, dense = _dense(params, runner.model_config, jnp.asarray(prompt + [0] * 3, jnp.int32))
     assert logits.shape == (1, runner.model_config.vocab_size)
@@ -291,10 +340,21 @@ def test_bf16_kv_cache_of_a_float32_model() -> None:
     """kv_cache_dtype "bfloat16": float32 weights and activations, the cache as bf16 bits. The native
     kernel (head dim 64, block 16: its vector fold) and the reference read it alike; against the
     float32 cache only bf16 rounding differs."""
-    cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=160, hidden_size=128, intermediate_size=192,
-                      num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
-                      rope_theta=10000.0, rms_norm_eps=1e-5, max_position_embeddings=128, tie_word_embeddings=True,
-                      attention_bias=False)
+    cfg = ModelConfig(
+        architecture="LlamaForCausalLM",
+        vocab_size=160,
+        hidden_size=128,
+        intermediate_size=192,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+        attention_bias=False,
+    )
     params = jax.tree.map(np.asarray, llama.init_params(cfg, jax.random.key(3)))
     # "highest": the reference attention runs with XLA's float32 dot, so the native one must too
     engine = ENGINE.replace(block_size=16, num_kv_blocks=16, matmul_precision="highest")

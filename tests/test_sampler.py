@@ -17,8 +17,14 @@ CHI2_CRIT = {4: 23.5, 5: 25.7, 9: 33.7}  # chi-square 0.9999 quantiles by degree
 _sample = jax.jit(sample)
 
 
-def run(logits: np.ndarray, params: list[SamplingParams], seeds: list[int], steps: list[int],
-        drafts: list[int] | None = None, outputs: list[list[int]] | None = None) -> tuple[np.ndarray, ...]:
+def run(
+    logits: np.ndarray,
+    params: list[SamplingParams],
+    seeds: list[int],
+    steps: list[int],
+    drafts: list[int] | None = None,
+    outputs: list[list[int]] | None = None,
+) -> tuple[np.ndarray, ...]:
     R, V = logits.shape
     drafts = drafts or [-1] * R
     sb = pack_rows(params, seeds, steps, drafts, R)
@@ -53,14 +59,17 @@ def test_frequencies_match_softmax_with_temperature() -> None:
     assert chi2(got, softmax(LOGITS / 0.7)) < CHI2_CRIT[9]
 
 
-@pytest.mark.parametrize("kw,support", [
-    (dict(top_k=3), [0, 1, 2]),
-    (dict(top_p=0.6), [0, 1, 2]),  # 0.30+0.20 = 0.50 < 0.6 <= 0.65
-    (dict(top_p=0.45), [0, 1]),
-    (dict(min_p=0.45), [0, 1, 2]),  # >= 0.135
-    (dict(top_k=4, top_p=0.9, min_p=0.45), [0, 1, 2]),  # top-k 4, top-p keeps 4; min-p drops .12
-    (dict(top_k=5, top_p=0.8), [0, 1, 2, 3]),  # top-p over the top-5 mass .85: .68 < .8*.85 <= .77
-])
+@pytest.mark.parametrize(
+    "kw,support",
+    [
+        (dict(top_k=3), [0, 1, 2]),
+        (dict(top_p=0.6), [0, 1, 2]),  # 0.30+0.20 = 0.50 < 0.6 <= 0.65
+        (dict(top_p=0.45), [0, 1]),
+        (dict(min_p=0.45), [0, 1, 2]),  # >= 0.135
+        (dict(top_k=4, top_p=0.9, min_p=0.45), [0, 1, 2]),  # top-k 4, top-p keeps 4; min-p drops .12
+        (dict(top_k=5, top_p=0.8), [0, 1, 2, 3]),  # top-p over the top-5 mass .85: .68 < .8*.85 <= .77
+    ],
+)
 def test_truncation_support_and_frequencies(kw: dict, support: list[int]) -> None:
     got = np.bincount(draws(LOGITS, SamplingParams(temperature=1.0, **kw), 4000), minlength=10)
     assert set(np.nonzero(got)[0]) == set(support)
@@ -127,10 +136,12 @@ def test_draft_accept_rate_is_its_probability() -> None:
 def test_penalties_and_logit_bias() -> None:
     V = 12
     logits = np.linspace(2.0, -1.0, V)[None].repeat(4, 0)
-    ps = [SamplingParams(temperature=0.0, frequency_penalty=2.0),
-          SamplingParams(temperature=0.0, presence_penalty=2.0),
-          SamplingParams(temperature=0.0, repetition_penalty=2.0),
-          SamplingParams(temperature=0.0, logit_bias=((7, 100.0),))]
+    ps = [
+        SamplingParams(temperature=0.0, frequency_penalty=2.0),
+        SamplingParams(temperature=0.0, presence_penalty=2.0),
+        SamplingParams(temperature=0.0, repetition_penalty=2.0),
+        SamplingParams(temperature=0.0, logit_bias=((7, 100.0),)),
+    ]
     outs = [[0, 0], [0, 1], [0, 1, 2], []]
     tok, lp, _ = run(logits, ps, [0] * 4, [0] * 4, outputs=outs)
     # freq: 2 - 4 = -2 -> token 1 (1.727); presence: 0,1 both -2 -> token 2; repetition: 0..2 at most 1 < 1.18 -> 3

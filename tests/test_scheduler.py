@@ -26,17 +26,30 @@ class Clock:
 
 
 def make(num_blocks: int = 16, **kw: Any) -> tuple[Scheduler, Clock]:
-    base: dict[str, Any] = {"block_size": 4, "num_kv_blocks": num_blocks, "max_num_seqs": 4,
-                            "max_num_batched_tokens": 16, "token_buckets": (16,), "seq_buckets": (4,),
-                            "prefill_chunk": 0, "prefix_cache": "none"}
+    base: dict[str, Any] = {
+        "block_size": 4,
+        "num_kv_blocks": num_blocks,
+        "max_num_seqs": 4,
+        "max_num_batched_tokens": 16,
+        "token_buckets": (16,),
+        "seq_buckets": (4,),
+        "prefill_chunk": 0,
+        "prefix_cache": "none",
+    }
     cfg = EngineConfig(**(base | kw))
     clock = Clock()
     bm = BlockManager(num_blocks, 4, cfg.prefix_cache == "radix")
     return Scheduler(cfg, bm, eos_token_ids=(0,), max_model_len=64, clock=clock), clock
 
 
-def add(s: Scheduler, seq_id: int, prompt: list[int], params: SamplingParams = GREEDY, priority: int = 0,
-        arrival_s: float = 0.0) -> Sequence:
+def add(
+    s: Scheduler,
+    seq_id: int,
+    prompt: list[int],
+    params: SamplingParams = GREEDY,
+    priority: int = 0,
+    arrival_s: float = 0.0,
+) -> Sequence:
     seq = Sequence(seq_id, tuple(prompt), params, seed=seq_id, priority=priority, arrival_s=arrival_s)
     s.add(seq)
     return seq
@@ -247,8 +260,7 @@ def test_prefix_hit_starts_at_the_cached_blocks() -> None:
 
 
 def test_drafts_advance_computed_tokens_only_over_accepted() -> None:
-    s, _ = make(speculative="prompt_lookup", num_speculative_tokens=4, max_num_batched_tokens=20,
-                token_buckets=(20,))
+    s, _ = make(speculative="prompt_lookup", num_speculative_tokens=4, max_num_batched_tokens=20, token_buckets=(20,))
     add(s, 0, [1, 2, 3, 1, 2])
     update(s, schedule(s), res(0, 3))  # tokens 1 2 3 1 2 3
     plan = schedule(s)

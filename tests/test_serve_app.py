@@ -42,6 +42,7 @@ def factory(kind: str, delay: float = 0.0, template: object = None) -> Callable[
             return AsyncEngine(FakeEngine(FakeRunner(), cfg, delay), ByteTokenizer(), tmpl, "succ", config=cfg)
         runner = SuccRunner(block_size=cfg.block_size, num_kv_blocks=256, step_delay_s=delay)
         return AsyncEngine(Engine(runner, cfg), ByteTokenizer(), tmpl, "succ", config=cfg)
+
     return build
 
 
@@ -59,6 +60,7 @@ def run(app: App, body: Callable[[App], Awaitable[None]], timeout: float = 20.0)
     async def main() -> None:
         async with served(app):
             await asyncio.wait_for(body(app), timeout)
+
     asyncio.run(main())
 
 
@@ -97,10 +99,19 @@ def test_hand_example_chat_completion(kind: str) -> None:
         doc = r.json()
         assert doc["id"].startswith("chatcmpl-") and isinstance(doc["created"], int)
         assert {k: v for k, v in doc.items() if k not in ("id", "created")} == {
-            "object": "chat.completion", "model": "succ",
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": "bcd"}, "logprobs": None,
-                         "finish_reason": "length"}],
-            "usage": {"prompt_tokens": 1, "completion_tokens": 3, "total_tokens": 4}}
+            "object": "chat.completion",
+            "model": "succ",
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": "bcd"},
+                    "logprobs": None,
+                    "finish_reason": "length",
+                }
+            ],
+            "usage": {"prompt_tokens": 1, "completion_tokens": 3, "total_tokens": 4},
+        }
+
     run(make_app(kind), body)
 
 
@@ -116,15 +127,22 @@ def test_stream_framing_role_first_then_done(kind: str) -> None:
         assert docs[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
         assert [d["choices"][0]["delta"] for d in docs[1:4]] == [{"content": c} for c in "bcd"]
         assert [d["choices"][0]["finish_reason"] for d in docs[:4]] == [None, None, None, "length"]
-        assert docs[4]["choices"] == [] and docs[4]["usage"] == {"prompt_tokens": 1, "completion_tokens": 3,
-                                                                 "total_tokens": 4}
+        assert docs[4]["choices"] == [] and docs[4]["usage"] == {
+            "prompt_tokens": 1,
+            "completion_tokens": 3,
+            "total_tokens": 4,
+        }
+
     run(make_app(kind), body)
 
 
 def test_stream_equals_nonstream_and_seeds_reproduce(kind: str) -> None:
     async def body(app: App) -> None:
-        for req in (chat(max_tokens=40, messages=[{"role": "user", "content": "hello"}]),
-                    chat(max_tokens=40, temperature=1.0, seed=7), chat(max_tokens=300, stop=["xyz", "~"])):
+        for req in (
+            chat(max_tokens=40, messages=[{"role": "user", "content": "hello"}]),
+            chat(max_tokens=40, temperature=1.0, seed=7),
+            chat(max_tokens=300, stop=["xyz", "~"]),
+        ):
             plain = (await call(app, "POST", CHAT, req)).json()["choices"][0]
             streamed = await call(app, "POST", CHAT, {**req, "stream": True})
             assert content(streamed) == plain["message"]["content"]
@@ -134,6 +152,7 @@ def test_stream_equals_nonstream_and_seeds_reproduce(kind: str) -> None:
         a, b = [(await call(app, "POST", CHAT, seeded)).json()["choices"][0]["message"]["content"] for _ in "ab"]
         c = (await call(app, "POST", CHAT, {**seeded, "seed": 99})).json()["choices"][0]["message"]["content"]
         assert a == b and a != c
+
     run(make_app(kind), body)
 
 
@@ -150,6 +169,7 @@ def test_stop_strings_end_generation_across_tokens(kind: str) -> None:
         doc = (await call(app, "POST", CHAT, chat(max_tokens=10, stop_token_ids=[101]))).json()
         assert doc["choices"][0]["message"]["content"] == "bcd" and doc["choices"][0]["finish_reason"] == "stop"
         await wait_for(lambda: app.engine is not None and app.engine.stats().running == 0, 2.0)
+
     run(make_app(kind), body)
 
 
@@ -172,8 +192,13 @@ BAD = [
     (CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 422, "tools", "unsupported_parameter"),
     (CHAT, chat(tool_choice="auto"), 422, "tool_choice", "unsupported_parameter"),
     (CHAT, chat(response_format={"type": "json_object"}), 422, "response_format", "unsupported_parameter"),
-    (CHAT, chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
-     422, "messages[0].content[0].type", "unsupported_parameter"),
+    (
+        CHAT,
+        chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
+        422,
+        "messages[0].content[0].type",
+        "unsupported_parameter",
+    ),
     (CHAT, chat(model="gpt-4"), 404, "model", "model_not_found"),
     ("/v1/completions", {"model": "succ", "prompt": "a", "echo": True}, 422, "echo", "unsupported_parameter"),
     ("/v1/completions", {"model": "succ", "prompt": "a", "max_tokens": 0}, 400, "max_tokens", None),
@@ -210,6 +235,7 @@ def test_errors_use_the_openai_shape(kind: str) -> None:
         assert all(s in r.error()["message"] for s in ("512", "600", "1 in the prompt"))
         r = await call(app, "POST", CHAT, chat(messages=[{"role": "user", "content": "x"}], unknown_field=[1]))
         assert r.status == 200
+
     run(make_app(kind, max_body_bytes=4096), body)
 
 
@@ -220,16 +246,34 @@ def test_completions_endpoint_and_usage(kind: str) -> None:
         text = "".join(chr(c) for c in range(98, 98 + 16))
         assert doc["choices"] == [{"index": 0, "text": text, "logprobs": None, "finish_reason": "length"}]
         assert doc["usage"] == {"prompt_tokens": 1, "completion_tokens": 16, "total_tokens": 17}
-        doc = (await call(app, "POST", "/v1/completions", {"model": "succ", "prompt": [[97], [65, 66]],
-                                                            "max_tokens": 2, "temperature": 0})).json()
+        doc = (
+            await call(
+                app,
+                "POST",
+                "/v1/completions",
+                {"model": "succ", "prompt": [[97], [65, 66]], "max_tokens": 2, "temperature": 0},
+            )
+        ).json()
         assert [c["text"] for c in doc["choices"]] == ["bc", "CD"] and doc["usage"]["prompt_tokens"] == 3
-        r = await call(app, "POST", "/v1/completions", {"model": "succ", "prompt": "a", "max_tokens": 3,
-                                                        "temperature": 0, "stream": True, "logprobs": 1,
-                                                        "stream_options": {"include_usage": True}})
+        r = await call(
+            app,
+            "POST",
+            "/v1/completions",
+            {
+                "model": "succ",
+                "prompt": "a",
+                "max_tokens": 3,
+                "temperature": 0,
+                "stream": True,
+                "logprobs": 1,
+                "stream_options": {"include_usage": True},
+            },
+        )
         docs = [json.loads(e) for e in r.events()[:-1]]
         assert "".join(d["choices"][0]["text"] for d in docs[:-1]) == "bcd"
         assert docs[-2]["choices"][0]["finish_reason"] == "length" and docs[-1]["usage"]["completion_tokens"] == 3
         assert docs[0]["choices"][0]["logprobs"]["tokens"] == ["b"]
+
     run(make_app(kind), body)
 
 
@@ -243,6 +287,7 @@ def test_usage_counts_the_templated_prompt(kind: str) -> None:
         assert tok["count"] == len(rendered.encode()) and tok["tokens"] == list(rendered.encode())
         # the generation prompt's last token is "\n" (10): the succ continuation starts at 11
         assert doc["choices"][0]["message"]["content"] == "\x0b\x0c"
+
     run(make_app(kind, template=RoleTemplate()), body)
 
 
@@ -268,6 +313,7 @@ def test_full_queue_answers_429_with_retry_after(kind: str) -> None:
         assert r2.status == 200 and r2.json()["choices"][0]["message"]["content"] == "bcd"
         r5 = await call(app, "POST", "/v1/embeddings", {"model": "succ", "input": ["a", "b"]})
         assert r5.status == 200 and len(r5.json()["data"]) == 2  # served once the queue drained
+
     run(make_app(kind, 0.01, max_num_seqs=1, seq_buckets=(1,), queue_capacity=1), body)
 
 
@@ -277,17 +323,24 @@ def test_disconnect_frees_blocks_within_a_step(kind: str) -> None:
             task = asyncio.create_task(call(app, "POST", CHAT, req, disconnect_after=0.15))
             await wait_for(lambda: metric(app, "tl_engine_active_sequences") == 1, 2.0)
             await task
-            await wait_for(lambda: metric(app, "tl_engine_active_sequences") == 0
-                           and metric(app, 'tl_engine_kv_blocks{state="used"}') == 0, 2.0)
+            await wait_for(
+                lambda: (
+                    metric(app, "tl_engine_active_sequences") == 0
+                    and metric(app, 'tl_engine_kv_blocks{state="used"}') == 0
+                ),
+                2.0,
+            )
             assert app.inflight == 0
+
     run(make_app(kind, 0.01), body)
 
 
 def test_drain_finishes_in_flight_and_refuses_new(kind: str) -> None:
     async def body(app: App) -> None:
         started = asyncio.Event()
-        stream = asyncio.create_task(call(app, "POST", CHAT, chat(max_tokens=30, stream=True),
-                                          on_message=lambda b: started.set()))
+        stream = asyncio.create_task(
+            call(app, "POST", CHAT, chat(max_tokens=30, stream=True), on_message=lambda b: started.set())
+        )
         await started.wait()
         assert app.is_ready()
         app.begin_drain()
@@ -300,20 +353,23 @@ def test_drain_finishes_in_flight_and_refuses_new(kind: str) -> None:
         assert done.events()[-1] == "[DONE]" and len(content(done)) == 30
         assert app._drain_task is not None
         await asyncio.wait_for(app._drain_task, 2.0)
+
     run(make_app(kind, 0.01), body)
 
 
 def test_drain_deadline_aborts_with_an_error_event(kind: str) -> None:
     async def body(app: App) -> None:
         started = asyncio.Event()
-        stream = asyncio.create_task(call(app, "POST", CHAT, chat(max_tokens=400, stream=True),
-                                          on_message=lambda b: started.set()))
+        stream = asyncio.create_task(
+            call(app, "POST", CHAT, chat(max_tokens=400, stream=True), on_message=lambda b: started.set())
+        )
         await started.wait()
         app.begin_drain()
         done = await stream
         events = done.events()
         assert events[-1] == "[DONE]" and "error" in json.loads(events[-2])
         await wait_for(lambda: metric(app, 'tl_engine_kv_blocks{state="used"}') == 0, 2.0)
+
     run(make_app(kind, 0.01, drain_timeout_s=0.2), body)
 
 
@@ -327,10 +383,14 @@ def test_embeddings_are_mean_pooled_and_normalized(kind: str) -> None:
             assert d["embedding"] == pytest.approx(fake_embedding(list(text.encode())))
             assert sum(x * x for x in d["embedding"]) == pytest.approx(1.0)
         assert doc["usage"] == {"prompt_tokens": 9, "total_tokens": 9}
-        doc = (await call(app, "POST", "/v1/embeddings", {"model": "succ", "input": [[1, 2, 3]],
-                                                          "encoding_format": "base64"})).json()
+        doc = (
+            await call(
+                app, "POST", "/v1/embeddings", {"model": "succ", "input": [[1, 2, 3]], "encoding_format": "base64"}
+            )
+        ).json()
         raw = base64.b64decode(doc["data"][0]["embedding"])
         assert list(struct.unpack(f"<{len(raw) // 4}f", raw)) == pytest.approx(fake_embedding([1, 2, 3]), abs=1e-6)
+
     run(make_app(kind), body)
 
 
@@ -346,12 +406,14 @@ def test_embeddings_limits_name_the_input() -> None:
         r = await call(app, "POST", "/v1/embeddings", {"model": "succ", "input": list(range(2100))})
         assert r.status == 400 and r.error()["code"] == "context_length_exceeded"  # one input of 2100 ids
         assert (await call(app, "POST", "/v1/embeddings", {"model": "succ", "input": ["a"] * 2048})).status == 200
+
     run(make_app("real", max_model_len=512), body, timeout=60)
 
 
 def test_streams_keep_their_cadence_through_a_large_embeddings_request() -> None:
     """A 2,048-input embeddings request is prompt work in many steps, and a running stream gets a
     token in every one of them; the queue counts the request once; its blocks are free at the end."""
+
     async def body(app: App) -> None:
         seen = [0]
         started = asyncio.Event()
@@ -359,13 +421,14 @@ def test_streams_keep_their_cadence_through_a_large_embeddings_request() -> None
         def on_message(b: bytes) -> None:
             seen[0] += 1
             started.set()
-        stream = asyncio.create_task(call(app, "POST", CHAT, chat(max_tokens=500, stream=True),
-                                          on_message=on_message))
+
+        stream = asyncio.create_task(call(app, "POST", CHAT, chat(max_tokens=500, stream=True), on_message=on_message))
         await started.wait()
         inputs = [bytes([65 + i % 26]) * (1 + i % 40) for i in range(2048)]
         steps0, seen0 = metric(app, "tl_engine_steps_total"), seen[0]
-        emb = asyncio.create_task(call(app, "POST", "/v1/embeddings",
-                                       {"model": "succ", "input": [x.decode() for x in inputs]}))
+        emb = asyncio.create_task(
+            call(app, "POST", "/v1/embeddings", {"model": "succ", "input": [x.decode() for x in inputs]})
+        )
         await wait_for(lambda: metric(app, "tl_engine_active_sequences") > 1, 5.0)
         assert metric(app, "tl_engine_queue_depth") <= 1
         r = await emb
@@ -381,21 +444,29 @@ def test_streams_keep_their_cadence_through_a_large_embeddings_request() -> None
         assert done.events()[-1] == "[DONE]" and len(content(done)) == 500
         await wait_for(lambda: metric(app, 'tl_engine_kv_blocks{state="used"}') == 0, 2.0)
         assert metric(app, "tl_engine_capped_steps_total") > 0
+
     run(make_app("real", 0.002, prompt_tokens_while_decoding=64), body, timeout=120)
 
 
 def test_embeddings_disconnect_aborts_and_frees_blocks(kind: str) -> None:
     async def body(app: App) -> None:
         inputs = ["x" * 200] * 64
-        task = asyncio.create_task(call(app, "POST", "/v1/embeddings", {"model": "succ", "input": inputs},
-                                        disconnect_after=0.1))
+        task = asyncio.create_task(
+            call(app, "POST", "/v1/embeddings", {"model": "succ", "input": inputs}, disconnect_after=0.1)
+        )
         await task
-        await wait_for(lambda: metric(app, "tl_engine_active_sequences") == 0
-                       and metric(app, 'tl_engine_kv_blocks{state="used"}') == 0
-                       and metric(app, "tl_engine_queue_depth") == 0, 2.0)
+        await wait_for(
+            lambda: (
+                metric(app, "tl_engine_active_sequences") == 0
+                and metric(app, 'tl_engine_kv_blocks{state="used"}') == 0
+                and metric(app, "tl_engine_queue_depth") == 0
+            ),
+            2.0,
+        )
         assert app.inflight == 0
         r = await call(app, "POST", "/v1/embeddings", {"model": "succ", "input": "ab"})
         assert r.status == 200
+
     run(make_app(kind, 0.02), body)
 
 
@@ -407,6 +478,7 @@ def test_drain_deadline_aborts_an_embeddings_request_with_503() -> None:
         r = await task
         assert r.status == 503 and r.error()["code"] == "aborted" and r.headers["retry-after"] == "1"
         await wait_for(lambda: metric(app, 'tl_engine_kv_blocks{state="used"}') == 0, 2.0)
+
     run(make_app("real", 0.02, drain_timeout_s=0.2), body)
 
 
@@ -430,23 +502,33 @@ def test_tokenize_models_health_and_request_id(kind: str) -> None:
         text = app.metrics.render("")[0].decode()
         assert 'tl_http_requests_total{endpoint="/v1/chat/completions",status="200"} 3.0' in text
         assert "tl_request_time_to_first_token_seconds_count 3.0" in text
+
     run(make_app(kind), body)
 
 
 def test_concurrent_streams_equal_serial(kind: str) -> None:
     async def body(app: App) -> None:
-        reqs = [chat(messages=[{"role": "user", "content": chr(65 + i) * (i + 1)}], max_tokens=12 + i,
-                     stream=True, **({"temperature": 0.8, "seed": i} if i % 2 else {})) for i in range(8)]
+        reqs = [
+            chat(
+                messages=[{"role": "user", "content": chr(65 + i) * (i + 1)}],
+                max_tokens=12 + i,
+                stream=True,
+                **({"temperature": 0.8, "seed": i} if i % 2 else {}),
+            )
+            for i in range(8)
+        ]
         serial = [content(await call(app, "POST", CHAT, r)) for r in reqs]
         parallel = await asyncio.gather(*(call(app, "POST", CHAT, r) for r in reqs))
         assert [content(r) for r in parallel] == serial
+
     run(make_app(kind, 0.002), body)
 
 
 def test_n_choices_logprobs_priority_and_engine_failure(kind: str) -> None:
     async def body(app: App) -> None:
-        doc = (await call(app, "POST", CHAT, chat(n=2, logprobs=True, top_logprobs=2),
-                          headers={"X-TL-Priority": "5"})).json()
+        doc = (
+            await call(app, "POST", CHAT, chat(n=2, logprobs=True, top_logprobs=2), headers={"X-TL-Priority": "5"})
+        ).json()
         assert [c["index"] for c in doc["choices"]] == [0, 1]
         assert all(c["message"]["content"] == "bcd" for c in doc["choices"])
         lp = doc["choices"][0]["logprobs"]["content"]
@@ -461,8 +543,9 @@ def test_n_choices_logprobs_priority_and_engine_failure(kind: str) -> None:
         assert app.engine is not None
         eng = app.engine.engine
         started = asyncio.Event()
-        task = asyncio.create_task(call(app, "POST", CHAT, chat(max_tokens=300, stream=True),
-                                        on_message=lambda b: started.set()))
+        task = asyncio.create_task(
+            call(app, "POST", CHAT, chat(max_tokens=300, stream=True), on_message=lambda b: started.set())
+        )
         await started.wait()
         if isinstance(eng, Engine):
             original = eng.runner.execute
@@ -470,12 +553,14 @@ def test_n_choices_logprobs_priority_and_engine_failure(kind: str) -> None:
             def boom(plan: object) -> object:
                 eng.runner.execute = original  # type: ignore[method-assign]
                 raise RuntimeError("boom")
+
             eng.runner.execute = boom  # type: ignore[method-assign]
         else:
             eng.fail_next_step = True  # type: ignore[attr-defined]
         events = (await task).events()
         assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["type"] == "server_error"
         assert (await call(app, "POST", CHAT, HAND)).json()["choices"][0]["message"]["content"] == "bcd"
+
     run(make_app(kind, 0.002), body)
 
 
@@ -488,14 +573,16 @@ def test_api_keys_and_ping(kind: str) -> None:
         app.ping_interval_s = 0.05
         r = await call(app, "POST", CHAT, chat(max_tokens=2, stream=True), headers={"Authorization": "Bearer k1"})
         assert b": ping\n\n" in r.body and content(r) == "bc"
+
     run(make_app(kind, 0.12, api_keys=("k1", "k2")), body)
 
 
 def test_queue_deadline_answers_503_no_capacity(kind: str) -> None:
     async def body(app: App) -> None:
         started = asyncio.Event()
-        first = asyncio.create_task(call(app, "POST", CHAT, chat(max_tokens=30, stream=True),
-                                         on_message=lambda b: started.set()))
+        first = asyncio.create_task(
+            call(app, "POST", CHAT, chat(max_tokens=30, stream=True), on_message=lambda b: started.set())
+        )
         await started.wait()
         r = await call(app, "POST", CHAT, HAND)
         assert r.status == 503 and r.error()["code"] == "no_capacity" and r.headers["retry-after"] == "1"
@@ -503,4 +590,5 @@ def test_queue_deadline_answers_503_no_capacity(kind: str) -> None:
         events = r.events()
         assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "no_capacity"
         assert content(await first) == "".join(chr(98 + i) for i in range(30))
+
     run(make_app(kind, 0.01, max_num_seqs=1, seq_buckets=(1,), queue_deadline_ms=60), body)

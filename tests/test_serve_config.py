@@ -20,30 +20,43 @@ def test_shipped_runtime_toml_is_the_defaults() -> None:
 
 def test_keys_and_env_overrides_by_type() -> None:
     text = '[engine]\nmodel_dir = "m/succ"\nprefill_chunk = 64\nhttp_listen = ":8000"\ndrain_timeout_s = 5\n'
-    env = {"TL_ENGINE__MODEL_DIR": "other/dir", "TL_ENGINE__PREFILL_CHUNK": "32",
-           "TL_ENGINE__TOKEN_BUCKETS": "16,32,512", "TL_ENGINE__API_KEYS": "k1, k2",
-           "TL_ENGINE__QUEUE_DEADLINE_MS": "250", "TL_ENGINE__DRAIN_TIMEOUT_S": "1.5", "PATH": "/bin"}
+    env = {
+        "TL_ENGINE__MODEL_DIR": "other/dir",
+        "TL_ENGINE__PREFILL_CHUNK": "32",
+        "TL_ENGINE__TOKEN_BUCKETS": "16,32,512",
+        "TL_ENGINE__API_KEYS": "k1, k2",
+        "TL_ENGINE__QUEUE_DEADLINE_MS": "250",
+        "TL_ENGINE__DRAIN_TIMEOUT_S": "1.5",
+        "PATH": "/bin",
+    }
     cfg = parse_runtime_toml(text, env)
-    assert (cfg.model_dir, cfg.prefill_chunk, cfg.token_buckets, cfg.api_keys) == ("other/dir", 32, (16, 32, 512),
-                                                                                  ("k1", "k2"))
+    assert (cfg.model_dir, cfg.prefill_chunk, cfg.token_buckets, cfg.api_keys) == (
+        "other/dir",
+        32,
+        (16, 32, 512),
+        ("k1", "k2"),
+    )
     assert (cfg.queue_deadline_ms, cfg.drain_timeout_s, cfg.http_listen) == (250, 1.5, ":8000")
     assert cfg.served_model_id() == "dir"
     assert parse_runtime_toml(text, {}).drain_timeout_s == 5.0
     assert parse_listen(":8000") == ("0.0.0.0", 8000) and parse_listen("127.0.0.1:9") == ("127.0.0.1", 9)
 
 
-@pytest.mark.parametrize("text,env,names", [
-    ("[engine]\nmodel_dirr = 'x'\n", {}, ["model_dirr"]),
-    ("[engine]\n[server]\nport = 1\n", {}, ["server"]),
-    ("[engine]\nprefill_chunk = 'big'\n", {}, ["prefill_chunk", "'big'"]),
-    ("[engine]\nprefix_cache = 'lru'\n", {}, ["prefix_cache", "lru"]),
-    ("[engine]\ntoken_buckets = [16, 'x']\n", {}, ["token_buckets"]),
-    ("[engine]\nqueue_capacity = 0\n", {}, ["queue_capacity", "0"]),
-    ("[engine]\n", {"TL_ENGINE__NOPE": "1"}, ["TL_ENGINE__NOPE"]),
-    ("[engine]\n", {"TL_ENGINE__PREFILL_CHUNK": "lots"}, ["TL_ENGINE__PREFILL_CHUNK", "lots"]),
-    ("[engine]\n", {"TL_ENGINE__BLOCK_SIZE": "3"}, ["block_size", "3"]),
-    ("[engine\n", {}, ["runtime.toml"]),
-])
+@pytest.mark.parametrize(
+    "text,env,names",
+    [
+        ("[engine]\nmodel_dirr = 'x'\n", {}, ["model_dirr"]),
+        ("[engine]\n[server]\nport = 1\n", {}, ["server"]),
+        ("[engine]\nprefill_chunk = 'big'\n", {}, ["prefill_chunk", "'big'"]),
+        ("[engine]\nprefix_cache = 'lru'\n", {}, ["prefix_cache", "lru"]),
+        ("[engine]\ntoken_buckets = [16, 'x']\n", {}, ["token_buckets"]),
+        ("[engine]\nqueue_capacity = 0\n", {}, ["queue_capacity", "0"]),
+        ("[engine]\n", {"TL_ENGINE__NOPE": "1"}, ["TL_ENGINE__NOPE"]),
+        ("[engine]\n", {"TL_ENGINE__PREFILL_CHUNK": "lots"}, ["TL_ENGINE__PREFILL_CHUNK", "lots"]),
+        ("[engine]\n", {"TL_ENGINE__BLOCK_SIZE": "3"}, ["block_size", "3"]),
+        ("[engine\n", {}, ["runtime.toml"]),
+    ],
+)
 def test_unknown_keys_and_bad_values_are_refused_by_name(text: str, env: dict[str, str], names: list[str]) -> None:
     with pytest.raises(ConfigError) as e:
         parse_runtime_toml(text, env)
@@ -59,5 +72,17 @@ def test_launch_argv_uses_http_listen(tmp_path: Path) -> None:
     p = tmp_path / "rt.toml"
     p.write_text('[engine]\nhttp_listen = "127.0.0.1:8123"\n')
     argv = granian_argv(str(p))
-    assert argv[1:] == ["--interface", "asgi", "--host", "127.0.0.1", "--port", "8123", "--workers", "1",
-                        "--http", "1", "--no-ws", "serve.app:app"]
+    assert argv[1:] == [
+        "--interface",
+        "asgi",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "8123",
+        "--workers",
+        "1",
+        "--http",
+        "1",
+        "--no-ws",
+        "serve.app:app",
+    ]

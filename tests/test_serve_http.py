@@ -41,18 +41,29 @@ class Server:
 
 
 @contextmanager
-def server(tmp_path: Path, extra: str = "", env: dict[str, str] | None = None,
-           expect_ready: bool = True, via_cli: bool = False) -> Iterator[Server]:
+def server(
+    tmp_path: Path, extra: str = "", env: dict[str, str] | None = None, expect_ready: bool = True, via_cli: bool = False
+) -> Iterator[Server]:
     port, hport = free_port(), free_port()
     cfg = tmp_path / "runtime.toml"
-    cfg.write_text(f'[engine]\nmodel_dir = "models/succ"\nblock_size = 4\nhttp_listen = "127.0.0.1:{port}"\n'
-                   f'health_listen = "127.0.0.1:{hport}"\n{extra}')
-    full_env = {**os.environ, "TL_CONFIG": str(cfg), "TL_ENGINE_FACTORY": "fake_engine:make_real_async_engine",
-                "PYTHONPATH": f"{ROOT / 'tests'}{os.pathsep}{ROOT}", **(env or {})}
+    cfg.write_text(
+        f'[engine]\nmodel_dir = "models/succ"\nblock_size = 4\nhttp_listen = "127.0.0.1:{port}"\n'
+        f'health_listen = "127.0.0.1:{hport}"\n{extra}'
+    )
+    full_env = {
+        **os.environ,
+        "TL_CONFIG": str(cfg),
+        "TL_ENGINE_FACTORY": "fake_engine:make_real_async_engine",
+        "PYTHONPATH": f"{ROOT / 'tests'}{os.pathsep}{ROOT}",
+        **(env or {}),
+    }
     argv = granian_argv(port)
     if via_cli:  # `tl serve --config`: checks the config, then execs granian in its place
-        argv = [sys.executable, "-c", f"import sys; from tl.cli import main; sys.exit(main(['serve', '--config', "
-                                      f"{str(cfg)!r}]))"]
+        argv = [
+            sys.executable,
+            "-c",
+            f"import sys; from tl.cli import main; sys.exit(main(['serve', '--config', {str(cfg)!r}]))",
+        ]
     ready = f"http://127.0.0.1:{port}/healthz" if expect_ready else None
     with running(argv, full_env, ready, timeout_s=20) as proc:
         yield Server(proc, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{hport}")
@@ -69,21 +80,33 @@ def test_health_port_tokenize_models_and_openai_client(tmp_path: Path) -> None:
         assert httpx.get(f"{srv.api}/v1/models").status_code == 401
         client = openai.OpenAI(base_url=f"{srv.api}/v1", api_key="sk-test", max_retries=0)
         assert [m.id for m in client.models.list().data] == ["succ"]
-        r = client.chat.completions.create(model="succ", messages=[{"role": "user", "content": "a"}], max_tokens=3,
-                                           temperature=0)
+        r = client.chat.completions.create(
+            model="succ", messages=[{"role": "user", "content": "a"}], max_tokens=3, temperature=0
+        )
         assert r.choices[0].message.content == "bcd" and r.choices[0].finish_reason == "length"
         assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (1, 3)  # type: ignore[union-attr]
-        r = client.chat.completions.create(model="succ", messages=[{"role": "user", "content": "a"}],
-                                           max_completion_tokens=10, temperature=0, stop=["de"])
+        r = client.chat.completions.create(
+            model="succ",
+            messages=[{"role": "user", "content": "a"}],
+            max_completion_tokens=10,
+            temperature=0,
+            stop=["de"],
+        )
         assert r.choices[0].message.content == "bc" and r.choices[0].finish_reason == "stop"
-        stream = client.chat.completions.create(model="succ", messages=[{"role": "user", "content": "a"}],
-                                                max_tokens=5, temperature=0, stream=True,
-                                                stream_options={"include_usage": True})
+        stream = client.chat.completions.create(
+            model="succ",
+            messages=[{"role": "user", "content": "a"}],
+            max_tokens=5,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
         chunks = list(stream)
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "bcdef"
         assert chunks[-1].usage is not None and chunks[-1].usage.total_tokens == 6
-        with client.chat.completions.stream(model="succ", messages=[{"role": "user", "content": "a"}],
-                                            max_tokens=10, temperature=0, stop="f") as s:
+        with client.chat.completions.stream(
+            model="succ", messages=[{"role": "user", "content": "a"}], max_tokens=10, temperature=0, stop="f"
+        ) as s:
             assert s.get_final_completion().choices[0].message.content == "bcde"
         c = client.completions.create(model="succ", prompt="a", temperature=0)
         assert len(c.choices[0].text) == 16 and c.usage.completion_tokens == 16  # type: ignore[union-attr]
@@ -98,10 +121,16 @@ def test_health_port_tokenize_models_and_openai_client(tmp_path: Path) -> None:
             client.chat.completions.create(model="gpt-x", messages=[{"role": "user", "content": "a"}])
         assert nf.value.code == "model_not_found"
         with pytest.raises(openai.UnprocessableEntityError):
-            client.chat.completions.create(model="succ", messages=[{"role": "user", "content": "a"}],
-                                           tools=[{"type": "function", "function": {"name": "f"}}])
-        r2 = httpx.post(f"{srv.api}/v1/tokenize", json={"prompt": "ab"}, headers={"Authorization": "Bearer sk-test",
-                                                                                  "X-Request-Id": "t-9"})
+            client.chat.completions.create(
+                model="succ",
+                messages=[{"role": "user", "content": "a"}],
+                tools=[{"type": "function", "function": {"name": "f"}}],
+            )
+        r2 = httpx.post(
+            f"{srv.api}/v1/tokenize",
+            json={"prompt": "ab"},
+            headers={"Authorization": "Bearer sk-test", "X-Request-Id": "t-9"},
+        )
         assert r2.json()["tokens"] == [97, 98] and r2.headers["x-request-id"] == "t-9"
 
 
@@ -150,8 +179,7 @@ def test_429_disconnect_and_drain(tmp_path: Path) -> None:
                     assert [ln for ln in rest if ln][-1] == "data: [DONE]"
                     q = [ln for ln in queued.iter_lines() if ln]
                     assert q[-1] == "data: [DONE]"
-                    text = "".join(json.loads(ln[6:])["choices"][0]["delta"].get("content") or ""
-                                   for ln in q[:-1])
+                    text = "".join(json.loads(ln[6:])["choices"][0]["delta"].get("content") or "" for ln in q[:-1])
                     assert text == "BCD"
         assert srv.proc.wait(10) == 0
 

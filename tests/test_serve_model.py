@@ -24,9 +24,19 @@ CHAT = "/v1/chat/completions"
 
 
 def app_for(model_dir: Path, model_id: str) -> App:
-    cfg = EngineConfig(model_dir=str(model_dir), model_id=model_id, block_size=4, num_kv_blocks=128, max_num_seqs=4,
-                       max_num_batched_tokens=32, prefill_chunk=32, token_buckets=(32,), seq_buckets=(4,),
-                       max_logprobs=0, compile_cache_dir="")
+    cfg = EngineConfig(
+        model_dir=str(model_dir),
+        model_id=model_id,
+        block_size=4,
+        num_kv_blocks=128,
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        prefill_chunk=32,
+        token_buckets=(32,),
+        seq_buckets=(4,),
+        max_logprobs=0,
+        compile_cache_dir="",
+    )
     return App(cfg, build_async_engine, handle_signals=False, start_health=False)
 
 
@@ -34,12 +44,14 @@ def run(app: App, body: Callable[[App], Awaitable[None]]) -> None:
     async def main() -> None:
         async with served(app):
             await asyncio.wait_for(body(app), 300)
+
     asyncio.run(main())
 
 
 def content(r: Reply) -> str:
-    return "".join(json.loads(e)["choices"][0]["delta"].get("content") or ""
-                   for e in r.events()[:-1] if json.loads(e)["choices"])
+    return "".join(
+        json.loads(e)["choices"][0]["delta"].get("content") or "" for e in r.events()[:-1] if json.loads(e)["choices"]
+    )
 
 
 def test_succ_model_hand_example_stop_and_framing(succ_dir: Path) -> None:
@@ -59,13 +71,21 @@ def test_succ_model_hand_example_stop_and_framing(succ_dir: Path) -> None:
                 break
             await asyncio.sleep(0.01)
         assert app.engine is not None and app.engine.stats().kv_blocks_used == 0
+
     run(app_for(succ_dir, "succ"), body)
 
 
 def test_tiny_llama_stream_equals_nonstream_concurrency_usage_embeddings(tiny_dir: Path) -> None:
     async def body(app: App) -> None:
-        reqs = [{"model": "tiny", "messages": [{"role": "user", "content": f"prompt {i} " * (i + 1)}],
-                 "max_tokens": 8, "temperature": 0} for i in range(8)]
+        reqs = [
+            {
+                "model": "tiny",
+                "messages": [{"role": "user", "content": f"prompt {i} " * (i + 1)}],
+                "max_tokens": 8,
+                "temperature": 0,
+            }
+            for i in range(8)
+        ]
         plain = [(await call(app, "POST", CHAT, r)).json() for r in reqs]
         rendered = f"<|im_start|>user\n{reqs[0]['messages'][0]['content']}<|im_end|>\n<|im_start|>assistant\n"
         tok = (await call(app, "POST", "/v1/tokenize", {"model": "tiny", "messages": reqs[0]["messages"]})).json()
@@ -85,4 +105,5 @@ def test_tiny_llama_stream_equals_nonstream_concurrency_usage_embeddings(tiny_di
             assert max(abs(a - b) for a, b in zip(alone["embedding"], both[i]["embedding"])) < 1e-5
             assert abs(sum(x * x for x in both[i]["embedding"]) - 1.0) < 1e-4
         assert both[0]["embedding"] != both[1]["embedding"]
+
     run(app_for(tiny_dir, "tiny"), body)

@@ -48,23 +48,32 @@ def test_dense_forward_matches_numpy_reference(smol_dir: Path, reference: GGUFMo
     # sqrt(K) u (K the longest contraction, the MLP's 1536; a random walk of K roundings, the
     # statistical bound), and the residual stream adds the layers' errors: L sqrt(K) u of the
     # logits' scale. A wrong RoPE pairing or a misplaced row is off by whole logits.
-    u, k = 2.0 ** -24, max(cfg.intermediate_size, cfg.hidden_size)
+    u, k = 2.0**-24, max(cfg.intermediate_size, cfg.hidden_size)
     bound = cfg.num_hidden_layers * np.sqrt(k) * u * float(np.max(np.abs(want)))
     assert diff < bound, f"max |dlogit| {diff} over the float32 bound {bound}"
 
 
-def test_engine_greedy_matches_reference_and_answers(smol_dir: Path, reference: GGUFModel,
-                                                     prompt_ids: list[int]) -> None:
+def test_engine_greedy_matches_reference_and_answers(
+    smol_dir: Path, reference: GGUFModel, prompt_ids: list[int]
+) -> None:
     from tl.build import build_engine
     from tl.config import EngineConfig
     from tl.request import GenRequest, SamplingParams
     from tl.tokenizer import Tokenizer
 
-    cfg = EngineConfig(model_dir=str(smol_dir), num_kv_blocks=64, max_num_seqs=4, seq_buckets=(1, 4),
-                       token_buckets=(4, 16, 64), max_num_batched_tokens=64, prefill_chunk=16)
+    cfg = EngineConfig(
+        model_dir=str(smol_dir),
+        num_kv_blocks=64,
+        max_num_seqs=4,
+        seq_buckets=(1, 4),
+        token_buckets=(4, 16, 64),
+        max_num_batched_tokens=64,
+        prefill_chunk=16,
+    )
     engine = build_engine(cfg, warmup=False)
-    rid = engine.add_request(GenRequest(tuple(prompt_ids), SamplingParams(temperature=0.0, max_tokens=32,
-                                                                          ignore_eos=True)))
+    rid = engine.add_request(
+        GenRequest(tuple(prompt_ids), SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))
+    )
     got: list[int] = []
     while engine.has_work():
         got += [o.token_id for o in engine.step() if o.request_id == rid and o.token_id >= 0]

@@ -23,9 +23,19 @@ from tl.request import GenRequest, SamplingParams
 
 pytestmark = pytest.mark.slow
 
-BASE = EngineConfig(block_size=16, num_kv_blocks=64, max_num_seqs=4, max_num_batched_tokens=64,
-                    token_buckets=(8, 32, 64), seq_buckets=(1, 4), prefill_chunk=0, prefix_cache="none",
-                    speculative="none", max_logprobs=0, compile_cache_dir="")
+BASE = EngineConfig(
+    block_size=16,
+    num_kv_blocks=64,
+    max_num_seqs=4,
+    max_num_batched_tokens=64,
+    token_buckets=(8, 32, 64),
+    seq_buckets=(1, 4),
+    prefill_chunk=0,
+    prefix_cache="none",
+    speculative="none",
+    max_logprobs=0,
+    compile_cache_dir="",
+)
 QUESTIONS = [
     (0, "What is the capital of France?", 12),
     (0, "Repeat exactly: red green blue, red green blue, red green blue, red green blue.", 16),
@@ -56,11 +66,15 @@ def arrivals(smol_dir: Path) -> list[Arrival]:
     return out
 
 
-@pytest.mark.parametrize("variant", [
-    {"prefix_cache": "radix"},
-    {"prefill_chunk": 16, "speculative": "prompt_lookup"},
-    {"num_kv_blocks": 6, "prefix_cache": "radix", "prefill_chunk": 16, "speculative": "prompt_lookup"},
-], ids=["prefix_cache", "chunked_speculative", "tiny_kv_everything"])
+@pytest.mark.parametrize(
+    "variant",
+    [
+        {"prefix_cache": "radix"},
+        {"prefill_chunk": 16, "speculative": "prompt_lookup"},
+        {"num_kv_blocks": 6, "prefix_cache": "radix", "prefill_chunk": 16, "speculative": "prompt_lookup"},
+    ],
+    ids=["prefix_cache", "chunked_speculative", "tiny_kv_everything"],
+)
 def test_smollm2_concurrent_equals_alone(smol_runner: Any, arrivals: list[Arrival], variant: dict[str, Any]) -> None:
     def factory(cfg: EngineConfig) -> Runner:
         return NarrowKV(smol_runner, cfg.num_kv_blocks)  # type: ignore[return-value]

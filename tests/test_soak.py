@@ -17,10 +17,12 @@ from bench import soak
 from tests.models import make_tiny_llama
 
 # Small buckets: every step variant is compiled at start-up.
-ENGINE = ('block_size = 4\nnum_kv_blocks = 512\nmax_num_seqs = 16\nmax_num_batched_tokens = 64\n'
-          'prefill_chunk = 64\nprompt_tokens_while_decoding = 32\ntoken_buckets = [16, 64]\nseq_buckets = [4, 16]\n'
-          'max_model_len = 512\nattention_kernel = "reference"\nmatmul_kernel = "xla"\ncompile_cache_dir = ""\n'
-          'queue_capacity = 256\ndrain_timeout_s = 30\n')
+ENGINE = (
+    "block_size = 4\nnum_kv_blocks = 512\nmax_num_seqs = 16\nmax_num_batched_tokens = 64\n"
+    "prefill_chunk = 64\nprompt_tokens_while_decoding = 32\ntoken_buckets = [16, 64]\nseq_buckets = [4, 16]\n"
+    'max_model_len = 512\nattention_kernel = "reference"\nmatmul_kernel = "xla"\ncompile_cache_dir = ""\n'
+    "queue_capacity = 256\ndrain_timeout_s = 30\n"
+)
 
 
 @pytest.fixture(scope="module")
@@ -39,12 +41,14 @@ def _assert_ok(rep: soak.Report) -> None:
 def test_mixed_load_then_a_disconnect_storm(config: str, tmp_path: Path) -> None:
     async def main() -> None:
         async with soak.serve(config, log_dir=tmp_path) as srv:
-            rep = await soak.mixed(srv, seconds=8.0, concurrency=8, max_out=24, prompt_words=(2, 8, 24),
-                                   warmup_frac=0.5, out_dir=tmp_path)
+            rep = await soak.mixed(
+                srv, seconds=8.0, concurrency=8, max_out=24, prompt_words=(2, 8, 24), warmup_frac=0.5, out_dir=tmp_path
+            )
             _assert_ok(rep)
             assert rep.figures["requests"] > 20 and set(rep.figures["by_kind"]) >= {"stream", "cancel", "n", "embed"}
             assert (tmp_path / "soak-mixed.png").read_bytes()[:4] == b"\x89PNG"
             _assert_ok(await soak.storm(srv, streams=100, max_out=120))
+
     asyncio.run(main())
 
 
@@ -52,6 +56,7 @@ def test_sigterm_under_64_streams_drains_and_exits_0(config: str, tmp_path: Path
     async def main() -> None:
         async with soak.serve(config, {"max_num_seqs": "16"}, log_dir=tmp_path) as srv:
             _assert_ok(await soak.sigterm(srv, streams=64, max_out=24))
+
     asyncio.run(main())
 
 
@@ -60,5 +65,5 @@ def test_kv_exhaustion_completes_every_request_with_uncontended_outputs(config: 
         # 24 requests x ~(60-200 prompt + 48 output) tokens / 4 per block ~ 1000+ blocks of demand.
         async with soak.serve(config, {"num_kv_blocks": "110"}, log_dir=tmp_path) as srv:
             _assert_ok(await soak.kv_exhaustion(srv, requests=24, max_out=48))
-    asyncio.run(main())
 
+    asyncio.run(main())

@@ -32,7 +32,7 @@ def test_held_prefix_released_when_it_stops_matching() -> None:
 def test_utf8_split_across_tokens_waits_for_the_whole_character() -> None:
     euro = "€".encode()  # 3 bytes
     ts = TextStream()
-    assert [ts.push(euro[i:i + 1]) for i in range(3)] == ["", "", "€"]
+    assert [ts.push(euro[i : i + 1]) for i in range(3)] == ["", "", "€"]
     assert ts.push(b"\xff") == "\ufffd"  # invalid byte: replacement character at once
     assert ts.push(euro[:2]) == "" and ts.finish() == "\ufffd"  # incomplete tail at the end
 
@@ -62,8 +62,10 @@ PIECES = [b"a", b"b", b"c", "é".encode()[:1], "é".encode()[1:], "€".encode()
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(st.sampled_from(PIECES), max_size=14),
-       st.lists(st.sampled_from(["b", "ab", "ca", "é", "bc", "\ufffd"]), max_size=4))
+@given(
+    st.lists(st.sampled_from(PIECES), max_size=14),
+    st.lists(st.sampled_from(["b", "ab", "ca", "é", "bc", "\ufffd"]), max_size=4),
+)
 def test_concatenation_equals_the_whole_text_cut_at_the_first_stop(chunks: list[bytes], stops: list[str]) -> None:
     sent, text, _ = feed(stops, chunks)
     assert text == reference(stops, b"".join(chunks))

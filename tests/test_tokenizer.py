@@ -25,7 +25,6 @@ from tl.model.files import eos_token_ids
 from tl.tokenizer import Tokenizer
 
 
-
 @pytest.fixture(scope="module")
 def byte_tok(tiny_dir: Path) -> Tokenizer:
     return Tokenizer.load(tiny_dir)
@@ -119,14 +118,22 @@ def smol_reference(smol_gguf: Path):  # type: ignore[no-untyped-def]
     )
 
     reader = gguf.GGUFReader(str(smol_gguf))
-    meta = {k: reader.fields[f"tokenizer.ggml.{k}"].contents() for k in ("model", "pre", "tokens", "token_type",
-                                                                          "merges", "bos_token_id", "eos_token_id")}
-    tokenizer_dict = {"tokenizer_type": meta["model"], "pre_tokenizer_type": meta["pre"], "tokens": meta["tokens"],
-                      "token_type": meta["token_type"], "merges": meta["merges"], "add_prefix_space": False,
-                      "bos_token_id": meta["bos_token_id"], "eos_token_id": meta["eos_token_id"]}
+    meta = {
+        k: reader.fields[f"tokenizer.ggml.{k}"].contents()
+        for k in ("model", "pre", "tokens", "token_type", "merges", "bos_token_id", "eos_token_id")
+    }
+    tokenizer_dict = {
+        "tokenizer_type": meta["model"],
+        "pre_tokenizer_type": meta["pre"],
+        "tokens": meta["tokens"],
+        "token_type": meta["token_type"],
+        "merges": meta["merges"],
+        "add_prefix_space": False,
+        "bos_token_id": meta["bos_token_id"],
+        "eos_token_id": meta["eos_token_id"],
+    }
     backend, _ = convert_gguf_tokenizer(reader.fields["general.architecture"].contents(), tokenizer_dict)
     return backend
-
 
 
 @pytest.fixture(scope="module")
@@ -138,9 +145,15 @@ def smol_tok(smol_dir: Path) -> Tokenizer:
 def test_smollm2_matches_reference_on_chat_prompts(smol_dir: Path, smol_tok: Tokenizer, smol_reference) -> None:  # type: ignore[no-untyped-def]
     template = ChatTemplate.from_model_dir(smol_dir)
     for text in CORPUS:
-        for messages in ([{"role": "user", "content": text}],
-                         [{"role": "system", "content": "Be brief."}, {"role": "user", "content": text},
-                          {"role": "assistant", "content": text[::-1]}, {"role": "user", "content": "More"}]):
+        for messages in (
+            [{"role": "user", "content": text}],
+            [
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": text},
+                {"role": "assistant", "content": text[::-1]},
+                {"role": "user", "content": "More"},
+            ],
+        ):
             prompt = template.render(messages)
             want = smol_reference.encode(prompt, add_special_tokens=False).ids
             got = smol_tok.encode(prompt)

@@ -19,8 +19,16 @@ from tl import runner as runner_mod
 from tl import verdicts
 from tl.verdicts import Verdict, Verdicts
 
-V = Verdicts((Verdict("matmul", 1, 1.0, 2.0), Verdict("matmul", 4, 3.0, 2.0), Verdict("matmul", 16, 1.0, 2.0),
-              Verdict("matmul", 64, 5.0, 2.0), Verdict("attention", 4, 1.0, 3.0)), "test")
+V = Verdicts(
+    (
+        Verdict("matmul", 1, 1.0, 2.0),
+        Verdict("matmul", 4, 3.0, 2.0),
+        Verdict("matmul", 16, 1.0, 2.0),
+        Verdict("matmul", 64, 5.0, 2.0),
+        Verdict("attention", 4, 1.0, 3.0),
+    ),
+    "test",
+)
 
 
 def test_a_count_takes_the_verdict_of_the_smallest_class_at_or_above_it() -> None:
@@ -71,9 +79,17 @@ def _native_calls(runner: runner_mod.ModelRunner, t: int, s: int) -> set[str]:
 
 
 def test_each_step_shape_runs_what_its_verdicts_say(monkeypatch: pytest.MonkeyPatch) -> None:
-    crafted = Verdicts((Verdict("matmul", 1, 1.0, 2.0), Verdict("matmul", 4, 2.0, 1.0), Verdict("matmul", 16, 2.0, 1.0),
-                        Verdict("matmul", 32, 1.0, 2.0), Verdict("attention", 4, 1.0, 2.0),
-                        Verdict("attention", 32, 2.0, 1.0)), "crafted")
+    crafted = Verdicts(
+        (
+            Verdict("matmul", 1, 1.0, 2.0),
+            Verdict("matmul", 4, 2.0, 1.0),
+            Verdict("matmul", 16, 2.0, 1.0),
+            Verdict("matmul", 32, 1.0, 2.0),
+            Verdict("attention", 4, 1.0, 2.0),
+            Verdict("attention", 32, 2.0, 1.0),
+        ),
+        "crafted",
+    )
     monkeypatch.setattr(verdicts, "measure", lambda *a, **k: crafted)
     runner, _ = make_runner(ENGINE.replace(token_buckets=(1, 8, 32), max_num_batched_tokens=32))
     if runner.native is None:
@@ -111,7 +127,10 @@ def test_a_real_measurement_covers_every_class_and_is_saved() -> None:
     got = {(v.kernel, v.rows) for v in runner.verdicts.verdicts}
     assert got == {("matmul", 1), ("matmul", 4), ("matmul", 16), ("matmul", 32), ("attention", 4), ("attention", 32)}
     assert all(v.native_ms > 0 and v.xla_ms > 0 for v in runner.verdicts.verdicts)
-    path = Path(runner.verdicts.source.split()[-1]) if "saved to" in runner.verdicts.source else \
-        Path(runner.verdicts.source.removeprefix("cached: "))
+    path = (
+        Path(runner.verdicts.source.split()[-1])
+        if "saved to" in runner.verdicts.source
+        else Path(runner.verdicts.source.removeprefix("cached: "))
+    )
     saved = json.loads(path.read_text())
     assert len(saved["verdicts"]) == 6 and saved["shapes"]["classes"] == sorted([list(c) for c in got])

@@ -47,11 +47,13 @@ def _one_device(tree: object) -> object:
 
 def _tree() -> dict:
     rng = np.random.default_rng(0)
-    return {"w": rng.standard_normal((300, 70)).astype(np.float32),
-            "q": {"q": rng.integers(-127, 128, (33, 7), dtype=np.int8), "scale": rng.random(33).astype(np.float32)},
-            "bits": rng.integers(0, 1 << 16, (5, 3, 17), dtype=np.uint16),
-            "odd": rng.standard_normal(3).astype(np.float32),
-            "bf16": rng.standard_normal((4, 4)).astype(ml_dtypes.bfloat16)}
+    return {
+        "w": rng.standard_normal((300, 70)).astype(np.float32),
+        "q": {"q": rng.integers(-127, 128, (33, 7), dtype=np.int8), "scale": rng.random(33).astype(np.float32)},
+        "bits": rng.integers(0, 1 << 16, (5, 3, 17), dtype=np.uint16),
+        "odd": rng.standard_normal(3).astype(np.float32),
+        "bf16": rng.standard_normal((4, 4)).astype(ml_dtypes.bfloat16),
+    }
 
 
 @needs_thp

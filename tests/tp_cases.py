@@ -29,10 +29,18 @@ from tl.request import GenRequest, SamplingParams
 jax = pytest.importorskip("jax")
 # matmul_precision "highest" throughout: identity across TP degrees is a float32 property (at
 # tensor_parallel 1 "high" would run bf16x3 on AMX, under TP XLA's float32 dot).
-CFG = BASE_CFG.replace(token_buckets=(8, 32), seq_buckets=(1, 4), max_logprobs=0, compile_cache_dir="",
-                       speculative="prompt_lookup", matmul_precision="highest")
-VARIANTS = {"plain": {"speculative": "none"},
-            "everything": {"num_kv_blocks": 14, "prefix_cache": "radix", "prefill_chunk": 4}}
+CFG = BASE_CFG.replace(
+    token_buckets=(8, 32),
+    seq_buckets=(1, 4),
+    max_logprobs=0,
+    compile_cache_dir="",
+    speculative="prompt_lookup",
+    matmul_precision="highest",
+)
+VARIANTS = {
+    "plain": {"speculative": "none"},
+    "everything": {"num_kv_blocks": 14, "prefix_cache": "radix", "prefill_chunk": 4},
+}
 
 
 def test_eight_devices() -> None:
@@ -40,9 +48,10 @@ def test_eight_devices() -> None:
 
 
 def greedy_workload() -> list[Arrival]:
-    return [Arrival(a.step, dataclasses.replace(a.request, params=dataclasses.replace(a.request.params,
-                                                                                    temperature=0.0)))
-            for a in workload()]
+    return [
+        Arrival(a.step, dataclasses.replace(a.request, params=dataclasses.replace(a.request.params, temperature=0.0)))
+        for a in workload()
+    ]
 
 
 def _engine_outputs(runner: Any) -> dict[str, list[list[int]]]:
@@ -72,22 +81,22 @@ def _check_megatron_shards(runner: Any, params: Any, cfg: Any, n: int) -> None:
 
     lp, ly = runner._params["layers"][0], params["layers"]
     hq, hk, hd, f = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size
-    q0 = ly["wq"][0][:, :cfg.q_size // n].T
+    q0 = ly["wq"][0][:, : cfg.q_size // n].T
     if hk % n == 0:
         got = _shard0(lp["wqkv"])  # [Hk/N, G+2, hd, D]
         g = hq // hk
         assert got.shape == (hk // n, g + 2, hd, cfg.hidden_size)
         np.testing.assert_array_equal(got[:, :g].reshape(-1, cfg.hidden_size), q0)
-        np.testing.assert_array_equal(got[:, g].reshape(-1, cfg.hidden_size), ly["wk"][0][:, :cfg.kv_size // n].T)
-        np.testing.assert_array_equal(got[:, g + 1].reshape(-1, cfg.hidden_size), ly["wv"][0][:, :cfg.kv_size // n].T)
+        np.testing.assert_array_equal(got[:, g].reshape(-1, cfg.hidden_size), ly["wk"][0][:, : cfg.kv_size // n].T)
+        np.testing.assert_array_equal(got[:, g + 1].reshape(-1, cfg.hidden_size), ly["wv"][0][:, : cfg.kv_size // n].T)
     else:
         assert "wqkv" not in lp
         np.testing.assert_array_equal(_shard0(lp["wq"]), q0)
         np.testing.assert_array_equal(_shard0(lp["wk"]), ly["wk"][0].T)  # replicated
     gate_up = _shard0(lp["w_gate_up"])  # [F/N, 2, D]
-    np.testing.assert_array_equal(gate_up[:, 0], ly["w_gate"][0][:, :f // n].T)
-    np.testing.assert_array_equal(gate_up[:, 1], ly["w_up"][0][:, :f // n].T)
-    np.testing.assert_array_equal(_shard0(lp["wo"]), ly["wo"][0][:cfg.q_size // n].T)
+    np.testing.assert_array_equal(gate_up[:, 0], ly["w_gate"][0][:, : f // n].T)
+    np.testing.assert_array_equal(gate_up[:, 1], ly["w_up"][0][:, : f // n].T)
+    np.testing.assert_array_equal(_shard0(lp["wo"]), ly["wo"][0][: cfg.q_size // n].T)
 
 
 def test_tiny_engine_identical_for_tp_1_2_4() -> None:
@@ -136,9 +145,20 @@ def test_tiny_int8_identical_for_tp_1_2_4() -> None:
     assert all(len(t) > 0 for t in results[1])
 
 
-SMOL = EngineConfig(block_size=16, num_kv_blocks=48, max_num_seqs=4, max_num_batched_tokens=64,
-                    token_buckets=(8, 64), seq_buckets=(1, 4), prefill_chunk=32, prefix_cache="radix",
-                    speculative="none", max_logprobs=0, compile_cache_dir="", matmul_precision="highest")
+SMOL = EngineConfig(
+    block_size=16,
+    num_kv_blocks=48,
+    max_num_seqs=4,
+    max_num_batched_tokens=64,
+    token_buckets=(8, 64),
+    seq_buckets=(1, 4),
+    prefill_chunk=32,
+    prefix_cache="radix",
+    speculative="none",
+    max_logprobs=0,
+    compile_cache_dir="",
+    matmul_precision="highest",
+)
 
 
 def test_smol_identical_for_tp_1_3_and_2_refused(smol_dir: Path) -> None:
@@ -151,8 +171,16 @@ def test_smol_identical_for_tp_1_3_and_2_refused(smol_dir: Path) -> None:
         ModelRunner.from_model_dir(SMOL.replace(model_dir=str(smol), tensor_parallel=2))
     tok, tpl = Tokenizer.load(smol), ChatTemplate.from_model_dir(smol)
     questions = ["What is the capital of France?", "Name a fruit.", "Count to five."]
-    arrivals = [Arrival(i, GenRequest(tuple(tok.encode(tpl.render([{"role": "user", "content": q}]))),
-                                      SamplingParams(temperature=0.0, max_tokens=10))) for i, q in enumerate(questions)]
+    arrivals = [
+        Arrival(
+            i,
+            GenRequest(
+                tuple(tok.encode(tpl.render([{"role": "user", "content": q}]))),
+                SamplingParams(temperature=0.0, max_tokens=10),
+            ),
+        )
+        for i, q in enumerate(questions)
+    ]
     results = {}
     for n in (1, 3):
         cfg = SMOL.replace(model_dir=str(smol), tensor_parallel=n)
@@ -165,10 +193,12 @@ def test_smol_identical_for_tp_1_3_and_2_refused(smol_dir: Path) -> None:
 def _serve_and_complete(model_dir: Path, tmp: Path, n: int) -> tuple[str, dict[str, Any], str]:
     port, hport = free_port(), free_port()
     cfg = tmp / f"runtime-{n}.toml"
-    cfg.write_text(f'[engine]\nmodel_dir = "{model_dir}"\nblock_size = 4\nnum_kv_blocks = 64\nmax_num_seqs = 4\n'
-                   f'max_num_batched_tokens = 32\ntoken_buckets = [8, 32]\nseq_buckets = [1, 4]\n'
-                   f'compile_cache_dir = ""\nmatmul_precision = "highest"\ntensor_parallel = {n}\nhttp_listen = "127.0.0.1:{port}"\n'
-                   f'health_listen = "127.0.0.1:{hport}"\n')
+    cfg.write_text(
+        f'[engine]\nmodel_dir = "{model_dir}"\nblock_size = 4\nnum_kv_blocks = 64\nmax_num_seqs = 4\n'
+        f"max_num_batched_tokens = 32\ntoken_buckets = [8, 32]\nseq_buckets = [1, 4]\n"
+        f'compile_cache_dir = ""\nmatmul_precision = "highest"\ntensor_parallel = {n}\nhttp_listen = "127.0.0.1:{port}"\n'
+        f'health_listen = "127.0.0.1:{hport}"\n'
+    )
     env = {**os.environ, "TL_CONFIG": str(cfg), "PYTHONPATH": f"{ROOT}"}
     env.pop("TL_ENGINE_FACTORY", None)
     with running(granian_argv(port), env, f"http://127.0.0.1:{hport}/readyz", timeout_s=120):
@@ -187,9 +217,16 @@ def test_http_identical_for_tp_1_2(tmp_path: Path) -> None:
     text2, model2, metrics2 = _serve_and_complete(model_dir, tmp_path, 2)
     assert text1 == text2 and text1
     assert model1["backend"]["tensor_parallel"] == 1 and model2["backend"]["tensor_parallel"] == 2
-    assert model2["backend"] == {**model2["backend"], "platform": "cpu", "device_count": 2, "dtype": "float32",
-                                 "kv_heads": "sharded", "kv_cache_dtype": "float32", "matmul_precision": "highest",
-                                 "matmul_kernel": "xla"}  # under tensor parallelism XLA partitions its own dot
+    assert model2["backend"] == {
+        **model2["backend"],
+        "platform": "cpu",
+        "device_count": 2,
+        "dtype": "float32",
+        "kv_heads": "sharded",
+        "kv_cache_dtype": "float32",
+        "matmul_precision": "highest",
+        "matmul_kernel": "xla",
+    }  # under tensor parallelism XLA partitions its own dot
     # attention: per step shape, the native kernel (per device) where it measured faster than the reference
     assert model2["backend"]["attention_kernel"] in ("cpu_native", "reference", "cpu_native+reference")
-    assert 'tl_engine_backend_info{' in metrics2 and 'tensor_parallel="2"' in metrics2
+    assert "tl_engine_backend_info{" in metrics2 and 'tensor_parallel="2"' in metrics2

@@ -152,8 +152,15 @@ class EmbedHandle:
 
 
 class AsyncEngine:
-    def __init__(self, engine: SyncEngine, tokenizer: object, chat_template: object, model_id: str,
-                 *, config: EngineConfig | None = None) -> None:
+    def __init__(
+        self,
+        engine: SyncEngine,
+        tokenizer: object,
+        chat_template: object,
+        model_id: str,
+        *,
+        config: EngineConfig | None = None,
+    ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.chat_template = chat_template
@@ -299,6 +306,7 @@ class AsyncEngine:
             handle.engine_id = rid
             handle.admitted_at = time.monotonic()
             self._live[rid] = handle
+
         self._admit(handle, events, "add_request", admit)
 
     def _add_embedding(self, handle: EmbedHandle, events: list[tuple[Any, object]]) -> None:
@@ -308,10 +316,16 @@ class AsyncEngine:
             handle._index = {rid: i for i, rid in enumerate(ids)}
             for rid in ids:
                 self._live[rid] = handle
+
         self._admit(handle, events, "add_embedding", admit)
 
-    def _admit(self, handle: RequestHandle | EmbedHandle, events: list[tuple[Any, object]], what: str,
-               admit: Callable[[], None]) -> None:
+    def _admit(
+        self,
+        handle: RequestHandle | EmbedHandle,
+        events: list[tuple[Any, object]],
+        what: str,
+        admit: Callable[[], None],
+    ) -> None:
         """Run one admission: its refusal (RequestError) or failure goes to the handle, as does
         its success (None); the inbox count drops either way."""
         try:

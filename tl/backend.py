@@ -60,7 +60,7 @@ def resolve_platform(backend: str) -> str:
 
 
 def resolve_dtype(dtype: str, platform: str) -> str:
-    """"auto" is float32 on CPU (bf16 is 3-8x slower there) and bfloat16 on GPU/TPU."""
+    """ "auto" is float32 on CPU (bf16 is 3-8x slower there) and bfloat16 on GPU/TPU."""
     if dtype != "auto":
         return dtype
     return "float32" if platform == "cpu" else "bfloat16"
@@ -83,8 +83,9 @@ def tp_layout(cfg: ModelConfig, n: int) -> TPLayout:
     """Check that the model fits an N-wide "model" axis; refuse with the numbers when it does not."""
     hq, hk = cfg.num_attention_heads, cfg.num_key_value_heads
     if hq % n:
-        raise ConfigError(f"tensor_parallel={n} does not divide the model's {hq} attention heads; "
-                          f"use a divisor of {hq}")
+        raise ConfigError(
+            f"tensor_parallel={n} does not divide the model's {hq} attention heads; use a divisor of {hq}"
+        )
     if cfg.intermediate_size % n:
         raise ConfigError(f"tensor_parallel={n} does not divide the model's FFN width {cfg.intermediate_size}")
     return TPLayout(n, kv_sharded=hk % n == 0, vocab_sharded=cfg.vocab_size % n == 0)
@@ -144,6 +145,11 @@ def init_distributed(cfg: EngineConfig, env: Mapping[str, str]) -> bool:
     if not jax.distributed.is_initialized():
         log.info("jax.distributed.initialize(%s)", ", ".join(f"{k}={v!r}" for k, v in args.items()))
         jax.distributed.initialize(**args)
-    log.info("process %d of %d; %d global devices, %d local", jax.process_index(), jax.process_count(),
-             jax.device_count(), jax.local_device_count())
+    log.info(
+        "process %d of %d; %d global devices, %d local",
+        jax.process_index(),
+        jax.process_count(),
+        jax.device_count(),
+        jax.local_device_count(),
+    )
     return True

@@ -75,7 +75,7 @@ class BlockManager:
         blocks: list[int] = []
         parent = ROOT_HASH
         for i in range((len(token_ids) - 1) // self.block_size):
-            key = (parent, tuple(token_ids[i * self.block_size:(i + 1) * self.block_size]))
+            key = (parent, tuple(token_ids[i * self.block_size : (i + 1) * self.block_size]))
             block = self._index.get(key)
             if block is None:
                 break
@@ -111,7 +111,7 @@ class BlockManager:
             return
         chain, table, bs = self._chains[seq_id], self._tables[seq_id], self.block_size
         for i in range(len(chain), num_computed_tokens // bs):
-            key = (chain[-1] if chain else ROOT_HASH, tuple(token_ids[i * bs:(i + 1) * bs]))
+            key = (chain[-1] if chain else ROOT_HASH, tuple(token_ids[i * bs : (i + 1) * bs]))
             chain.append(hash(key))
             block = table[i]
             if key not in self._index and block not in self._key_of:

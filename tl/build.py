@@ -40,12 +40,26 @@ def build_engine(cfg: EngineConfig, warmup: bool = True) -> Engine:
     runner = ModelRunner.from_model_dir(cfg)
     log.info("loaded %s in %.1f s", cfg.model_dir, time.perf_counter() - t0)
     b = runner.backend_info
-    log.info("backend %s: %d x %s over %d process(es), tensor_parallel %d (KV heads %s), dtype %s, KV cache %s",
-             b.platform, b.device_count, b.device_kind, b.process_count, b.tensor_parallel, b.kv_heads, b.dtype,
-             b.kv_cache_dtype)
-    log.info("attention: %s (%s); layer matmuls: %s (%s), precision %s (%s)", b.attention_kernel,
-             runner.attention.reason, b.matmul_kernel, runner.matmul.reason, b.matmul_precision,
-             runner.precision_reason)
+    log.info(
+        "backend %s: %d x %s over %d process(es), tensor_parallel %d (KV heads %s), dtype %s, KV cache %s",
+        b.platform,
+        b.device_count,
+        b.device_kind,
+        b.process_count,
+        b.tensor_parallel,
+        b.kv_heads,
+        b.dtype,
+        b.kv_cache_dtype,
+    )
+    log.info(
+        "attention: %s (%s); layer matmuls: %s (%s), precision %s (%s)",
+        b.attention_kernel,
+        runner.attention.reason,
+        b.matmul_kernel,
+        runner.matmul.reason,
+        b.matmul_precision,
+        runner.precision_reason,
+    )
     if runner.verdicts.verdicts:
         log.info("native kernels (%s build, %s): verdicts %s", b.native_target, cpu_model(), runner.verdicts.source)
         for line in runner.kernel_lines:

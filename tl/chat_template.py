@@ -56,8 +56,13 @@ def _raise_exception(message: str) -> None:
     raise jinja2.TemplateError(message)
 
 
-def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+def _tojson(
+    x: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
@@ -96,11 +101,13 @@ class _Namespace(jinja2.utils.Namespace):
 
 
 def _environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[_GenerationBlock, jinja2.ext.loopcontrols])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, jinja2.ext.loopcontrols]
+    )
     env.filters["tojson"] = _tojson
-    env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now, dict=_TemplateDict(),
-                       namespace=_Namespace)
+    env.globals.update(
+        raise_exception=_raise_exception, strftime_now=_strftime_now, dict=_TemplateDict(), namespace=_Namespace
+    )
     return env
 
 
@@ -139,8 +146,9 @@ def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, 
 class ChatTemplate:
     """A compiled chat template (or named set of them) plus the special tokens it may use."""
 
-    def __init__(self, source: str | Mapping[str, str], bos_token: str | None = None,
-                 eos_token: str | None = None) -> None:
+    def __init__(
+        self, source: str | Mapping[str, str], bos_token: str | None = None, eos_token: str | None = None
+    ) -> None:
         env = _environment()
         named = {"default": source} if isinstance(source, str) else dict(source)
         if "default" not in named:
@@ -161,18 +169,27 @@ class ChatTemplate:
             source = tcfg.chat_template
         return cls(DEFAULT_TEMPLATE if source is None else source, tcfg.bos_token, tcfg.eos_token)
 
-    def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
-               tools: list[dict[str, Any]] | None = None, documents: list[dict[str, Any]] | None = None,
-               **extra: Any) -> str:
+    def render(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        documents: list[dict[str, Any]] | None = None,
+        **extra: Any,
+    ) -> str:
         """The prompt text. `tools` selects the 'tool_use' template when there is one.
         Errors raised by the template (raise_exception, type errors) become TemplateError."""
         name = "tool_use" if tools and "tool_use" in self._templates else "default"
         tokens = {"bos_token": self.bos_token, "eos_token": self.eos_token}
         context = {**{k: v for k, v in tokens.items() if v is not None}, **extra}  # unset tokens stay undefined
         try:
-            return self._templates[name].render(messages=normalize_messages(messages), tools=tools,
-                                                documents=documents, add_generation_prompt=add_generation_prompt,
-                                                **context)
+            return self._templates[name].render(
+                messages=normalize_messages(messages),
+                tools=tools,
+                documents=documents,
+                add_generation_prompt=add_generation_prompt,
+                **context,
+            )
         except jinja2.TemplateError as e:
             raise TemplateError(f"chat template raised: {e.message or e}") from None
         except (TypeError, ValueError, KeyError, AttributeError, IndexError, ZeroDivisionError) as e:

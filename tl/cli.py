@@ -19,12 +19,22 @@ def _generate(args: argparse.Namespace) -> int:
     from tl.request import GenRequest, SamplingParams
     from tl.tokenizer import Tokenizer
 
-    cfg = EngineConfig(model_dir=args.model, max_num_seqs=1, seq_buckets=(1,), token_buckets=(1, 16, 64, 128, 256, 512),
-                       max_num_batched_tokens=512, num_kv_blocks=args.kv_blocks, dtype=args.dtype, speculative=args.speculative)
+    cfg = EngineConfig(
+        model_dir=args.model,
+        max_num_seqs=1,
+        seq_buckets=(1,),
+        token_buckets=(1, 16, 64, 128, 256, 512),
+        max_num_batched_tokens=512,
+        num_kv_blocks=args.kv_blocks,
+        dtype=args.dtype,
+        speculative=args.speculative,
+    )
     tokenizer = Tokenizer.load(args.model)
     prompt = args.prompt
     if args.chat:
-        prompt = ChatTemplate.from_model_dir(args.model).render([{"role": "user", "content": prompt}], add_generation_prompt=True)
+        prompt = ChatTemplate.from_model_dir(args.model).render(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True
+        )
     ids = tokenizer.encode(prompt)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed, max_tokens=args.max_tokens)
 
@@ -49,8 +59,11 @@ def _generate(args: argparse.Namespace) -> int:
     # The first two tokens pay for compiling the prefill and decode buckets; the rate is steady decoding.
     steady = stamps[2:]
     rate = (len(steady) - 1) / (steady[-1] - steady[0]) if len(steady) > 1 and steady[-1] > steady[0] else 0.0
-    print(f"[prompt {len(ids)} tokens, generated {len(stamps)} tokens, finish {finish}, "
-          f"{time.perf_counter() - t0:.2f} s total incl. compilation, {rate:.1f} tokens/s decoding]", file=sys.stderr)
+    print(
+        f"[prompt {len(ids)} tokens, generated {len(stamps)} tokens, finish {finish}, "
+        f"{time.perf_counter() - t0:.2f} s total incl. compilation, {rate:.1f} tokens/s decoding]",
+        file=sys.stderr,
+    )
     return 0
 
 

@@ -130,49 +130,95 @@ class EngineConfig:
     """JAX persistent compilation cache; empty disables it."""
 
     def __post_init__(self) -> None:
-        _check(self.dtype in ("auto", "float32", "bfloat16"), f"dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
-        _check(self.weight_dtype in ("float32", "int8"), f"weight_dtype must be float32 or int8, got {self.weight_dtype!r}")
-        _check(self.kv_cache_dtype in ("auto", "bfloat16"),
-               f"kv_cache_dtype must be auto or bfloat16, got {self.kv_cache_dtype!r}")
-        _check(self.matmul_precision in ("highest", "high"),
-               f"matmul_precision must be highest or high, got {self.matmul_precision!r}")
-        _check(self.weight_pages in ("huge", "default"), f"weight_pages must be huge or default, got {self.weight_pages!r}")
-        _check(self.backend in ("auto", "cpu", "gpu", "tpu"), f"backend must be auto, cpu, gpu or tpu, got {self.backend!r}")
+        _check(
+            self.dtype in ("auto", "float32", "bfloat16"),
+            f"dtype must be auto, float32 or bfloat16, got {self.dtype!r}",
+        )
+        _check(
+            self.weight_dtype in ("float32", "int8"), f"weight_dtype must be float32 or int8, got {self.weight_dtype!r}"
+        )
+        _check(
+            self.kv_cache_dtype in ("auto", "bfloat16"),
+            f"kv_cache_dtype must be auto or bfloat16, got {self.kv_cache_dtype!r}",
+        )
+        _check(
+            self.matmul_precision in ("highest", "high"),
+            f"matmul_precision must be highest or high, got {self.matmul_precision!r}",
+        )
+        _check(
+            self.weight_pages in ("huge", "default"), f"weight_pages must be huge or default, got {self.weight_pages!r}"
+        )
+        _check(
+            self.backend in ("auto", "cpu", "gpu", "tpu"),
+            f"backend must be auto, cpu, gpu or tpu, got {self.backend!r}",
+        )
         _check(self.tensor_parallel >= 1, f"tensor_parallel must be >= 1, got {self.tensor_parallel}")
-        _check(self.attention_kernel in ("auto", "reference", "cpu_native", "pallas_tpu", "pallas_gpu"),
-               "attention_kernel must be auto, reference, cpu_native, pallas_tpu or pallas_gpu, "
-               f"got {self.attention_kernel!r}")
-        _check(self.matmul_kernel in ("auto", "xla", "cpu_native"),
-               f"matmul_kernel must be auto, xla or cpu_native, got {self.matmul_kernel!r}")
+        _check(
+            self.attention_kernel in ("auto", "reference", "cpu_native", "pallas_tpu", "pallas_gpu"),
+            "attention_kernel must be auto, reference, cpu_native, pallas_tpu or pallas_gpu, "
+            f"got {self.attention_kernel!r}",
+        )
+        _check(
+            self.matmul_kernel in ("auto", "xla", "cpu_native"),
+            f"matmul_kernel must be auto, xla or cpu_native, got {self.matmul_kernel!r}",
+        )
         targets = ("auto", "x86-64", "x86-64-v3", "x86-64-v4", "sapphirerapids", "aarch64")
-        _check(self.native_target in targets,
-               f"native_target must be one of {', '.join(targets)}, got {self.native_target!r}")
+        _check(
+            self.native_target in targets,
+            f"native_target must be one of {', '.join(targets)}, got {self.native_target!r}",
+        )
         _check(self.num_processes >= 0, f"num_processes must be >= 0, got {self.num_processes}")
         _check(self.process_id >= -1, f"process_id must be >= -1, got {self.process_id}")
-        _check(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), f"block_size must be a power of two <= 128, got {self.block_size}")
+        _check(
+            self.block_size in (1, 2, 4, 8, 16, 32, 64, 128),
+            f"block_size must be a power of two <= 128, got {self.block_size}",
+        )
         _check(self.num_kv_blocks >= 2, f"num_kv_blocks must be >= 2, got {self.num_kv_blocks}")
         _check(self.max_model_len >= 0, f"max_model_len must be >= 0, got {self.max_model_len}")
         _check(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        _check(self.max_num_batched_tokens >= 1, f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        _check(
+            self.max_num_batched_tokens >= 1, f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+        )
         _check(self.prefill_chunk >= 0, f"prefill_chunk must be >= 0, got {self.prefill_chunk}")
-        _check(self.prompt_tokens_while_decoding >= 0,
-               f"prompt_tokens_while_decoding must be >= 0, got {self.prompt_tokens_while_decoding}")
+        _check(
+            self.prompt_tokens_while_decoding >= 0,
+            f"prompt_tokens_while_decoding must be >= 0, got {self.prompt_tokens_while_decoding}",
+        )
         for name in ("token_buckets", "seq_buckets"):
             b = getattr(self, name)
-            _check(len(b) > 0 and all(isinstance(x, int) and x > 0 for x in b), f"{name} must be positive integers, got {b!r}")
+            _check(
+                len(b) > 0 and all(isinstance(x, int) and x > 0 for x in b),
+                f"{name} must be positive integers, got {b!r}",
+            )
             _check(list(b) == sorted(set(b)), f"{name} must be strictly ascending, got {b!r}")
-        _check(self.token_buckets[-1] >= self.max_num_batched_tokens,
-               f"largest token bucket {self.token_buckets[-1]} < max_num_batched_tokens {self.max_num_batched_tokens}")
-        _check(self.seq_buckets[-1] >= self.max_num_seqs,
-               f"largest seq bucket {self.seq_buckets[-1]} < max_num_seqs {self.max_num_seqs}")
-        _check(self.max_num_batched_tokens >= self.max_num_seqs * (1 + self.spec_tokens),
-               f"max_num_batched_tokens {self.max_num_batched_tokens} must cover max_num_seqs {self.max_num_seqs}"
-               f" x (1 + {self.spec_tokens} draft tokens)")
-        _check(self.prefix_cache in ("none", "radix"), f"prefix_cache must be 'none' or 'radix', got {self.prefix_cache!r}")
-        _check(self.speculative in ("none", "prompt_lookup"), f"speculative must be 'none' or 'prompt_lookup', got {self.speculative!r}")
-        _check(1 <= self.num_speculative_tokens <= 16, f"num_speculative_tokens must be in 1..16, got {self.num_speculative_tokens}")
-        _check(1 <= self.prompt_lookup_min <= self.prompt_lookup_max,
-               f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {self.prompt_lookup_min}, {self.prompt_lookup_max}")
+        _check(
+            self.token_buckets[-1] >= self.max_num_batched_tokens,
+            f"largest token bucket {self.token_buckets[-1]} < max_num_batched_tokens {self.max_num_batched_tokens}",
+        )
+        _check(
+            self.seq_buckets[-1] >= self.max_num_seqs,
+            f"largest seq bucket {self.seq_buckets[-1]} < max_num_seqs {self.max_num_seqs}",
+        )
+        _check(
+            self.max_num_batched_tokens >= self.max_num_seqs * (1 + self.spec_tokens),
+            f"max_num_batched_tokens {self.max_num_batched_tokens} must cover max_num_seqs {self.max_num_seqs}"
+            f" x (1 + {self.spec_tokens} draft tokens)",
+        )
+        _check(
+            self.prefix_cache in ("none", "radix"), f"prefix_cache must be 'none' or 'radix', got {self.prefix_cache!r}"
+        )
+        _check(
+            self.speculative in ("none", "prompt_lookup"),
+            f"speculative must be 'none' or 'prompt_lookup', got {self.speculative!r}",
+        )
+        _check(
+            1 <= self.num_speculative_tokens <= 16,
+            f"num_speculative_tokens must be in 1..16, got {self.num_speculative_tokens}",
+        )
+        _check(
+            1 <= self.prompt_lookup_min <= self.prompt_lookup_max,
+            f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {self.prompt_lookup_min}, {self.prompt_lookup_max}",
+        )
         _check(0 <= self.max_logprobs <= 20, f"max_logprobs must be in 0..20, got {self.max_logprobs}")
         _check(self.queue_capacity >= 1, f"queue_capacity must be >= 1, got {self.queue_capacity}")
         _check(self.queue_deadline_ms >= 1, f"queue_deadline_ms must be >= 1, got {self.queue_deadline_ms}")
@@ -191,9 +237,24 @@ class EngineConfig:
 
     def compile_key(self) -> tuple[object, ...]:
         """The fields that change compiled shapes; equal keys may share compiled steps."""
-        return (self.backend, self.dtype, self.weight_dtype, self.kv_cache_dtype, self.matmul_precision, self.tensor_parallel, self.attention_kernel,
-                self.matmul_kernel, self.native_target, self.block_size, self.num_kv_blocks, self.max_model_len, self.token_buckets,
-                self.seq_buckets, self.spec_tokens, self.max_logprobs)
+        return (
+            self.backend,
+            self.dtype,
+            self.weight_dtype,
+            self.kv_cache_dtype,
+            self.matmul_precision,
+            self.tensor_parallel,
+            self.attention_kernel,
+            self.matmul_kernel,
+            self.native_target,
+            self.block_size,
+            self.num_kv_blocks,
+            self.max_model_len,
+            self.token_buckets,
+            self.seq_buckets,
+            self.spec_tokens,
+            self.max_logprobs,
+        )
 
     def replace(self, **changes: object) -> EngineConfig:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]

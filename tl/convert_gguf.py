@@ -31,9 +31,14 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED = 3, 4
 
 _LAYER_NAMES = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -41,15 +46,21 @@ _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm"
 # Pre-tokenizers by `tokenizer.ggml.pre`, as the Hugging Face tokenizer.json of those models has them.
 _BYTE_LEVEL = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
 _BYTE_LEVEL_NO_REGEX = {**_BYTE_LEVEL, "use_regex": False}
-_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 PRE_TOKENIZERS: dict[str, dict[str, Any]] = {
     "smollm": {"type": "Sequence", "pretokenizers": [{"type": "Digits", "individual_digits": True}, _BYTE_LEVEL]},
     "gpt-2": _BYTE_LEVEL,
     "default": _BYTE_LEVEL,
-    "qwen2": {"type": "Sequence", "pretokenizers": [
-        {"type": "Split", "pattern": {"Regex": _QWEN2_SPLIT}, "behavior": "Isolated", "invert": False},
-        _BYTE_LEVEL_NO_REGEX]},
+    "qwen2": {
+        "type": "Sequence",
+        "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": _QWEN2_SPLIT}, "behavior": "Isolated", "invert": False},
+            _BYTE_LEVEL_NO_REGEX,
+        ],
+    },
 }
 
 
@@ -158,8 +169,10 @@ def dequantize_tensor(t: gguf.ReaderTensor, path: Path) -> np.ndarray:
     """float32 array in HF/numpy order ([out, in] for matrices)."""
     ttype = Q(t.tensor_type)
     if ttype not in SUPPORTED_TYPES:
-        raise GGUFError(f"{path}: tensor {t.name!r} has type {ttype.name}, which is not supported "
-                        f"(supported: {', '.join(q.name for q in SUPPORTED_TYPES)})")
+        raise GGUFError(
+            f"{path}: tensor {t.name!r} has type {ttype.name}, which is not supported "
+            f"(supported: {', '.join(q.name for q in SUPPORTED_TYPES)})"
+        )
     shape = tuple(int(n) for n in reversed(t.shape))
     return np.ascontiguousarray(gguf.quants.dequantize(t.data, ttype), dtype=np.float32).reshape(shape)
 
@@ -191,7 +204,8 @@ def _tokenizer_metadata(reader: gguf.GGUFReader, path: Path) -> dict[str, Any]:
         raise GGUFError(f"{path}: tokenizer.ggml.pre {pre!r} is not supported (supported: {', '.join(PRE_TOKENIZERS)})")
     tokens = _need(reader, "tokenizer.ggml.tokens", path)
     return {
-        "tokens": tokens, "pre": pre,
+        "tokens": tokens,
+        "pre": pre,
         "merges": field(reader, "tokenizer.ggml.merges", []),
         "types": field(reader, "tokenizer.ggml.token_type", [1] * len(tokens)),
         "chat_template": field(reader, "tokenizer.chat_template"),
@@ -200,10 +214,19 @@ def _tokenizer_metadata(reader: gguf.GGUFReader, path: Path) -> dict[str, Any]:
 
 
 def _added_tokens(tok: dict[str, Any]) -> list[dict[str, Any]]:
-    return [{"id": i, "content": s, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
-             "special": ty == TOKEN_TYPE_CONTROL}
-            for i, (s, ty) in enumerate(zip(tok["tokens"], tok["types"]))
-            if ty in (TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED)]
+    return [
+        {
+            "id": i,
+            "content": s,
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "special": ty == TOKEN_TYPE_CONTROL,
+        }
+        for i, (s, ty) in enumerate(zip(tok["tokens"], tok["types"]))
+        if ty in (TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED)
+    ]
 
 
 def tokenizer_json(tok: dict[str, Any], path: Path) -> dict[str, Any]:
@@ -212,12 +235,26 @@ def tokenizer_json(tok: dict[str, Any], path: Path) -> dict[str, Any]:
     if len(vocab) != len(tok["tokens"]):
         raise GGUFError(f"{path}: tokenizer.ggml.tokens has duplicate entries")
     return {
-        "version": "1.0", "truncation": None, "padding": None, "added_tokens": _added_tokens(tok),
-        "normalizer": None, "pre_tokenizer": PRE_TOKENIZERS[tok["pre"]], "post_processor": None,
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": _added_tokens(tok),
+        "normalizer": None,
+        "pre_tokenizer": PRE_TOKENIZERS[tok["pre"]],
+        "post_processor": None,
         "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
-        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
-                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
-                  "vocab": vocab, "merges": list(tok["merges"])},
+        "model": {
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": None,
+            "continuing_subword_prefix": None,
+            "end_of_word_suffix": None,
+            "fuse_unk": False,
+            "byte_fallback": False,
+            "ignore_merges": False,
+            "vocab": vocab,
+            "merges": list(tok["merges"]),
+        },
     }
 
 
@@ -228,10 +265,17 @@ def tokenizer_config(tok: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
 
     decoder = {str(a["id"]): {k: v for k, v in a.items() if k != "id"} for a in _added_tokens(tok)}
     return {
-        "add_bos_token": False, "add_eos_token": False, "added_tokens_decoder": decoder,
-        "bos_token": name("bos"), "eos_token": name("eos"), "unk_token": name("unknown"), "pad_token": name("padding"),
-        "chat_template": tok["chat_template"], "clean_up_tokenization_spaces": False,
-        "model_max_length": cfg.max_position_embeddings, "tokenizer_class": "GPT2Tokenizer",
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "added_tokens_decoder": decoder,
+        "bos_token": name("bos"),
+        "eos_token": name("eos"),
+        "unk_token": name("unknown"),
+        "pad_token": name("padding"),
+        "chat_template": tok["chat_template"],
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": cfg.max_position_embeddings,
+        "tokenizer_class": "GPT2Tokenizer",
     }
 
 

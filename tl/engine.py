@@ -27,15 +27,26 @@ _POOL_PARAMS = SamplingParams(temperature=0.0, max_tokens=1)  # an embeddings in
 
 
 class Engine:
-    def __init__(self, runner: Runner, config: EngineConfig, *, clock: Callable[[], float] = time.monotonic,
-                 seed: int | None = None) -> None:
+    def __init__(
+        self,
+        runner: Runner,
+        config: EngineConfig,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        seed: int | None = None,
+    ) -> None:
         """clock (seconds) drives the queue deadline; seed fixes the seeds drawn for seedless requests."""
         self.runner = runner
         self.config = config
         self.max_model_len = _context_limit(runner, config)
         self.block_manager = BlockManager(runner.num_kv_blocks, runner.block_size, config.prefix_cache == "radix")
-        self.scheduler = Scheduler(config, self.block_manager, eos_token_ids=runner.eos_token_ids,
-                                   max_model_len=self.max_model_len, clock=clock)
+        self.scheduler = Scheduler(
+            config,
+            self.block_manager,
+            eos_token_ids=runner.eos_token_ids,
+            max_model_len=self.max_model_len,
+            clock=clock,
+        )
         self._clock = clock
         self._rng = random.Random(seed)
         self._next_id = 0
@@ -51,7 +62,9 @@ class Engine:
             raise ContextLengthError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
                 f"{num_prompt + max_tokens} tokens ({num_prompt} in the prompt, {max_tokens} in max_tokens). "
-                "Please reduce the length of the prompt or max_tokens.", code="context_length_exceeded")
+                "Please reduce the length of the prompt or max_tokens.",
+                code="context_length_exceeded",
+            )
         self._check_queue()
         seed = req.params.seed if req.params.seed is not None else self._rng.randint(0, MAX_SEED)
         seq_id, self._next_id = self._next_id, self._next_id + 1
@@ -66,7 +79,10 @@ class Engine:
             if len(ids) > self.max_model_len:
                 raise ContextLengthError(
                     f"input[{i}] has {len(ids)} tokens; this model's maximum context length is "
-                    f"{self.max_model_len} tokens", param="input", code="context_length_exceeded")
+                    f"{self.max_model_len} tokens",
+                    param="input",
+                    code="context_length_exceeded",
+                )
         self._check_queue()
         first, self._next_id = self._next_id, self._next_id + len(req.inputs)
         now = self._clock()
@@ -76,8 +92,9 @@ class Engine:
 
     def _check_queue(self) -> None:
         if self.scheduler.num_waiting_requests() >= self.config.queue_capacity:
-            raise QueueFullError(f"the waiting queue is full ({self.config.queue_capacity} requests)",
-                                 code="rate_limit_exceeded")
+            raise QueueFullError(
+                f"the waiting queue is full ({self.config.queue_capacity} requests)", code="rate_limit_exceeded"
+            )
 
     def abort(self, request_id: int) -> None:
         """Finish a live request; its blocks are free at once, its "abort" TokenOut comes from the next step."""
@@ -106,14 +123,24 @@ class Engine:
     def stats(self) -> EngineStats:
         bm, c = self.block_manager, self.scheduler.counters
         return EngineStats(
-            kv_blocks_free=bm.num_free, kv_blocks_used=bm.num_used, kv_blocks_cached=bm.num_cached,
-            queue_depth=self.scheduler.num_waiting_requests(), running=len(self.scheduler.running),
-            batch_tokens=self._batch_tokens, prefix_cache_queries=c.prefix_cache_queries,
-            prefix_cache_hits=c.prefix_cache_hits, preemptions=c.preemptions, evictions=bm.num_evictions,
-            spec_drafts_proposed=c.spec_drafts_proposed, spec_drafts_accepted=c.spec_drafts_accepted,
-            steps=self._num_steps, compilations=getattr(self.runner, "num_compilations", 0),
-            capped_steps=c.capped_steps, step_seconds=self._step_seconds.snapshot(),
-            prompt_tokens_per_step=self._prompt_tokens.snapshot())
+            kv_blocks_free=bm.num_free,
+            kv_blocks_used=bm.num_used,
+            kv_blocks_cached=bm.num_cached,
+            queue_depth=self.scheduler.num_waiting_requests(),
+            running=len(self.scheduler.running),
+            batch_tokens=self._batch_tokens,
+            prefix_cache_queries=c.prefix_cache_queries,
+            prefix_cache_hits=c.prefix_cache_hits,
+            preemptions=c.preemptions,
+            evictions=bm.num_evictions,
+            spec_drafts_proposed=c.spec_drafts_proposed,
+            spec_drafts_accepted=c.spec_drafts_accepted,
+            steps=self._num_steps,
+            compilations=getattr(self.runner, "num_compilations", 0),
+            capped_steps=c.capped_steps,
+            step_seconds=self._step_seconds.snapshot(),
+            prompt_tokens_per_step=self._prompt_tokens.snapshot(),
+        )
 
 
 def _context_limit(runner: Runner, config: EngineConfig) -> int:

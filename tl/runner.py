@@ -114,21 +114,32 @@ def _to_host_buffers(tree: Any) -> tuple[tuple[np.ndarray, ...], HostLayout]:
 
 def _from_buffers(bufs: tuple[jax.Array, ...], layout: HostLayout) -> Any:
     treedef, _, where = layout
-    leaves = [bufs[i][off:off + int(np.prod(shape, dtype=np.int64))].reshape(shape) for i, off, shape in where]
+    leaves = [bufs[i][off : off + int(np.prod(shape, dtype=np.int64))].reshape(shape) for i, off, shape in where]
     return jax.tree.unflatten(treedef, leaves)
 
 
-def _step(params: llama.Params, kv: tuple[jax.Array, jax.Array], bufs: tuple[jax.Array, ...],
-          pen: Penalties, *, layout: HostLayout, cfg: ModelConfig, on_trace: Any,
-          attention: Any, matmul: Any, argmax_lse: Any = None) -> tuple[Any, SampleOut, jax.Array, jax.Array]:
+def _step(
+    params: llama.Params,
+    kv: tuple[jax.Array, jax.Array],
+    bufs: tuple[jax.Array, ...],
+    pen: Penalties,
+    *,
+    layout: HostLayout,
+    cfg: ModelConfig,
+    on_trace: Any,
+    attention: Any,
+    matmul: Any,
+    argmax_lse: Any = None,
+) -> tuple[Any, SampleOut, jax.Array, jax.Array]:
     """Forward, KV write, sample-row selection and sampling, pooling; returns (kv, SampleOut,
     logits [R,V], pooled [S,D]: each sequence's sum of the final-normed hidden states of its
     pooled tokens, 0 for a sequence without). bufs/layout: the step's StepInputs and
     SamplingBatch as packed by `_to_host_buffers`."""
     inp, sb = _from_buffers(bufs, layout)
     on_trace()
-    hidden, kv = llama.forward(params, cfg, inp.token_ids, inp.positions, kv, inp.kv_blocks, inp.kv_offsets,
-                               inp.meta, attention, matmul)
+    hidden, kv = llama.forward(
+        params, cfg, inp.token_ids, inp.positions, kv, inp.kv_blocks, inp.kv_offsets, inp.meta, attention, matmul
+    )
     logits = llama.lm_logits(params, cfg, hidden[inp.row_token], matmul)
     return kv, sample(logits, sb, pen, argmax_lse), logits, _pooled(params, cfg, hidden, inp)
 
@@ -147,8 +158,9 @@ def _no_native(x: jax.Array, w: Any) -> None:
     return None
 
 
-def _embed(params: llama.Params, token_ids: jax.Array, length: jax.Array, *, cfg: ModelConfig,
-           on_trace: Any) -> jax.Array:
+def _embed(
+    params: llama.Params, token_ids: jax.Array, length: jax.Array, *, cfg: ModelConfig, on_trace: Any
+) -> jax.Array:
     """Mean of the final-normed hidden states of the first `length` tokens, L2-normalised [D]."""
     on_trace()
     hidden, _ = llama.forward_dense(params, cfg, token_ids)
@@ -173,8 +185,14 @@ class _Rows:
 class ModelRunner:
     """Runs SchedulerOutputs on one model; implements tl.plan.Runner."""
 
-    def __init__(self, cfg: ModelConfig, params_host: dict[str, Any], engine_cfg: EngineConfig,
-                 eos_token_ids: Sequence[int] = (), mesh: Mesh | None = None) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        params_host: dict[str, Any],
+        engine_cfg: EngineConfig,
+        eos_token_ids: Sequence[int] = (),
+        mesh: Mesh | None = None,
+    ) -> None:
         enable_compile_cache(engine_cfg.compile_cache_dir)
         self.model_config = cfg
         self.engine_config = engine_cfg
@@ -202,19 +220,29 @@ class ModelRunner:
         self.verdicts = self._measure_verdicts()
         attention, matmul, argmax_lse = self._dispatch()
         kv_sh = NamedSharding(self.mesh, self.layout.kv_spec)
-        self._step = jax.jit(functools.partial(_step, cfg=cfg, on_trace=self._count, attention=attention,
-                                               matmul=matmul, argmax_lse=argmax_lse),
-                             donate_argnames=("kv",), static_argnames=("layout",),
-                             out_shardings=((kv_sh, kv_sh), self._replicated, self._replicated, self._replicated))
+        self._step = jax.jit(
+            functools.partial(
+                _step, cfg=cfg, on_trace=self._count, attention=attention, matmul=matmul, argmax_lse=argmax_lse
+            ),
+            donate_argnames=("kv",),
+            static_argnames=("layout",),
+            out_shardings=((kv_sh, kv_sh), self._replicated, self._replicated, self._replicated),
+        )
         self._embed = jax.jit(functools.partial(_embed, cfg=cfg, on_trace=self._count))
-        self._top_lp = jax.jit(functools.partial(_top_logprobs, k=max(1, engine_cfg.max_logprobs),
-                                                 on_trace=self._count))
+        self._top_lp = jax.jit(
+            functools.partial(_top_logprobs, k=max(1, engine_cfg.max_logprobs), on_trace=self._count)
+        )
 
     @classmethod
     def from_model_dir(cls, engine_cfg: EngineConfig, mesh: Mesh | None = None) -> ModelRunner:
         cfg = load_model_config(engine_cfg.model_dir)
-        return cls(cfg, read_tensors(engine_cfg.model_dir), engine_cfg, eos_token_ids=eos_token_ids(engine_cfg.model_dir),
-                   mesh=mesh)
+        return cls(
+            cfg,
+            read_tensors(engine_cfg.model_dir),
+            engine_cfg,
+            eos_token_ids=eos_token_ids(engine_cfg.model_dir),
+            mesh=mesh,
+        )
 
     # ---- placement ----
 
@@ -229,10 +257,14 @@ class ModelRunner:
             from kernels import cpu_native
 
             pack = cpu_native.pack_bf16x3
-        step = llama.step_params(host, self.model_config, self.engine_config.weight_dtype,
-                                 fused_qkv=self.layout.kv_sharded, pack=pack)
-        shardings = jax.tree.map(lambda s: NamedSharding(self.mesh, s), backend.partition_specs(step, self.layout),
-                                 is_leaf=lambda x: isinstance(x, P))
+        step = llama.step_params(
+            host, self.model_config, self.engine_config.weight_dtype, fused_qkv=self.layout.kv_sharded, pack=pack
+        )
+        shardings = jax.tree.map(
+            lambda s: NamedSharding(self.mesh, s),
+            backend.partition_specs(step, self.layout),
+            is_leaf=lambda x: isinstance(x, P),
+        )
         self.weight_pages, self.weight_pages_reason = "default", "configured"
         if self.engine_config.weight_pages == "default":
             return jax.device_put(step, shardings)
@@ -310,23 +342,49 @@ class ModelRunner:
             return jax.ShapeDtypeStruct(shape, dtype)
 
         i32 = jnp.int32
-        meta = AttnMetadata(seq_idx=sds(t, dtype=i32), positions=sds(t, dtype=i32), start_pos=sds(s, dtype=i32),
-                            block_tables=sds(s, self._max_blocks, dtype=i32), chunk_blocks=self._chunk_blocks)
+        meta = AttnMetadata(
+            seq_idx=sds(t, dtype=i32),
+            positions=sds(t, dtype=i32),
+            start_pos=sds(s, dtype=i32),
+            block_tables=sds(s, self._max_blocks, dtype=i32),
+            chunk_blocks=self._chunk_blocks,
+        )
         k, v = (sds(*x.shape, dtype=x.dtype) for x in self._kv)
-        probe = (sds(t, c.num_attention_heads, c.head_dim), sds(t, c.num_key_value_heads, c.head_dim),
-                 sds(t, c.num_key_value_heads, c.head_dim), k, v, sds(dtype=i32), meta)
-        return attention_select.select(ec.attention_kernel, self.platform, self.mesh, self.layout.kv_sharded, probe,
-                                       self.native, why_native)
+        probe = (
+            sds(t, c.num_attention_heads, c.head_dim),
+            sds(t, c.num_key_value_heads, c.head_dim),
+            sds(t, c.num_key_value_heads, c.head_dim),
+            k,
+            v,
+            sds(dtype=i32),
+            meta,
+        )
+        return attention_select.select(
+            ec.attention_kernel, self.platform, self.mesh, self.layout.kv_sharded, probe, self.native, why_native
+        )
 
     # ---- kernel verdicts: native or XLA, per step shape ----
 
     def _verdict_key(self, classes: list[tuple[str, int]]) -> dict[str, Any]:
         """What the verdicts depend on besides the library build and the CPU (tl/verdicts.py)."""
         c, ec = self.model_config, self.engine_config
-        return {"model": [c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads,
-                          c.head_dim, c.vocab_size], "dtype": self.dtype.name, "weight_dtype": ec.weight_dtype,
-                "kv": str(jnp.dtype(self.kv_storage_dtype)), "precision": self.matmul_precision,
-                "block_size": self.block_size, "tp": self.mesh.shape["model"], "classes": sorted(classes)}
+        return {
+            "model": [
+                c.hidden_size,
+                c.intermediate_size,
+                c.num_attention_heads,
+                c.num_key_value_heads,
+                c.head_dim,
+                c.vocab_size,
+            ],
+            "dtype": self.dtype.name,
+            "weight_dtype": ec.weight_dtype,
+            "kv": str(jnp.dtype(self.kv_storage_dtype)),
+            "precision": self.matmul_precision,
+            "block_size": self.block_size,
+            "tp": self.mesh.shape["model"],
+            "classes": sorted(classes),
+        }
 
     def _measure_verdicts(self) -> verdicts.Verdicts:
         """Each measured kernel's classes (tl/verdicts.py), from the cache beside the library or
@@ -341,8 +399,12 @@ class ModelRunner:
             classes += [("matmul", r) for r in rows]
         attn = {}
         if self.attention.measured:
-            attn = {t: decode for t, decode in verdicts.attention_classes(ec.token_buckets, ec.max_num_seqs,
-                                                                          ec.max_num_batched_tokens)}
+            attn = {
+                t: decode
+                for t, decode in verdicts.attention_classes(
+                    ec.token_buckets, ec.max_num_seqs, ec.max_num_batched_tokens
+                )
+            }
             classes += [("attention", t) for t in attn]
         if not classes:
             return verdicts.Verdicts()
@@ -353,12 +415,28 @@ class ModelRunner:
         def prepare(kernel: str, rows: int) -> verdicts.Timed:
             if kernel == "matmul":
                 # One row streams the weights (a chain past the cache); more rows are compute-bound.
-                return verdicts.matmul_case(layers if rows == 1 else layers[:1], self._lm_head(), self.matmul.fn,
-                                            rows, llama.linear, self.matmul.argmax_lse)
-            case = verdicts.attention_case(rows, attn[rows], c.num_attention_heads, c.num_key_value_heads,
-                                           c.head_dim, self._kv[0], self._chunk_blocks, self._max_blocks, self.dtype)
-            return verdicts.attention_timed(self.attention.fn, paged_attention.paged_attention, case, *self._kv,
-                                            layers=2)
+                return verdicts.matmul_case(
+                    layers if rows == 1 else layers[:1],
+                    self._lm_head(),
+                    self.matmul.fn,
+                    rows,
+                    llama.linear,
+                    self.matmul.argmax_lse,
+                )
+            case = verdicts.attention_case(
+                rows,
+                attn[rows],
+                c.num_attention_heads,
+                c.num_key_value_heads,
+                c.head_dim,
+                self._kv[0],
+                self._chunk_blocks,
+                self._max_blocks,
+                self.dtype,
+            )
+            return verdicts.attention_timed(
+                self.attention.fn, paged_attention.paged_attention, case, *self._kv, layers=2
+            )
 
         key = self._verdict_key(classes)
         return verdicts.measure(verdicts.cache_path(self.native.path, key), key, classes, prepare)
@@ -376,8 +454,9 @@ class ModelRunner:
         v = self.verdicts
         attention = self.attention.fn
         if self.attention.measured:
-            attention = attention_select.per_shape(lambda t: v.native("attention", t), attention,
-                                                   paged_attention.paged_attention)
+            attention = attention_select.per_shape(
+                lambda t: v.native("attention", t), attention, paged_attention.paged_attention
+            )
         matmul, argmax_lse = self.matmul.fn, self.matmul.argmax_lse
         if self.matmul.measured and matmul is not None and argmax_lse is not None:
             matmul = attention_select.per_shape(lambda n: v.native("matmul", n), matmul, _no_native)
@@ -392,16 +471,21 @@ class ModelRunner:
     @property
     def backend_info(self) -> BackendInfo:
         devices = self.mesh.devices.flat
-        return BackendInfo(platform=self.platform, device_kind=next(iter(devices)).device_kind,
-                           device_count=self.mesh.devices.size, tensor_parallel=self.mesh.shape["model"],
-                           process_count=jax.process_count(), dtype=self.dtype.name,
-                           kv_cache_dtype="bfloat16" if self.kv_storage_dtype == jnp.uint16 else self.dtype.name,
-                           attention_kernel=self._attention_summary(), matmul_precision=self.matmul_precision,
-                           matmul_kernel=self._matmul_summary(),
-                           native_target=self.native.target.name if "cpu_native" in (self.attention.name,
-                                                                                     self.matmul.name) else "",
-                           kernel_choices=tuple(self.kernel_lines),
-                           kv_heads="sharded" if self.layout.kv_sharded else "replicated")
+        return BackendInfo(
+            platform=self.platform,
+            device_kind=next(iter(devices)).device_kind,
+            device_count=self.mesh.devices.size,
+            tensor_parallel=self.mesh.shape["model"],
+            process_count=jax.process_count(),
+            dtype=self.dtype.name,
+            kv_cache_dtype="bfloat16" if self.kv_storage_dtype == jnp.uint16 else self.dtype.name,
+            attention_kernel=self._attention_summary(),
+            matmul_precision=self.matmul_precision,
+            matmul_kernel=self._matmul_summary(),
+            native_target=self.native.target.name if "cpu_native" in (self.attention.name, self.matmul.name) else "",
+            kernel_choices=tuple(self.kernel_lines),
+            kv_heads="sharded" if self.layout.kv_sharded else "replicated",
+        )
 
     def _attention_summary(self) -> str:
         if not self.attention.measured:
@@ -441,7 +525,7 @@ class ModelRunner:
         """The float32 logits [sample rows, V] of a non-empty plan, run as `execute` runs it (its
         keys written to the cache); for quality checks (bench/quant_bench.py)."""
         rows, _, logits, _ = self._forward(plan)
-        return np.asarray(logits)[:sum(1 + k for _, _, k in rows.spans)]
+        return np.asarray(logits)[: sum(1 + k for _, _, k in rows.spans)]
 
     def _forward(self, plan: SchedulerOutput) -> tuple[_Rows, SampleOut, jax.Array, jax.Array]:
         ec = self.engine_config
@@ -452,8 +536,9 @@ class ModelRunner:
         self._kv, out, logits, pooled = self._run_step(inp, sb, pen)
         return rows, out, logits, pooled
 
-    def _run_step(self, inp: StepInputs, sb: SamplingBatch,
-                  pen: Penalties) -> tuple[Any, SampleOut, jax.Array, jax.Array]:
+    def _run_step(
+        self, inp: StepInputs, sb: SamplingBatch, pen: Penalties
+    ) -> tuple[Any, SampleOut, jax.Array, jax.Array]:
         # The host buffers go in as numpy arrays: the jitted call's own transfer (C++) took ~0.6 ms
         # less a step than a jax.device_put of them first (one-row decode, alternated).
         bufs, layout = _to_host_buffers((inp, sb))
@@ -465,8 +550,10 @@ class ModelRunner:
             raise ValueError(f"seq {w.seq_id}: positions {w.start_pos}..{end - 1} outside 0..{self.max_model_len - 1}")
         if len(w.block_table) * self.block_size < end:
             raise ValueError(f"seq {w.seq_id}: block table of {len(w.block_table)} blocks does not cover {end} tokens")
-        if len(w.draft_ids) > self._spec_tokens or w.token_ids[len(w.token_ids) - len(w.draft_ids):] != w.draft_ids:
-            raise ValueError(f"seq {w.seq_id}: drafts {w.draft_ids} must be the last tokens (at most {self._spec_tokens})")
+        if len(w.draft_ids) > self._spec_tokens or w.token_ids[len(w.token_ids) - len(w.draft_ids) :] != w.draft_ids:
+            raise ValueError(
+                f"seq {w.seq_id}: drafts {w.draft_ids} must be the last tokens (at most {self._spec_tokens})"
+            )
 
     def _pack_tokens(self, work: Sequence[SeqWork], t_pad: int, s_pad: int) -> tuple[StepInputs, _Rows]:
         bs, scratch = self.block_size, self.num_kv_blocks
@@ -482,26 +569,38 @@ class ModelRunner:
         for s, w in enumerate(work):
             self._check(w)
             n = len(w.token_ids)
-            table = np.asarray(w.block_table[:self._max_blocks], np.int32)
-            tables[s, :len(table)] = table
+            table = np.asarray(w.block_table[: self._max_blocks], np.int32)
+            tables[s, : len(table)] = table
             starts[s] = w.start_pos
             pos = np.arange(w.start_pos, w.start_pos + n, dtype=np.int32)
-            tokens[t:t + n], positions[t:t + n], seq_idx[t:t + n] = w.token_ids, pos, s
-            kv_blocks[t:t + n] = table[pos // bs]
+            tokens[t : t + n], positions[t : t + n], seq_idx[t : t + n] = w.token_ids, pos, s
+            kv_blocks[t : t + n] = table[pos // bs]
             if w.pool:
-                pool_seq[t:t + n] = s
+                pool_seq[t : t + n] = s
                 pools.append((w, s))
             elif w.sample:
                 k = len(w.draft_ids)
-                row_token[r:r + k + 1] = np.arange(t + n - 1 - k, t + n)
+                row_token[r : r + k + 1] = np.arange(t + n - 1 - k, t + n)
                 spans.append((w, r, k))
                 r += k + 1
             t += n
-        meta = AttnMetadata(seq_idx=seq_idx, positions=positions, start_pos=starts, block_tables=tables,
-                            chunk_blocks=self._chunk_blocks, head_rows=self.num_rows(t_pad, s_pad))
-        inp = StepInputs(token_ids=tokens, positions=positions, kv_blocks=kv_blocks,
-                         kv_offsets=np.where(seq_idx >= 0, positions % bs, 0).astype(np.int32), meta=meta,
-                         row_token=row_token, pool_seq=pool_seq)  # type: ignore[arg-type]
+        meta = AttnMetadata(
+            seq_idx=seq_idx,
+            positions=positions,
+            start_pos=starts,
+            block_tables=tables,
+            chunk_blocks=self._chunk_blocks,
+            head_rows=self.num_rows(t_pad, s_pad),
+        )
+        inp = StepInputs(
+            token_ids=tokens,
+            positions=positions,
+            kv_blocks=kv_blocks,
+            kv_offsets=np.where(seq_idx >= 0, positions % bs, 0).astype(np.int32),
+            meta=meta,
+            row_token=row_token,
+            pool_seq=pool_seq,
+        )  # type: ignore[arg-type]
         return inp, _Rows(tuple(spans), tuple(pools))
 
     def _pack_sampling(self, rows: _Rows, s_pad: int, num_rows: int) -> tuple[SamplingBatch, Penalties]:
@@ -518,16 +617,25 @@ class ModelRunner:
         if not any(w.params.has_penalties for w, _, _ in rows.spans):
             return sb, self._no_penalties(s_pad, num_rows)
         spans = rows.spans
-        pen = pack_penalties([w.params for w, _, _ in spans], [w.output_ids for w, _, _ in spans], row_seq, prior,
-                             s_pad, num_rows, max(1, self._spec_tokens), self.model_config.vocab_size)
+        pen = pack_penalties(
+            [w.params for w, _, _ in spans],
+            [w.output_ids for w, _, _ in spans],
+            row_seq,
+            prior,
+            s_pad,
+            num_rows,
+            max(1, self._spec_tokens),
+            self.model_config.vocab_size,
+        )
         return sb, jax.device_put(pen, self._replicated)
 
     def _no_penalties(self, s_pad: int, num_rows: int) -> Penalties:
         """Device-resident all-zero penalties per shape, so penalty-free steps copy nothing."""
         key = (s_pad, num_rows)
         if key not in self._zero_penalties:
-            pen = pack_penalties([], [], [], [], s_pad, num_rows, max(1, self._spec_tokens),
-                                 self.model_config.vocab_size)
+            pen = pack_penalties(
+                [], [], [], [], s_pad, num_rows, max(1, self._spec_tokens), self.model_config.vocab_size
+            )
             self._zero_penalties[key] = jax.device_put(pen, self._replicated)
         return self._zero_penalties[key]
 
@@ -545,14 +653,25 @@ class ModelRunner:
             tops: tuple[tuple[tuple[int, float], ...], ...] = ()
             n_top = min(w.params.top_logprobs, self.engine_config.max_logprobs)
             if n_top and top_ids is not None and top_vals is not None:
-                tops = tuple(tuple(zip(top_ids[i, :n_top].tolist(), top_vals[i, :n_top].tolist(), strict=True))
-                             for i in range(r, r + n_acc + 1))
-            results.append(SeqResult(seq_id=w.seq_id, token_ids=tuple(token[sl].tolist()),
-                                     logprobs=tuple(logprob[sl].tolist()), top_logprobs=tops, num_accepted=n_acc))
+                tops = tuple(
+                    tuple(zip(top_ids[i, :n_top].tolist(), top_vals[i, :n_top].tolist(), strict=True))
+                    for i in range(r, r + n_acc + 1)
+                )
+            results.append(
+                SeqResult(
+                    seq_id=w.seq_id,
+                    token_ids=tuple(token[sl].tolist()),
+                    logprobs=tuple(logprob[sl].tolist()),
+                    top_logprobs=tops,
+                    num_accepted=n_acc,
+                )
+            )
         if rows.pools:
             sums = np.asarray(pooled)
-            results += [SeqResult(seq_id=w.seq_id, token_ids=(), logprobs=(), pooled=tuple(sums[s].tolist()))
-                        for w, s in rows.pools]
+            results += [
+                SeqResult(seq_id=w.seq_id, token_ids=(), logprobs=(), pooled=tuple(sums[s].tolist()))
+                for w, s in rows.pools
+            ]
         return RunnerOutput(tuple(results))
 
     # ---- warm-up and embeddings ----
@@ -562,7 +681,7 @@ class ModelRunner:
         ec = self.engine_config
         pairs = set()
         top = _bucket(ec.max_num_batched_tokens, ec.token_buckets, "max_num_batched_tokens")
-        for t in ec.token_buckets[:ec.token_buckets.index(top) + 1]:
+        for t in ec.token_buckets[: ec.token_buckets.index(top) + 1]:
             for s in range(1, min(t, ec.max_num_seqs) + 1):
                 pairs.add((t, _bucket(s, ec.seq_buckets, "sequences")))
         return sorted(pairs)

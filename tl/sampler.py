@@ -167,8 +167,9 @@ def sample(logits: jax.Array, sb: SamplingBatch, pen: Penalties, argmax_lse_fn: 
     def general() -> tuple[jax.Array, jax.Array]:
         x = lax.cond(pen.enabled, apply_penalties, lambda lg, _: lg, logits, pen)
         greedy_tok = lax.cond(pen.enabled, lambda: jnp.argmax(x, axis=1).astype(jnp.int32), lambda: raw_tok)
-        return lax.cond(jnp.all(sb.temperature <= 0), lambda: _greedy(greedy_tok, sb),
-                        lambda: _sampled(x, greedy_tok, sb))
+        return lax.cond(
+            jnp.all(sb.temperature <= 0), lambda: _greedy(greedy_tok, sb), lambda: _sampled(x, greedy_tok, sb)
+        )
 
     # All rows greedy without penalties (the common serving case): the raw argmax only, skipping
     # the softmax, the truncation bisections and the draw (41 ms of a 64-row step on 2 cores),
@@ -216,8 +217,9 @@ def top_logprobs(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     return ids.T, vals.T
 
 
-def pack_rows(params: Sequence[SamplingParams], seeds: Sequence[int], steps: Sequence[int],
-              drafts: Sequence[int], num_rows: int) -> SamplingBatch:
+def pack_rows(
+    params: Sequence[SamplingParams], seeds: Sequence[int], steps: Sequence[int], drafts: Sequence[int], num_rows: int
+) -> SamplingBatch:
     """Host arrays for `num_rows` sample rows; rows past len(params) are greedy padding."""
     n = len(params)
     pad = num_rows - n
@@ -226,17 +228,30 @@ def pack_rows(params: Sequence[SamplingParams], seeds: Sequence[int], steps: Seq
         return np.array(list(values) + [fill] * pad, dtype)
 
     seeds_u = np.array(list(seeds) + [0] * pad, np.uint64)
-    key_data = np.stack([(seeds_u >> np.uint64(32)).astype(np.uint32), (seeds_u & np.uint64(0xFFFFFFFF)).astype(np.uint32)], 1)
+    key_data = np.stack(
+        [(seeds_u >> np.uint64(32)).astype(np.uint32), (seeds_u & np.uint64(0xFFFFFFFF)).astype(np.uint32)], 1
+    )
     return SamplingBatch(
         temperature=col([p.temperature for p in params], 0.0, np.float32),
-        top_p=col([p.top_p for p in params], 1.0, np.float32), top_k=col([p.top_k for p in params], 0, np.int32),
-        min_p=col([p.min_p for p in params], 0.0, np.float32), key_data=key_data,
-        step=col(list(steps), 0, np.int32), draft=col(list(drafts), -1, np.int32))  # type: ignore[arg-type]
+        top_p=col([p.top_p for p in params], 1.0, np.float32),
+        top_k=col([p.top_k for p in params], 0, np.int32),
+        min_p=col([p.min_p for p in params], 0.0, np.float32),
+        key_data=key_data,
+        step=col(list(steps), 0, np.int32),
+        draft=col(list(drafts), -1, np.int32),
+    )  # type: ignore[arg-type]
 
 
-def pack_penalties(params: Sequence[SamplingParams], output_ids: Sequence[Sequence[int]], row_seq: Sequence[int],
-                   prior_drafts: Sequence[Sequence[int]], num_seqs: int, num_rows: int, max_prior: int,
-                   vocab_size: int) -> Penalties:
+def pack_penalties(
+    params: Sequence[SamplingParams],
+    output_ids: Sequence[Sequence[int]],
+    row_seq: Sequence[int],
+    prior_drafts: Sequence[Sequence[int]],
+    num_seqs: int,
+    num_rows: int,
+    max_prior: int,
+    vocab_size: int,
+) -> Penalties:
     """Host arrays of penalties for `num_seqs` sequences (padded) and `num_rows` rows (padded)."""
     counts = np.zeros((num_seqs, vocab_size), np.float32)
     bias = np.zeros((num_seqs, vocab_size), np.float32)
@@ -249,10 +264,17 @@ def pack_penalties(params: Sequence[SamplingParams], output_ids: Sequence[Sequen
                 bias[s, tok] = b
         per_seq[:, s] = (p.presence_penalty, p.frequency_penalty, p.repetition_penalty)
     rows = np.zeros(num_rows, np.int32)
-    rows[:len(row_seq)] = row_seq
+    rows[: len(row_seq)] = row_seq
     prior = np.full((num_rows, max_prior), -1, np.int32)
     for r, ds in enumerate(prior_drafts):
-        prior[r, :len(ds)] = ds
-    return Penalties(enabled=np.bool_(any(p.has_penalties for p in params)), counts=counts, bias=bias,
-                     presence=per_seq[0], frequency=per_seq[1], repetition=per_seq[2], row_seq=rows,
-                     prior_drafts=prior)  # type: ignore[arg-type]
+        prior[r, : len(ds)] = ds
+    return Penalties(
+        enabled=np.bool_(any(p.has_penalties for p in params)),
+        counts=counts,
+        bias=bias,
+        presence=per_seq[0],
+        frequency=per_seq[1],
+        repetition=per_seq[2],
+        row_seq=rows,
+        prior_drafts=prior,
+    )  # type: ignore[arg-type]

@@ -79,15 +79,25 @@ def _victim_order(seq: Sequence) -> tuple[int, int]:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager, *, eos_token_ids: Iterable[int],
-                 max_model_len: int, clock: Callable[[], float]) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        block_manager: BlockManager,
+        *,
+        eos_token_ids: Iterable[int],
+        max_model_len: int,
+        clock: Callable[[], float],
+    ) -> None:
         self.config = config
         self.block_manager = block_manager
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
         self.clock = clock
-        self.proposer = (PromptLookupProposer(config.prompt_lookup_min, config.prompt_lookup_max)
-                         if config.speculative == "prompt_lookup" else None)
+        self.proposer = (
+            PromptLookupProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+            if config.speculative == "prompt_lookup"
+            else None
+        )
         self.waiting: list[Sequence] = []  # sorted by Sequence.order_key
         self.running: list[Sequence] = []
         self.seqs: dict[int, Sequence] = {}  # every live (waiting or running) sequence
@@ -132,12 +142,15 @@ class Scheduler:
         if not self._preempted_this_step:
             self._admit_waiting()
         self.counters.capped_steps += self._capped
-        return SchedulerOutput(tuple(self._scheduled.values()), num_prompt_tokens=self._num_prompt_tokens,
-                               capped=self._capped)
+        return SchedulerOutput(
+            tuple(self._scheduled.values()), num_prompt_tokens=self._num_prompt_tokens, capped=self._capped
+        )
 
     def _has_room(self) -> bool:
-        return (len(self._scheduled) < self.config.max_num_seqs
-                and self._num_scheduled_tokens < self.config.max_num_batched_tokens)
+        return (
+            len(self._scheduled) < self.config.max_num_seqs
+            and self._num_scheduled_tokens < self.config.max_num_batched_tokens
+        )
 
     def _schedule_running(self, seq: Sequence) -> None:
         num_new = self._num_new_tokens(seq, seq.num_computed_tokens)
@@ -218,10 +231,12 @@ class Scheduler:
         """Drafts for work that reaches the last known token, within budget, max_tokens and context."""
         if self.proposer is None or seq.num_computed_tokens + num_new != seq.num_tokens:
             return ()
-        num_drafts = min(self.config.num_speculative_tokens,
-                         self.config.max_num_batched_tokens - self._num_scheduled_tokens - num_new,
-                         seq.params.max_tokens - seq.num_generated - 1,
-                         self.max_model_len - seq.num_tokens)
+        num_drafts = min(
+            self.config.num_speculative_tokens,
+            self.config.max_num_batched_tokens - self._num_scheduled_tokens - num_new,
+            seq.params.max_tokens - seq.num_generated - 1,
+            self.max_model_len - seq.num_tokens,
+        )
         return self.proposer.propose(seq.token_ids, num_drafts)
 
     def _reserve_blocks(self, seq: Sequence, num_tokens: int) -> bool:
@@ -252,11 +267,18 @@ class Scheduler:
         start = seq.num_computed_tokens
         decode = _is_decode(seq)
         self._scheduled[seq.seq_id] = SeqWork(
-            seq_id=seq.seq_id, token_ids=tuple(seq.token_ids[start:start + num_new]) + drafts, start_pos=start,
+            seq_id=seq.seq_id,
+            token_ids=tuple(seq.token_ids[start : start + num_new]) + drafts,
+            start_pos=start,
             block_table=self.block_manager.block_table(seq.seq_id),
             sample=not seq.pool and start + num_new == seq.num_tokens,
-            params=seq.params, seed=seq.seed, num_generated=seq.num_generated, draft_ids=drafts,
-            output_ids=seq.output_ids if seq.params.has_penalties else (), pool=seq.pool)
+            params=seq.params,
+            seed=seq.seed,
+            num_generated=seq.num_generated,
+            draft_ids=drafts,
+            output_ids=seq.output_ids if seq.params.has_penalties else (),
+            pool=seq.pool,
+        )
         self._num_scheduled_tokens += num_new + len(drafts)
         self._num_decodes += decode
         self._num_prompt_tokens += 0 if decode else num_new
@@ -350,8 +372,10 @@ def _checked(work: SeqWork, result: SeqResult | None) -> SeqResult:
     if result is None:
         raise RuntimeError(f"runner returned no result for sampled seq {work.seq_id}")
     if not 0 <= result.num_accepted <= len(work.draft_ids) or len(result.token_ids) != result.num_accepted + 1:
-        raise RuntimeError(f"seq {work.seq_id}: {len(result.token_ids)} tokens with {result.num_accepted} of "
-                           f"{len(work.draft_ids)} drafts accepted")
+        raise RuntimeError(
+            f"seq {work.seq_id}: {len(result.token_ids)} tokens with {result.num_accepted} of "
+            f"{len(work.draft_ids)} drafts accepted"
+        )
     if len(result.logprobs) != len(result.token_ids):
         raise RuntimeError(f"seq {work.seq_id}: {len(result.logprobs)} logprobs for {len(result.token_ids)} tokens")
     return result

@@ -65,7 +65,7 @@ class Sequence:
 
     @property
     def output_ids(self) -> tuple[int, ...]:
-        return tuple(self.token_ids[len(self.prompt_ids):])
+        return tuple(self.token_ids[len(self.prompt_ids) :])
 
     def order_key(self) -> tuple[int, int]:
         """Serving order: higher priority first, then arrival (seq ids grow with arrival)."""

@@ -26,7 +26,7 @@ class PromptLookupProposer:
         for n in range(min(self.max_n, len(token_ids) - 1), self.min_n - 1, -1):
             start = _latest_match(token_ids, n)
             if start >= 0:
-                return tuple(token_ids[start + n:start + n + num_drafts])
+                return tuple(token_ids[start + n : start + n + num_drafts])
         return ()
 
 
@@ -35,6 +35,6 @@ def _latest_match(token_ids: Sequence[int], n: int) -> int:
     suffix = list(token_ids[-n:])
     last = suffix[-1]
     for end in range(len(token_ids) - 2, n - 2, -1):  # end = index of the match's last token
-        if token_ids[end] == last and list(token_ids[end - n + 1:end + 1]) == suffix:
+        if token_ids[end] == last and list(token_ids[end - n + 1 : end + 1]) == suffix:
             return end - n + 1
     return -1

@@ -95,8 +95,17 @@ class BackendInfo:
     kv_heads: str = "sharded"  # "sharded" over the model axis, or "replicated" when they do not divide
 
     def labels(self) -> dict[str, str]:
-        return {"platform": self.platform, "device_kind": self.device_kind, "device_count": str(self.device_count),
-                "tensor_parallel": str(self.tensor_parallel), "process_count": str(self.process_count),
-                "dtype": self.dtype, "kv_cache_dtype": self.kv_cache_dtype, "attention_kernel": self.attention_kernel,
-                "matmul_precision": self.matmul_precision, "matmul_kernel": self.matmul_kernel,
-                "native_target": self.native_target, "kv_heads": self.kv_heads}
+        return {
+            "platform": self.platform,
+            "device_kind": self.device_kind,
+            "device_count": str(self.device_count),
+            "tensor_parallel": str(self.tensor_parallel),
+            "process_count": str(self.process_count),
+            "dtype": self.dtype,
+            "kv_cache_dtype": self.kv_cache_dtype,
+            "attention_kernel": self.attention_kernel,
+            "matmul_precision": self.matmul_precision,
+            "matmul_kernel": self.matmul_kernel,
+            "native_target": self.native_target,
+            "kv_heads": self.kv_heads,
+        }

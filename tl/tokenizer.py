@@ -69,8 +69,15 @@ def _piece_bytes(piece: str, byte_level: bool) -> bytes:
 class Tokenizer:
     """A model's tokenizer. Build with Tokenizer.load(model_dir)."""
 
-    def __init__(self, tok: tokenizers.Tokenizer, spec: dict[str, Any], *, bos_token: str | None = None,
-                 eos_token: str | None = None, eos_token_ids: tuple[int, ...] = ()) -> None:
+    def __init__(
+        self,
+        tok: tokenizers.Tokenizer,
+        spec: dict[str, Any],
+        *,
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+        eos_token_ids: tuple[int, ...] = (),
+    ) -> None:
         self._tok = tok
         self._bos_token, self._eos_token, self._eos_token_ids = bos_token, eos_token, eos_token_ids
         self._byte_level = _has_type(spec.get("decoder"), "ByteLevel")
@@ -101,8 +108,13 @@ class Tokenizer:
         except Exception as e:  # noqa: BLE001 (tokenizers raises a bare Exception on a bad spec)
             raise ModelDirError(f"{path}: cannot build the tokenizer ({e})") from None
         tcfg = load_tokenizer_config(d)
-        return cls(tok, spec, bos_token=tcfg.bos_token, eos_token=tcfg.eos_token,
-                   eos_token_ids=eos_token_ids(d, tok.token_to_id))
+        return cls(
+            tok,
+            spec,
+            bos_token=tcfg.bos_token,
+            eos_token=tcfg.eos_token,
+            eos_token_ids=eos_token_ids(d, tok.token_to_id),
+        )
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`; no BOS/EOS added; special tokens in the text match as one token."""

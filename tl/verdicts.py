@@ -68,8 +68,10 @@ class Verdict:
     def line(self) -> str:
         unit = "tokens" if self.kernel == "attention" else "rows"
         pick = "cpu_native" if self.native else "xla"
-        return (f"{self.kernel} <= {self.rows} {unit}: {pick} (native {self.speedup:.2f}x XLA: "
-                f"{self.native_ms:.2f} vs {self.xla_ms:.2f} ms)")
+        return (
+            f"{self.kernel} <= {self.rows} {unit}: {pick} (native {self.speedup:.2f}x XLA: "
+            f"{self.native_ms:.2f} vs {self.xla_ms:.2f} ms)"
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,8 +135,14 @@ def _compiled(fn: Callable[..., Any], *args: Any) -> Callable[[], Any]:
     return lambda: exe(*args)
 
 
-def matmul_case(layers: Sequence[dict[str, Any]], head: Any, matmul: Callable[..., Any], rows: int,
-                linear: Callable[..., jax.Array], argmax_lse: Callable[..., Any]) -> Timed:
+def matmul_case(
+    layers: Sequence[dict[str, Any]],
+    head: Any,
+    matmul: Callable[..., Any],
+    rows: int,
+    linear: Callable[..., jax.Array],
+    argmax_lse: Callable[..., Any],
+) -> Timed:
     """{"native", "xla"} compiled calls of a chain of these layers' matmuls (the step layout's wqkv, wo,
     w_gate_up, w_down) then the LM head (as llama.linear takes it, [V,D]) and the argmax and
     logsumexp of its logits, at `rows` rows: with matmul/argmax_lse, and with XLA's and jnp's."""
@@ -154,17 +162,27 @@ def matmul_case(layers: Sequence[dict[str, Any]], head: Any, matmul: Callable[..
     d = _matrix(head).shape[-1]
     dtype = jnp.float32 if isinstance(head, dict) else head.dtype
     x = jnp.asarray(np.random.default_rng(rows).standard_normal((rows, d), dtype=np.float32)).astype(dtype)
-    return {"native": _compiled(chain(matmul, argmax_lse), layers, head, x),
-            "xla": _compiled(chain(None, None), layers, head, x)}
+    return {
+        "native": _compiled(chain(matmul, argmax_lse), layers, head, x),
+        "xla": _compiled(chain(None, None), layers, head, x),
+    }
 
 
 def _jnp_argmax_lse(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return jnp.argmax(x, axis=1).astype(jnp.int32), jax.nn.logsumexp(x, axis=1)
 
 
-def attention_case(tokens: int, decode: bool, num_heads: int, num_kv_heads: int, head_dim: int,
-                   k_cache: jax.Array, chunk_blocks: int, max_blocks: int,
-                   dtype: Any) -> tuple[Any, ...]:
+def attention_case(
+    tokens: int,
+    decode: bool,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    k_cache: jax.Array,
+    chunk_blocks: int,
+    max_blocks: int,
+    dtype: Any,
+) -> tuple[Any, ...]:
     """One step's attention inputs over (a view of) the runner's cache: `tokens` decoding
     sequences at DECODE_CONTEXT (decode), or one fresh prompt of `tokens` tokens."""
     bs, nb = k_cache.shape[-1], k_cache.shape[1]
@@ -179,16 +197,26 @@ def attention_case(tokens: int, decode: bool, num_heads: int, num_kv_heads: int,
         seq_idx, positions, starts = np.arange(seqs), np.full(seqs, ctx), np.full(seqs, ctx)
     else:
         seq_idx, positions, starts = np.zeros(tokens), np.arange(tokens), np.zeros(1)
-    meta = AttnMetadata(seq_idx=jnp.asarray(seq_idx, jnp.int32), positions=jnp.asarray(positions, jnp.int32),
-                        start_pos=jnp.asarray(starts, jnp.int32), block_tables=jnp.asarray(tables),
-                        chunk_blocks=chunk_blocks)
+    meta = AttnMetadata(
+        seq_idx=jnp.asarray(seq_idx, jnp.int32),
+        positions=jnp.asarray(positions, jnp.int32),
+        start_pos=jnp.asarray(starts, jnp.int32),
+        block_tables=jnp.asarray(tables),
+        chunk_blocks=chunk_blocks,
+    )
     q = jnp.asarray(rng.standard_normal((tokens, num_heads, head_dim), dtype=np.float32)).astype(dtype)
     kv = jnp.asarray(rng.standard_normal((tokens, num_kv_heads, head_dim), dtype=np.float32)).astype(dtype)
     return q, kv, meta
 
 
-def attention_timed(native: Callable[..., Any], reference: Callable[..., Any], case: tuple[Any, ...],
-                    k_cache: jax.Array, v_cache: jax.Array, layers: int) -> Timed:
+def attention_timed(
+    native: Callable[..., Any],
+    reference: Callable[..., Any],
+    case: tuple[Any, ...],
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    layers: int,
+) -> Timed:
     """{"native", "xla"} compiled calls of `layers` dependent attention calls over the cache's layers."""
     q, kv, meta = case
     n = min(layers, k_cache.shape[0])
@@ -201,8 +229,10 @@ def attention_timed(native: Callable[..., Any], reference: Callable[..., Any], c
 
         return run
 
-    return {"native": _compiled(chain(native), q, kv, k_cache, v_cache, meta),
-            "xla": _compiled(chain(reference), q, kv, k_cache, v_cache, meta)}
+    return {
+        "native": _compiled(chain(native), q, kv, k_cache, v_cache, meta),
+        "xla": _compiled(chain(reference), q, kv, k_cache, v_cache, meta),
+    }
 
 
 # ---- the classes, the cache ----
@@ -240,13 +270,18 @@ def load(path: Path) -> Verdicts | None:
 
 def save(path: Path, verdicts: Verdicts, shape_key: dict[str, Any]) -> None:
     tmp = path.with_suffix(f".tmp{time.monotonic_ns()}")
-    tmp.write_text(json.dumps({"cpu": cpu_build.cpu_model(), "shapes": shape_key,
-                               "verdicts": [asdict(v) for v in verdicts.verdicts]}, indent=1))
+    tmp.write_text(
+        json.dumps(
+            {"cpu": cpu_build.cpu_model(), "shapes": shape_key, "verdicts": [asdict(v) for v in verdicts.verdicts]},
+            indent=1,
+        )
+    )
     tmp.replace(path)
 
 
-def measure(path: Path, shape_key: dict[str, Any], classes: Sequence[tuple[str, int]],
-            prepare: Callable[[str, int], Timed]) -> Verdicts:
+def measure(
+    path: Path, shape_key: dict[str, Any], classes: Sequence[tuple[str, int]], prepare: Callable[[str, int], Timed]
+) -> Verdicts:
     """The cached verdicts at path, or each class prepared (compiled) by prepare(kernel, rows),
     two at a time (XLA compiles off the GIL), then timed one by one, and saved."""
     cached = load(path)

@@ -68,7 +68,7 @@ def place(tree: Any, shardings: Any) -> tuple[Any, int]:
     region = mmap.mmap(-1, total + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     raw = np.frombuffer(region, dtype=np.uint8)
     start = -raw.ctypes.data % HUGE_PAGE
-    arena = raw[start:start + total]
+    arena = raw[start : start + total]
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.madvise(ctypes.c_void_p(arena.ctypes.data), ctypes.c_size_t(total), MADV_HUGEPAGE) != 0:
         err = ctypes.get_errno()
@@ -80,7 +80,7 @@ def place(tree: Any, shardings: Any) -> tuple[Any, int]:
         if not _aliasable(a):
             out.append(jax.device_put(a, sharding))
             continue
-        view = arena[off:off + a.nbytes].view(a.dtype).reshape(a.shape)
+        view = arena[off : off + a.nbytes].view(a.dtype).reshape(a.shape)
         view[...] = a
         (device,) = sharding.device_set
         try:

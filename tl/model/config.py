@@ -50,8 +50,9 @@ class ModelConfig:
         archs = d.get("architectures") or []
         arch = archs[0] if isinstance(archs, list) and archs else d.get("model_type", "")
         if arch not in SUPPORTED_ARCHITECTURES:
-            raise ModelDirError(f"{source}: architecture {arch!r} is not supported (supported: "
-                                f"{', '.join(SUPPORTED_ARCHITECTURES)})")
+            raise ModelDirError(
+                f"{source}: architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+            )
 
         def need(key: str, kind: type) -> Any:
             if key not in d:
@@ -73,7 +74,9 @@ class ModelConfig:
         head_dim = d.get("head_dim") or hidden // heads
         if not isinstance(head_dim, int) or head_dim % 2:
             raise ModelDirError(f"{source}: head_dim {head_dim!r} must be an even integer")
-        if d.get("rope_scaling") not in (None, {}) and (d["rope_scaling"] or {}).get("rope_type", d["rope_scaling"].get("type")) not in ("default", None):
+        if d.get("rope_scaling") not in (None, {}) and (d["rope_scaling"] or {}).get(
+            "rope_type", d["rope_scaling"].get("type")
+        ) not in ("default", None):
             raise ModelDirError(f"{source}: rope_scaling {d['rope_scaling']!r} is not supported")
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (eos,) if isinstance(eos, int) else ()

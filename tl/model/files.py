@@ -28,9 +28,16 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 # safetensors dtype -> (numpy dtype of the stored bits, itemsize); BF16 is widened by hand.
 _DTYPES: dict[str, np.dtype[Any]] = {
-    "F64": np.dtype("<f8"), "F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2"),
-    "I64": np.dtype("<i8"), "I32": np.dtype("<i4"), "I16": np.dtype("<i2"), "I8": np.dtype("i1"),
-    "U8": np.dtype("u1"), "BOOL": np.dtype("?"),
+    "F64": np.dtype("<f8"),
+    "F32": np.dtype("<f4"),
+    "F16": np.dtype("<f2"),
+    "BF16": np.dtype("<u2"),
+    "I64": np.dtype("<i8"),
+    "I32": np.dtype("<i4"),
+    "I16": np.dtype("<i2"),
+    "I8": np.dtype("i1"),
+    "U8": np.dtype("u1"),
+    "BOOL": np.dtype("?"),
 }
 
 
@@ -41,7 +48,7 @@ def _header(path: Path, size: int, raw: bytes) -> dict[str, Any]:
     if n > size - 8:
         raise ModelDirError(f"{path}: truncated safetensors file (header of {n} bytes, file has {size})")
     try:
-        header = json.loads(raw[8:8 + n].decode("utf-8"))
+        header = json.loads(raw[8 : 8 + n].decode("utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ModelDirError(f"{path}: malformed safetensors header ({e})") from None
     if not isinstance(header, dict):
@@ -89,7 +96,7 @@ def read_safetensors(path: Path) -> dict[str, np.ndarray]:
     out = {}
     for name, info in hdr["tensors"].items():
         dt, shape, begin, end = _entry(path, name, info, size - start)
-        bits = data[start + begin:start + end].view(dt).reshape(shape)
+        bits = data[start + begin : start + end].view(dt).reshape(shape)
         out[name] = np.array(_to_float32(bits, info["dtype"]), dtype=np.float32, copy=True)
     del data
     return out
@@ -123,7 +130,6 @@ def read_tensors(model_dir: str | Path) -> dict[str, np.ndarray]:
     raise ModelDirError(f"{d}: no weights ({SINGLE_FILE} or {INDEX_FILE} not found)")
 
 
-
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """HF name -> shape of every tensor the config requires."""
     d, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
@@ -133,14 +139,22 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
         shapes |= {
-            p + "input_layernorm.weight": (d,), p + "post_attention_layernorm.weight": (d,),
-            p + "self_attn.q_proj.weight": (cfg.q_size, d), p + "self_attn.k_proj.weight": (cfg.kv_size, d),
-            p + "self_attn.v_proj.weight": (cfg.kv_size, d), p + "self_attn.o_proj.weight": (d, cfg.q_size),
-            p + "mlp.gate_proj.weight": (f, d), p + "mlp.up_proj.weight": (f, d), p + "mlp.down_proj.weight": (d, f),
+            p + "input_layernorm.weight": (d,),
+            p + "post_attention_layernorm.weight": (d,),
+            p + "self_attn.q_proj.weight": (cfg.q_size, d),
+            p + "self_attn.k_proj.weight": (cfg.kv_size, d),
+            p + "self_attn.v_proj.weight": (cfg.kv_size, d),
+            p + "self_attn.o_proj.weight": (d, cfg.q_size),
+            p + "mlp.gate_proj.weight": (f, d),
+            p + "mlp.up_proj.weight": (f, d),
+            p + "mlp.down_proj.weight": (d, f),
         }
         if cfg.attention_bias:
-            shapes |= {p + "self_attn.q_proj.bias": (cfg.q_size,), p + "self_attn.k_proj.bias": (cfg.kv_size,),
-                       p + "self_attn.v_proj.bias": (cfg.kv_size,)}
+            shapes |= {
+                p + "self_attn.q_proj.bias": (cfg.q_size,),
+                p + "self_attn.k_proj.bias": (cfg.kv_size,),
+                p + "self_attn.v_proj.bias": (cfg.kv_size,),
+            }
     return shapes
 
 
@@ -151,8 +165,10 @@ def check_shapes(tensors: dict[str, np.ndarray], cfg: ModelConfig, source: str =
         if name not in tensors:
             raise ModelDirError(f"{source}: tensor {name!r} is missing (expected shape {list(shape)})")
         if tuple(tensors[name].shape) != shape:
-            raise ModelDirError(f"{source}: tensor {name!r} has shape {list(tensors[name].shape)}, "
-                                f"expected {list(shape)} from config.json")
+            raise ModelDirError(
+                f"{source}: tensor {name!r} has shape {list(tensors[name].shape)}, "
+                f"expected {list(shape)} from config.json"
+            )
 
 
 def read_checked_tensors(model_dir: str | Path, cfg: ModelConfig) -> dict[str, np.ndarray]:
@@ -161,7 +177,6 @@ def read_checked_tensors(model_dir: str | Path, cfg: ModelConfig) -> dict[str, n
     d = Path(model_dir)
     check_shapes(tensors, cfg, source=str(d / (SINGLE_FILE if (d / SINGLE_FILE).is_file() else INDEX_FILE)))
     return tensors
-
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,7 +264,9 @@ def eos_token_ids(model_dir: str | Path, token_to_id: Callable[[str], int | None
     tokenizer's EOS token and at every generation_config id."""
     d = Path(model_dir)
     ids = list(load_generation_config(d).eos_token_ids)
-    ids += _ids(read_json(d / "config.json", required=False).get("eos_token_id"), str(d / "config.json"), "eos_token_id")
+    ids += _ids(
+        read_json(d / "config.json", required=False).get("eos_token_id"), str(d / "config.json"), "eos_token_id"
+    )
     eos = load_tokenizer_config(d).eos_token
     lookup = token_to_id or (lambda token: _vocab_id(d / "tokenizer.json", token))
     if eos is not None and (i := lookup(eos)) is not None:

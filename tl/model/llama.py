@@ -66,9 +66,17 @@ def param_shapes(cfg: ModelConfig, dtype: Any = jnp.float32) -> Params:
     def s(*shape: int) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(shape, dtype)
 
-    layers = {"attn_norm": s(L, D), "wq": s(L, D, q), "wk": s(L, D, kv), "wv": s(L, D, kv),
-              "wo": s(L, q, D), "mlp_norm": s(L, D), "w_gate": s(L, D, F), "w_up": s(L, D, F),
-              "w_down": s(L, F, D)}
+    layers = {
+        "attn_norm": s(L, D),
+        "wq": s(L, D, q),
+        "wk": s(L, D, kv),
+        "wv": s(L, D, kv),
+        "wo": s(L, q, D),
+        "mlp_norm": s(L, D),
+        "w_gate": s(L, D, F),
+        "w_up": s(L, D, F),
+        "w_down": s(L, F, D),
+    }
     if cfg.attention_bias:
         layers |= {"bq": s(L, q), "bk": s(L, kv), "bv": s(L, kv)}
     params: Params = {"embed": s(V, D), "layers": layers, "final_norm": s(D)}
@@ -87,12 +95,26 @@ def param_partition_specs(cfg: ModelConfig) -> Params:
     from jax.sharding import PartitionSpec as P
 
     col, row, vec = P(None, None, "model"), P(None, "model", None), P(None, None)
-    by_name = {"wq": col, "wk": col, "wv": col, "w_gate": col, "w_up": col, "wo": row, "w_down": row,
-               "bq": P(None, "model"), "bk": P(None, "model"), "bv": P(None, "model"),
-               "attn_norm": vec, "mlp_norm": vec}
+    by_name = {
+        "wq": col,
+        "wk": col,
+        "wv": col,
+        "w_gate": col,
+        "w_up": col,
+        "wo": row,
+        "w_down": row,
+        "bq": P(None, "model"),
+        "bk": P(None, "model"),
+        "bv": P(None, "model"),
+        "attn_norm": vec,
+        "mlp_norm": vec,
+    }
     shapes = param_shapes(cfg)
-    specs: Params = {"embed": P("model", None), "final_norm": P(None),
-                     "layers": {k: by_name[k] for k in shapes["layers"]}}
+    specs: Params = {
+        "embed": P("model", None),
+        "final_norm": P(None),
+        "layers": {k: by_name[k] for k in shapes["layers"]},
+    }
     if "lm_head" in shapes:
         specs["lm_head"] = P(None, "model")
     return specs
@@ -111,7 +133,7 @@ def _init_params(cfg: ModelConfig, key: jax.Array, dtype: Any) -> Params:
     z = jax.random.normal(key, (sum(sizes),))  # one draw for all leaves: one RNG in the program
     out, offset = [], 0
     for (path, sds), size in zip(leaves, sizes, strict=True):
-        x = z[offset:offset + size].reshape(sds.shape)
+        x = z[offset : offset + size].reshape(sds.shape)
         offset += size
         name = str(path[-1].key)
         if name.endswith("norm"):
@@ -124,12 +146,20 @@ def _init_params(cfg: ModelConfig, key: jax.Array, dtype: Any) -> Params:
     return jax.tree.unflatten(treedef, out)
 
 
-_HF_LAYER = {"attn_norm": ("input_layernorm.weight", False), "wq": ("self_attn.q_proj.weight", True),
-             "wk": ("self_attn.k_proj.weight", True), "wv": ("self_attn.v_proj.weight", True),
-             "wo": ("self_attn.o_proj.weight", True), "bq": ("self_attn.q_proj.bias", False),
-             "bk": ("self_attn.k_proj.bias", False), "bv": ("self_attn.v_proj.bias", False),
-             "mlp_norm": ("post_attention_layernorm.weight", False), "w_gate": ("mlp.gate_proj.weight", True),
-             "w_up": ("mlp.up_proj.weight", True), "w_down": ("mlp.down_proj.weight", True)}
+_HF_LAYER = {
+    "attn_norm": ("input_layernorm.weight", False),
+    "wq": ("self_attn.q_proj.weight", True),
+    "wk": ("self_attn.k_proj.weight", True),
+    "wv": ("self_attn.v_proj.weight", True),
+    "wo": ("self_attn.o_proj.weight", True),
+    "bq": ("self_attn.q_proj.bias", False),
+    "bk": ("self_attn.k_proj.bias", False),
+    "bv": ("self_attn.v_proj.bias", False),
+    "mlp_norm": ("post_attention_layernorm.weight", False),
+    "w_gate": ("mlp.gate_proj.weight", True),
+    "w_up": ("mlp.up_proj.weight", True),
+    "w_down": ("mlp.down_proj.weight", True),
+}
 
 
 def params_from_hf(tensors: Mapping[str, np.ndarray], cfg: ModelConfig, dtype: Any = np.float32) -> Params:
@@ -148,10 +178,14 @@ def params_from_hf(tensors: Mapping[str, np.ndarray], cfg: ModelConfig, dtype: A
     layers = {}
     for key, sds in shapes["layers"].items():
         hf_name, transpose = _HF_LAYER[key]
-        layers[key] = np.stack([get(f"model.layers.{i}.{hf_name}", sds.shape[1:], transpose)
-                                for i in range(cfg.num_hidden_layers)])
-    params: Params = {"embed": get("model.embed_tokens.weight", shapes["embed"].shape, False),
-                      "layers": layers, "final_norm": get("model.norm.weight", shapes["final_norm"].shape, False)}
+        layers[key] = np.stack(
+            [get(f"model.layers.{i}.{hf_name}", sds.shape[1:], transpose) for i in range(cfg.num_hidden_layers)]
+        )
+    params: Params = {
+        "embed": get("model.embed_tokens.weight", shapes["embed"].shape, False),
+        "layers": layers,
+        "final_norm": get("model.norm.weight", shapes["final_norm"].shape, False),
+    }
     if "lm_head" in shapes:
         params["lm_head"] = get("lm_head.weight", shapes["lm_head"].shape, True)
     return params
@@ -182,8 +216,9 @@ def fuse_qkv(wq: Any, wk: Any, wv: Any, cfg: ModelConfig) -> Any:
     """
     xp = np if isinstance(wq, np.ndarray) else jnp
     lead, hk, hd = wq.shape[:-1], cfg.num_key_value_heads, cfg.head_dim
-    return xp.concatenate([wq.reshape(*lead, hk, -1, hd), wk.reshape(*lead, hk, 1, hd),
-                           wv.reshape(*lead, hk, 1, hd)], axis=-2)
+    return xp.concatenate(
+        [wq.reshape(*lead, hk, -1, hd), wk.reshape(*lead, hk, 1, hd), wv.reshape(*lead, hk, 1, hd)], axis=-2
+    )
 
 
 def fuse_gate_up(w_gate: Any, w_up: Any) -> Any:
@@ -192,8 +227,13 @@ def fuse_gate_up(w_gate: Any, w_up: Any) -> Any:
     return xp.stack([w_gate, w_up], axis=-1)
 
 
-def step_params(params: Params, cfg: ModelConfig, weight_dtype: WeightDType = "float32",
-                fused_qkv: bool = True, pack: Callable[[np.ndarray], np.ndarray] | None = None) -> Params:
+def step_params(
+    params: Params,
+    cfg: ModelConfig,
+    weight_dtype: WeightDType = "float32",
+    fused_qkv: bool = True,
+    pack: Callable[[np.ndarray], np.ndarray] | None = None,
+) -> Params:
     """Canonical stacked host params -> the per-layer, fused layout `forward` runs on (host numpy).
 
     fused_qkv=False keeps wq/wk/wv apart: for tensor parallelism with replicated KV heads.
@@ -219,10 +259,13 @@ def step_params(params: Params, cfg: ModelConfig, weight_dtype: WeightDType = "f
     ly = params["layers"]
     layers = []
     for i in range(cfg.num_hidden_layers):
-        lp = {"attn_norm": np.asarray(ly["attn_norm"][i]), "wo": lin(ly["wo"][i]),
-              "mlp_norm": np.asarray(ly["mlp_norm"][i]),
-              "w_gate_up": lin(fuse_gate_up(np.asarray(ly["w_gate"][i]), np.asarray(ly["w_up"][i]))),
-              "w_down": lin(ly["w_down"][i])}
+        lp = {
+            "attn_norm": np.asarray(ly["attn_norm"][i]),
+            "wo": lin(ly["wo"][i]),
+            "mlp_norm": np.asarray(ly["mlp_norm"][i]),
+            "w_gate_up": lin(fuse_gate_up(np.asarray(ly["w_gate"][i]), np.asarray(ly["w_up"][i]))),
+            "w_down": lin(ly["w_down"][i]),
+        }
         if fused_qkv:
             wq, wk, wv = (np.asarray(ly[n][i]) for n in ("wq", "wk", "wv"))
             lp["wqkv"] = lin(fuse_qkv(wq, wk, wv, cfg))
@@ -295,9 +338,14 @@ def _unstacked(params: Params, cfg: ModelConfig) -> list[Params]:
         return jnp.moveaxis(w, 0, -1)
 
     for i in range(ly["wq"].shape[0]):
-        lp = {"attn_norm": ly["attn_norm"][i], "wo": t(ly["wo"][i]), "mlp_norm": ly["mlp_norm"][i],
-              "wqkv": t(fuse_qkv(ly["wq"][i], ly["wk"][i], ly["wv"][i], cfg)),
-              "w_gate_up": t(fuse_gate_up(ly["w_gate"][i], ly["w_up"][i])), "w_down": t(ly["w_down"][i])}
+        lp = {
+            "attn_norm": ly["attn_norm"][i],
+            "wo": t(ly["wo"][i]),
+            "mlp_norm": ly["mlp_norm"][i],
+            "wqkv": t(fuse_qkv(ly["wq"][i], ly["wk"][i], ly["wv"][i], cfg)),
+            "w_gate_up": t(fuse_gate_up(ly["w_gate"][i], ly["w_up"][i])),
+            "w_down": t(ly["w_down"][i]),
+        }
         if "bq" in ly:
             lp["bqkv"] = fuse_qkv(ly["bq"][i], ly["bk"][i], ly["bv"][i], cfg)
         out.append(lp)
@@ -317,9 +365,16 @@ def step_partition_specs(step: Params, replicated: frozenset[str] = frozenset())
     from jax.sharding import PartitionSpec as P
 
     col = ("wq", "wk", "wv", "bq", "bk", "bv")
-    by_name = {"wqkv": (None, "model", None, None), "bqkv": ("model", None, None), "w_gate_up": (None, "model", None),
-               "wo": ("model", None), "w_down": ("model", None), "embed": ("model", None), "lm_head": (None, "model"),
-               **{n: (None, "model") if n.startswith("w") else ("model",) for n in col}}
+    by_name = {
+        "wqkv": (None, "model", None, None),
+        "bqkv": ("model", None, None),
+        "w_gate_up": (None, "model", None),
+        "wo": ("model", None),
+        "w_down": ("model", None),
+        "embed": ("model", None),
+        "lm_head": (None, "model"),
+        **{n: (None, "model") if n.startswith("w") else ("model",) for n in col},
+    }
 
     def spec(path: Any, _: Any) -> P:
         keys = [str(getattr(k, "key", "")) for k in path]
@@ -367,8 +422,9 @@ def mlp(x: jax.Array, lp: Params, matmul: Matmul | None = None) -> jax.Array:
     return linear(jax.nn.silu(gu[..., 0]) * gu[..., 1], lp["w_down"], matmul)
 
 
-def _qkv(h: jax.Array, lp: Params, cfg: ModelConfig, rope: tuple[jax.Array, jax.Array],
-         matmul: Matmul | None) -> tuple[jax.Array, jax.Array, jax.Array]:
+def _qkv(
+    h: jax.Array, lp: Params, cfg: ModelConfig, rope: tuple[jax.Array, jax.Array], matmul: Matmul | None
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     T, hd, hq, hk = h.shape[0], cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
     if "wqkv" in lp:  # [D, Hk, G+2, hd]: per KV head, its G query heads, its k, its v
         qkv = linear(h, lp["wqkv"], matmul)
@@ -384,8 +440,14 @@ def _qkv(h: jax.Array, lp: Params, cfg: ModelConfig, rope: tuple[jax.Array, jax.
     return apply_rope(q, *rope), apply_rope(k, *rope), v
 
 
-def _layer(x: jax.Array, lp: Params, cfg: ModelConfig, rope: tuple[jax.Array, jax.Array],
-           attend: Attend, matmul: Matmul | None = None) -> jax.Array:
+def _layer(
+    x: jax.Array,
+    lp: Params,
+    cfg: ModelConfig,
+    rope: tuple[jax.Array, jax.Array],
+    attend: Attend,
+    matmul: Matmul | None = None,
+) -> jax.Array:
     h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
     o = attend(*_qkv(h, lp, cfg, rope, matmul))
     x = x + linear(o.reshape(x.shape[0], cfg.q_size), lp["wo"], matmul)
@@ -410,10 +472,18 @@ def lm_logits(params: Params, cfg: ModelConfig, hidden: jax.Array, matmul: Matmu
     return lax.dot_general(h, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
 
-def forward(params: Params, cfg: ModelConfig, token_ids: jax.Array, positions: jax.Array,
-            kv: tuple[jax.Array, jax.Array], kv_blocks: jax.Array, kv_offsets: jax.Array,
-            meta: AttnMetadata, attention: Callable[..., jax.Array] = paged_attention,
-            matmul: Matmul | None = None) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+def forward(
+    params: Params,
+    cfg: ModelConfig,
+    token_ids: jax.Array,
+    positions: jax.Array,
+    kv: tuple[jax.Array, jax.Array],
+    kv_blocks: jax.Array,
+    kv_offsets: jax.Array,
+    meta: AttnMetadata,
+    attention: Callable[..., jax.Array] = paged_attention,
+    matmul: Matmul | None = None,
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """Paged forward over a flat token axis.
 
     token_ids, positions, kv_blocks, kv_offsets: [T] (the cache slot of token t is
@@ -464,8 +534,9 @@ def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     return o.reshape(T, Hq, hd).astype(q.dtype)
 
 
-def forward_dense(params: Params, cfg: ModelConfig, token_ids: jax.Array,
-                  matmul: Matmul | None = None) -> tuple[jax.Array, jax.Array]:
+def forward_dense(
+    params: Params, cfg: ModelConfig, token_ids: jax.Array, matmul: Matmul | None = None
+) -> tuple[jax.Array, jax.Array]:
     """One sequence at positions 0..T-1, no cache: (final-normed hidden [T,D], logits [T,V]);
     `matmul` as in `linear` (a runner's, to compare its matmuls on one path)."""
     positions = jnp.arange(token_ids.shape[0], dtype=jnp.int32)
