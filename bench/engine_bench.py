@@ -134,6 +134,6 @@ def run(argv: Sequence[str]) -> int:
 
     # Work = tokens computed per step (prefill + decode) × steps/s, both from the median step.
     steps_s = [1e3 / float(str(r["step ms p50"])) for r in rows]
-    items = [(str(r["workload"]), float(str(r["mean tokens/step"])) * s, s) for r, s in zip(rows, steps_s)]
+    items = [(str(r["workload"]), float(str(r["mean tokens/step"])) * s, s) for r, s in zip(rows, steps_s, strict=True)]
     print_offline_roofline(args.model, items)
     return 0

@@ -321,7 +321,7 @@ def write_plots(runs: Sequence[Run], rows: Sequence[dict[str, object]], out: Pat
 
     paths = []
     sweep: dict[str, list[tuple[int, float]]] = {}
-    for run, row in zip(runs, rows):
+    for run, row in zip(runs, rows, strict=False):
         if run.case.test == "sweep":
             tok_s = float(row["output_tok_s"])  # type: ignore[arg-type]
             sweep.setdefault(run.server, []).append((run.case.concurrency, tok_s))

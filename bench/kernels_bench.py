@@ -4,8 +4,8 @@ Random weights and caches with SmolLM2-135M's shapes (30 layers, hidden 576, FFN
 and 3 KV heads of 64, block 16), each op chained over the 30 layers so that one layer waits for
 the last, as in a step. Measures: paged attention (jnp reference vs cpu_native, and cpu_native
 over a bf16 cache vs a float32 one) at a batch of decoding sequences, and the layers' matmuls
-(XLA's dot vs the native kernel) at 1-64 rows, float32, and one row int8. Each pair is timed alternately in one process; prints the config, a
-Markdown table and the ratios. Run: `python -m bench kernels`.
+(XLA's dot vs the native kernel) at 1-64 rows, float32, and one row int8. Each pair is timed
+alternately in one process; prints the config, a Markdown table and the ratios. Run: `python -m bench kernels`.
 """
 
 from __future__ import annotations

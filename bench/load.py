@@ -22,7 +22,6 @@ benchmark_serving counts it.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import math
 import time
@@ -109,7 +108,7 @@ class RequestResult:
     @property
     def itl_s(self) -> list[float]:
         t = self.chunk_times
-        return [b - a for a, b in zip(t, t[1:])]
+        return [b - a for a, b in zip(t, t[1:], strict=False)]
 
     @property
     def latency_s(self) -> float:
@@ -188,7 +187,7 @@ async def stream_request(
                 data = parser.feed(line)
                 if data is not None and _on_event(res, data):
                     break
-    except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as e:
+    except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as e:
         res.error = f"{type(e).__name__}: {e}"
     finally:
         res.t_end = time.perf_counter()

@@ -75,8 +75,8 @@ class PromptFactory:
     """Seeded prompts; every unique prompt opens with a nonce unique to this run (no accidental
     prefix hits).
 
-    The nonce's number is drawn from the seed and `run_id`, fresh per run unless given: with the seed alone, a second run
-    against a live server sent the very prompts of the first and found them in its prefix
+    The nonce's number is drawn from the seed and `run_id`, fresh per run unless given: with the
+    seed alone, a second run against a live server sent the very prompts of the first and found them in its prefix
     cache (sweep c=64: 518.7 against 374.1 out tok/s cold). Pass the printed run id to replay
     a run's prompts exactly.
     """

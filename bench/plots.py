@@ -47,7 +47,7 @@ def plot_cdfs(panels: Mapping[str, Mapping[str, Sequence[float]]], path: str | P
     """panels: panel title (e.g. 'TTFT ms') -> curve label -> samples. One empirical CDF per curve."""
     plt = _plt()
     fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
-    for ax, (name, curves) in zip(axes[0], panels.items()):
+    for ax, (name, curves) in zip(axes[0], panels.items(), strict=False):
         for label, xs in curves.items():
             if not xs:
                 continue

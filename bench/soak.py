@@ -180,7 +180,7 @@ class Outcome:
     @property
     def gaps(self) -> list[float]:
         t = self.chunk_times
-        return [b - a for a, b in zip(t, t[1:])]
+        return [b - a for a, b in zip(t, t[1:], strict=False)]
 
 
 async def stream(
@@ -229,7 +229,7 @@ async def stream(
                 if cut_after is not None and len(out.chunk_times) >= cut_after:
                     out.status = 0  # we left
                     return out
-    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+    except (TimeoutError, aiohttp.ClientError, OSError) as e:
         out.error = f"{type(e).__name__}: {e}"
     return out
 
@@ -247,7 +247,7 @@ async def post(client: aiohttp.ClientSession, srv: Server, path: str, body: dict
                 )
             elif r.status != 200:
                 out.error = raw[:300].decode("utf-8", "replace")
-    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+    except (TimeoutError, aiohttp.ClientError, OSError) as e:
         out.error = f"{type(e).__name__}: {e}"
     return out
 
@@ -445,7 +445,7 @@ def _plot(samples: Sequence[dict[str, float]], streams: Sequence[Outcome], t0: f
     axes[1].set_ylabel("requests")
     axes[2].plot(t, [s["blocks"] for s in samples])
     axes[2].set_ylabel("KV blocks used")
-    pts = [(b - t0, (b - a) * 1e3) for o in streams for a, b in zip(o.chunk_times, o.chunk_times[1:])]
+    pts = [(b - t0, (b - a) * 1e3) for o in streams for a, b in zip(o.chunk_times, o.chunk_times[1:], strict=False)]
     axes[3].scatter([p[0] for p in pts], [p[1] for p in pts], s=2)
     axes[3].set_ylabel("ITL ms")
     axes[3].set_xlabel("seconds")
@@ -541,7 +541,7 @@ async def kv_exhaustion(srv: Server, requests: int = 24, max_out: int = 48, seed
         all(o.status == 200 for o in alone + crowd),
         f"statuses {sorted({o.status for o in alone + crowd})}",
     )
-    same = sum(a.text == c.text for a, c in zip(alone, crowd))
+    same = sum(a.text == c.text for a, c in zip(alone, crowd, strict=False))
     rep.check("greedy outputs equal the uncontended ones", same == requests, f"{same} of {requests} equal")
     pre = m.get("tl_engine_preemptions_total", 0) - before.get("tl_engine_preemptions_total", 0)
     rep.check("the cache was contended (preemptions happened)", pre > 0, f"{pre:.0f} preemptions")

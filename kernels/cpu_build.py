@@ -258,7 +258,10 @@ def build(target: Target) -> Path:
         except _BuildFailed as e:
             log = out.with_suffix(".log")
             log.write_text(e.log)
-            msg = f"building the native kernels ({target.name}) failed: {e.first} (command: {e.cmd[:300]}; full log: {log})"
+            msg = (
+                f"building the native kernels ({target.name}) failed: {e.first}"
+                f" (command: {e.cmd[:300]}; full log: {log})"
+            )
             failed.write_text(msg + "\n")
             _failures[str(out)] = msg
             raise NativeUnavailable(msg) from None

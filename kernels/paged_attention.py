@@ -280,7 +280,8 @@ def paged_attention(
     meta: AttnMetadata,
 ) -> jax.Array:
     """Reference: q [T,Hq,hd], k_new/v_new [T,Hk,hd] (this step's keys, already written to the
-    cache), k_cache [L,NB,Hk,hd,bs] / v_cache [L,NB,Hk,bs,hd] (stored layout), layer: scalar int32 -> [T,Hq,hd] in q's dtype.
+    cache), k_cache [L,NB,Hk,hd,bs] / v_cache [L,NB,Hk,bs,hd] (stored layout), layer: scalar int32
+    -> [T,Hq,hd] in q's dtype.
 
     Softmax scale 1/sqrt(hd); GQA groups Hq/Hk consecutive query heads per KV head. Computed in
     float32. Kernels may read this step's keys from the cache instead of k_new/v_new.

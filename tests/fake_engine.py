@@ -69,7 +69,7 @@ def fake_hidden(token_id: int, pos: int) -> list[float]:
 
 def fake_embedding(ids: Sequence[int]) -> list[float]:
     """The expected embedding: normalised mean of fake_hidden over the input."""
-    mean = [sum(col) / len(ids) for col in zip(*(fake_hidden(t, p) for p, t in enumerate(ids)))]
+    mean = [sum(col) / len(ids) for col in zip(*(fake_hidden(t, p) for p, t in enumerate(ids)), strict=False)]
     norm = math.sqrt(sum(x * x for x in mean))
     return [x / norm for x in mean]
 

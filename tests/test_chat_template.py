@@ -182,7 +182,10 @@ def test_whitespace_control_and_loopcontrols() -> None:
 
 
 def test_tojson_is_not_html_escaped_and_keeps_unicode() -> None:
-    src = "{{ messages[0] | tojson }}|{{ messages[0] | tojson(indent=2, sort_keys=True) }}|{{ 'é' | tojson(ensure_ascii=True) }}"
+    src = (
+        "{{ messages[0] | tojson }}|{{ messages[0] | tojson(indent=2, sort_keys=True) }}"
+        "|{{ 'é' | tojson(ensure_ascii=True) }}"
+    )
     got = ChatTemplate(src).render([{"role": "user", "content": "<a href='x'>é & 🙂</a>"}])
     assert got.startswith('{"role": "user", "content": "<a href=\'x\'>é & 🙂</a>"}|{\n  "content"')
     assert got.endswith('|"\\u00e9"')

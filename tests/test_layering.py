@@ -2,7 +2,8 @@
 
 - The scheduler, block manager, request/plan records and the engine core never import jax
   or numpy.
-- Only the runner (and its weight placement and kernel verdicts), the model, the sampler, kernels/ and bench/ import jax.
+- Only the runner (and its weight placement and kernel verdicts), the model, the sampler, kernels/
+  and bench/ import jax.
 - serve/ uses only the engine's public API, never the scheduler, block manager or runner.
 - Nothing imports bench.
 """

@@ -46,7 +46,7 @@ def test_two_processes_form_one_job() -> None:
         for i in range(2)
     ]
     outs = [p.communicate(timeout=120) for p in procs]
-    for p, (out, err) in zip(procs, outs, strict=True):
+    for p, (_out, err) in zip(procs, outs, strict=True):
         assert p.returncode == 0, err[-3000:]
     assert sorted(o.split(maxsplit=1)[0] for o, _ in outs) == ["0", "1"]
     for out, _ in outs:

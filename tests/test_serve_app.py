@@ -378,7 +378,7 @@ def test_embeddings_are_mean_pooled_and_normalized(kind: str) -> None:
         doc = (await call(app, "POST", "/v1/embeddings", {"model": "succ", "input": ["hello", "a", "xyz"]})).json()
         assert doc["object"] == "list" and doc["model"] == "succ"
         assert [d["index"] for d in doc["data"]] == [0, 1, 2]
-        for d, text in zip(doc["data"], ["hello", "a", "xyz"]):
+        for d, text in zip(doc["data"], ["hello", "a", "xyz"], strict=True):
             assert d["object"] == "embedding"
             assert d["embedding"] == pytest.approx(fake_embedding(list(text.encode())))
             assert sum(x * x for x in d["embedding"]) == pytest.approx(1.0)

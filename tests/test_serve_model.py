@@ -92,7 +92,7 @@ def test_tiny_llama_stream_equals_nonstream_concurrency_usage_embeddings(tiny_di
         specials = ("<|im_start|>", "<|im_end|>")
         expected = len(rendered.replace(specials[0], "").replace(specials[1], "").encode()) + 3  # specials: 1 each
         assert plain[0]["usage"]["prompt_tokens"] == tok["count"] == expected
-        for r, doc in zip(reqs, plain):
+        for r, doc in zip(reqs, plain, strict=True):
             streamed = await call(app, "POST", CHAT, {**r, "stream": True})
             assert content(streamed) == doc["choices"][0]["message"]["content"]
         parallel = await asyncio.gather(*(call(app, "POST", CHAT, {**r, "stream": True}) for r in reqs))
@@ -102,7 +102,7 @@ def test_tiny_llama_stream_equals_nonstream_concurrency_usage_embeddings(tiny_di
         for i, text in enumerate(inputs):
             alone = (await call(app, "POST", "/v1/embeddings", {"model": "tiny", "input": text})).json()["data"][0]
             assert both[i]["index"] == i
-            assert max(abs(a - b) for a, b in zip(alone["embedding"], both[i]["embedding"])) < 1e-5
+            assert max(abs(a - b) for a, b in zip(alone["embedding"], both[i]["embedding"], strict=True)) < 1e-5
             assert abs(sum(x * x for x in both[i]["embedding"]) - 1.0) < 1e-4
         assert both[0]["embedding"] != both[1]["embedding"]
 

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from numpy_gguf_reference import GGUFModel
 
 pytestmark = pytest.mark.slow

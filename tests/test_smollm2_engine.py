@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from differential import Arrival, assert_concurrent_equals_alone
 from test_engine import check_engine
 from test_engine_runner import NarrowKV
+
 from tl.config import EngineConfig
 from tl.plan import Runner
 from tl.request import GenRequest, SamplingParams

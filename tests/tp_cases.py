@@ -196,7 +196,8 @@ def _serve_and_complete(model_dir: Path, tmp: Path, n: int) -> tuple[str, dict[s
     cfg.write_text(
         f'[engine]\nmodel_dir = "{model_dir}"\nblock_size = 4\nnum_kv_blocks = 64\nmax_num_seqs = 4\n'
         f"max_num_batched_tokens = 32\ntoken_buckets = [8, 32]\nseq_buckets = [1, 4]\n"
-        f'compile_cache_dir = ""\nmatmul_precision = "highest"\ntensor_parallel = {n}\nhttp_listen = "127.0.0.1:{port}"\n'
+        f'compile_cache_dir = ""\nmatmul_precision = "highest"\ntensor_parallel = {n}\n'
+        f'http_listen = "127.0.0.1:{port}"\n'
         f'health_listen = "127.0.0.1:{hport}"\n'
     )
     env = {**os.environ, "TL_CONFIG": str(cfg), "PYTHONPATH": f"{ROOT}"}

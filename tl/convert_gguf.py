@@ -224,7 +224,7 @@ def _added_tokens(tok: dict[str, Any]) -> list[dict[str, Any]]:
             "normalized": False,
             "special": ty == TOKEN_TYPE_CONTROL,
         }
-        for i, (s, ty) in enumerate(zip(tok["tokens"], tok["types"]))
+        for i, (s, ty) in enumerate(zip(tok["tokens"], tok["types"], strict=False))
         if ty in (TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED)
     ]
 

@@ -330,7 +330,8 @@ class Scheduler:
         """Add a pooled chunk's sum in; the input's last chunk finishes it with its vector."""
         if result is None or not result.pooled or (seq.pooled and len(result.pooled) != len(seq.pooled)):
             raise RuntimeError(f"runner returned no pooled sum of the right size for seq {work.seq_id}")
-        seq.pooled = list(result.pooled) if not seq.pooled else [a + b for a, b in zip(seq.pooled, result.pooled)]
+        prior = seq.pooled or [0.0] * len(result.pooled)
+        seq.pooled = [a + b for a, b in zip(prior, result.pooled, strict=True)]
         seq.num_computed_tokens += len(work.token_ids)
         if seq.num_computed_tokens < seq.num_tokens:
             return []
