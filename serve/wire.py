@@ -239,6 +239,8 @@ class BackendCard(Struct, frozen=True):
     matmul_kernel: str
     native_target: str  # the native CPU kernels' build; "" where none is used
     kernel_choices: list[str]  # each measured step-shape class: its pick and the native/XLA ratio
+    weight_pages: str = "default"  # "huge": one mapping advised MADV_HUGEPAGE
+    plan: list[str] = []  # the execution plan's decisions, each with its reason
 
 
 class ModelCard(Struct, frozen=True):

@@ -96,10 +96,10 @@ def _probe(c: dict) -> tuple:
 
 
 def test_selection_rules() -> None:
-    from tl.runner import default_mesh
+    from tl.backend import make_mesh
 
     c = build_case(np.random.default_rng(0), MIXED, 3)
-    mesh, probe = default_mesh(), _probe(c)
+    mesh, probe = make_mesh("cpu", 1), _probe(c)
     native, why = select.native_library("cpu", "auto")
     assert select.select("auto", "cpu", mesh, True, probe, native, why).name == (
         "cpu_native" if native else "reference"

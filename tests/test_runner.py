@@ -21,6 +21,7 @@ from tl.model import llama
 from tl.model.config import ModelConfig
 from tl.plan import SchedulerOutput, SeqWork
 from tl.request import SamplingParams
+from tl.embedding import dense_embedding
 from tl.runner import ModelRunner
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -201,13 +202,18 @@ def test_greedy_drafts_match_plain_greedy() -> None:
     assert step(len(prompt) + 2, [want[2]], [want[3], wrong]) == (tuple(want[3:5]), 1)
 
 
+def dense_embed(runner: ModelRunner, ids: list[int]) -> list[float]:
+    """The dense no-cache reference (tl/embedding.py) over the runner's placed weights."""
+    return dense_embedding(runner.params, runner.model_config, ids, runner.plan.token_buckets, runner.max_model_len)
+
+
 def test_compile_count_flat_after_warmup(runner_and_params: tuple[ModelRunner, dict]) -> None:
     from jax import monitoring
 
     runner, _ = runner_and_params
-    assert runner.bucket_pairs() == [(8, 1), (8, 4), (32, 1), (32, 4)]
+    assert list(runner.plan.variants) == [(8, 1), (8, 4), (32, 1), (32, 4)]
     warm = runner.num_compilations
-    assert warm >= len(runner.bucket_pairs())
+    assert warm >= len(list(runner.plan.variants))
     compiles = []
 
     def listen(event: str, _duration: float, **_kw: object) -> None:
@@ -269,12 +275,12 @@ def test_prefill_chunk_without_sample_returns_nothing(runner_and_params: tuple[M
 def test_embed_is_padding_invariant_mean(runner_and_params: tuple[ModelRunner, dict]) -> None:
     runner, params = runner_and_params
     ids = [4, 8, 15, 16, 23]
-    got = np.asarray(runner.embed(ids))
+    got = np.asarray(dense_embed(runner, ids))
     hidden, _ = _dense(params, runner.model_config, jnp.asarray(ids, jnp.int32))
     mean = np.asarray(hidden).mean(0)
     assert np.allclose(got, mean / np.linalg.norm(mean), atol=1e-5)
     assert np.isclose(np.linalg.norm(got), 1.0)
-    assert len(runner.embed(list(range(40)))) == runner.model_config.hidden_size  # past the largest bucket
+    assert len(dense_embed(runner, list(range(40)))) == runner.model_config.hidden_size  # past the largest bucket
 
 
 def test_scheduled_embeddings_equal_embed_alone(runner_and_params: tuple[ModelRunner, dict]) -> None:
@@ -295,7 +301,7 @@ def test_scheduled_embeddings_equal_embed_alone(runner_and_params: tuple[ModelRu
         got.update({o.request_id: o.embedding for o in engine.step() if o.request_id != gen})
     assert engine.stats().kv_blocks_used == 0
     for rid, x in zip(ids, inputs, strict=True):
-        want = np.asarray(runner.embed(list(x)))
+        want = np.asarray(dense_embed(runner, list(x)))
         vec = np.asarray(got[rid])
         assert abs(np.linalg.norm(vec) - 1.0) < 1e-6
         assert float(vec @ want) >= 0.99999, (len(x), float(vec @ want))

@@ -1,12 +1,16 @@
-"""ModelRunner: packs one step's host data for the device and runs the compiled step.
+"""ModelRunner: packs one step's host data, runs the compiled step, unpacks its results.
 
 Rule (vLLM's second runner): only code every model needs lives here. Model specifics belong
-in tl/model/, attention in kernels/, token selection in tl/sampler.py.
+in tl/model/, attention in kernels/, token selection in tl/sampler.py, every backend decision
+in tl/execution.py (the plan this runner reads), placing weights and the KV cache in
+tl/placement.py, compiling the step's variants in tl/compiler.py, the dense embedding
+reference in tl/embedding.py.
 
-Owns: the device mesh, parameter and KV-cache placement (explicit NamedShardings), the bucket
-choice, the compiled step (forward + KV write + sampling, built once, KV donated), warm-up,
-the compilation count and embeddings. Must not: schedule, allocate blocks or keep request
-state. Tested by tests/test_runner.py (paged == dense, donation, flat compile count).
+Owns: the step function (forward + KV write + sampling + pooling, traced once per variant, KV
+donated), packing a SchedulerOutput into its host buffers, unpacking the sampled rows and
+pooled sums into a RunnerOutput, the compilation count. Must not: schedule, allocate blocks,
+keep request state, decide kernels. Tested by tests/test_runner.py (paged == dense, donation,
+flat compile count).
 
 Shapes of one step. T = tokens of the plan padded to the smallest token bucket >= T; S = its
 sequences padded to the smallest seq bucket >= S; R = min(S * (1 + spec_tokens), T) sample rows,
@@ -19,10 +23,9 @@ the scratch block (id num_kv_blocks, the cache's last block).
 from __future__ import annotations
 
 import functools
-from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -34,8 +37,10 @@ from jax.sharding import PartitionSpec as P
 from kernels import paged_attention
 from kernels import select as attention_select
 from kernels.paged_attention import AttnMetadata
-from tl import backend, verdicts, weight_pages
+from tl import backend, execution, placement, verdicts
+from tl.compiler import StepCompiler, enable_compile_cache
 from tl.config import EngineConfig
+from tl.execution import bucket
 from tl.model import llama
 from tl.model.config import ModelConfig, load_model_config
 from tl.model.files import eos_token_ids, read_tensors
@@ -44,7 +49,8 @@ from tl.sampler import Penalties, SampleOut, SamplingBatch, pack_penalties, pack
 from tl.sampler import argmax_lse as sampler_argmax_lse
 from tl.stats import BackendInfo
 
-ATTN_CHUNK_TOKENS = 128  # keys per iteration of the cached-attention loop (rounded to whole blocks)
+if TYPE_CHECKING:
+    from kernels.cpu_native import NativeLib
 
 
 @dataclass(frozen=True)
@@ -61,31 +67,6 @@ class StepInputs:
 
 
 jax.tree_util.register_dataclass(StepInputs)
-
-_compile_cache_dir: str | None = None
-
-
-def enable_compile_cache(path: str) -> None:
-    """Turn on JAX's persistent compilation cache (process-wide; the first directory wins)."""
-    global _compile_cache_dir
-    if not path or _compile_cache_dir is not None:
-        return
-    jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    _compile_cache_dir = path
-
-
-def default_mesh() -> Mesh:
-    """One device, axes ("data", "model"); tensor parallelism widens "model" without new code."""
-    return Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
-
-
-def _bucket(n: int, buckets: Sequence[int], what: str) -> int:
-    i = bisect_left(buckets, n)
-    if i == len(buckets):
-        raise ValueError(f"{what} {n} exceeds the largest bucket {buckets[-1]}")
-    return buckets[i]
-
 
 HostLayout = tuple[Any, tuple[str, ...], tuple[tuple[int, int, tuple[int, ...]], ...]]
 """(treedef, dtype names, per leaf (buffer index, offset, shape)): how `_to_host_buffers` packed a pytree."""
@@ -158,20 +139,27 @@ def _no_native(x: jax.Array, w: Any) -> None:
     return None
 
 
-def _embed(
-    params: llama.Params, token_ids: jax.Array, length: jax.Array, *, cfg: ModelConfig, on_trace: Any
-) -> jax.Array:
-    """Mean of the final-normed hidden states of the first `length` tokens, L2-normalised [D]."""
-    on_trace()
-    hidden, _ = llama.forward_dense(params, cfg, token_ids)
-    mask = (jnp.arange(token_ids.shape[0]) < length)[:, None]
-    mean = jnp.sum(jnp.where(mask, hidden.astype(jnp.float32), 0.0), axis=0) / length
-    return mean / jnp.maximum(jnp.linalg.norm(mean), 1e-12)
-
-
 def _top_logprobs(logits: jax.Array, *, k: int, on_trace: Any) -> tuple[jax.Array, jax.Array]:
     on_trace()
     return top_logprobs(logits, k)
+
+
+def _abstract(tree: Any) -> Any:
+    """ShapeDtypeStructs (with the shardings of device arrays) of a pytree, to lower against."""
+
+    def one(x: Any) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
+
+    return jax.tree.map(one, tree)
+
+
+@dataclass(frozen=True, slots=True)
+class _Variant:
+    """One compiled variant: the host layout its inputs are packed in, the step, top-logprobs."""
+
+    layout: HostLayout
+    step: Any  # jax.stages.Compiled of _step
+    top: Any  # of _top_logprobs at its row count; None when max_logprobs is 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,7 +171,12 @@ class _Rows:
 
 
 class ModelRunner:
-    """Runs SchedulerOutputs on one model; implements tl.plan.Runner."""
+    """Runs SchedulerOutputs on one model; implements tl.plan.Runner.
+
+    Start-up, in this order: the mesh and the execution plan (tl/execution.py), the KV cache and
+    the weights placed as the plan says (tl/placement.py), the kernel verdicts measured over them
+    (tl/verdicts.py) completing the plan, then the step traced from the plan and its variants
+    compiled by `warmup` (tl/compiler.py)."""
 
     def __init__(
         self,
@@ -200,24 +193,31 @@ class ModelRunner:
         self.num_kv_blocks = engine_cfg.num_kv_blocks
         self.max_model_len = engine_cfg.max_model_len or cfg.max_position_embeddings
         self.eos_token_ids = tuple(eos_token_ids) or cfg.eos_token_ids
-        self.platform = backend.resolve_platform(engine_cfg.backend)
+        platform = backend.resolve_platform(engine_cfg.backend)
         self.layout = backend.tp_layout(cfg, mesh.shape["model"] if mesh else engine_cfg.tensor_parallel)
-        self.mesh = mesh or backend.make_mesh(self.platform, engine_cfg.tensor_parallel)
-        self.dtype = jnp.dtype(backend.resolve_dtype(engine_cfg.dtype, self.platform))
+        self.mesh = mesh or backend.make_mesh(platform, engine_cfg.tensor_parallel)
+        plan, self.kernels = execution.plan_execution(engine_cfg, cfg, platform, self.mesh, self.layout)
         self._spec_tokens = engine_cfg.spec_tokens
-        self._chunk_blocks = max(1, ATTN_CHUNK_TOKENS // self.block_size)
-        blocks_per_seq = -(-self.max_model_len // self.block_size)
-        self._max_blocks = -(-blocks_per_seq // self._chunk_blocks) * self._chunk_blocks
+        self._chunk_blocks, self._max_blocks = plan.chunk_blocks, plan.max_blocks
         self._replicated = NamedSharding(self.mesh, P())
-        self._kv = self._alloc_kv()
+        self._kv = placement.alloc_kv(
+            cfg, self.mesh, self.layout.kv_spec, self.num_kv_blocks + 1, self.block_size, plan.kv_dtype
+        )
         self._num_compilations = 0
         self._zero_penalties: dict[tuple[int, int], Penalties] = {}
-        self.native, why_native = self._native_library()
-        self.attention = self._select_attention(why_native)
-        self.matmul = attention_select.select_matmul(engine_cfg.matmul_kernel, self.native, why_native, self.mesh)
-        self.matmul_precision, self.precision_reason = self._resolve_precision()
-        self._params = self._place_params(params_host)
-        self.verdicts = self._measure_verdicts()
+        placed = placement.place_weights(
+            params_host,
+            cfg,
+            self.mesh,
+            self.layout,
+            plan.compute_dtype,
+            engine_cfg.weight_dtype,
+            pack_bf16x3=plan.precision.value == "high",
+            huge_pages=plan.weight_pages.value == "huge",
+        )
+        self._params = placed.params
+        measured = verdicts.measure_runner(plan, self.kernels, cfg, self._params, self._kv)
+        self.plan = plan.measured(measured, placed.pages, placed.reason or plan.weight_pages.reason)
         attention, matmul, argmax_lse = self._dispatch()
         kv_sh = NamedSharding(self.mesh, self.layout.kv_spec)
         self._step = jax.jit(
@@ -228,10 +228,10 @@ class ModelRunner:
             static_argnames=("layout",),
             out_shardings=((kv_sh, kv_sh), self._replicated, self._replicated, self._replicated),
         )
-        self._embed = jax.jit(functools.partial(_embed, cfg=cfg, on_trace=self._count))
         self._top_lp = jax.jit(
             functools.partial(_top_logprobs, k=max(1, engine_cfg.max_logprobs), on_trace=self._count)
         )
+        self.compiler = StepCompiler(self._compile_variant, self.plan.variants)
 
     @classmethod
     def from_model_dir(cls, engine_cfg: EngineConfig, mesh: Mesh | None = None) -> ModelRunner:
@@ -244,258 +244,74 @@ class ModelRunner:
             mesh=mesh,
         )
 
-    # ---- placement ----
+    # ---- what the plan chose, for tests and the start-up log ----
 
-    def _place_params(self, params_host: dict[str, Any]) -> llama.Params:
-        tree = params_host if "layers" in params_host else llama.params_from_hf(params_host, self.model_config)
-        shapes = llama.param_shapes(self.model_config, self.dtype)
-        if jax.tree.structure(tree) != jax.tree.structure(shapes):
-            raise ValueError(f"parameter tree does not match the model layout: {jax.tree.structure(tree)}")
-        host = jax.tree.map(lambda x, s: np.asarray(x, dtype=s.dtype), tree, shapes)
-        pack = None
-        if self.matmul_precision == "high":
-            from kernels import cpu_native
+    @property
+    def native(self) -> NativeLib | None:
+        return self.kernels.native
 
-            pack = cpu_native.pack_bf16x3
-        step = llama.step_params(
-            host, self.model_config, self.engine_config.weight_dtype, fused_qkv=self.layout.kv_sharded, pack=pack
-        )
-        shardings = jax.tree.map(
-            lambda s: NamedSharding(self.mesh, s),
-            backend.partition_specs(step, self.layout),
-            is_leaf=lambda x: isinstance(x, P),
-        )
-        self.weight_pages, self.weight_pages_reason = "default", "configured"
-        if self.engine_config.weight_pages == "default":
-            return jax.device_put(step, shardings)
-        why = self._huge_pages_unavailable()
-        if not why:
-            try:
-                params, nbytes = weight_pages.place(step, shardings)
-            except OSError as e:
-                why = str(e)
-            else:
-                self.weight_pages, self.weight_pages_reason = "huge", f"{nbytes >> 20} MiB advised MADV_HUGEPAGE"
-                return params
-        self.weight_pages_reason = f"huge configured; default pages: {why}"
-        return jax.device_put(step, shardings)
+    @property
+    def attention(self) -> attention_select.Choice:
+        return self.kernels.attention
 
-    def _huge_pages_unavailable(self) -> str:
-        """Empty when the weights can go on huge pages here (tl/weight_pages.py), else why not."""
-        if self.platform != "cpu":
-            return f"the {self.platform} backend holds its own memory"
-        if self.mesh.size != 1:
-            return f"the weights are sharded over {self.mesh.size} devices"
-        return weight_pages.unavailable_reason()
+    @property
+    def matmul(self) -> attention_select.MatmulChoice:
+        return self.kernels.matmul
 
-    def _resolve_precision(self) -> tuple[str, str]:
-        """The float32 matmul precision this runner runs, and why: "high" where configured and the
-        native CPU matmul can run it (AMX-BF16, float32 weights and activations), else "highest"."""
-        ec = self.engine_config
-        if ec.matmul_precision == "highest":
-            return "highest", "configured"
-        why = ""
-        if self.matmul.name != "cpu_native":
-            why = f"the matmul is {self.matmul.name} ({self.matmul.reason})"
-        elif self.dtype != jnp.float32 or ec.weight_dtype != "float32":
-            why = f"dtype {self.dtype.name}, weight_dtype {ec.weight_dtype}: high applies to float32 weights"
-        elif self.native is None or not self.native.amx_available():
-            why = "no AMX-BF16 on this CPU or build"
-        if why:
-            return "highest", f"high configured; runs highest: {why}"
-        return "high", "configured: bf16x3 on AMX"
+    @property
+    def verdicts(self) -> verdicts.Verdicts:
+        return self.plan.verdicts
+
+    @property
+    def matmul_precision(self) -> str:
+        return self.plan.precision.value
+
+    @property
+    def precision_reason(self) -> str:
+        return self.plan.precision.reason
+
+    @property
+    def weight_pages(self) -> str:
+        return self.plan.weight_pages.value
+
+    @property
+    def weight_pages_reason(self) -> str:
+        return self.plan.weight_pages.reason
 
     @property
     def kv_storage_dtype(self) -> Any:
-        """bf16 KV (a bf16 model, or kv_cache_dtype "bfloat16") is kept as uint16 bits: XLA:CPU
-        scatters into bf16 donated buffers by copying."""
-        bf16 = self.dtype == jnp.bfloat16 or self.engine_config.kv_cache_dtype == "bfloat16"
-        return jnp.uint16 if bf16 else self.dtype
+        return self.plan.kv_dtype
 
-    def _alloc_kv(self) -> tuple[jax.Array, jax.Array]:
-        c = self.model_config
-        dims = (c.num_hidden_layers, self.num_kv_blocks + 1, self.block_size, c.num_key_value_heads, c.head_dim)
-        sh = NamedSharding(self.mesh, self.layout.kv_spec)
-        dtype = self.kv_storage_dtype
+    @property
+    def dtype(self) -> Any:
+        return self.plan.compute_dtype
 
-        def alloc(kind: str) -> jax.Array:
-            return jax.jit(lambda: jnp.zeros(paged_attention.cache_shape(kind, *dims), dtype), out_shardings=sh)()
-
-        return alloc("k"), alloc("v")
-
-    # ---- backend ----
-
-    def _native_library(self) -> tuple[Any, str]:
-        """The native CPU library (kernels/select.py native_library), built only where a kernel
-        may use it (neither attention_kernel "reference" nor matmul_kernel "xla" everywhere)."""
-        ec = self.engine_config
-        if ec.attention_kernel not in ("auto", "cpu_native") and ec.matmul_kernel == "xla":
-            return None, "configured: attention and matmuls without native kernels"
-        return attention_select.native_library(self.platform, ec.native_target)
-
-    def _select_attention(self, why_native: str) -> attention_select.Choice:
-        """The paged-attention implementation, tried once at the smallest step shape."""
-        c, ec = self.model_config, self.engine_config
-        t, s = ec.token_buckets[0], ec.seq_buckets[0]
-
-        def sds(*shape: int, dtype: Any = self.dtype) -> jax.ShapeDtypeStruct:
-            return jax.ShapeDtypeStruct(shape, dtype)
-
-        i32 = jnp.int32
-        meta = AttnMetadata(
-            seq_idx=sds(t, dtype=i32),
-            positions=sds(t, dtype=i32),
-            start_pos=sds(s, dtype=i32),
-            block_tables=sds(s, self._max_blocks, dtype=i32),
-            chunk_blocks=self._chunk_blocks,
-        )
-        k, v = (sds(*x.shape, dtype=x.dtype) for x in self._kv)
-        probe = (
-            sds(t, c.num_attention_heads, c.head_dim),
-            sds(t, c.num_key_value_heads, c.head_dim),
-            sds(t, c.num_key_value_heads, c.head_dim),
-            k,
-            v,
-            sds(dtype=i32),
-            meta,
-        )
-        return attention_select.select(
-            ec.attention_kernel, self.platform, self.mesh, self.layout.kv_sharded, probe, self.native, why_native
-        )
-
-    # ---- kernel verdicts: native or XLA, per step shape ----
-
-    def _verdict_key(self, classes: list[tuple[str, int]]) -> dict[str, Any]:
-        """What the verdicts depend on besides the library build and the CPU (tl/verdicts.py)."""
-        c, ec = self.model_config, self.engine_config
-        return {
-            "model": [
-                c.hidden_size,
-                c.intermediate_size,
-                c.num_attention_heads,
-                c.num_key_value_heads,
-                c.head_dim,
-                c.vocab_size,
-            ],
-            "dtype": self.dtype.name,
-            "weight_dtype": ec.weight_dtype,
-            "kv": str(jnp.dtype(self.kv_storage_dtype)),
-            "precision": self.matmul_precision,
-            "block_size": self.block_size,
-            "tp": self.mesh.shape["model"],
-            "classes": sorted(classes),
-        }
-
-    def _measure_verdicts(self) -> verdicts.Verdicts:
-        """Each measured kernel's classes (tl/verdicts.py), from the cache beside the library or
-        timed now at this model's shapes over its own weights and KV cache."""
-        ec = self.engine_config
-        classes: list[tuple[str, int]] = []
-        if self.matmul.measured:
-            top = ec.token_buckets[-1]
-            rows = sorted({min(r, top) for r in verdicts.MATMUL_ROWS})
-            if self.matmul_precision == "high" and top > rows[-1]:
-                rows.append(top)  # the AMX kernel takes any row count
-            classes += [("matmul", r) for r in rows]
-        attn = {}
-        if self.attention.measured:
-            attn = {
-                t: decode
-                for t, decode in verdicts.attention_classes(
-                    ec.token_buckets, ec.max_num_seqs, ec.max_num_batched_tokens
-                )
-            }
-            classes += [("attention", t) for t in attn]
-        if not classes:
-            return verdicts.Verdicts()
-        assert self.native is not None
-        c = self.model_config
-        layers = verdicts.stream_layers(self._params["layers"])
-
-        def prepare(kernel: str, rows: int) -> verdicts.Timed:
-            if kernel == "matmul":
-                # One row streams the weights (a chain past the cache); more rows are compute-bound.
-                return verdicts.matmul_case(
-                    layers if rows == 1 else layers[:1],
-                    self._lm_head(),
-                    self.matmul.fn,
-                    rows,
-                    llama.linear,
-                    self.matmul.argmax_lse,
-                )
-            case = verdicts.attention_case(
-                rows,
-                attn[rows],
-                c.num_attention_heads,
-                c.num_key_value_heads,
-                c.head_dim,
-                self._kv[0],
-                self._chunk_blocks,
-                self._max_blocks,
-                self.dtype,
-            )
-            return verdicts.attention_timed(
-                self.attention.fn, paged_attention.paged_attention, case, *self._kv, layers=2
-            )
-
-        key = self._verdict_key(classes)
-        return verdicts.measure(verdicts.cache_path(self.native.path, key), key, classes, prepare)
-
-    def _lm_head(self) -> Any:
-        """The LM head as llama.linear takes it ([V,D]: the tied embedding, or lm_head; "high"
-        precision's packed copy beside it)."""
-        p = self._params
-        w = p["embed"] if self.model_config.tie_word_embeddings else p["lm_head"]
-        return {"f32": w, "bf16x3": p["lm_head_bf16x3"]} if "lm_head_bf16x3" in p else w
+    @property
+    def params(self) -> llama.Params:
+        """The placed step-layout weights (read-only by contract)."""
+        return self._params
 
     def _dispatch(self) -> tuple[Any, Any, Any]:
         """(attention, matmul, argmax_lse) for the step: where a kernel was measured, each step
-        shape takes the verdict's pick (kernels/select.py per_shape); else the choice as made."""
-        v = self.verdicts
-        attention = self.attention.fn
-        if self.attention.measured:
-            attention = attention_select.per_shape(
-                lambda t: v.native("attention", t), attention, paged_attention.paged_attention
-            )
-        matmul, argmax_lse = self.matmul.fn, self.matmul.argmax_lse
-        if self.matmul.measured and matmul is not None and argmax_lse is not None:
-            matmul = attention_select.per_shape(lambda n: v.native("matmul", n), matmul, _no_native)
-            argmax_lse = attention_select.per_shape(lambda n: v.native("matmul", n), argmax_lse, sampler_argmax_lse)
+        shape takes the plan's verdict (kernels/select.py per_shape); else the choice as made."""
+        plan, k = self.plan, self.kernels
+        attention = k.attention.fn
+        if plan.attention_measured:
+            attention = attention_select.per_shape(plan.attention_native, attention, paged_attention.paged_attention)
+        matmul, argmax_lse = k.matmul.fn, k.matmul.argmax_lse
+        if plan.matmul_measured and matmul is not None and argmax_lse is not None:
+            matmul = attention_select.per_shape(plan.matmul_native, matmul, _no_native)
+            argmax_lse = attention_select.per_shape(plan.matmul_native, argmax_lse, sampler_argmax_lse)
         return attention, matmul, argmax_lse
 
     @property
     def kernel_lines(self) -> list[str]:
         """The kernel choices for the start-up log: each measured class with its ratio."""
-        return [v.line() for v in self.verdicts.verdicts]
+        return [v.line() for v in self.plan.verdicts.verdicts]
 
     @property
     def backend_info(self) -> BackendInfo:
-        devices = self.mesh.devices.flat
-        return BackendInfo(
-            platform=self.platform,
-            device_kind=next(iter(devices)).device_kind,
-            device_count=self.mesh.devices.size,
-            tensor_parallel=self.mesh.shape["model"],
-            process_count=jax.process_count(),
-            dtype=self.dtype.name,
-            kv_cache_dtype="bfloat16" if self.kv_storage_dtype == jnp.uint16 else self.dtype.name,
-            attention_kernel=self._attention_summary(),
-            matmul_precision=self.matmul_precision,
-            matmul_kernel=self._matmul_summary(),
-            native_target=self.native.target.name if "cpu_native" in (self.attention.name, self.matmul.name) else "",
-            kernel_choices=tuple(self.kernel_lines),
-            kv_heads="sharded" if self.layout.kv_sharded else "replicated",
-        )
-
-    def _attention_summary(self) -> str:
-        if not self.attention.measured:
-            return self.attention.name
-        return self.verdicts.summary("attention", self.attention.name, "reference")
-
-    def _matmul_summary(self) -> str:
-        if not self.matmul.measured:
-            return self.matmul.name
-        return self.verdicts.summary("matmul", "cpu_native", "xla")
+        return self.plan.backend_info(self.mesh)
 
     @property
     def kv_cache(self) -> tuple[jax.Array, jax.Array]:
@@ -504,8 +320,13 @@ class ModelRunner:
 
     @property
     def num_compilations(self) -> int:
-        """Traced variants of the step, top-logprob and embed functions (one trace = one compile)."""
+        """Traced variants of the step and top-logprob functions (one trace = one compile)."""
         return self._num_compilations
+
+    @property
+    def num_pending_compiles(self) -> int:
+        """Step variants not compiled yet (the background compilation's backlog)."""
+        return len(self.plan.variants) - self.compiler.num_compiled
 
     def _count(self) -> None:
         self._num_compilations += 1
@@ -518,31 +339,49 @@ class ModelRunner:
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
         if not plan.work:
             return RunnerOutput(())
-        rows, out, logits, pooled = self._forward(plan)
-        return self._results(rows, out, logits, pooled)
+        rows, out, logits, pooled, variant = self._forward(plan)
+        return self._results(rows, out, logits, pooled, variant)
 
     def logits(self, plan: SchedulerOutput) -> np.ndarray:
         """The float32 logits [sample rows, V] of a non-empty plan, run as `execute` runs it (its
         keys written to the cache); for quality checks (bench/quant_bench.py)."""
-        rows, _, logits, _ = self._forward(plan)
+        rows, _, logits, _, _ = self._forward(plan)
         return np.asarray(logits)[: sum(1 + k for _, _, k in rows.spans)]
 
-    def _forward(self, plan: SchedulerOutput) -> tuple[_Rows, SampleOut, jax.Array, jax.Array]:
-        ec = self.engine_config
-        t_pad = _bucket(plan.num_tokens, ec.token_buckets, "step tokens")
-        s_pad = _bucket(len(plan.work), ec.seq_buckets, "step sequences")
+    def _forward(self, plan: SchedulerOutput) -> tuple[_Rows, SampleOut, jax.Array, jax.Array, _Variant]:
+        """Runs the plan in the smallest compiled variant that holds it (tl/compiler.py)."""
+        p = self.plan
+        need_t = bucket(plan.num_tokens, p.token_buckets, "step tokens")
+        need_s = bucket(len(plan.work), p.seq_buckets, "step sequences")
+        (t_pad, s_pad), variant = self.compiler.pick(need_t, need_s)
         inp, rows = self._pack_tokens(plan.work, t_pad, s_pad)
         sb, pen = self._pack_sampling(rows, s_pad, self.num_rows(t_pad, s_pad))
-        self._kv, out, logits, pooled = self._run_step(inp, sb, pen)
-        return rows, out, logits, pooled
-
-    def _run_step(
-        self, inp: StepInputs, sb: SamplingBatch, pen: Penalties
-    ) -> tuple[Any, SampleOut, jax.Array, jax.Array]:
-        # The host buffers go in as numpy arrays: the jitted call's own transfer (C++) took ~0.6 ms
-        # less a step than a jax.device_put of them first (one-row decode, alternated).
+        # The host buffers go in as numpy arrays: the compiled call's own transfer (C++) took
+        # ~0.6 ms less a step than a jax.device_put of them first (one-row decode, alternated).
         bufs, layout = _to_host_buffers((inp, sb))
-        return self._step(self._params, self._kv, bufs, pen, layout=layout)
+        if layout != variant.layout:
+            raise RuntimeError(f"step {t_pad}x{s_pad}: packed inputs do not match the compiled layout")
+        self._kv, out, logits, pooled = variant.step(self._params, self._kv, bufs, pen)
+        return rows, out, logits, pooled, variant
+
+    def _compile_variant(self, v: tuple[int, int]) -> _Variant:
+        """Variant v of the step (and of the top-logprobs function at its row count) compiled
+        ahead of time over abstract arguments: nothing runs, the KV cache is not touched."""
+        t_pad, s_pad = v
+        num_rows = self.num_rows(t_pad, s_pad)
+        inp, rows = self._pack_tokens([], t_pad, s_pad)
+        sb, pen = self._pack_sampling(rows, s_pad, num_rows)
+        bufs, layout = _to_host_buffers((inp, sb))
+        step = self._step.lower(
+            _abstract(self._params), _abstract(self._kv), _abstract(bufs), _abstract(pen), layout=layout
+        ).compile()
+        top = None
+        if self.engine_config.max_logprobs:
+            logits = jax.ShapeDtypeStruct(
+                (num_rows, self.model_config.vocab_size), jnp.float32, sharding=self._replicated
+            )
+            top = self._top_lp.lower(logits).compile()
+        return _Variant(layout, step, top)
 
     def _check(self, w: SeqWork) -> None:
         end = w.start_pos + len(w.token_ids)
@@ -639,11 +478,13 @@ class ModelRunner:
             self._zero_penalties[key] = jax.device_put(pen, self._replicated)
         return self._zero_penalties[key]
 
-    def _results(self, rows: _Rows, out: SampleOut, logits: jax.Array, pooled: jax.Array) -> RunnerOutput:
+    def _results(
+        self, rows: _Rows, out: SampleOut, logits: jax.Array, pooled: jax.Array, variant: _Variant
+    ) -> RunnerOutput:
         token, logprob, accepted = jax.device_get((out.token, out.logprob, out.accepted))
         top_ids = top_vals = None
-        if self.engine_config.max_logprobs and any(w.params.top_logprobs for w, _, _ in rows.spans):
-            top_ids, top_vals = jax.device_get(self._top_lp(logits))
+        if variant.top is not None and any(w.params.top_logprobs for w, _, _ in rows.spans):
+            top_ids, top_vals = jax.device_get(variant.top(logits))
         results = []
         for w, r, k in rows.spans:
             n_acc = 0
@@ -674,38 +515,14 @@ class ModelRunner:
             ]
         return RunnerOutput(tuple(results))
 
-    # ---- warm-up and embeddings ----
+    # ---- warm-up ----
 
-    def bucket_pairs(self) -> list[tuple[int, int]]:
-        """Every (token bucket, seq bucket) a plan within the engine limits can land in."""
-        ec = self.engine_config
-        pairs = set()
-        top = _bucket(ec.max_num_batched_tokens, ec.token_buckets, "max_num_batched_tokens")
-        for t in ec.token_buckets[: ec.token_buckets.index(top) + 1]:
-            for s in range(1, min(t, ec.max_num_seqs) + 1):
-                pairs.add((t, _bucket(s, ec.seq_buckets, "sequences")))
-        return sorted(pairs)
-
-    def warmup(self) -> None:
-        """Compile (and run on padding only) every step variant, so serving never compiles."""
-        wants_top = self.engine_config.max_logprobs > 0
-        for t_pad, s_pad in self.bucket_pairs():
-            inp, rows = self._pack_tokens([], t_pad, s_pad)
-            sb, pen = self._pack_sampling(rows, s_pad, self.num_rows(t_pad, s_pad))
-            self._kv, out, logits, _ = self._run_step(inp, sb, pen)
-            if wants_top:
-                self._top_lp(logits)
-        jax.block_until_ready(self._kv)
-
-    def embed(self, token_ids: Sequence[int]) -> list[float]:
-        """One input alone through the dense forward, no cache: the reference the scheduled
-        pooling (the step's `pooled` output) is tested against; serving never calls it."""
-        n = len(token_ids)
-        if not 0 < n <= self.max_model_len:
-            raise ValueError(f"embedding input of {n} tokens; need 1..{self.max_model_len}")
-        buckets = self.engine_config.token_buckets
-        t_pad = buckets[bisect_left(buckets, n)] if n <= buckets[-1] else 1 << (n - 1).bit_length()
-        ids = np.zeros(t_pad, np.int32)
-        ids[:n] = token_ids
-        ids_d, n_d = jax.device_put((ids, np.int32(n)), self._replicated)
-        return np.asarray(self._embed(self._params, ids_d, n_d)).tolist()
+    def warmup(self, background: bool = False) -> None:
+        """Compile the step's variants ahead of time: the plan's start-up variants now, then the
+        rest here (background False: serving then never compiles) or on a background thread
+        (steps meanwhile run in the smallest compiled variant that holds them)."""
+        self.compiler.compile_startup(self.plan.startup_variants)
+        if background:
+            self.compiler.start_background()
+        else:
+            self.compiler.compile_rest()

@@ -93,6 +93,8 @@ class BackendInfo:
     native_target: str = ""  # the native CPU library's build (kernels/cpu_build.py), "" where none is used
     kernel_choices: tuple[str, ...] = ()  # each measured class: its pick and the native kernel's ratio to XLA
     kv_heads: str = "sharded"  # "sharded" over the model axis, or "replicated" when they do not divide
+    weight_pages: str = "default"  # "huge": the weights in one mapping advised MADV_HUGEPAGE
+    reasons: tuple[str, ...] = ()  # the execution plan's decisions, each with its reason (tl/execution.py)
 
     def labels(self) -> dict[str, str]:
         return {
@@ -108,4 +110,5 @@ class BackendInfo:
             "matmul_kernel": self.matmul_kernel,
             "native_target": self.native_target,
             "kv_heads": self.kv_heads,
+            "weight_pages": self.weight_pages,
         }

@@ -33,7 +33,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +41,10 @@ import numpy as np
 
 from kernels import cpu_build
 from kernels.paged_attention import AttnMetadata
+
+if TYPE_CHECKING:
+    from tl.execution import ExecutionPlan, Kernels
+    from tl.model.config import ModelConfig
 
 log = logging.getLogger("tl.verdicts")
 
@@ -313,3 +317,66 @@ def stream_layers(layers: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         if nbytes >= STREAM_BYTES:
             break
     return out
+
+
+# ---- one runner's verdicts ----
+
+
+def _lm_head(params: dict[str, Any], tied: bool) -> Any:
+    """The LM head as llama.linear takes it ([V,D]: the tied embedding, or lm_head; "high"
+    precision's packed copy beside it)."""
+    w = params["embed"] if tied else params["lm_head"]
+    return {"f32": w, "bf16x3": params["lm_head_bf16x3"]} if "lm_head_bf16x3" in params else w
+
+
+def measure_runner(plan: ExecutionPlan, kernels: Kernels, cfg: ModelConfig, params: Any, kv: Any) -> Verdicts:
+    """The verdicts of each class `plan.measure_classes()` names, from the cache beside the
+    library or timed now at this model's shapes over its own placed weights and KV cache."""
+    from kernels import paged_attention
+    from tl.model import llama
+
+    classes = plan.measure_classes()
+    if not classes:
+        return Verdicts()
+    native = kernels.native
+    assert native is not None
+    layers = stream_layers(params["layers"])
+    head = _lm_head(params, cfg.tie_word_embeddings)
+    attn = dict(plan.attention_classes)
+
+    def prepare(kernel: str, rows: int) -> Timed:
+        if kernel == "matmul":
+            # One row streams the weights (a chain past the cache); more rows are compute-bound.
+            mm = kernels.matmul
+            return matmul_case(layers if rows == 1 else layers[:1], head, mm.fn, rows, llama.linear, mm.argmax_lse)
+        case = attention_case(
+            rows,
+            attn[rows],
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            kv[0],
+            plan.chunk_blocks,
+            plan.max_blocks,
+            plan.compute_dtype,
+        )
+        return attention_timed(kernels.attention.fn, paged_attention.paged_attention, case, *kv, layers=2)
+
+    key = {
+        "model": [
+            cfg.hidden_size,
+            cfg.intermediate_size,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            cfg.vocab_size,
+        ],
+        "dtype": plan.dtype.value,
+        "weight_dtype": plan.weight_dtype,
+        "kv": str(jnp.dtype(plan.kv_dtype)),
+        "precision": plan.precision.value,
+        "block_size": plan.block_size,
+        "tp": plan.tensor_parallel,
+        "classes": sorted(classes),
+    }
+    return measure(cache_path(native.path, key), key, classes, prepare)

@@ -1,0 +1,100 @@
+"""tl/compiler.py: which compiled variant runs a step, start-up then background compilation,
+and (on the tiny model) that a step run in a larger variant than its own gives the same tokens
+and compiles nothing."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+from test_runner import ENGINE, Driver, Seq, make_runner
+
+from tl.compiler import StepCompiler
+from tl.execution import startup_variants, step_variants
+from tl.request import SamplingParams
+
+VARIANTS = [(1, 1), (4, 1), (4, 4), (8, 1), (8, 4), (16, 4)]
+
+
+def test_pick_takes_the_smallest_compiled_variant_that_holds_the_step() -> None:
+    made: list[tuple[int, int]] = []
+    c = StepCompiler(lambda v: made.append(v) or f"fn{v}", VARIANTS)
+    c.compile_startup([(1, 1), (16, 4)])
+    assert sorted(made) == [(1, 1), (16, 4)]
+    assert c.pick(1, 1) == ((1, 1), "fn(1, 1)")
+    assert c.pick(4, 1) == ((16, 4), "fn(16, 4)")  # its own is not compiled: the larger one, no compile
+    assert c.pick(8, 4) == ((16, 4), "fn(16, 4)")
+    assert len(made) == 2
+    c.ensure((4, 1))
+    assert c.pick(4, 1) == ((4, 1), "fn(4, 1)")
+    assert c.pick(1, 1) == ((1, 1), "fn(1, 1)")  # (1, 1) still beats (4, 1)
+    assert c.pick(32, 4)[0] == (32, 4) and made[-1] == (32, 4)  # nothing holds it: compiled now
+
+
+def test_background_compiles_the_rest_in_ascending_order_and_stops() -> None:
+    made: list[tuple[int, int]] = []
+    gate = threading.Event()
+
+    def compile(v: tuple[int, int]) -> str:
+        if v == (8, 1):
+            gate.wait(10)
+        made.append(v)
+        return str(v)
+
+    c = StepCompiler(compile, VARIANTS)
+    c.compile_startup([(1, 1), (16, 4)])
+    c.start_background()
+    assert not c.wait(0.2)  # held at (8, 1)
+    assert c.pick(8, 4)[0] == (16, 4)  # meanwhile a step runs in the larger variant
+    gate.set()
+    assert c.wait(10)
+    assert made[2:] == [(4, 1), (4, 4), (8, 1), (8, 4)] and c.compiled == tuple(VARIANTS)
+    stopped = StepCompiler(compile, VARIANTS)
+    stopped.stop()
+    stopped.compile_rest()
+    assert stopped.num_compiled == 0
+
+
+def test_a_background_failure_is_kept_and_steps_run_in_what_compiled() -> None:
+    def compile(v: tuple[int, int]) -> str:
+        if v == (4, 4):
+            raise RuntimeError("boom")
+        return str(v)
+
+    c = StepCompiler(compile, VARIANTS)
+    c.compile_startup([(1, 1), (16, 4)])
+    c.start_background()
+    assert c.wait(10)
+    assert isinstance(c.background_error, RuntimeError) and c.pick(4, 4)[0] == (16, 4)
+
+
+def test_plan_variants_and_startup_set() -> None:
+    v = step_variants(ENGINE)
+    assert v == ((8, 1), (8, 4), (32, 1), (32, 4))
+    assert startup_variants(v) == ((8, 1), (32, 4))
+
+
+@pytest.fixture(scope="module")
+def two_runners() -> tuple:
+    full, _ = make_runner(ENGINE, seed=11)
+    part, _ = make_runner(ENGINE, seed=11)
+    full.warmup()
+    part.compiler.compile_startup(part.plan.startup_variants)  # (8, 1) and (32, 4) only
+    return full, part
+
+
+def test_steps_in_a_larger_variant_give_the_same_tokens(two_runners: tuple) -> None:
+    full, part = two_runners
+    assert part.compiler.compiled == ((8, 1), (32, 4))
+    compiled = part.num_compilations
+    rng = np.random.default_rng(3)
+    greedy, sampled = SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_k=7, top_p=0.9)
+    prompts = [rng.integers(0, 160, int(rng.integers(2, 12))).tolist() for _ in range(3)]
+    outs = []
+    for r in (full, part):
+        seqs = [Seq(i, list(p), 6, greedy if i % 2 else sampled, seed=i) for i, p in enumerate(prompts)]
+        Driver(r, seed=5, chunk=5).run(seqs)
+        outs.append([s.out for s in seqs])
+    assert outs[0] == outs[1]
+    assert part.num_compilations == compiled  # (8, 4) steps ran in (32, 4): nothing compiled

@@ -1,0 +1,159 @@
+"""Compilation of the step's variants: ahead of time, the first few before ready, the rest behind.
+
+Owns: JAX's persistent compilation cache (`enable_compile_cache`), the table of compiled step
+variants (one per (token bucket, seq bucket)), compiling a variant ahead of time (the runner's
+`lower` function: trace and lower over abstract arguments, then XLA compiles off the GIL), the
+plan's start-up variants compiled before the runner is ready (two threads: XLA compiles one
+module on one core), the rest on one background thread in ascending order (small decode steps
+first: they are what a fresh server runs most), progress log lines with counts, and `pick`: the
+smallest compiled variant that holds a step. A step whose own variant is not compiled yet runs
+in a larger compiled one (padding only: the same tokens, written to the same slots), so no
+request waits on a compile once the start-up variants are in; where nothing compiled holds a
+step (no warm-up was asked for: the CLI's one-shot generate, tests), its variant is compiled
+then and there.
+Must not: decide the variants (tl/execution.py does), pack inputs, touch the KV cache.
+Tested by tests/test_compiler.py and tests/test_runner.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import jax
+
+log = logging.getLogger("tl.compiler")
+
+Variant = tuple[int, int]
+"""(token bucket, seq bucket) of one compiled step."""
+
+_compile_cache_dir: str | None = None
+
+
+def enable_compile_cache(path: str) -> None:
+    """Turn on JAX's persistent compilation cache (process-wide; the first directory wins)."""
+    global _compile_cache_dir
+    if not path or _compile_cache_dir is not None:
+        return
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    _compile_cache_dir = path
+
+
+class StepCompiler:
+    """The compiled variants of one runner's step. `compile(variant)` returns what the runner
+    calls for it (any callable; its own type is the runner's business)."""
+
+    def __init__(self, compile: Callable[[Variant], Any], variants: Sequence[Variant]) -> None:
+        self._compile = compile
+        self.variants = tuple(sorted(variants))
+        self._done: dict[Variant, Any] = {}
+        self._lock = threading.Lock()  # one compile of a variant at a time, never two of the same
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self.background_error: BaseException | None = None
+
+    @property
+    def num_compiled(self) -> int:
+        return len(self._done)
+
+    @property
+    def compiled(self) -> tuple[Variant, ...]:
+        return tuple(sorted(self._done))
+
+    def pick(self, tokens: int, seqs: int) -> tuple[Variant, Any]:
+        """The compiled variant with the fewest tokens (then sequences) holding tokens x seqs
+        (both already bucketed); the exact one compiled now where none is."""
+        best = None
+        for v in list(self._done):
+            if v[0] >= tokens and v[1] >= seqs and (best is None or v < best):
+                best = v
+        if best is None:
+            best = (tokens, seqs)
+            return best, self.ensure(best)
+        return best, self._done[best]
+
+    def ensure(self, v: Variant) -> Any:
+        """Variant v's compiled step, compiling it now if needed."""
+        fn = self._done.get(v)
+        if fn is not None:
+            return fn
+        with self._lock:
+            if v not in self._done:
+                self._done[v] = self._compile(v)
+            return self._done[v]
+
+    def compile_startup(self, startup: Sequence[Variant], threads: int = 2) -> float:
+        """Compile the start-up variants (in parallel); seconds taken."""
+        t0 = time.perf_counter()
+        todo = [v for v in startup if v not in self._done]
+
+        def one(v: Variant) -> None:
+            fn = self._compile(v)
+            with self._lock:
+                self._done.setdefault(v, fn)
+
+        with ThreadPoolExecutor(max(1, min(threads, len(todo)))) as pool:
+            list(pool.map(one, todo))
+        took = time.perf_counter() - t0
+        log.info(
+            "compiled %d of %d step variants before ready in %.1f s: %s",
+            self.num_compiled,
+            len(self.variants),
+            took,
+            ", ".join(f"{t}x{s}" for t, s in sorted(todo)),
+        )
+        return took
+
+    def compile_rest(self) -> None:
+        """Compile every variant not compiled yet, in ascending order, here (blocking)."""
+        t0 = time.perf_counter()
+        for v in self.variants:
+            if self._stop.is_set():
+                return
+            if v in self._done:
+                continue
+            t1 = time.perf_counter()
+            self.ensure(v)
+            log.info(
+                "compiled step variant %dx%d (%d of %d) in %.1f s",
+                v[0],
+                v[1],
+                self.num_compiled,
+                len(self.variants),
+                time.perf_counter() - t1,
+            )
+        if self.num_compiled == len(self.variants):
+            log.info("all %d step variants compiled (%.1f s)", len(self.variants), time.perf_counter() - t0)
+
+    def start_background(self) -> None:
+        """compile_rest on a daemon thread; an error there is logged and kept (steps then run in
+        what compiled)."""
+        if self._thread is not None:
+            return
+
+        def run() -> None:
+            try:
+                self.compile_rest()
+            except BaseException as e:  # noqa: BLE001 -- serving goes on in the compiled variants
+                self.background_error = e
+                log.exception("background compilation stopped")
+
+        self._thread = threading.Thread(target=run, name="tl-compile", daemon=True)
+        self._thread.start()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the background compilation is over; True when it is."""
+        if self._thread is None:
+            return True
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def stop(self) -> None:
+        """Stop the background compilation after the variant in progress."""
+        self._stop.set()
+        self.wait()

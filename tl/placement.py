@@ -1,0 +1,87 @@
+"""Placement: the model's weights and the KV cache as device arrays on the runner's mesh.
+
+Owns: converting host weights (a Hugging Face tensor dict or the loaded pytree) into the step
+layout (`llama.step_params`), their NamedShardings from the layout's partition specs, putting
+them on the devices (on one CPU device: into one huge-page mapping, tl/weight_pages.py, with
+XLA's own buffers as the fallback and its reason), and allocating the paged KV cache zeroed in
+its storage dtype. What to place how is decided by tl/execution.py; this module only does it.
+Must not: decide kernels or precision, compile steps. Tested by tests/test_runner.py and
+tests/test_weight_pages.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from kernels import paged_attention
+from tl import backend, weight_pages
+from tl.model import llama
+from tl.model.config import ModelConfig
+
+
+@dataclass(frozen=True, slots=True)
+class PlacedWeights:
+    """The step-layout weights on the devices, and where their memory came from."""
+
+    params: llama.Params
+    pages: str  # "huge" or "default"
+    reason: str  # what came of it (the mapping's size, or why it failed); "" for default pages
+
+
+def place_weights(
+    params_host: dict[str, Any],
+    cfg: ModelConfig,
+    mesh: Mesh,
+    layout: backend.TPLayout,
+    dtype: Any,
+    weight_dtype: str,
+    *,
+    pack_bf16x3: bool,
+    huge_pages: bool,
+) -> PlacedWeights:
+    """params_host: HF tensors or the stacked pytree. pack_bf16x3: keep each float matrix's packed
+    bf16x3 copy beside it (matmul_precision "high"). huge_pages: as the plan says; where the
+    mapping then fails, XLA's buffers, and the reason is the failure."""
+    tree = params_host if "layers" in params_host else llama.params_from_hf(params_host, cfg)
+    shapes = llama.param_shapes(cfg, dtype)
+    if jax.tree.structure(tree) != jax.tree.structure(shapes):
+        raise ValueError(f"parameter tree does not match the model layout: {jax.tree.structure(tree)}")
+    host = jax.tree.map(lambda x, s: np.asarray(x, dtype=s.dtype), tree, shapes)
+    pack = None
+    if pack_bf16x3:
+        from kernels import cpu_native
+
+        pack = cpu_native.pack_bf16x3
+    step = llama.step_params(host, cfg, weight_dtype, fused_qkv=layout.kv_sharded, pack=pack)
+    shardings = jax.tree.map(
+        lambda s: NamedSharding(mesh, s), backend.partition_specs(step, layout), is_leaf=lambda x: isinstance(x, P)
+    )
+    if not huge_pages:
+        return PlacedWeights(jax.device_put(step, shardings), "default", "")
+    try:
+        params, nbytes = weight_pages.place(step, shardings)
+    except OSError as e:
+        return PlacedWeights(jax.device_put(step, shardings), "default", f"huge configured; default pages: {e}")
+    return PlacedWeights(params, "huge", f"{nbytes >> 20} MiB advised MADV_HUGEPAGE")
+
+
+def alloc_kv(
+    cfg: ModelConfig, mesh: Mesh, spec: P, num_blocks: int, block_size: int, dtype: Any
+) -> tuple[jax.Array, jax.Array]:
+    """The zeroed (k, v) cache of num_blocks blocks (the runner adds the scratch block) in the
+    stored layout of kernels/paged_attention.py, sharded by spec."""
+    dims = (cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+    sh = NamedSharding(mesh, spec)
+
+    def alloc(kind: str) -> jax.Array:
+        shape = paged_attention.cache_shape(kind, *dims)
+        return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sh)()  # type: ignore[no-any-return]
+
+    return alloc("k"), alloc("v")
