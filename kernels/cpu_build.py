@@ -6,15 +6,16 @@ a target's library on first use into the build cache, compiling any target to ob
 (`compile_objects`, what the tests do for targets this machine cannot run), and a failed
 build's report: one readable line (the first compiler error, the command, where the full log
 is), remembered beside the cache so that the library is not rebuilt on every call.
-Must not: load the library or know its kernels (kernels/cpu_native.py does). Tested by
-tests/test_cpu_build.py.
+Must not: load the library or know its kernels (kernels/cpu_native.py does), or read the
+environment (the cache and the compiler are arguments, from `[engine] native_cache_dir` and
+`native_cxx`). Tested by tests/test_cpu_build.py.
 
-The cache ($TL_NATIVE_CACHE, default ~/.cache/tl/native) holds `<target>-<key>.so`, the key a
-hash of every source and header, the flags, jaxlib's version and the compiler's own version
-line, so a changed source, jaxlib or compiler builds afresh; a build is written to a
-temporary name and renamed into place when complete (concurrent builders are harmless). A
-build leaves `<target>-<key>.log` (the compilers' whole output), a failed one also
-`<target>-<key>.failed` (the one-line report).
+The cache (`[engine] native_cache_dir`, passed down as `cache_dir`; empty: ~/.cache/tl/native)
+holds `<target>-<key>.so`, the key a hash of every source and header, the flags, jaxlib's
+version and the compiler's own version line, so a changed source, jaxlib or compiler builds
+afresh; a build is written to a temporary name and renamed into place when complete (concurrent
+builders are harmless). A build leaves `<target>-<key>.log` (the compilers' whole output), a
+failed one also `<target>-<key>.failed` (the one-line report).
 
 Why named targets, not -march=native: every target is then one binary the tests can build and
 run on any machine that runs it (an AMX Xeon runs the AVX2 and AVX-512 builds too, so AVX2
@@ -86,8 +87,9 @@ TARGETS: tuple[Target, ...] = (
 BY_NAME = {t.name: t for t in TARGETS}
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("TL_NATIVE_CACHE") or Path.home() / ".cache" / "tl" / "native")
+def cache_root(cache_dir: str = "") -> Path:
+    """The build cache: `cache_dir`, or ~/.cache/tl/native where it is empty."""
+    return Path(cache_dir) if cache_dir else Path.home() / ".cache" / "tl" / "native"
 
 
 def cpu_flags() -> frozenset[str]:
@@ -135,12 +137,12 @@ def best() -> Target:
     return targets[0]
 
 
-def compiler(target: Target) -> str:
-    """The C++ compiler for `target`: $CXX (or g++) for this machine's architecture, Debian's
-    cross compiler (e.g. aarch64-linux-gnu-g++) for another. Raises NativeUnavailable."""
+def compiler(target: Target, cxx: str = "") -> str:
+    """The C++ compiler for `target`: `cxx` (empty: g++, else c++) for this machine's architecture,
+    Debian's cross compiler (e.g. aarch64-linux-gnu-g++) for another. Raises NativeUnavailable."""
     if target.arch == platform.machine():
-        want = os.environ.get("CXX") or "g++"
-        found = shutil.which(want) or (None if os.environ.get("CXX") else shutil.which("c++"))
+        want = cxx or "g++"
+        found = shutil.which(want) or (None if cxx else shutil.which("c++"))
     else:
         want = f"{target.arch}-linux-gnu-g++"
         found = shutil.which(want)
@@ -224,19 +226,20 @@ class _BuildFailed(Exception):
 _failures: dict[str, str] = {}  # library path -> its one-line report (this process)
 
 
-def library_path(target: Target) -> Path:
-    """Where `target`'s library for these sources, flags, jaxlib and compiler lives (built or not)."""
-    cxx = compiler(target)
-    return cache_dir() / f"{target.name}-{_key(target, cxx, ())}.so"
+def library_path(target: Target, *, cache_dir: str = "", cxx: str = "") -> Path:
+    """Where `target`'s library for these sources, flags, jaxlib and compiler lives (built or not)
+    in the cache `cache_dir` (empty: the default), built by `cxx` (empty: the default compiler)."""
+    found = compiler(target, cxx)
+    return cache_root(cache_dir) / f"{target.name}-{_key(target, found, ())}.so"
 
 
-def build(target: Target) -> Path:
-    """`target`'s library, compiled now if the cache has none. Raises NativeUnavailable: no
-    compiler, a build that failed (now or before: remembered in `<name>.failed`), or a target
-    this CPU cannot run."""
+def build(target: Target, *, cache_dir: str = "", cxx: str = "") -> Path:
+    """`target`'s library, compiled now by `cxx` into the cache `cache_dir` if it has none (empty:
+    the defaults, see `compiler` and `cache_root`). Raises NativeUnavailable: no compiler, a build
+    that failed (now or before: remembered in `<name>.failed`), or a target this CPU cannot run."""
     if lacks := missing(target):
         raise NativeUnavailable(f"this CPU cannot run the {target.name} build (lacks {', '.join(lacks)})")
-    out = library_path(target)
+    out = library_path(target, cache_dir=cache_dir, cxx=cxx)
     failed = out.with_suffix(".failed")
     if str(out) in _failures:
         raise NativeUnavailable(_failures[str(out)])
@@ -246,12 +249,12 @@ def build(target: Target) -> Path:
         _failures[str(out)] = failed.read_text().strip()
         raise NativeUnavailable(_failures[str(out)])
     out.parent.mkdir(parents=True, exist_ok=True)
-    cxx = compiler(target)
+    found = compiler(target, cxx)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         try:
-            objects, compile_log = _compile(cxx, target, (), Path(tmp))
+            objects, compile_log = _compile(found, target, (), Path(tmp))
             lib = Path(tmp) / "lib.so"
-            cmd = [cxx, "-shared", "-o", str(lib), *map(str, objects)]
+            cmd = [found, "-shared", "-o", str(lib), *map(str, objects)]
             res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
             if res.returncode != 0:
                 raise _BuildFailed(" ".join(cmd), _first_error(res.stderr), res.stderr)
@@ -270,11 +273,11 @@ def build(target: Target) -> Path:
     return out
 
 
-def compile_objects(target: Target, outdir: Path, werror: bool = True) -> list[Path]:
-    """Every source compiled for `target` into objects in outdir (no link, no cache), warnings as
-    errors by default: how the tests check a target this machine cannot run. Raises
-    NativeUnavailable with the first error."""
+def compile_objects(target: Target, outdir: Path, werror: bool = True, *, cxx: str = "") -> list[Path]:
+    """Every source compiled for `target` by `cxx` (see `compiler`) into objects in outdir (no link,
+    no cache), warnings as errors by default: how the tests check a target this machine cannot
+    run. Raises NativeUnavailable with the first error."""
     try:
-        return _compile(compiler(target), target, ("-Werror",) if werror else (), outdir)[0]
+        return _compile(compiler(target, cxx), target, ("-Werror",) if werror else (), outdir)[0]
     except _BuildFailed as e:
         raise NativeUnavailable(f"compiling for {target.name} failed: {e.first}\n{e.log}") from None

@@ -10,7 +10,7 @@ HIGH_MIN_ROWS rows on any count, three bf16 products on AMX over weights `pack_b
 load; None otherwise, and the caller's own dot runs) and `argmax_lse` (the sampler's greedy
 token and logsumexp of each logits row in one pass).
 Must not: write the cache, know about requests, decide when a kernel is worth calling
-(kernels/verdicts.py measures that). Tested by tests/test_cpu_native.py against the jnp
+(tl/verdicts.py measures that). Tested by tests/test_cpu_native.py against the jnp
 reference, float64 products, XLA's int8 dot and jnp's argmax/logsumexp, once per build.
 
 Why the cached part: on XLA:CPU it is a gather of every block into a copy, element by element,
@@ -77,9 +77,10 @@ HANDLERS = {  # FFI target base name -> the library's handler symbol
 class NativeLib:
     """One target's built library with its FFI targets registered (kernels/cpu_build.py TARGETS)."""
 
-    def __init__(self, target: cpu_build.Target) -> None:
+    def __init__(self, target: cpu_build.Target, *, cache_dir: str = "", cxx: str = "") -> None:
+        """Build (kernels/cpu_build.py `build`: into `cache_dir`, by `cxx`) and load `target`'s library."""
         self.target = target
-        self.path = cpu_build.build(target)
+        self.path = cpu_build.build(target, cache_dir=cache_dir, cxx=cxx)
         lib = self._lib = ctypes.cdll.LoadLibrary(str(self.path))
         lib.TlGemvMaxRows.restype = ctypes.c_int64
         lib.TlAmxAvailable.restype = ctypes.c_int64
@@ -295,14 +296,16 @@ class NativeLib:
 _libraries: dict[str, NativeLib] = {}
 
 
-def library(target: str = "auto") -> NativeLib:
+def library(target: str = "auto", *, cache_dir: str = "", cxx: str = "") -> NativeLib:
     """The loaded library of `target` ("auto": the most capable build this CPU runs), built on
-    first use and kept for the process. Raises NativeUnavailable (one line: why)."""
+    first use (into `cache_dir`, by `cxx`; empty: the defaults) and kept for the process: a
+    target's FFI names carry only its name, so its first load serves every later call.
+    Raises NativeUnavailable (one line: why)."""
     t = cpu_build.best() if target == "auto" else cpu_build.BY_NAME.get(target)
     if t is None:
         raise NativeUnavailable(f"unknown native target {target!r}; known: {', '.join(cpu_build.BY_NAME)}")
     if t.name not in _libraries:
-        _libraries[t.name] = NativeLib(t)
+        _libraries[t.name] = NativeLib(t, cache_dir=cache_dir, cxx=cxx)
     return _libraries[t.name]
 
 

@@ -61,16 +61,17 @@ class MatmulChoice:
     measured: bool = False  # "auto": each row count takes the faster of native and XLA
 
 
-def native_library(platform: str, target: str) -> tuple[NativeLib | None, str]:
+def native_library(platform: str, target: str, *, cache_dir: str = "", cxx: str = "") -> tuple[NativeLib | None, str]:
     """The native CPU library for `target` ("auto": the best build this CPU runs) on the CPU
-    platform, built now if needed, or None and why (one line: no compiler, the first compiler
-    error and where the log is, a target this CPU cannot run)."""
+    platform, built now if needed (into `cache_dir` by `cxx`: `[engine] native_cache_dir` and
+    `native_cxx`, empty for the defaults), or None and why (one line: no compiler, the first
+    compiler error and where the log is, a target this CPU cannot run)."""
     if platform != "cpu":
         return None, f"native kernels run on cpu, not {platform}"
     from kernels import cpu_native
 
     try:
-        return cpu_native.library(target), ""
+        return cpu_native.library(target, cache_dir=cache_dir, cxx=cxx), ""
     except NativeUnavailable as e:
         return None, str(e)
 

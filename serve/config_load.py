@@ -1,13 +1,15 @@
 """runtime.toml + `TL_ENGINE__<KEY>` environment overrides -> EngineConfig.
 
 Owns: reading the config file named by TL_CONFIG, the `[engine]` table, and parsing
-override strings by each field's declared type. Refuses unknown tables, unknown keys
+override strings by each field's declared type (a list: a JSON array, as pydantic-settings
+and k8s manifests write it, or comma-separated text). Refuses unknown tables, unknown keys
 and ill-typed values with a ConfigError naming them; range checks stay in EngineConfig.
 Tested by tests/test_serve_config.py.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import tomllib
 import typing
@@ -44,9 +46,32 @@ def _coerce(key: str, value: object, typ: object) -> object:
     return value
 
 
+def _is_a(value: object, typ: type) -> bool:
+    """A JSON value of `typ` (ints for floats, never bools for numbers)."""
+    if isinstance(value, bool):
+        return typ is bool
+    return isinstance(value, typ) or (typ is float and isinstance(value, int))
+
+
+def _parse_json_array(key: str, text: str, elem: type) -> tuple[object, ...]:
+    """A list override written as a JSON array: every element of the field's element type."""
+    name = f"{ENV_PREFIX}{key.upper()}"
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{name}={text!r}: not a valid JSON array ({e.msg})") from None
+    if not isinstance(value, list) or not all(_is_a(v, elem) for v in value):
+        raise ConfigError(f"{name}={text!r}: not a JSON array of {elem.__name__}")
+    return tuple(value)
+
+
 def _parse_env(key: str, text: str, typ: object) -> object:
-    """Parse one override string by the field's type: "16,32" for tuples, "" for an empty tuple."""
+    """Parse one override string by the field's type. Tuples: a JSON array ('["k1", "k2"]', what
+    starts with "[") or comma-separated text ("16,32"; "" is an empty tuple)."""
     origin = get_origin(typ)
+    if origin is tuple and text.lstrip().startswith("["):
+        (elem,) = {a for a in get_args(typ) if a is not Ellipsis}
+        return _parse_json_array(key, text, elem)
     try:
         if origin is tuple:
             (elem,) = {a for a in get_args(typ) if a is not Ellipsis}

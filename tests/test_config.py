@@ -36,12 +36,6 @@ def test_bad_values_name_the_key(changes: dict[str, object], needle: str) -> Non
         EngineConfig(**changes)  # type: ignore[arg-type]
 
 
-def test_compile_key_tracks_shape_fields_only() -> None:
-    a = EngineConfig()
-    assert a.compile_key() == a.replace(queue_capacity=3, http_listen="127.0.0.1:1").compile_key()
-    assert a.compile_key() != a.replace(num_kv_blocks=64).compile_key()
-
-
 def test_readme_documents_every_engine_key() -> None:
     from pathlib import Path
 

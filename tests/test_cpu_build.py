@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import platform
+import shutil
 from pathlib import Path
 
 import httpx
@@ -97,12 +98,11 @@ def _fake_compiler(tmp_path: Path) -> tuple[Path, Path]:
 
 def test_a_failed_build_is_one_line_and_remembered(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     cxx, calls = _fake_compiler(tmp_path)
-    monkeypatch.setenv("CXX", str(cxx))
-    monkeypatch.setenv("TL_NATIVE_CACHE", str(tmp_path / "cache"))
+    where = {"cache_dir": str(tmp_path / "cache"), "cxx": str(cxx)}
     monkeypatch.setattr(cpu_build, "_failures", {})
     target = cpu_build.best()
     with pytest.raises(NativeUnavailable) as first:
-        cpu_build.build(target)
+        cpu_build.build(target, **where)
     msg = str(first.value)
     assert "\n" not in msg and "error: the first error" in msg and "a second one" not in msg
     assert f"native kernels ({target.name}) failed" in msg and f"command: {cxx}" in msg
@@ -118,29 +118,41 @@ def test_a_failed_build_is_one_line_and_remembered(tmp_path: Path, monkeypatch: 
         if fresh_process:  # the failure file beside the cache, not this process's memory
             monkeypatch.setattr(cpu_build, "_failures", {})
         with pytest.raises(NativeUnavailable) as again:
-            cpu_build.build(target)
+            cpu_build.build(target, **where)
         assert str(again.value) == msg and compiles() == n
 
 
-def test_no_compiler_is_said_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("CXX", "/nonexistent/c++")
-    monkeypatch.setenv("TL_NATIVE_CACHE", str(tmp_path))
+def test_no_compiler_is_said_so(tmp_path: Path) -> None:
     target = cpu_build.best()
     with pytest.raises(
         NativeUnavailable, match=f"no C\\+\\+ compiler for {target.name}: '/nonexistent/c\\+\\+' not found"
     ):
-        cpu_build.build(target)
+        cpu_build.build(target, cache_dir=str(tmp_path), cxx="/nonexistent/c++")
+
+
+def test_the_compiler_and_the_cache_are_arguments_not_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """CXX and TL_NATIVE_CACHE are no longer read: `[engine] native_cxx` / `native_cache_dir`
+    come down as arguments (empty: g++ or c++, and ~/.cache/tl/native)."""
+    monkeypatch.setenv("CXX", "/bin/false")
+    monkeypatch.setenv("TL_NATIVE_CACHE", str(tmp_path / "from-env"))
+    target = cpu_build.best()
+    assert cpu_build.compiler(target, "/bin/false") == "/bin/false"
+    assert cpu_build.cache_root() == Path.home() / ".cache" / "tl" / "native"
+    assert cpu_build.cache_root(str(tmp_path)) == tmp_path
+    if shutil.which("g++") or shutil.which("c++"):
+        assert cpu_build.compiler(target) in (shutil.which("g++"), shutil.which("c++"))
+        assert cpu_build.library_path(target, cache_dir=str(tmp_path)).parent == tmp_path
 
 
 def test_a_compiler_that_fails_is_the_fallback_reason(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """What the start-up log says when the library cannot be built: one line, not a page."""
     from kernels import cpu_native, select
 
-    monkeypatch.setenv("CXX", "/bin/false")
-    monkeypatch.setenv("TL_NATIVE_CACHE", str(tmp_path))
     monkeypatch.setattr(cpu_native, "_libraries", {})  # as in a fresh process
     monkeypatch.setattr(cpu_build, "_failures", {})
-    native, why = select.native_library("cpu", "auto")
+    native, why = select.native_library("cpu", "auto", cache_dir=str(tmp_path), cxx="/bin/false")
     assert native is None and "\n" not in why
     assert why.startswith(
         f"building the native kernels ({cpu_build.best().name}) failed: no output (command: /bin/false"
@@ -149,7 +161,7 @@ def test_a_compiler_that_fails_is_the_fallback_reason(tmp_path: Path, monkeypatc
 
 
 def test_server_without_a_compiler_answers_on_the_reference(tmp_path: Path, tiny_dir: Path) -> None:
-    """CXX=/bin/false and an empty build cache: the server starts, its backend card says
+    """TL_ENGINE__NATIVE_CXX=/bin/false and an empty build cache: the server starts, its backend card says
     reference and XLA, and greedy completions equal an in-process engine's on the reference
     kernels."""
     from tl.build import build_engine
@@ -168,10 +180,9 @@ def test_server_without_a_compiler_answers_on_the_reference(tmp_path: Path, tiny
         **os.environ,
         "TL_CONFIG": str(cfg),
         "PYTHONPATH": str(ROOT),
-        "CXX": "/bin/false",
-        "TL_NATIVE_CACHE": str(tmp_path / "cache"),
+        "TL_ENGINE__NATIVE_CXX": "/bin/false",
+        "TL_ENGINE__NATIVE_CACHE_DIR": str(tmp_path / "cache"),
     }
-    env.pop("TL_ENGINE_FACTORY", None)
     prompts = ["The quick brown fox", "abc"]
     with running(granian_argv(port), env, f"http://127.0.0.1:{hport}/readyz", timeout_s=120) as proc:
         model = httpx.get(f"http://127.0.0.1:{port}/v1/models").json()["data"][0]

@@ -27,6 +27,9 @@ def test_keys_and_env_overrides_by_type() -> None:
         "TL_ENGINE__API_KEYS": "k1, k2",
         "TL_ENGINE__QUEUE_DEADLINE_MS": "250",
         "TL_ENGINE__DRAIN_TIMEOUT_S": "1.5",
+        "TL_ENGINE__NATIVE_CXX": "clang++",
+        "TL_ENGINE__NATIVE_CACHE_DIR": "/var/cache/tl",
+        "CXX": "/bin/false",  # not an override: the library reads no CXX
         "PATH": "/bin",
     }
     cfg = parse_runtime_toml(text, env)
@@ -37,6 +40,7 @@ def test_keys_and_env_overrides_by_type() -> None:
         ("k1", "k2"),
     )
     assert (cfg.queue_deadline_ms, cfg.drain_timeout_s, cfg.http_listen) == (250, 1.5, ":8000")
+    assert (cfg.native_cxx, cfg.native_cache_dir) == ("clang++", "/var/cache/tl")
     assert cfg.served_model_id() == "dir"
     assert parse_runtime_toml(text, {}).drain_timeout_s == 5.0
     assert parse_listen(":8000") == ("0.0.0.0", 8000) and parse_listen("127.0.0.1:9") == ("127.0.0.1", 9)
@@ -61,6 +65,41 @@ def test_unknown_keys_and_bad_values_are_refused_by_name(text: str, env: dict[st
     with pytest.raises(ConfigError) as e:
         parse_runtime_toml(text, env)
     assert all(n in str(e.value) for n in names), str(e.value)
+
+
+@pytest.mark.parametrize(
+    "key,text,want",
+    [
+        ("API_KEYS", '["k1","k2"]', ("k1", "k2")),
+        ("API_KEYS", ' [ "k1" , "k,2" ] ', ("k1", "k,2")),  # a JSON string may hold a comma
+        ("API_KEYS", "[]", ()),
+        ("API_KEYS", "k1,k2", ("k1", "k2")),
+        ("API_KEYS", "", ()),
+        ("TOKEN_BUCKETS", "[16, 32, 512]", (16, 32, 512)),
+        ("TOKEN_BUCKETS", "16,32,512", (16, 32, 512)),
+    ],
+)
+def test_list_overrides_are_a_json_array_or_comma_separated(key: str, text: str, want: tuple[object, ...]) -> None:
+    cfg = parse_runtime_toml("[engine]\n", {f"TL_ENGINE__{key}": text})
+    assert getattr(cfg, key.lower()) == want
+
+
+@pytest.mark.parametrize(
+    "key,text",
+    [
+        ("API_KEYS", "[1,"),
+        ("API_KEYS", '["a", 2]'),
+        ("API_KEYS", '["a"'),
+        ("TOKEN_BUCKETS", '["x"]'),
+        ("TOKEN_BUCKETS", "[16, true]"),
+        ("SEQ_BUCKETS", "[1.5]"),
+        ("SEQ_BUCKETS", "[[1]]"),
+    ],
+)
+def test_a_value_opening_a_json_array_must_be_one_of_the_key_type(key: str, text: str) -> None:
+    with pytest.raises(ConfigError, match=f"TL_ENGINE__{key}=") as e:
+        parse_runtime_toml("[engine]\n", {f"TL_ENGINE__{key}": text})
+    assert "JSON array" in str(e.value), str(e.value)
 
 
 def test_missing_file_is_named(tmp_path: Path) -> None:

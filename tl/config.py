@@ -1,9 +1,10 @@
 """Engine configuration: the `[engine]` table of runtime.toml as one frozen dataclass.
 
-Owns: every tunable of the runner, scheduler and server, its default, its bounds and
-the list of fields that change compiled shapes. Reads no environment variables and no
-files itself: `load_engine_config` (serve side) turns TOML plus `TL_ENGINE__*`
-overrides into keyword arguments for `EngineConfig`.
+Owns: every tunable of the runner, scheduler and server, its default and its bounds.
+Reads no environment variables and no files itself: serve/config_load.py `load_config`
+turns TOML plus `TL_ENGINE__*` overrides into keyword arguments for `EngineConfig`, and
+what the library needs from the machine (the native build cache, its compiler) comes in
+as keys here, never from the environment deep in the library.
 Must not import jax. Tested by tests/test_config.py.
 """
 
@@ -75,6 +76,12 @@ class EngineConfig:
     """Which build of the native CPU kernels: "auto" is the most capable this CPU runs
     (sapphirerapids with AMX, x86-64-v4 with AVX-512, x86-64-v3 with AVX2+FMA, x86-64 with SSE2,
     aarch64 with NEON); naming one this CPU runs forces it (e.g. AVX2 code on an AVX-512 machine)."""
+    native_cache_dir: str = ""
+    """Where the native CPU kernels are built and cached, one library per target and source
+    version; empty means ~/.cache/tl/native."""
+    native_cxx: str = ""
+    """The C++ compiler that builds the native CPU kernels; empty means g++, else c++. One that
+    is missing or fails leaves the jnp reference and XLA's dots, the start-up log says why."""
     coordinator_address: str = ""
     """Multi-host: jax.distributed coordinator host:port; empty means JAX_COORDINATOR_ADDRESS or single host."""
     num_processes: int = 0
@@ -234,27 +241,6 @@ class EngineConfig:
         import os.path
 
         return self.model_id or os.path.basename(os.path.normpath(self.model_dir))
-
-    def compile_key(self) -> tuple[object, ...]:
-        """The fields that change compiled shapes; equal keys may share compiled steps."""
-        return (
-            self.backend,
-            self.dtype,
-            self.weight_dtype,
-            self.kv_cache_dtype,
-            self.matmul_precision,
-            self.tensor_parallel,
-            self.attention_kernel,
-            self.matmul_kernel,
-            self.native_target,
-            self.block_size,
-            self.num_kv_blocks,
-            self.max_model_len,
-            self.token_buckets,
-            self.seq_buckets,
-            self.spec_tokens,
-            self.max_logprobs,
-        )
 
     def replace(self, **changes: object) -> EngineConfig:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
