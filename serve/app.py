@@ -4,13 +4,13 @@ Owns: lifespan (config from TL_CONFIG + TL_ENGINE__* overrides; the health port 
 first; the engine built in a worker thread, started and warmed before ready; any failure
 becomes lifespan.startup.failed), request dispatch (404/405, X-Request-Id, api keys, body
 limit, 503 while draining, the one catch-all that always finishes a response) and the
-SIGTERM drain of server-stack.md: readyz 503, new requests 503 with Connection: close,
+SIGTERM drain (README, "The HTTP API"): readyz 503, new requests 503 with Connection: close,
 in-flight requests finish until drain_timeout_s (then are aborted), then SIGINT hands over
 to granian, whose lifespan shutdown stops the engine thread; exit 0.
 
-The engine comes from `tl.build:build_async_engine(cfg)`; the env var
-TL_ENGINE_FACTORY=module:function names another factory with the same signature (tests
-use tests.fake_engine:make_async_engine). Nothing here imports jax.
+The engine comes from the `engine_factory` App is built with: tl.build's
+build_async_engine(cfg) for `app` below, a fake engine's for the tests (which hand granian
+their own target, tests/fake_app.py). Nothing here imports jax.
 Tested in memory by tests/test_serve_app.py and over HTTP by tests/test_serve_http.py.
 """
 
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import importlib
 import logging
 import os
 import signal
@@ -43,11 +42,11 @@ from serve.metrics import Metrics
 from serve.params import ModelInfo
 from serve.routes import Ctx, match
 from tl.async_engine import AsyncEngine, EmbedHandle
+from tl.build import build_async_engine
 from tl.config import EngineConfig
 from tl.stats import BackendInfo
 
 log = logging.getLogger("serve")
-DEFAULT_FACTORY = "tl.build:build_async_engine"
 EngineFactory = Callable[[EngineConfig], AsyncEngine]
 
 
@@ -57,14 +56,6 @@ def parse_listen(addr: str) -> tuple[str, int]:
     if not sep or not port.isdigit():
         raise ValueError(f"listen address must be host:port, got {addr!r}")
     return (host.strip("[]") or "0.0.0.0"), int(port)
-
-
-def resolve_factory(spec: str | None) -> EngineFactory:
-    module, _, name = (spec or DEFAULT_FACTORY).partition(":")
-    fn = getattr(importlib.import_module(module), name)
-    if not callable(fn):
-        raise TypeError(f"{spec} is not callable")
-    return fn  # type: ignore[no-any-return]
 
 
 def _setup_logging() -> None:
@@ -81,7 +72,7 @@ class App:
     def __init__(
         self,
         config: EngineConfig | None = None,
-        engine_factory: EngineFactory | None = None,
+        engine_factory: EngineFactory = build_async_engine,
         handle_signals: bool = True,
         start_health: bool = True,
     ) -> None:
@@ -141,9 +132,8 @@ class App:
             host, port = parse_listen(cfg.health_listen)
             await self.health.start(host, port)
             log.info("health port listening on %s", cfg.health_listen)
-        factory = self.engine_factory or resolve_factory(os.environ.get("TL_ENGINE_FACTORY"))
         loop = asyncio.get_running_loop()
-        engine = await loop.run_in_executor(None, factory, cfg)
+        engine = await loop.run_in_executor(None, self.engine_factory, cfg)
         engine.start()
         self.engine = engine
         await engine.warmup()
@@ -154,10 +144,10 @@ class App:
             engine.max_model_len,
             cfg.max_logprobs,
             vocab_size,
-            tok,
-            engine.chat_template,
-            getattr(engine, "backend_info", None),
-        )  # type: ignore[arg-type]
+            tok,  # type: ignore[arg-type]
+            engine.chat_template,  # type: ignore[arg-type]
+            engine.backend_info,
+        )
         if self.handle_signals:
             loop.add_signal_handler(signal.SIGTERM, self.begin_drain)
         log.info("serving %s (context %d) ready", engine.model_id, engine.max_model_len)

@@ -1,8 +1,8 @@
 """Small raw-ASGI helpers: reading a bounded body, sending whole responses, watching for disconnects.
 
-Owns the HTTP plumbing the routes share, nothing about the API. Per server-stack.md granian
-reports a client that left only through receive() returning http.disconnect (send() never
-raises), so DisconnectWatcher keeps a task awaiting receive() once the body is read.
+Owns the HTTP plumbing the routes share, nothing about the API. granian reports a client
+that left only through receive() returning http.disconnect (send() never raises), so
+DisconnectWatcher keeps a task awaiting receive() once the body is read.
 Tested through tests/test_serve_app.py.
 """
 

@@ -1,8 +1,10 @@
 """ApiError: every error the API answers, in OpenAI's shape.
 
-Owns the mapping from failures (msgspec validation, tl.request errors) to status, type,
-param and code, and the JSON body `{"error": {"message", "type", "param", "code"}}`.
-Must not touch the engine. Tested through tests/test_serve_errors.py.
+Owns the mapping from failures (msgspec validation; the engine's typed refusals, tl.request's
+RequestError family, all in `from_request_error`) to status, type, param and code, and the
+JSON body `{"error": {"message", "type", "param", "code"}}`. The engine decides whether a
+request fits (its context, its queue); this module only says so in OpenAI's words.
+Must not touch the engine. Tested through tests/test_serve_app.py.
 """
 
 from __future__ import annotations
@@ -132,10 +134,12 @@ def from_decode_error(err: msgspec.DecodeError) -> ApiError:
     return bad_request(f"{text} at {path}" if path and not missing else text, param=path or None)
 
 
-def from_request_error(err: RequestError) -> ApiError:
-    """Errors tl.request and the engine raise at admission."""
+def from_request_error(err: RequestError, context_param: str | None = None) -> ApiError:
+    """Errors tl.request and the engine raise at admission: a full queue is 429, the rest 400.
+    context_param: the wire field a context-length refusal names (the engine's is its own
+    field, max_tokens or input; a chat request without max_tokens names its messages)."""
     if isinstance(err, QueueFullError):
         return queue_full()
     if isinstance(err, ContextLengthError):
-        return bad_request(str(err), param=err.param or "messages", code="context_length_exceeded")
+        return bad_request(str(err), param=context_param or err.param, code="context_length_exceeded")
     return bad_request(str(err), param=err.param, code=err.code)

@@ -127,10 +127,10 @@ class Job:
                             hidden_ids,
                         )
                     )
-        except RequestError as e:
+        except RequestError as e:  # the engine's refusal (context, queue): nothing of this request runs
             for c in choices:
                 c.handle.abort()
-            raise errors.from_request_error(e) from None
+            raise errors.from_request_error(e, self.spec.context_param) from None
         return choices
 
     async def _pump(self, choice: Choice) -> None:
@@ -146,7 +146,7 @@ class Job:
             try:
                 await c.handle.admitted
             except RequestError as e:
-                raise errors.from_request_error(e) from None
+                raise errors.from_request_error(e, self.spec.context_param) from None
             except EngineError as e:
                 raise errors.internal(str(e)) from None
 
@@ -171,7 +171,7 @@ class Job:
 
     def feed(self, choice: Choice, item: object) -> str:
         if isinstance(item, RequestError):
-            raise errors.from_request_error(item)
+            raise errors.from_request_error(item, self.spec.context_param)
         if isinstance(item, BaseException):
             raise errors.internal(f"engine failure: {item}")
         piece = choice.feed(item, self.engine.tokenizer)  # type: ignore[arg-type]

@@ -2,7 +2,10 @@
 
 Owns only the command line: it validates the config first (so a bad key or value stops
 start-up here with its message), sets TL_CONFIG for the worker, and replaces this process
-with granian, so SIGTERM reaches granian's main process and the drain runs there.
+with granian, so SIGTERM reaches granian's main process and the drain runs there. granian
+imports the app by its target, `serve.app:app` (an App over tl.build's engine); tests name
+another target, an App built with their fake engine. Tested by tests/test_serve_config.py
+and tests/test_serve_http.py.
 """
 
 from __future__ import annotations
@@ -15,8 +18,11 @@ from typing import NoReturn
 from serve.app import parse_listen
 from serve.config_load import load_config
 
+APP = "serve.app:app"
 
-def granian_argv(config_path: str) -> list[str]:
+
+def granian_argv(config_path: str, app: str = APP) -> list[str]:
+    """granian's command line serving the ASGI target `app` ("module:attribute") on http_listen."""
     cfg = load_config(config_path)
     host, port = parse_listen(cfg.http_listen)
     parse_listen(cfg.health_listen)
@@ -34,12 +40,12 @@ def granian_argv(config_path: str) -> list[str]:
         "--http",
         "1",
         "--no-ws",
-        "serve.app:app",
+        app,
     ]
 
 
-def serve_main(config_path: str) -> NoReturn:
-    """Never returns: the process becomes granian serving serve.app:app."""
-    argv = granian_argv(config_path)
+def serve_main(config_path: str, app: str = APP) -> NoReturn:
+    """Never returns: the process becomes granian serving `app` (default serve.app:app)."""
+    argv = granian_argv(config_path, app)
     os.environ["TL_CONFIG"] = os.path.abspath(config_path)
     os.execv(argv[0], argv)

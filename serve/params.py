@@ -1,9 +1,10 @@
 """Chat and completion bodies -> GenSpec: prompts as token ids plus validated sampling settings.
 
 Owns request validation beyond msgspec's ranges: the 422 list of unsupported parameters,
-the served model id (404), the chat template render, the context-length check (400
-context_length_exceeded naming prompt tokens, max_tokens and the context) and the
-SamplingParams build (its RequestError becomes a 400 naming the field).
+the served model id (404), the chat template render, a chat request's default max_tokens
+(the rest of the context), the wire field a context-length refusal names (the engine
+decides whether a request fits, at submit) and the SamplingParams build (its RequestError
+becomes a 400 naming the field).
 Must not touch the engine thread. Tested through tests/test_serve_app.py.
 """
 
@@ -13,7 +14,6 @@ from dataclasses import dataclass
 from typing import Literal, Protocol
 
 from serve import errors
-from serve.errors import ApiError
 from serve.wire import (
     ChatMessage,
     ChatRequest,
@@ -61,6 +61,7 @@ class GenSpec:
     stream: bool
     include_usage: bool
     logprobs: bool
+    context_param: str  # the field a context-length refusal names: max_tokens' own, or "messages" when defaulted
 
     @property
     def n(self) -> int:
@@ -135,22 +136,6 @@ def _check_tokens(ids: list[int], info: ModelInfo, param: str) -> None:
         raise errors.bad_request(f"token id {bad} is outside the vocabulary (size {info.vocab_size})", param)
 
 
-def _max_tokens(asked: int | None, default: int | None, prompt_len: int, info: ModelInfo, param: str) -> int:
-    ctx = info.max_model_len
-    max_tokens = asked if asked is not None else (default if default is not None else ctx - prompt_len)
-    if prompt_len + max(max_tokens, 1) > ctx:
-        raise ApiError(
-            400,
-            f"This model's maximum context length is {ctx} tokens. However, you requested "
-            f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the "
-            f"completion (max_tokens)). Reduce the prompt or max_tokens.",
-            "invalid_request_error",
-            param,
-            "context_length_exceeded",
-        )
-    return max_tokens
-
-
 def _logit_bias(raw: dict[str, float] | None, info: ModelInfo) -> tuple[tuple[int, float], ...]:
     if not raw:
         return ()
@@ -215,7 +200,8 @@ def chat_spec(req: ChatRequest, info: ModelInfo) -> GenSpec:
     _check_tokens(ids, info, "messages")
     asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    max_tokens = _max_tokens(asked, None, len(ids), info, "messages" if asked is None else param)
+    # Not asked: the rest of the context, at least one token (the engine refuses what does not fit).
+    max_tokens = asked if asked is not None else max(info.max_model_len - len(ids), 1)
     params = _sampling(req, max_tokens, bool(req.logprobs), req.top_logprobs or 0, info, req.n or 1)
     return GenSpec(
         "chat",
@@ -225,6 +211,7 @@ def chat_spec(req: ChatRequest, info: ModelInfo) -> GenSpec:
         bool(req.stream),
         bool(req.stream_options and req.stream_options.include_usage),
         bool(req.logprobs),
+        "messages" if asked is None else param,
     )
 
 
@@ -241,7 +228,6 @@ def completion_spec(req: CompletionRequest, info: ModelInfo) -> GenSpec:
     max_tokens = 16 if req.max_tokens is None else req.max_tokens
     for ids in prompts:
         _check_tokens(ids, info, "prompt")
-        _max_tokens(max_tokens, None, len(ids), info, "max_tokens")
     logprobs = req.logprobs is not None
     params = _sampling(req, max_tokens, logprobs, req.logprobs or 0, info, req.n or 1)
     return GenSpec(
@@ -252,4 +238,5 @@ def completion_spec(req: CompletionRequest, info: ModelInfo) -> GenSpec:
         bool(req.stream),
         bool(req.stream_options and req.stream_options.include_usage),
         logprobs,
+        "max_tokens",
     )

@@ -143,25 +143,19 @@ async def embeddings(ctx: Ctx) -> None:
             f"input holds {len(req.input)} inputs; at most {MAX_EMBED_INPUTS} are allowed", "input"
         )
     inputs = prompt_token_lists(req.input, ctx.info, "input")
+    try:
+        request = EmbedRequest(tuple(tuple(x) for x in inputs), priority(ctx))  # counts, empty inputs
+        ctx.engine.check_context(request)  # the engine's rule, before the vocabulary: too long says so
+    except RequestError as e:
+        raise errors.from_request_error(e) from None
     for i, ids in enumerate(inputs):
-        if not ids:
-            raise errors.bad_request(f"input[{i}] is empty", "input")
-        if len(ids) > ctx.info.max_model_len:
-            raise errors.ApiError(
-                400,
-                f"input[{i}] has {len(ids)} tokens; this model's maximum context length is "
-                f"{ctx.info.max_model_len} tokens",
-                "invalid_request_error",
-                "input",
-                "context_length_exceeded",
-            )
         bad = next((t for t in ids if not 0 <= t < ctx.info.vocab_size), None)
         if bad is not None:
             raise errors.bad_request(
                 f"input[{i}]: token id {bad} is outside the vocabulary (size {ctx.info.vocab_size})", "input"
             )
     try:
-        handle = ctx.engine.submit_embedding(EmbedRequest(tuple(tuple(x) for x in inputs), priority(ctx)))
+        handle = ctx.engine.submit_embedding(request)
     except RequestError as e:
         raise errors.from_request_error(e) from None
     assert ctx.watcher is not None

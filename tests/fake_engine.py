@@ -7,8 +7,12 @@ block_size) blocks when admitted and returns them when it finishes or is aborted
 /metrics can be checked exactly. `step_delay_s` slows steps down for disconnect and drain
 tests; `fail_next_step` makes the next step raise.
 
+FakeEngine has the members tl.async_engine.SyncEngine names, as tl.engine.Engine does, and
+admits by the same rules (tl/request.py check_context and check_capacity).
+
 Also: ByteTokenizer, ConcatTemplate (the seed's `{% for m in messages %}{{ m.content }}`),
-and `make_async_engine(cfg)`, the factory tests name in TL_ENGINE_FACTORY.
+`make_async_engine(cfg)` and `make_real_async_engine(cfg)`, engine factories for serve.app's
+App (tests/fake_app.py hands the latter to granian's App).
 """
 
 from __future__ import annotations
@@ -24,15 +28,14 @@ from dataclasses import dataclass, field
 from tl.async_engine import AsyncEngine
 from tl.config import EngineConfig
 from tl.plan import RunnerOutput, SchedulerOutput, SeqResult
-from tl.request import ContextLengthError, EmbedRequest, GenRequest, QueueFullError, TokenOut
-from tl.stats import EngineStats
+from tl.request import EmbedRequest, GenRequest, TokenOut, check_capacity, check_context
+from tl.stats import BackendInfo, EngineStats
 
 EMBED_DIM = 8
 
 
 class ByteTokenizer:
     vocab_size = 256
-    eos_token_ids: tuple[int, ...] = ()
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -112,6 +115,8 @@ class FakeEngine:
         self.runner = runner
         self.config = config
         self.max_model_len = runner.max_model_len
+        self.eos_token_ids = runner.eos_token_ids
+        self.backend_info: BackendInfo | None = None
         self.step_delay_s = step_delay_s
         self.fail_next_step = False
         self._next_id = 1
@@ -123,23 +128,23 @@ class FakeEngine:
         self._batch_tokens = 0
         self._embeds: dict[int, tuple[int, ...]] = {}  # embeddings inputs, answered by the next step
 
+    def check_context(self, req: GenRequest | EmbedRequest) -> None:
+        check_context(req, self.max_model_len)
+
+    def check_capacity(self, num_waiting: int) -> None:
+        check_capacity(num_waiting, self.config.queue_capacity)
+
     def add_embedding(self, req: EmbedRequest) -> list[int]:
-        if len(self._waiting) >= self.config.queue_capacity:
-            raise QueueFullError("waiting queue full")
+        self.check_context(req)
+        self.check_capacity(len(self._waiting))
         ids = list(range(self._next_id, self._next_id + len(req.inputs)))
         self._next_id += len(req.inputs)
         self._embeds.update(zip(ids, req.inputs, strict=True))
         return ids
 
     def add_request(self, req: GenRequest) -> int:
-        if len(req.prompt_ids) + req.params.max_tokens > self.max_model_len:
-            raise ContextLengthError(
-                f"prompt ({len(req.prompt_ids)} tokens) + max_tokens ({req.params.max_tokens}) exceeds "
-                f"the context ({self.max_model_len})",
-                param="max_tokens",
-            )
-        if len(self._waiting) >= self.config.queue_capacity:
-            raise QueueFullError("waiting queue full")
+        self.check_context(req)
+        self.check_capacity(len(self._waiting))
         rid = self._next_id
         self._next_id += 1
         seed = req.params.seed if req.params.seed is not None else random.getrandbits(32)
@@ -238,12 +243,12 @@ class FakeEngine:
 
 
 def make_async_engine(cfg: EngineConfig) -> AsyncEngine:
-    """TL_ENGINE_FACTORY target. FAKE_STEP_DELAY_S, FAKE_TEMPLATE=concat|role and FAKE_MAX_LEN tune it."""
+    """An App's engine factory: FakeEngine. FAKE_STEP_DELAY_S, FAKE_TEMPLATE=concat|role and FAKE_MAX_LEN tune it."""
     runner = FakeRunner(max_model_len=int(os.environ.get("FAKE_MAX_LEN", "512")))
     engine = FakeEngine(runner, cfg, step_delay_s=float(os.environ.get("FAKE_STEP_DELAY_S", "0")))
     runner.warmup()
     template = RoleTemplate() if os.environ.get("FAKE_TEMPLATE") == "role" else ConcatTemplate()
-    return AsyncEngine(engine, ByteTokenizer(), template, cfg.served_model_id(), config=cfg)
+    return AsyncEngine(engine, ByteTokenizer(), template, cfg.served_model_id())
 
 
 class SuccRunner:
@@ -256,6 +261,7 @@ class SuccRunner:
         self.num_kv_blocks = num_kv_blocks
         self.max_model_len = max_model_len
         self.eos_token_ids: tuple[int, ...] = ()
+        self.backend_info: BackendInfo | None = None
         self.num_compilations = 0
         self.step_delay_s = step_delay_s
 
@@ -282,7 +288,7 @@ class SuccRunner:
 
 
 def make_real_async_engine(cfg: EngineConfig) -> AsyncEngine:
-    """TL_ENGINE_FACTORY target: the real tl.engine.Engine over SuccRunner (FAKE_STEP_DELAY_S applies)."""
+    """An App's engine factory: the real tl.engine.Engine over SuccRunner (FAKE_STEP_DELAY_S and FAKE_MAX_LEN apply)."""
     from tl.engine import Engine
 
     runner = SuccRunner(
@@ -292,4 +298,4 @@ def make_real_async_engine(cfg: EngineConfig) -> AsyncEngine:
         step_delay_s=float(os.environ.get("FAKE_STEP_DELAY_S", "0")),
     )
     engine = Engine(runner, cfg)
-    return AsyncEngine(engine, ByteTokenizer(), ConcatTemplate(), cfg.served_model_id(), config=cfg)
+    return AsyncEngine(engine, ByteTokenizer(), ConcatTemplate(), cfg.served_model_id())

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 from tl.config import EngineConfig
 from tl.plan import RunnerOutput, SchedulerOutput, SeqResult, SeqWork
+from tl.stats import BackendInfo
 
 
 def mix(context: Sequence[int]) -> int:
@@ -68,6 +69,7 @@ class FakeRunner:
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
+        self.backend_info: BackendInfo | None = None
         self.num_compilations = 0
         self.kv: list[tuple[int, int] | None] = [None] * (num_kv_blocks * block_size)  # slot -> (position, token)
         self.history: dict[int, list[int]] = {}  # seq id -> tokens by position as committed so far (-1: unseen)

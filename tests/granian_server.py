@@ -1,7 +1,8 @@
 """Starting and stopping a granian server subprocess for tests (one place for the boilerplate).
 
-Owns: free loopback ports, the granian argv for serve.app:app, waiting for a URL to answer
-200, and killing the process group at the end whatever happened.
+Owns: free loopback ports, the granian argv for an ASGI target (serve.app:app, or the
+tests' own tests/fake_app.py), waiting for a URL to answer 200, and killing the process group
+at the end whatever happened.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def granian_argv(port: int) -> list[str]:
+def granian_argv(port: int, app: str = "serve.app:app") -> list[str]:
     return [
         GRANIAN,
         "--interface",
@@ -42,7 +43,7 @@ def granian_argv(port: int) -> list[str]:
         "--http",
         "1",
         "--no-ws",
-        "serve.app:app",
+        app,
     ]
 
 

@@ -1,7 +1,10 @@
-"""`tl generate` end to end on the succ model (hand-checkable) and the CLI's error path."""
+"""`tl generate` end to end on the succ model (hand-checkable), the CLI's error path, and `tl serve`
+handing over to `python -m serve` (tl imports no serve)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -26,3 +29,13 @@ def test_missing_model_dir_is_a_clear_error(tmp_path: Path, capsys: pytest.Captu
     assert main(["generate", "--model", str(tmp_path / "nope"), "--prompt", "a"]) == 2
     err = capsys.readouterr().err
     assert "tl: error:" in err and "nope" in err
+
+
+def test_serve_hands_over_to_python_m_serve_which_names_a_bad_key(tmp_path: Path) -> None:
+    """The process execs `python -m serve`, which checks the config before granian starts."""
+    bad = tmp_path / "rt.toml"
+    bad.write_text("[engine]\nprefill_chunkz = 3\n")
+    code = f"from tl.cli import main; main(['serve', '--config', {str(bad)!r}])"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert r.returncode == 2, r.stderr
+    assert "tl: error:" in r.stderr and "prefill_chunkz" in r.stderr and "Traceback" not in r.stderr

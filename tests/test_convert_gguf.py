@@ -26,6 +26,7 @@ from tl.convert_gguf import (
 from tl.model.config import ModelConfig, load_model_config
 from tl.model.files import (
     check_shapes,
+    eos_token_ids,
     load_generation_config,
     load_tokenizer_config,
     read_tensors,
@@ -237,7 +238,7 @@ def test_convert_writes_tokenizer_and_side_files(tmp_path: Path) -> None:
     out = convert_gguf(tiny_gguf(tmp_path / "m.gguf", cfg, tiny_tensors(cfg), "llama"), tmp_path / "o", progress=False)
     tok = Tokenizer.load(out)
     assert tok.encode("hé<|im_end|>") == [104, 0xC3, 0xA9, 258]
-    assert tok.eos_token_ids == (258,) and tok.bos_token == "<|im_start|>" and tok.eos_token == "<|im_end|>"
+    assert eos_token_ids(out) == (258,) and tok.bos_token == "<|im_start|>" and tok.eos_token == "<|im_end|>"
     assert tok.special_tokens == {"<|endoftext|>": 256, "<|im_start|>": 257, "<|im_end|>": 258}
     assert load_tokenizer_config(out).chat_template == "{{ messages[0]['content'] }}"
     assert load_generation_config(out).eos_token_ids == (258,)

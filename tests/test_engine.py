@@ -151,6 +151,14 @@ def test_context_too_long_is_refused_at_add_time() -> None:
     engine.add_request(GenRequest(run(30), greedy(10)))
 
 
+def test_the_engine_names_its_eos_ids_and_backend_for_everyone_downstream() -> None:
+    runner = FakeRunner.from_config(BASE_CFG, eos_token_ids=(0, 5))
+    runner.num_compilations = 3
+    engine = Engine(runner, BASE_CFG)
+    assert engine.eos_token_ids == (0, 5) and engine.scheduler.eos_token_ids == frozenset((0, 5))
+    assert engine.backend_info is None and engine.stats().compilations == 3
+
+
 def test_context_is_capped_by_the_kv_cache() -> None:
     cfg = BASE_CFG.replace(num_kv_blocks=5)
     assert Engine(FakeRunner.from_config(cfg), cfg).max_model_len == 20

@@ -1,17 +1,28 @@
-"""The import-direction rules of docs/DESIGN.md, checked on the source (a forbidden-import hook).
+"""The import-direction rules of docs/DESIGN.md and ../shared/STYLE.md, checked on the source
+(a forbidden-import hook).
 
-- The scheduler, block manager, request/plan records and the engine core never import jax
-  or numpy.
+- No module of tl/ imports serve or bench; nothing in tl/, kernels/ or serve/ imports bench.
+- The scheduler, block manager, request/plan records, sequences and the engine core never
+  import jax or numpy.
 - Only the runner (and its weight placement and kernel verdicts), the model, the sampler, kernels/
   and bench/ import jax.
-- serve/ uses only the engine's public API, never the scheduler, block manager or runner.
-- Nothing imports bench.
+- serve/ uses only the engine's public API: of tl, the modules in SERVE_API and no private
+  (underscored) name; never the scheduler, block manager, runner, kernels or jax.
+- No environment variables read deep in the library: tl/ and kernels/ read none, but for the
+  assembly (tl/build.py hands the environment to jax.distributed's set-up), and no module of
+  tl/ or serve/ imports a module by a name it computes (importlib, __import__).
+- Every file a module's docstring names (its tests, its neighbours) exists.
+
+Each rule is `violations(rel, source)`, tried on the tree and on snippets that break it.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -48,9 +59,17 @@ SERVE_FORBIDDEN = (
 )
 
 
-def imports(path: Path) -> set[str]:
+SERVE_API = ("tl.config", "tl.request", "tl.async_engine", "tl.stats", "tl.build")
+"""What serve/ may import of tl: configuration, the request records and their errors, the
+AsyncEngine, the stats records and the one function that builds the engine."""
+ENV_READERS = {"tl/build.py"}
+PACKAGES = ("tl", "serve", "kernels")
+
+
+def imported(source: str) -> set[str]:
+    """Every absolute module name `source` imports, at any depth (TYPE_CHECKING blocks too)."""
     names: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+    for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
             names.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -58,16 +77,156 @@ def imports(path: Path) -> set[str]:
     return names
 
 
+def imports(path: Path) -> set[str]:
+    return imported(path.read_text())
+
+
+def _private_names(source: str, prefix: str) -> list[str]:
+    """`module.name` for each underscored name imported from a module under `prefix`."""
+    return [
+        f"{node.module}.{a.name}"
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.ImportFrom) and node.module and top(node.module) == prefix
+        for a in node.names
+        if a.name.startswith("_")
+    ]
+
+
+def _reads_environment(source: str) -> bool:
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr in ("environ", "environb", "getenv"):
+            return True
+        if isinstance(node, ast.ImportFrom) and node.module == "os":
+            if any(a.name in ("environ", "environb", "getenv") for a in node.names):
+                return True
+    return False
+
+
+def _computes_imports(source: str) -> bool:
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call):
+            f = node.func
+            name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else ""
+            if name in ("import_module", "__import__"):
+                return True
+    return "importlib" in {top(n) for n in imported(source)}
+
+
+def violations(rel: str, source: str) -> list[str]:
+    """The rules above that module `rel` (a path from the repository root) breaks."""
+    pkg, names, out = rel.split("/")[0], imported(source), []
+    if pkg in PACKAGES and any(top(n) == "bench" for n in names):
+        out.append(f"{rel} imports bench")
+    if pkg == "tl" and any(top(n) == "serve" for n in names):
+        out.append(f"{rel} imports serve")
+    if rel in PURE and (bad := sorted(n for n in names if top(n) in ("jax", "jaxlib", "numpy", "flax"))):
+        out.append(f"{rel} imports {bad}")
+    if pkg == "serve":
+        reach = sorted(n for n in names if top(n) == "tl" and not n.startswith(SERVE_API))
+        reach += sorted(n for n in names if n.startswith(SERVE_FORBIDDEN) or top(n) == "kernels")
+        if reach:
+            out.append(f"{rel} reaches past the public engine API ({', '.join(SERVE_API)}): {reach}")
+        if private := _private_names(source, "tl"):
+            out.append(f"{rel} imports private names {private}")
+    if pkg in ("tl", "kernels") and rel not in ENV_READERS and _reads_environment(source):
+        out.append(f"{rel} reads the environment (make it an [engine] key or an argument)")
+    if pkg in ("tl", "serve") and _computes_imports(source):
+        out.append(f"{rel} imports a module by a computed name")
+    return out
+
+
+def modules() -> list[Path]:
+    return [p for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))]
+
+
+def test_every_module_keeps_the_rules() -> None:
+    broken = [v for p in modules() for v in violations(p.relative_to(ROOT).as_posix(), p.read_text())]
+    assert not broken, "\n".join(broken)
+
+
+@pytest.mark.parametrize(
+    "rel,source,rule",
+    [
+        ("tl/runner.py", "from bench import soak\n", "imports bench"),
+        ("kernels/select.py", "import bench.report\n", "imports bench"),
+        ("serve/app.py", "from bench.load import x\n", "imports bench"),
+        ("tl/engine.py", "from serve.errors import ApiError\n", "imports serve"),
+        ("tl/cli.py", "def f():\n    import serve.launch\n", "imports serve"),
+        ("tl/scheduler.py", "import numpy as np\n", "imports ['numpy']"),
+        ("tl/sequence.py", "import jax.numpy as jnp\n", "imports ['jax.numpy']"),
+        ("tl/engine.py", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import jax\n", "imports ['jax']"),
+        ("tl/block_manager.py", "from jax import lax\n", "imports ['jax']"),
+        ("tl/request.py", "import numpy\n", "imports ['numpy']"),
+        ("tl/plan.py", "import jax\n", "imports ['jax']"),
+        ("serve/routes.py", "from tl.engine import Engine\n", "public engine API"),
+        ("serve/routes.py", "from tl.scheduler import Scheduler\n", "public engine API"),
+        ("serve/app.py", "import tl.runner\n", "public engine API"),
+        ("serve/app.py", "from tl.tokenizer import Tokenizer\n", "public engine API"),
+        ("serve/app.py", "from kernels.cpu_build import cpu_model\n", "public engine API"),
+        ("serve/app.py", "import jax\n", "public engine API"),
+        ("serve/generate.py", "from tl.async_engine import _dispatch\n", "private names"),
+        ("kernels/cpu_build.py", "import os\nCXX = os.environ.get('CXX')\n", "reads the environment"),
+        ("tl/runner.py", "from os import getenv\n", "reads the environment"),
+        ("tl/engine.py", "import os\nx = os.getenv('X')\n", "reads the environment"),
+        ("serve/app.py", "import importlib\nf = importlib.import_module(name)\n", "computed name"),
+        ("tl/build.py", "m = __import__(spec)\n", "computed name"),
+    ],
+)
+def test_each_rule_catches_what_breaks_it(rel: str, source: str, rule: str) -> None:
+    assert any(rule in v for v in violations(rel, source)), violations(rel, source)
+
+
+def test_what_keeps_the_rules_passes() -> None:
+    ok = {
+        "tl/engine.py": "from tl.scheduler import Scheduler\nfrom tl.request import GenRequest\n",
+        "serve/app.py": "import os\nfrom tl.async_engine import AsyncEngine\nfrom tl.build import build_async_engine\n"
+        "path = os.environ.get('TL_CONFIG')\n",
+        "serve/routes.py": "from tl.request import EmbedRequest, RequestError\nfrom serve import errors\n",
+        "tl/build.py": "import os\ninit(os.environ)\n",
+        "tl/runner.py": "import jax\nimport numpy as np\n",
+        "bench/soak.py": "import os\nfrom serve.app import App\nimport importlib\n",
+    }
+    for rel, source in ok.items():
+        assert violations(rel, source) == [], (rel, violations(rel, source))
+
+
+_DOC_PATH = re.compile(r"(?<![\w.])(?:[\w-]+/)*[\w-]+\.(?:py|md|cc|h|toml)\b")
+
+
+def stale_paths(rel: str, doc: str) -> list[str]:
+    """Files `doc` names that do not exist: a path is read from the repository root (or beside
+    the module, or under docs/ and kernels/cpu/), a bare name may live anywhere in the tree."""
+    here = (ROOT / rel).parent
+    out = []
+    for name in _DOC_PATH.findall(doc):
+        if "/" in name:
+            found = any((base / name).exists() for base in (ROOT, here, ROOT / "docs", ROOT / "kernels" / "cpu"))
+        else:
+            found = any(".venv" not in p.parts and "artifacts" not in p.parts for p in ROOT.rglob(name) if p.is_file())
+        if not found:
+            out.append(name)
+    return out
+
+
+def test_module_docstrings_name_files_that_exist() -> None:
+    stale = []
+    for path in modules():
+        rel = path.relative_to(ROOT).as_posix()
+        doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+        stale += [f"{rel} names {name}" for name in stale_paths(rel, doc)]
+    assert not stale, "\n".join(stale)
+
+
+def test_a_stale_docstring_path_is_caught() -> None:
+    assert stale_paths("tl/engine.py", "Tested by tests/test_engine.py and tests/test_gone.py.") == [
+        "tests/test_gone.py"
+    ]
+    assert stale_paths("serve/app.py", "the drain of server-stack.md; see README.md") == ["server-stack.md"]
+    assert stale_paths("kernels/cpu_native.py", "kernels/cpu_build.py builds it; simd.h") == []
+
+
 def top(name: str) -> str:
     return name.split(".")[0]
-
-
-def test_pure_modules_import_no_jax_or_numpy() -> None:
-    for rel in PURE:
-        path = ROOT / rel
-        if path.exists():
-            bad = {n for n in imports(path) if top(n) in ("jax", "jaxlib", "numpy", "flax")}
-            assert not bad, f"{rel} imports {sorted(bad)}"
 
 
 def test_only_device_modules_import_jax() -> None:
@@ -76,15 +235,3 @@ def test_only_device_modules_import_jax() -> None:
         if rel not in JAX_ALLOWED:
             bad = {n for n in imports(path) if top(n) in ("jax", "jaxlib", "flax")}
             assert not bad, f"{rel} imports {sorted(bad)}; only {sorted(JAX_ALLOWED)} may"
-
-
-def test_serve_uses_only_the_public_engine_api() -> None:
-    for path in sorted((ROOT / "serve").rglob("*.py")):
-        for name in imports(path):
-            assert not name.startswith(SERVE_FORBIDDEN), f"{path.relative_to(ROOT)} imports {name}"
-
-
-def test_nothing_imports_bench() -> None:
-    for pkg in ("tl", "serve", "kernels"):
-        for path in sorted((ROOT / pkg).rglob("*.py")):
-            assert not any(top(n) == "bench" for n in imports(path)), f"{path.relative_to(ROOT)} imports bench"

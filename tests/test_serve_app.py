@@ -27,9 +27,12 @@ from fake_engine import (
 )
 
 from serve.app import App
+from serve.config_load import parse_runtime_toml
 from tl.async_engine import AsyncEngine
+from tl.build import build_async_engine
 from tl.config import EngineConfig
 from tl.engine import Engine
+from tl.request import ContextLengthError, EmbedRequest, GenRequest, SamplingParams
 
 CHAT = "/v1/chat/completions"
 HAND = {"model": "succ", "messages": [{"role": "user", "content": "a"}], "max_tokens": 3, "temperature": 0}
@@ -39,9 +42,9 @@ def factory(kind: str, delay: float = 0.0, template: object = None) -> Callable[
     def build(cfg: EngineConfig) -> AsyncEngine:
         tmpl = template or ConcatTemplate()
         if kind == "fake":
-            return AsyncEngine(FakeEngine(FakeRunner(), cfg, delay), ByteTokenizer(), tmpl, "succ", config=cfg)
+            return AsyncEngine(FakeEngine(FakeRunner(), cfg, delay), ByteTokenizer(), tmpl, "succ")
         runner = SuccRunner(block_size=cfg.block_size, num_kv_blocks=256, step_delay_s=delay)
-        return AsyncEngine(Engine(runner, cfg), ByteTokenizer(), tmpl, "succ", config=cfg)
+        return AsyncEngine(Engine(runner, cfg), ByteTokenizer(), tmpl, "succ")
 
     return build
 
@@ -575,6 +578,59 @@ def test_api_keys_and_ping(kind: str) -> None:
         assert b": ping\n\n" in r.body and content(r) == "bc"
 
     run(make_app(kind, 0.12, api_keys=("k1", "k2")), body)
+
+
+def test_api_keys_from_a_json_array_in_the_environment() -> None:
+    """TL_ENGINE__API_KEYS='["k1","k2"]' (as k8s manifests write lists) is two keys, not one."""
+    cfg = parse_runtime_toml(
+        '[engine]\nmodel_dir = "models/succ"\nblock_size = 4\n', {"TL_ENGINE__API_KEYS": '["k1","k2"]'}
+    )
+    app = App(cfg, factory("fake"), handle_signals=False, start_health=False)
+
+    async def body(app: App) -> None:
+        for key, status in (("k2", 200), ("k1", 200), ('["k1","k2"]', 401), ("k3", 401)):
+            r = await call(app, "GET", "/v1/models", headers={"Authorization": f"Bearer {key}"})
+            assert r.status == status, key
+
+    run(app, body)
+
+
+def test_the_engine_factory_is_an_argument_never_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TL_ENGINE_FACTORY", "fake_engine:make_async_engine")
+    assert App().engine_factory is build_async_engine
+    assert App(engine_factory=factory("fake")).engine_factory is not build_async_engine
+
+
+def test_context_refusals_are_the_engines_in_openai_shape(kind: str) -> None:
+    """The engine decides whether a request fits (one rule, one message); serve names the field."""
+    long_chat = {"model": "succ", "messages": [{"role": "user", "content": "a" * 600}]}
+
+    async def body(app: App) -> None:
+        assert app.engine is not None
+        with pytest.raises(ContextLengthError) as gen:
+            app.engine.check_context(GenRequest((97,), SamplingParams(max_tokens=600)))
+        with pytest.raises(ContextLengthError) as emb:
+            app.engine.check_context(EmbedRequest(((97,), (98,) * 600)))
+        cases = [
+            (CHAT, chat(max_tokens=600), "max_tokens", str(gen.value)),
+            (CHAT, chat(max_completion_tokens=600), "max_completion_tokens", str(gen.value)),
+            (CHAT, long_chat, "messages", None),  # no max_tokens: the prompt alone is too long
+            ("/v1/completions", {"model": "succ", "prompt": ["a", "b" * 600]}, "max_tokens", None),
+            ("/v1/embeddings", {"model": "succ", "input": ["a", "b" * 600]}, "input", str(emb.value)),
+        ]
+        for path, req, param, message in cases:
+            for stream in (False, True) if path != "/v1/embeddings" else (False,):
+                r = await call(app, "POST", path, {**req, "stream": True} if stream else req)
+                err = r.error()
+                assert (r.status, err["param"], err["code"]) == (400, param, "context_length_exceeded"), (req, err)
+                assert message is None or err["message"] == message
+        assert app.engine.max_model_len == 512
+        await wait_for(
+            lambda: app.engine is not None and app.engine.stats().running == app.engine.stats().kv_blocks_used == 0,
+            2.0,
+        )  # the completion's first prompt, admitted before the second was refused, is aborted
+
+    run(make_app(kind), body)
 
 
 def test_queue_deadline_answers_503_no_capacity(kind: str) -> None:

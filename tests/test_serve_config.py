@@ -125,3 +125,4 @@ def test_launch_argv_uses_http_listen(tmp_path: Path) -> None:
         "--no-ws",
         "serve.app:app",
     ]
+    assert granian_argv(str(p), "fake_app:app")[-1] == "fake_app:app"  # the tests' own target

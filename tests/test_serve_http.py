@@ -1,7 +1,7 @@
 """The server over real HTTP: the granian CLI as a subprocess on pre-picked free ports.
 
-The engine is the real tl.engine.Engine over the succ runner (TL_ENGINE_FACTORY=
-fake_engine:make_real_async_engine), so no JAX compile is needed. Covers the health port,
+The engine is the real tl.engine.Engine over the succ runner (granian serves the tests'
+target tests/fake_app.py, an App built with that engine's factory), so no JAX compile is needed. Covers the health port,
 the official openai client, disconnects freeing blocks, SIGTERM drain and start-up refusal.
 Every test stops the server it starts.
 """
@@ -53,17 +53,12 @@ def server(
     full_env = {
         **os.environ,
         "TL_CONFIG": str(cfg),
-        "TL_ENGINE_FACTORY": "fake_engine:make_real_async_engine",
         "PYTHONPATH": f"{ROOT / 'tests'}{os.pathsep}{ROOT}",
         **(env or {}),
     }
-    argv = granian_argv(port)
-    if via_cli:  # `tl serve --config`: checks the config, then execs granian in its place
-        argv = [
-            sys.executable,
-            "-c",
-            f"import sys; from tl.cli import main; sys.exit(main(['serve', '--config', {str(cfg)!r}]))",
-        ]
+    argv = granian_argv(port, "fake_app:app")
+    if via_cli:  # what `tl serve --config` runs: checks the config, then execs granian in its place
+        argv = [sys.executable, "-c", f"from serve.launch import serve_main; serve_main({str(cfg)!r}, 'fake_app:app')"]
     ready = f"http://127.0.0.1:{port}/healthz" if expect_ready else None
     with running(argv, full_env, ready, timeout_s=20) as proc:
         yield Server(proc, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{hport}")

@@ -63,21 +63,25 @@ def test_decode_is_joined_token_bytes_even_mid_character(byte_tok: Tokenizer, id
 
 
 def test_eos_ids_are_generation_config_then_config_then_the_eos_token(tmp_path: Path) -> None:
-    """tl.model.files.eos_token_ids, the runner's rule too: every source, in order, once each."""
+    """tl.model.files.eos_token_ids, the rule the runner (and so the engine) stops by: every
+    source, in order, once each; the EOS token looked up in tokenizer.json or by a loaded
+    tokenizer alike."""
+
+    def by_tokenizer(d: Path) -> tuple[int, ...]:
+        return eos_token_ids(d, Tokenizer.load(d).token_to_id)
+
     d = make_tiny_llama(tmp_path / "m")  # config.json and tokenizer_config.json: <|im_end|>
     (d / "generation_config.json").write_text('{"eos_token_id": [256, 258]}')
-    assert Tokenizer.load(d).eos_token_ids == (256, IM_END_ID)
+    assert eos_token_ids(d) == by_tokenizer(d) == (256, IM_END_ID)
     (d / "generation_config.json").unlink()
     tcfg = json.loads((d / "tokenizer_config.json").read_text())
     (d / "tokenizer_config.json").write_text(json.dumps({**tcfg, "eos_token": "<|endoftext|>"}))
-    assert Tokenizer.load(d).eos_token_ids == (IM_END_ID, ENDOFTEXT_ID)
-    assert eos_token_ids(d) == (IM_END_ID, ENDOFTEXT_ID)  # the runner's lookup, from tokenizer.json
+    assert eos_token_ids(d) == by_tokenizer(d) == (IM_END_ID, ENDOFTEXT_ID)
     cfg = json.loads((d / "config.json").read_text())
     (d / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if k != "eos_token_id"}))
-    assert Tokenizer.load(d).eos_token_ids == (ENDOFTEXT_ID,)  # only the tokenizer's EOS token names one
-    assert eos_token_ids(d) == (ENDOFTEXT_ID,)
+    assert eos_token_ids(d) == by_tokenizer(d) == (ENDOFTEXT_ID,)  # only the tokenizer's EOS token names one
     (d / "tokenizer_config.json").unlink()
-    assert Tokenizer.load(d).eos_token_ids == () and Tokenizer.load(d).eos_token is None
+    assert eos_token_ids(d) == by_tokenizer(d) == () and Tokenizer.load(d).eos_token is None
 
 
 def test_load_errors_name_the_file(tmp_path: Path) -> None:
@@ -170,9 +174,9 @@ def test_smollm2_matches_reference_on_random_text(smol_tok: Tokenizer, smol_refe
 
 
 @pytest.mark.slow
-def test_smollm2_token_bytes_and_properties(smol_tok: Tokenizer) -> None:
+def test_smollm2_token_bytes_and_properties(smol_tok: Tokenizer, smol_dir: Path) -> None:
     assert smol_tok.vocab_size == 49152
-    assert (smol_tok.bos_token, smol_tok.eos_token, smol_tok.eos_token_ids) == ("<|im_start|>", "<|im_end|>", (2,))
+    assert (smol_tok.bos_token, smol_tok.eos_token, eos_token_ids(smol_dir)) == ("<|im_start|>", "<|im_end|>", (2,))
     assert smol_tok.special_tokens["<|im_end|>"] == 2 and len(smol_tok.special_tokens) == 17
     assert smol_tok.token_bytes(smol_tok.encode(" the")[0]) == b" the"
     text = "naïve 🙂 世界"

@@ -201,7 +201,6 @@ def _serve_and_complete(model_dir: Path, tmp: Path, n: int) -> tuple[str, dict[s
         f'health_listen = "127.0.0.1:{hport}"\n'
     )
     env = {**os.environ, "TL_CONFIG": str(cfg), "PYTHONPATH": f"{ROOT}"}
-    env.pop("TL_ENGINE_FACTORY", None)
     with running(granian_argv(port), env, f"http://127.0.0.1:{hport}/readyz", timeout_s=120):
         body = {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 12, "temperature": 0}
         model = httpx.get(f"http://127.0.0.1:{port}/v1/models").json()["data"][0]

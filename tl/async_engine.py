@@ -5,8 +5,10 @@ add_embedding, abort, step, stats), a FIFO command queue into it, and per-reques
 queues out of it (filled with loop.call_soon_threadsafe, one call per step); embeddings
 requests are engine work like prompts (EmbedHandle gathers their inputs' vectors). Nothing that
 computes runs on the event loop: the loop only enqueues commands and reads snapshots.
-Admission is bounded here: submit() raises QueueFullError at once when requests not yet
-taken by the thread plus the engine's waiting queue reach queue_capacity.
+Commands into the thread are typed records (Add, AddEmbedding, Abort, Call, Stop). Admission
+is the engine's (its check_context and check_capacity, which read only fixed limits), applied
+here too so that submit() refuses at once: ContextLengthError, or QueueFullError when requests
+not yet taken by the thread plus the engine's waiting queue reach queue_capacity.
 The thread survives a failing step: every live request fails with EngineError and is
 aborted in the engine (its blocks freed), and the loop keeps serving.
 Must not import jax or serve/. Tested with tests/fake_engine.py by tests/test_async_engine.py.
@@ -20,10 +22,10 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol, TypeVar
+from dataclasses import dataclass
+from typing import Protocol, TypeVar
 
-from tl.config import EngineConfig
-from tl.request import EmbedRequest, GenRequest, QueueFullError, RequestError, TokenOut
+from tl.request import EmbedRequest, GenRequest, RequestError, TokenOut
 from tl.stats import BackendInfo, EngineStats
 
 log = logging.getLogger("tl.async_engine")
@@ -35,10 +37,18 @@ class EngineError(RuntimeError):
 
 
 class SyncEngine(Protocol):
-    """The part of tl.engine.Engine the thread uses."""
+    """The part of tl.engine.Engine the AsyncEngine uses (tests/fake_engine.py's FakeEngine has
+    the same). The properties and the two checks read only what is fixed at construction, so
+    the event loop calls them; everything else runs on the engine thread."""
 
-    max_model_len: int
-
+    @property
+    def max_model_len(self) -> int: ...
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]: ...
+    @property
+    def backend_info(self) -> BackendInfo | None: ...
+    def check_context(self, req: GenRequest | EmbedRequest) -> None: ...
+    def check_capacity(self, num_waiting: int) -> None: ...
     def add_request(self, req: GenRequest) -> int: ...
     def add_embedding(self, req: EmbedRequest) -> list[int]: ...
     def abort(self, request_id: int) -> None: ...
@@ -70,7 +80,7 @@ class RequestHandle:
         """Stop generating and free the request's blocks (idempotent, any time)."""
         if not self._abort_sent and not self._done:
             self._abort_sent = True
-            self._owner._command(("abort", self))
+            self._owner._command(Abort(self))
 
     @property
     def done(self) -> bool:
@@ -117,7 +127,7 @@ class EmbedHandle:
         """Stop every input still running and free its blocks (idempotent, any time)."""
         if not self._abort_sent and not self._result.done():
             self._abort_sent = True
-            self._owner._command(("abort", self))
+            self._owner._command(Abort(self))
 
     @property
     def done(self) -> bool:
@@ -151,37 +161,84 @@ class EmbedHandle:
             self._result.set_result([v for v in self._vectors if v is not None])
 
 
+Handle = RequestHandle | EmbedHandle
+Delivery = list[TokenOut] | BaseException | None
+"""What the thread hands a handle: a step's tokens, a failure or refusal, or None (admitted)."""
+Event = tuple[Handle, Delivery]
+
+
+@dataclass(frozen=True, slots=True)
+class Add:
+    """Admit a generation (engine.add_request) and stream its tokens to the handle."""
+
+    handle: RequestHandle
+
+
+@dataclass(frozen=True, slots=True)
+class AddEmbedding:
+    """Admit an embeddings request (engine.add_embedding), its inputs' vectors to the handle."""
+
+    handle: EmbedHandle
+
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    """Abort whatever of the handle's request is still live in the engine."""
+
+    handle: Handle
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """Run fn on the engine thread between steps (it settles its own future)."""
+
+    fn: Callable[[], None]
+
+
+@dataclass(frozen=True, slots=True)
+class Stop:
+    """Fail everything live and end the thread."""
+
+
+Command = Add | AddEmbedding | Abort | Call | Stop
+
+
 class AsyncEngine:
-    def __init__(
-        self,
-        engine: SyncEngine,
-        tokenizer: object,
-        chat_template: object,
-        model_id: str,
-        *,
-        config: EngineConfig | None = None,
-    ) -> None:
+    def __init__(self, engine: SyncEngine, tokenizer: object, chat_template: object, model_id: str) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         self.model_id = model_id
-        cfg = config or getattr(engine, "config", None) or EngineConfig()
-        self.queue_capacity = cfg.queue_capacity
-        self.max_model_len = int(engine.max_model_len)
-        runner = getattr(engine, "runner", None)
-        self.eos_token_ids: tuple[int, ...] = tuple(getattr(runner, "eos_token_ids", ()) or ())
-        self.backend_info: BackendInfo | None = getattr(runner, "backend_info", None)  # None: a fake runner
         self.ready = False
-        self._cmds: queue.SimpleQueue[tuple[object, ...]] = queue.SimpleQueue()
+        self._cmds: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._inbox = 0  # submitted, not yet taken by the thread (under _lock)
         self._waiting = 0  # engine waiting queue at the last snapshot (under _lock)
         self._stats = EngineStats()
-        self._live: dict[int, RequestHandle | EmbedHandle] = {}  # engine id -> handle; engine thread only
+        self._live: dict[int, Handle] = {}  # engine id -> handle; engine thread only
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
     # ---- event-loop side -------------------------------------------------------------
+
+    @property
+    def max_model_len(self) -> int:
+        """The engine's context length (prompt + output)."""
+        return self.engine.max_model_len
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """The engine's ids that end a generation."""
+        return self.engine.eos_token_ids
+
+    @property
+    def backend_info(self) -> BackendInfo | None:
+        """Where the engine runs (None for a fake runner)."""
+        return self.engine.backend_info
+
+    def check_context(self, req: GenRequest | EmbedRequest) -> None:
+        """The engine's context-length rule, now: raises ContextLengthError (submit applies it too)."""
+        self.engine.check_context(req)
 
     def start(self) -> None:
         """Start the engine thread; call from the event loop that will submit."""
@@ -190,38 +247,39 @@ class AsyncEngine:
         self._thread.start()
 
     async def warmup(self) -> None:
-        """Run engine.warmup() on the engine thread when the engine has one, then mark ready.
+        """Mark ready once the engine thread answers (one round trip through its commands).
 
-        tl.build compiles every bucket before it returns the engine, so usually this only
-        flips `ready`; an engine built without warm-up can provide its own.
+        tl.build compiles the step variants start-up needs before it returns the engine, so
+        nothing is left to warm here; a thread that never took commands never turns ready.
         """
-        fn = getattr(self.engine, "warmup", None)
-        if callable(fn):
-            await self.call(fn)
+        await self.call(_nothing)
         self.ready = True
 
     def submit(self, req: GenRequest) -> RequestHandle:
-        """Queue a request for the engine; raises QueueFullError at once when admission is full."""
+        """Queue a request for the engine; raises ContextLengthError, or QueueFullError when
+        admission is full, at once (the engine's own rules)."""
         assert self._loop is not None, "start() first"
-        with self._lock:
-            if self._inbox + self._waiting >= self.queue_capacity:
-                raise QueueFullError(f"admission queue is full ({self.queue_capacity} waiting)")
-            self._inbox += 1
+        self._reserve(req)
         handle = RequestHandle(self, req, self._loop)
-        self._command(("add", handle))
+        self._command(Add(handle))
         return handle
 
     def submit_embedding(self, req: EmbedRequest) -> EmbedHandle:
-        """Queue an embeddings request (one admission, however many inputs); raises QueueFullError
-        at once when admission is full. Its inputs are scheduled as prompt work with the rest."""
+        """Queue an embeddings request (one admission, however many inputs); raises
+        ContextLengthError or QueueFullError at once, as submit(). Its inputs are scheduled as
+        prompt work with the rest."""
         assert self._loop is not None, "start() first"
-        with self._lock:
-            if self._inbox + self._waiting >= self.queue_capacity:
-                raise QueueFullError(f"admission queue is full ({self.queue_capacity} waiting)")
-            self._inbox += 1
+        self._reserve(req)
         handle = EmbedHandle(self, req, self._loop)
-        self._command(("embed", handle))
+        self._command(AddEmbedding(handle))
         return handle
+
+    def _reserve(self, req: GenRequest | EmbedRequest) -> None:
+        """Apply the engine's admission rules to `req` and count it in the inbox if they pass."""
+        self.engine.check_context(req)
+        with self._lock:
+            self.engine.check_capacity(self._inbox + self._waiting)
+            self._inbox += 1
 
     async def embed(self, inputs: Sequence[Sequence[int]], priority: int = 0) -> list[list[float]]:
         """Mean-pooled, L2-normalised embeddings of the inputs, in their order (submit_embedding
@@ -233,10 +291,20 @@ class AsyncEngine:
             handle.abort()
 
     async def call(self, fn: Callable[[], T]) -> T:
-        """Run fn on the engine thread between steps and await its result."""
-        assert self._loop is not None, "start() first"
-        fut: asyncio.Future[T] = self._loop.create_future()
-        self._command(("call", fn, fut))
+        """Run fn on the engine thread between steps and await its result (or its exception)."""
+        loop = self._loop
+        assert loop is not None, "start() first"
+        fut: asyncio.Future[T] = loop.create_future()
+
+        def run() -> None:
+            try:
+                result = fn()
+            except Exception as e:  # noqa: BLE001 - handed to the awaiting caller
+                loop.call_soon_threadsafe(_fail, fut, e)
+            else:
+                loop.call_soon_threadsafe(_resolve, fut, result)
+
+        self._command(Call(run))
         return await fut
 
     def stats(self) -> EngineStats:
@@ -247,17 +315,17 @@ class AsyncEngine:
         """Abort everything live, stop the thread, wait for it (blocking: call off the loop or at exit)."""
         self.ready = False
         if self._thread is not None and self._thread.is_alive():
-            self._command(("stop",))
+            self._command(Stop())
             self._thread.join(timeout)
 
-    def _command(self, cmd: tuple[object, ...]) -> None:
+    def _command(self, cmd: Command) -> None:
         self._cmds.put(cmd)
 
     # ---- engine thread ---------------------------------------------------------------
 
     def _run(self) -> None:
         while True:
-            events: list[tuple[RequestHandle, object]] = []
+            events: list[Event] = []
             try:
                 stop = self._handle_commands(block=not self.engine.has_work(), events=events)
                 if stop:
@@ -272,26 +340,27 @@ class AsyncEngine:
                 self._fail_all(EngineError("engine failure"), events)
             self._deliver(events)
 
-    def _handle_commands(self, block: bool, events: list[tuple[RequestHandle, object]]) -> bool:
+    def _handle_commands(self, block: bool, events: list[Event]) -> bool:
+        """Run every queued command (waiting up to 0.25 s for one when `block`); True on Stop."""
         try:
             cmd = self._cmds.get(timeout=0.25) if block else self._cmds.get_nowait()
         except queue.Empty:
             return False
         added = False
         while True:
-            kind = cmd[0]
-            if kind == "stop":
-                return True
-            if kind == "add":
-                added = True
-                self._add(cmd[1], events)  # type: ignore[arg-type]
-            elif kind == "embed":
-                added = True
-                self._add_embedding(cmd[1], events)  # type: ignore[arg-type]
-            elif kind == "abort":
-                self._abort(cmd[1], events)  # type: ignore[arg-type]
-            elif kind == "call":
-                self._call(cmd[1], cmd[2])  # type: ignore[arg-type]
+            match cmd:
+                case Stop():
+                    return True
+                case Add(handle):
+                    added = True
+                    self._add(handle, events)
+                case AddEmbedding(handle):
+                    added = True
+                    self._add_embedding(handle, events)
+                case Abort(handle):
+                    self._abort(handle, events)
+                case Call(fn):
+                    fn()
             try:
                 cmd = self._cmds.get_nowait()
             except queue.Empty:
@@ -300,7 +369,7 @@ class AsyncEngine:
             self._snapshot()
         return False
 
-    def _add(self, handle: RequestHandle, events: list[tuple[Any, object]]) -> None:
+    def _add(self, handle: RequestHandle, events: list[Event]) -> None:
         def admit() -> None:
             rid = self.engine.add_request(handle.request)
             handle.engine_id = rid
@@ -309,7 +378,7 @@ class AsyncEngine:
 
         self._admit(handle, events, "add_request", admit)
 
-    def _add_embedding(self, handle: EmbedHandle, events: list[tuple[Any, object]]) -> None:
+    def _add_embedding(self, handle: EmbedHandle, events: list[Event]) -> None:
         def admit() -> None:
             ids = self.engine.add_embedding(handle.request)
             handle.engine_ids = ids
@@ -319,13 +388,7 @@ class AsyncEngine:
 
         self._admit(handle, events, "add_embedding", admit)
 
-    def _admit(
-        self,
-        handle: RequestHandle | EmbedHandle,
-        events: list[tuple[Any, object]],
-        what: str,
-        admit: Callable[[], None],
-    ) -> None:
+    def _admit(self, handle: Handle, events: list[Event], what: str, admit: Callable[[], None]) -> None:
         """Run one admission: its refusal (RequestError) or failure goes to the handle, as does
         its success (None); the inbox count drops either way."""
         try:
@@ -341,7 +404,7 @@ class AsyncEngine:
             with self._lock:
                 self._inbox -= 1
 
-    def _abort(self, handle: RequestHandle | EmbedHandle, events: list[tuple[Any, object]]) -> None:
+    def _abort(self, handle: Handle, events: list[Event]) -> None:
         if isinstance(handle, EmbedHandle):
             live = [rid for rid in handle.engine_ids if self._live.pop(rid, None) is not None]
             for rid in live:
@@ -349,23 +412,13 @@ class AsyncEngine:
             if live:
                 events.append((handle, EngineError("embeddings request aborted")))
             return
-        rid = handle.engine_id
-        if rid is None or self._live.pop(rid, None) is None:
+        engine_id = handle.engine_id
+        if engine_id is None or self._live.pop(engine_id, None) is None:
             return
-        self.engine.abort(rid)
-        events.append((handle, [TokenOut(rid, -1, finish_reason="abort")]))
+        self.engine.abort(engine_id)
+        events.append((handle, [TokenOut(engine_id, -1, finish_reason="abort")]))
 
-    def _call(self, fn: Callable[[], object], fut: asyncio.Future[object]) -> None:
-        loop = self._loop
-        assert loop is not None
-        try:
-            result = fn()
-        except Exception as e:  # noqa: BLE001 - handed to the awaiting caller
-            loop.call_soon_threadsafe(_settle, fut, None, e)
-        else:
-            loop.call_soon_threadsafe(_settle, fut, result, None)
-
-    def _step(self, events: list[tuple[RequestHandle, object]]) -> None:
+    def _step(self, events: list[Event]) -> None:
         try:
             outs = self.engine.step()
         except Exception as e:
@@ -383,7 +436,7 @@ class AsyncEngine:
                 del self._live[rid]
             events.append((handle, lst))
 
-    def _fail_all(self, err: Exception, events: list[tuple[Any, object]]) -> None:
+    def _fail_all(self, err: Exception, events: list[Event]) -> None:
         failed = list(dict.fromkeys(self._live.values()))  # an embeddings handle once
         self._live.clear()
         try:
@@ -398,7 +451,7 @@ class AsyncEngine:
             self._waiting = stats.queue_depth
         self._stats = stats
 
-    def _deliver(self, events: list[tuple[RequestHandle, object]]) -> None:
+    def _deliver(self, events: list[Event]) -> None:
         if events and self._loop is not None and not self._loop.is_closed():
             try:
                 self._loop.call_soon_threadsafe(_dispatch, events)
@@ -406,22 +459,27 @@ class AsyncEngine:
                 pass
 
 
-def _settle(fut: asyncio.Future[object], result: object, err: BaseException | None) -> None:
-    if fut.done():
-        return
-    if err is not None:
-        fut.set_exception(err)
-    else:
+def _nothing() -> None:
+    return None
+
+
+def _resolve(fut: asyncio.Future[T], result: T) -> None:
+    if not fut.done():
         fut.set_result(result)
 
 
-def _dispatch(events: list[tuple[RequestHandle, object]]) -> None:
+def _fail(fut: asyncio.Future[T], err: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(err)
+
+
+def _dispatch(events: list[Event]) -> None:
     """On the loop: admission results settle `admitted`; lists and errors go to the handle's queue."""
     for handle, item in events:
         if item is None:
-            _settle(handle.admitted, None, None)  # type: ignore[arg-type]
+            _resolve(handle.admitted, None)
             continue
         if isinstance(item, BaseException) and not handle.admitted.done():
             handle.admitted.set_exception(item)
             handle.admitted.exception()  # mark retrieved: iteration raises it again
-        handle._put(item)  # type: ignore[arg-type]
+        handle._put(item)

@@ -11,6 +11,7 @@ import codecs
 import sys
 import time
 from collections.abc import Sequence
+from typing import NoReturn
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -82,18 +83,19 @@ def _pull(args: argparse.Namespace) -> int:
     return 0
 
 
-def _serve(args: argparse.Namespace) -> int:
-    from serve.launch import serve_main
+def _serve(args: argparse.Namespace) -> NoReturn:
+    import os
 
-    return serve_main(args.config)
+    # serve imports tl, never the reverse: hand over to `python -m serve` in this process's place
+    # (the same process, so SIGTERM still reaches granian, which it becomes in turn).
+    os.execv(sys.executable, [sys.executable, "-m", "serve", "--config", args.config])
 
 
-def _bench(args: argparse.Namespace) -> int:
+def _bench(args: argparse.Namespace) -> NoReturn:
     import os
 
     # bench imports tl, never the reverse: hand over to `python -m bench` in this process's place.
     os.execv(sys.executable, [sys.executable, "-m", "bench", *args.bench_args])
-    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:

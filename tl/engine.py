@@ -1,10 +1,12 @@
 """Engine: the synchronous core behind every front end (CLI, AsyncEngine, bench).
 
-Owns: request ids and seeds, admission checks (queue capacity, counted in requests; context
-length), embeddings requests turned into pooled sequences, the step loop (schedule ->
-runner.execute -> update), the step-time and prompt-tokens histograms, and EngineStats. The scheduler owns request
-state, the block manager owns KV blocks, the runner owns the device; the engine only wires
-them. Not thread-safe: one thread calls it (tl/async_engine.py). Pure Python, no
+Owns: request ids and seeds, admission (the one authority on it: tl/request.py's context and
+queue rules applied with this engine's limits, `check_context` and `check_capacity`, which
+AsyncEngine also calls to refuse at once), the context length (`max_model_len`), the ids that
+end generation (`eos_token_ids`), embeddings requests turned into pooled sequences, the step
+loop (schedule -> runner.execute -> update), the step-time and prompt-tokens histograms, and
+EngineStats. The scheduler owns request state, the block manager owns KV blocks, the runner
+owns the device; the engine only wires them. Not thread-safe: one thread calls it (tl/async_engine.py). Pure Python, no
 jax/numpy. Tested by tests/test_engine.py with tests/fake_runner.py, whose differential
 helpers also accept the real ModelRunner.
 """
@@ -18,10 +20,10 @@ from collections.abc import Callable
 from tl.block_manager import BlockManager
 from tl.config import EngineConfig
 from tl.plan import Runner, RunnerOutput
-from tl.request import MAX_SEED, ContextLengthError, EmbedRequest, GenRequest, QueueFullError, SamplingParams, TokenOut
+from tl.request import MAX_SEED, EmbedRequest, GenRequest, SamplingParams, TokenOut, check_capacity, check_context
 from tl.scheduler import Scheduler
 from tl.sequence import Sequence
-from tl.stats import PROMPT_TOKENS_BUCKETS, STEP_SECONDS_BUCKETS, EngineStats, Histogram
+from tl.stats import PROMPT_TOKENS_BUCKETS, STEP_SECONDS_BUCKETS, BackendInfo, EngineStats, Histogram
 
 _POOL_PARAMS = SamplingParams(temperature=0.0, max_tokens=1)  # an embeddings input samples nothing
 
@@ -39,11 +41,14 @@ class Engine:
         self.runner = runner
         self.config = config
         self.max_model_len = _context_limit(runner, config)
+        """Context length (prompt + output): what admission, the scheduler and serve/ go by."""
+        self.eos_token_ids: tuple[int, ...] = tuple(runner.eos_token_ids)
+        """Ids that end a generation (unless ignore_eos): what the scheduler stops on and serve/ hides."""
         self.block_manager = BlockManager(runner.num_kv_blocks, runner.block_size, config.prefix_cache == "radix")
         self.scheduler = Scheduler(
             config,
             self.block_manager,
-            eos_token_ids=runner.eos_token_ids,
+            eos_token_ids=self.eos_token_ids,
             max_model_len=self.max_model_len,
             clock=clock,
         )
@@ -55,17 +60,26 @@ class Engine:
         self._step_seconds = Histogram(STEP_SECONDS_BUCKETS)
         self._prompt_tokens = Histogram(PROMPT_TOKENS_BUCKETS)
 
+    @property
+    def backend_info(self) -> BackendInfo | None:
+        """Where the runner runs (None for a fake runner)."""
+        return self.runner.backend_info
+
+    def check_context(self, req: GenRequest | EmbedRequest) -> None:
+        """Raise ContextLengthError if `req` does not fit max_model_len. Reads only what is fixed
+        at construction, so any thread may call it."""
+        check_context(req, self.max_model_len)
+
+    def check_capacity(self, num_waiting: int) -> None:
+        """Raise QueueFullError if one more request may not join `num_waiting` waiting ones (the
+        engine's own count, or AsyncEngine's, which adds those its thread has not taken yet).
+        Reads only the config, so any thread may call it."""
+        check_capacity(num_waiting, self.config.queue_capacity)
+
     def add_request(self, req: GenRequest) -> int:
         """Queue a request; its id. Raises ContextLengthError or QueueFullError, changing nothing."""
-        num_prompt, max_tokens = len(req.prompt_ids), req.params.max_tokens
-        if num_prompt + max_tokens > self.max_model_len:
-            raise ContextLengthError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
-                f"{num_prompt + max_tokens} tokens ({num_prompt} in the prompt, {max_tokens} in max_tokens). "
-                "Please reduce the length of the prompt or max_tokens.",
-                code="context_length_exceeded",
-            )
-        self._check_queue()
+        self.check_context(req)
+        self.check_capacity(self.scheduler.num_waiting_requests())
         seed = req.params.seed if req.params.seed is not None else self._rng.randint(0, MAX_SEED)
         seq_id, self._next_id = self._next_id, self._next_id + 1
         self.scheduler.add(Sequence(seq_id, req.prompt_ids, req.params, seed, req.priority, self._clock()))
@@ -75,26 +89,13 @@ class Engine:
         """Queue an embeddings request's inputs, one sequence each; their ids in input order. Each
         finishes with a TokenOut carrying its vector. Raises ContextLengthError or QueueFullError,
         changing nothing."""
-        for i, ids in enumerate(req.inputs):
-            if len(ids) > self.max_model_len:
-                raise ContextLengthError(
-                    f"input[{i}] has {len(ids)} tokens; this model's maximum context length is "
-                    f"{self.max_model_len} tokens",
-                    param="input",
-                    code="context_length_exceeded",
-                )
-        self._check_queue()
+        self.check_context(req)
+        self.check_capacity(self.scheduler.num_waiting_requests())
         first, self._next_id = self._next_id, self._next_id + len(req.inputs)
         now = self._clock()
         for i, ids in enumerate(req.inputs):
             self.scheduler.add(Sequence(first + i, ids, _POOL_PARAMS, 0, req.priority, now, pool=True, group=first))
         return list(range(first, first + len(req.inputs)))
-
-    def _check_queue(self) -> None:
-        if self.scheduler.num_waiting_requests() >= self.config.queue_capacity:
-            raise QueueFullError(
-                f"the waiting queue is full ({self.config.queue_capacity} requests)", code="rate_limit_exceeded"
-            )
 
     def abort(self, request_id: int) -> None:
         """Finish a live request; its blocks are free at once, its "abort" TokenOut comes from the next step."""
@@ -136,7 +137,7 @@ class Engine:
             spec_drafts_proposed=c.spec_drafts_proposed,
             spec_drafts_accepted=c.spec_drafts_accepted,
             steps=self._num_steps,
-            compilations=getattr(self.runner, "num_compilations", 0),
+            compilations=self.runner.num_compilations,
             capped_steps=c.capped_steps,
             step_seconds=self._step_seconds.snapshot(),
             prompt_tokens_per_step=self._prompt_tokens.snapshot(),

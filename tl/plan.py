@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from tl.request import SamplingParams
+from tl.stats import BackendInfo
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +84,16 @@ class Runner(Protocol):
     num_kv_blocks: int
     max_model_len: int
     eos_token_ids: tuple[int, ...]
+
+    @property
+    def backend_info(self) -> BackendInfo | None:
+        """Where it runs (tl/stats.py), for the start-up log, /v1/models and /metrics; None: a fake."""
+        ...
+
+    @property
+    def num_compilations(self) -> int:
+        """Compiled step variants so far (EngineStats.compilations)."""
+        ...
 
     def execute(self, plan: SchedulerOutput) -> RunnerOutput: ...
 

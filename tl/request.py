@@ -1,9 +1,12 @@
 """Request records that cross the engine's public seam: what a caller submits and what a step returns.
 
 Owns: SamplingParams (validated per-request sampling settings), GenRequest, EmbedRequest, TokenOut,
-FinishReason and the typed admission errors. Pure data: must not import jax, the runner
-or the scheduler. The mutable per-request state the scheduler keeps lives in
-tl/sequence.py, not here. Tested through tests/test_request.py and every engine test.
+FinishReason, the typed admission errors and the two admission rules (`check_context`,
+`check_capacity`) with their messages; the engine applies them with its own limits
+(tl/engine.py), serve/ turns the errors into HTTP answers (serve/errors.py). Pure data: must
+not import jax, the runner or the scheduler. The mutable per-request state the scheduler
+keeps lives in tl/sequence.py, not here. Tested through tests/test_engine.py,
+tests/test_async_engine.py and the 400s and 429s of tests/test_serve_app.py.
 """
 
 from __future__ import annotations
@@ -147,3 +150,36 @@ class TokenOut:
     top_logprobs: tuple[tuple[int, float], ...] = ()
     finish_reason: FinishReason | None = None
     embedding: tuple[float, ...] = ()
+
+
+def check_context(req: GenRequest | EmbedRequest, max_model_len: int) -> None:
+    """The context-length rule of admission: a generation's prompt plus max_tokens, and each
+    embeddings input alone, fit max_model_len tokens. Raises ContextLengthError naming the counts
+    (`param`: "max_tokens" for a generation, "input" for an embeddings input)."""
+    if isinstance(req, GenRequest):
+        num_prompt, max_tokens = len(req.prompt_ids), req.params.max_tokens
+        if num_prompt + max_tokens > max_model_len:
+            raise ContextLengthError(
+                f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                f"{num_prompt + max_tokens} tokens ({num_prompt} in the prompt, {max_tokens} for the "
+                "completion (max_tokens)). Reduce the prompt or max_tokens.",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        return
+    for i, ids in enumerate(req.inputs):
+        if len(ids) > max_model_len:
+            raise ContextLengthError(
+                f"input[{i}] has {len(ids)} tokens; this model's maximum context length is {max_model_len} tokens",
+                param="input",
+                code="context_length_exceeded",
+            )
+
+
+def check_capacity(num_waiting: int, queue_capacity: int) -> None:
+    """The queue rule of admission: one more request is refused when num_waiting requests (an
+    embeddings request counts once) already wait. Raises QueueFullError."""
+    if num_waiting >= queue_capacity:
+        raise QueueFullError(
+            f"the admission queue is full ({queue_capacity} requests waiting)", code="rate_limit_exceeded"
+        )

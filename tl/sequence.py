@@ -56,10 +56,6 @@ class Sequence:
         return len(self.token_ids)
 
     @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_ids)
-
-    @property
     def num_generated(self) -> int:
         return len(self.token_ids) - len(self.prompt_ids)
 

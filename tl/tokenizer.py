@@ -3,8 +3,9 @@
 Owns: loading tokenizer.json with the `tokenizers` library; encoding without adding
 special tokens (chat templates carry BOS) while matching special tokens written in
 the text; the per-token byte table (`token_bytes`) that lets a streamer join bytes and
-decode UTF-8 incrementally; which ids end generation (`eos_token_ids`, by tl.model.files' rule). Must not
-import jax and must not render chat templates (tl/chat_template.py does). Tested by
+decode UTF-8 incrementally. Must not import jax, render chat templates (tl/chat_template.py
+does) or decide which ids end generation (the engine's `eos_token_ids`, by tl.model.files'
+rule). Tested by
 tests/test_tokenizer.py (byte tokenizer of tests/models.py, and SmolLM2's tokenizer
 against transformers' independent GGUF tokenizer, marked slow).
 """
@@ -21,7 +22,7 @@ from typing import Any
 import tokenizers
 
 from tl.model.config import ModelDirError
-from tl.model.files import eos_token_ids, load_tokenizer_config, read_json
+from tl.model.files import load_tokenizer_config, read_json
 
 _HEX_BYTE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
@@ -76,10 +77,9 @@ class Tokenizer:
         *,
         bos_token: str | None = None,
         eos_token: str | None = None,
-        eos_token_ids: tuple[int, ...] = (),
     ) -> None:
         self._tok = tok
-        self._bos_token, self._eos_token, self._eos_token_ids = bos_token, eos_token, eos_token_ids
+        self._bos_token, self._eos_token = bos_token, eos_token
         self._byte_level = _has_type(spec.get("decoder"), "ByteLevel")
         added = {int(i): t for i, t in tok.get_added_tokens_decoder().items()}
         self._special = {t.content: i for i, t in added.items() if t.special}
@@ -108,13 +108,7 @@ class Tokenizer:
         except Exception as e:  # noqa: BLE001 (tokenizers raises a bare Exception on a bad spec)
             raise ModelDirError(f"{path}: cannot build the tokenizer ({e})") from None
         tcfg = load_tokenizer_config(d)
-        return cls(
-            tok,
-            spec,
-            bos_token=tcfg.bos_token,
-            eos_token=tcfg.eos_token,
-            eos_token_ids=eos_token_ids(d, tok.token_to_id),
-        )
+        return cls(tok, spec, bos_token=tcfg.bos_token, eos_token=tcfg.eos_token)
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`; no BOS/EOS added; special tokens in the text match as one token."""
@@ -144,11 +138,6 @@ class Tokenizer:
     @property
     def eos_token(self) -> str | None:
         return self._eos_token
-
-    @property
-    def eos_token_ids(self) -> tuple[int, ...]:
-        """tl.model.files.eos_token_ids: generation_config's, config.json's and the EOS token's ids."""
-        return self._eos_token_ids
 
     @property
     def special_tokens(self) -> dict[str, int]:

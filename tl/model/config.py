@@ -2,7 +2,7 @@
 
 Owns: parsing and validating config.json for the Llama family (LlamaForCausalLM, which
 covers SmolLM2, and Qwen2ForCausalLM with q/k/v biases). Errors name the file and the
-key. Must not import jax. Tested by tests/test_model_dir.py.
+key. Must not import jax. Tested by tests/test_model_files.py.
 """
 
 from __future__ import annotations

@@ -1,0 +1,15 @@
+"""The granian target of the server tests: serve.app's App over an engine that needs no JAX.
+
+`fake_app:app` (tests/ on PYTHONPATH) is the real tl.engine.Engine over the succ runner of
+tests/fake_engine.py (`make_real_async_engine`; FAKE_STEP_DELAY_S and FAKE_MAX_LEN tune it),
+handed to the App as its engine factory: the server's engine is an explicit argument, never
+an import path from the environment. Used by tests/test_serve_http.py.
+"""
+
+from __future__ import annotations
+
+from fake_engine import make_real_async_engine
+
+from serve.app import App
+
+app = App(engine_factory=make_real_async_engine)
