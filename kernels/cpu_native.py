@@ -118,28 +118,29 @@ class NativeLib:
 
     def matmul(self, x: jax.Array, w: Any) -> jax.Array | None:
         """x [N,K] times w -> [N,*out] by the native kernels, else None (the caller's own matmul).
-        w as tl/model/llama.py's `linear` takes it: float32 [*out,K]; int8 {"q" [*out,K], "scale"
-        [*out]} (with its W8A8 arithmetic bit for bit); or "high" {"f32" [*out,K], "bf16x3"
-        (pack_bf16x3)}: rows up to HIGH_MIN_ROWS - 1 take the float32 kernels on "f32", more rows
-        the AMX kernel. Float32 weights take the few-row kernel up to max_rows() rows."""
+        w a tl/model/weights.py linear, dispatched on its type: `Dense` float32 [*out,K] takes the
+        few-row kernel up to max_rows() rows; `Int8` one row (with its W8A8 arithmetic bit for
+        bit); `Bf16x3`: HIGH_MIN_ROWS rows or more the AMX kernel on its packing, fewer the
+        float32 kernels on its float32 matrix."""
+        from tl.model.weights import Bf16x3, Dense, Int8
+
         if x.dtype != jnp.float32:
             return None
-        if isinstance(w, dict) and "bf16x3" in w:
+        if isinstance(w, Bf16x3):
             if x.shape[0] >= HIGH_MIN_ROWS:
-                return self.matmul_bf16x3(x, w["bf16x3"], w["f32"].shape[:-1])
-            w = w["f32"]
+                return self.matmul_bf16x3(x, w.packed, w.out_shape)
+            w = Dense(w.w, w.axes)
         if x.shape[0] > self.max_rows():
             return None
-        if isinstance(w, dict):
-            q, scale = w["q"], w["scale"]
-            if x.shape[0] > 1 or q.dtype != jnp.int8 or scale.dtype != jnp.float32:
+        if isinstance(w, Int8):
+            if x.shape[0] > 1 or w.q.dtype != jnp.int8 or w.scale.dtype != jnp.float32:
                 return None  # one row only: XLA's int8 dot pads to 4 rows and is faster from 2 rows on
-            out = jax.ShapeDtypeStruct((x.shape[0], *q.shape[:-1]), jnp.float32)
-            return self._call("tl_gemv_int8", out)(x, q, scale)
-        if w.dtype != jnp.float32:
+            out = jax.ShapeDtypeStruct((x.shape[0], *w.out_shape), jnp.float32)
+            return self._call("tl_gemv_int8", out)(x, w.q, w.scale)
+        if not isinstance(w, Dense) or w.w.dtype != jnp.float32:
             return None
-        out = jax.ShapeDtypeStruct((x.shape[0], *w.shape[:-1]), jnp.float32)
-        return self._call("tl_gemv", out)(x, w)
+        out = jax.ShapeDtypeStruct((x.shape[0], *w.out_shape), jnp.float32)
+        return self._call("tl_gemv", out)(x, w.w)
 
     def argmax_lse(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         """(first index of each row's max [R] int32, log-sum-exp of each row [R] f32) of float32

@@ -218,6 +218,8 @@ def _card(ctx: Ctx) -> ModelCard:
             b.matmul_kernel,
             b.native_target,
             list(b.kernel_choices),
+            b.weight_pages,
+            list(b.reasons),
         )
     )
     return ModelCard(ctx.info.model_id, "model", STARTED_AT, "tl", ctx.info.max_model_len, card)

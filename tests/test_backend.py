@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from tests.models import tiny_config
 from tl import backend
@@ -27,36 +28,47 @@ def test_tensor_parallel_layout() -> None:
     assert backend.tp_layout(cfg, 4).kv_sharded is False  # KV heads replicated
     with pytest.raises(ConfigError, match="tensor_parallel=3 does not divide the model's 4 attention heads"):
         backend.tp_layout(cfg, 3)
-    specs = backend.partition_specs(_step(cfg, "float32", fused_qkv=False), backend.tp_layout(cfg, 4))
-    assert specs["layers"][0]["wk"] == backend.P() and specs["embed"] == backend.P()
-    assert specs["layers"][0]["wq"] == backend.P("model", None)  # [Hq*hd, D]: by output
-    assert specs["layers"][0]["w_gate_up"] == backend.P("model", None, None)  # [F, 2, D]: by F
+    specs = _specs(cfg, "float32", backend.tp_layout(cfg, 4))
+    lp = specs.layers[0]
+    assert lp.wqkv is None and lp.wk.w == P(None, None) and specs.embed.w == P(None, None)  # whole
+    assert lp.wq.w == P("model", None)  # [Hq*hd, D]: by output
+    assert lp.w_gate_up.w == P("model", None, None)  # [F, 2, D]: by F
     with pytest.raises(ConfigError, match="needs 2 cpu devices; 1 present"):
         backend.make_mesh("cpu", 2)
 
 
-def _step(cfg: ModelConfig, weight_dtype: str, fused_qkv: bool = True) -> Any:
+def _specs(cfg: ModelConfig, weight_dtype: str, layout: backend.TPLayout) -> Any:
+    """The PartitionSpecs the loaded weights declare (tl/model/weights.py) under layout."""
     import jax
-    import numpy as np
 
-    from tl.model import llama
+    from tl.model import llama, weights
 
-    host = jax.tree.map(np.asarray, llama.init_params(cfg, jax.random.key(0)))
-    return llama.step_params(host, cfg, weight_dtype, fused_qkv=fused_qkv)
+    tensors = llama.init_params(cfg, jax.random.key(0))
+    loaded = llama.load_weights(
+        tensors, cfg, weight_dtype=weight_dtype, kv_sharded=layout.kv_sharded, vocab_sharded=layout.vocab_sharded
+    )
+    return weights.partition_specs(loaded)
 
 
 def test_fused_and_int8_specs_follow_their_axes() -> None:
     """Fused wqkv [Hk,G+2,hd,D] splits by KV-head group; float and int8 q [*out,in] and scale [*out] by out."""
+    from tl.model.weights import Dense, Int8
+
     cfg = tiny_config(vocab_size=264)
     layout = backend.tp_layout(cfg, 2)
-    f32 = backend.partition_specs(_step(cfg, "float32"), layout)["layers"][0]
-    assert f32["wqkv"] == backend.P("model", None, None, None) and f32["wo"] == backend.P(None, "model")
-    i8 = backend.partition_specs(_step(cfg, "int8"), layout)
-    lp = i8["layers"][0]
-    assert lp["wqkv"] == {"q": backend.P("model", None, None, None), "scale": backend.P("model", None, None)}
-    assert lp["w_gate_up"] == {"q": backend.P("model", None, None), "scale": backend.P("model", None)}
-    assert lp["wo"] == {"q": backend.P(None, "model"), "scale": backend.P(None)}  # row-parallel: in split
-    assert i8["embed"] == {"q": backend.P("model", None), "scale": backend.P("model")}
+    f32 = _specs(cfg, "float32", layout).layers[0]
+    assert f32.wqkv == Dense(P("model", None, None, None), ("model", None, None, None))
+    assert f32.wo.w == P(None, "model")
+    i8 = _specs(cfg, "int8", layout)
+    lp = i8.layers[0]
+    assert (lp.wqkv.q, lp.wqkv.scale) == (P("model", None, None, None), P("model", None, None))
+    assert isinstance(lp.w_gate_up, Int8) and (lp.w_gate_up.q, lp.w_gate_up.scale) == (
+        P("model", None, None),
+        P("model", None),
+    )
+    assert (lp.wo.q, lp.wo.scale) == (P(None, "model"), P(None))  # row-parallel: in split
+    assert (i8.embed.q, i8.embed.scale) == (P("model", None), P("model"))
+    assert lp.attn_norm.value == P(None)
 
 
 def test_smollm2_shapes() -> None:

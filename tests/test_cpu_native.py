@@ -26,6 +26,7 @@ from test_paged_attention import MIXED, build_case, inputs
 
 from kernels import cpu_build, cpu_native, select
 from kernels.paged_attention import AttnMetadata, local_state, paged_attention, to_stored
+from tl.model.weights import Dense
 
 RUNNABLE = [t.name for t in cpu_build.runnable()]
 
@@ -335,7 +336,7 @@ def test_matmul_within_gamma_k_of_the_exact_product(
     rng = np.random.default_rng(rows)
     x = rng.standard_normal((rows, shape[-1]), dtype=np.float32)
     w = rng.standard_normal(shape, dtype=np.float32)  # [*out, K], as llama.linear takes it
-    got = np.asarray(jax.jit(lib.matmul)(jnp.asarray(x), jnp.asarray(w)))
+    got = np.asarray(jax.jit(lib.matmul)(jnp.asarray(x), Dense(jnp.asarray(w))))
     want = np.einsum("nk,...k->n...", x.astype(np.float64), w.astype(np.float64))
     assert got.shape == want.shape
     bound = matmul_bound(x, w).reshape(want.shape)
@@ -348,7 +349,9 @@ def test_one_row_matmul_chain_with_lingering_helpers(lib: cpu_native.NativeLib, 
     once: every hand-off to a lingering helper (or a fresh pool task when the slot is taken or
     its helper has just left) computes the same numbers as the helper-free path."""
     rng = np.random.default_rng(0)
-    ws = [jnp.asarray(rng.standard_normal(s, dtype=np.float32) / 16) for s in ((256, 128), (128, 128), (512, 128))]
+    ws = [
+        Dense(jnp.asarray(rng.standard_normal(s, dtype=np.float32) / 16)) for s in ((256, 128), (128, 128), (512, 128))
+    ]
 
     @jax.jit
     def chain(x: jax.Array) -> jax.Array:
@@ -387,7 +390,7 @@ def test_independent_calls_at_once_do_not_wait_on_each_other(lib: cpu_native.Nat
     rng = np.random.default_rng(5)
     ws = [jnp.asarray(rng.standard_normal((512, 64), dtype=np.float32)) for _ in range(30)]
     x = jnp.asarray(rng.standard_normal((4, 64), dtype=np.float32))
-    got = np.asarray(jax.jit(lambda ws, x: sum(lib.matmul(x, w).sum(axis=1) for w in ws))(ws, x))
+    got = np.asarray(jax.jit(lambda ws, x: sum(lib.matmul(x, Dense(w)).sum(axis=1) for w in ws))(ws, x))
     want = sum(np.asarray(x, np.float64) @ np.asarray(w, np.float64).T for w in ws).sum(axis=1)
     bound = sum(matmul_bound(np.asarray(x), np.asarray(w)).sum(axis=1) for w in ws) + gamma(30 * 512) * np.abs(want)
     _within(got, want, bound)
@@ -397,9 +400,9 @@ def test_max_rows_and_what_stays_with_xla(lib: cpu_native.NativeLib) -> None:
     """The native float matmul takes up to 64 rows on every build; more rows and bf16 stay with XLA."""
     assert lib.max_rows() == 64
     x = jnp.ones((lib.max_rows() + 1, 8), jnp.float32)
-    w = jnp.ones((4, 8), jnp.float32)
+    w = Dense(jnp.ones((4, 8), jnp.float32))
     assert lib.matmul(x, w) is None
-    assert lib.matmul(x[:2].astype(jnp.bfloat16), w.astype(jnp.bfloat16)) is None
+    assert lib.matmul(x[:2].astype(jnp.bfloat16), Dense(w.w.astype(jnp.bfloat16))) is None
     assert lib.ffi_names["tl_gemv"] in str(jax.jit(lib.matmul).lower(x[:2], w).as_text())
 
 
@@ -412,9 +415,10 @@ def test_matmul_int8_is_bitwise_xla_w8a8(lib: cpu_native.NativeLib, rows: int, s
 
     rng = np.random.default_rng(rows)
     w = rng.standard_normal((shape[0], int(np.prod(shape[1:]))), dtype=np.float32)  # [in, out]
-    qw = llama.quantize_int8(w.T)
-    q = jnp.asarray(qw["q"].reshape(*shape[1:], shape[0]))
-    wq = {"q": q, "scale": jnp.asarray(qw["scale"].reshape(shape[1:]))}
+    from tl.model.weights import Int8
+
+    q, scale = llama.quantize_int8(w.T)
+    wq = Int8(jnp.asarray(q.reshape(*shape[1:], shape[0])), jnp.asarray(scale.reshape(shape[1:])))
     x = jnp.asarray(rng.standard_normal((rows, shape[0]), dtype=np.float32)) * 3
     if rows > 1:
         assert lib.matmul(x, wq) is None

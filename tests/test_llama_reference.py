@@ -1,6 +1,6 @@
 """tl/model/llama.py against an independent plain-numpy forward (shares no code with tl/).
 
-The reference takes Hugging Face named [out,in] tensors, so params_from_hf is tested too.
+The reference takes Hugging Face named [out,in] tensors, so load_weights is tested too.
 Tolerance: max |Δlogit| <= 1e-4 in float32.
 """
 
@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tl.model import llama
+from tl.model import llama, weights
 from tl.model.config import ModelConfig, ModelDirError
 
 
@@ -118,33 +118,51 @@ def np_forward(t: dict[str, np.ndarray], cfg: ModelConfig, ids: list[int]) -> np
 def test_dense_forward_matches_numpy(tied: bool, bias: bool, seed: int) -> None:
     cfg = tiny_cfg(tied=tied, bias=bias)
     tensors = random_hf(cfg, seed)
-    params = jax.tree.map(jnp.asarray, llama.params_from_hf(tensors, cfg))
     ids = np.random.default_rng(seed + 100).integers(0, cfg.vocab_size, 23).tolist()
-    _, logits = jax.jit(llama.forward_dense, static_argnums=1)(params, cfg, jnp.asarray(ids, jnp.int32))
     ref = np_forward(tensors, cfg, ids)
-    assert np.abs(np.asarray(logits) - ref).max() <= 1e-4
+    for fused in (True, False):  # fused wqkv, or wq/wk/wv apart (tensor parallel, KV heads whole)
+        params = llama.load_weights(tensors, cfg, kv_sharded=fused)
+        assert (params.layers[0].wqkv is not None) == fused
+        _, logits = jax.jit(llama.forward_dense, static_argnums=1)(params, cfg, jnp.asarray(ids, jnp.int32))
+        assert np.abs(np.asarray(logits) - ref).max() <= 1e-4
 
 
-def test_param_shapes_match_init() -> None:
+def test_init_and_load_describe_the_same_tensors() -> None:
     cfg = tiny_cfg(tied=False, bias=True)
-    shapes = llama.param_shapes(cfg)
-    params = llama.init_params(cfg, jax.random.key(0))
-    assert jax.tree.structure(shapes) == jax.tree.structure(params)
-    for s, p in zip(jax.tree.leaves(shapes), jax.tree.leaves(params), strict=True):
-        assert s.shape == p.shape and s.dtype == p.dtype
-    specs = llama.param_partition_specs(cfg)
-    assert jax.tree.structure(specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)) == jax.tree.structure(
-        shapes
-    )
+    tensors = llama.init_params(cfg, jax.random.key(0))
+    assert {k: v.shape for k, v in tensors.items()} == llama.hf_shapes(cfg)
+    params = llama.load_weights(tensors, cfg)
+    specs = weights.partition_specs(params)
+    is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)  # noqa: E731
+    assert jax.tree.structure(specs, is_leaf=is_spec) == jax.tree.structure(params)
+    for spec, leaf in zip(jax.tree.leaves(specs, is_leaf=is_spec), jax.tree.leaves(params), strict=True):
+        assert len(spec) in (0, leaf.ndim)  # every declared axis list matches its array
 
 
-def test_missing_tensor_is_named() -> None:
+def test_loading_copies_only_what_it_fuses() -> None:
+    """Matrices stored as Hugging Face stores them are the loaded tensors themselves; the fused
+    wqkv and w_gate_up are new arrays."""
+    cfg = tiny_cfg(tied=False)
+    tensors = random_hf(cfg, 0)
+    params = llama.load_weights(tensors, cfg)
+    lp = params.layers[1]
+    assert lp.wo.w is tensors["model.layers.1.self_attn.o_proj.weight"]
+    assert lp.w_down.w is tensors["model.layers.1.mlp.down_proj.weight"]
+    assert params.embed.w is tensors["model.embed_tokens.weight"] and params.lm_head.w is tensors["lm_head.weight"]
+    assert not np.shares_memory(lp.wqkv.w, tensors["model.layers.1.self_attn.q_proj.weight"])
+
+
+def test_missing_or_misshapen_tensor_is_named() -> None:
     cfg = tiny_cfg(tied=False)
     tensors = random_hf(cfg, 0)
     del tensors["model.layers.1.mlp.up_proj.weight"]
     with pytest.raises(ModelDirError, match=r"model\.layers\.1\.mlp\.up_proj\.weight"):
-        llama.params_from_hf(tensors, cfg)
+        llama.load_weights(tensors, cfg)
     tensors = random_hf(cfg, 0)
     del tensors["lm_head.weight"]
     with pytest.raises(ModelDirError, match="lm_head.weight"):
-        llama.params_from_hf(tensors, cfg)
+        llama.load_weights(tensors, cfg)
+    tensors = random_hf(cfg, 0)
+    tensors["model.norm.weight"] = tensors["model.norm.weight"][:-1]
+    with pytest.raises(ModelDirError, match=r"'model.norm.weight' has shape \(63,\), expected \(64,\)"):
+        llama.load_weights(tensors, cfg)

@@ -18,6 +18,7 @@ from test_runner import ENGINE, Seq, generate, make_runner
 
 from kernels import cpu_native
 from tl.config import ConfigError, EngineConfig
+from tl.model.weights import Bf16x3, Dense
 
 AMX_TARGET = "sapphirerapids"  # the build with AMX-BF16 (kernels/cpu_build.py)
 needs_amx = pytest.mark.skipif(not cpu_native.amx_available(AMX_TARGET), reason="no AMX-BF16 on this CPU")
@@ -102,10 +103,8 @@ def test_high_differs_from_float32_where_bf16x3_runs() -> None:
     rng = np.random.default_rng(1)
     x = jnp.asarray(rng.standard_normal((64, 576)).astype(np.float32))
     w = rng.standard_normal((960, 576)).astype(np.float32) / 8
-    high = np.asarray(
-        jax.jit(_lib().matmul)(x, {"f32": jnp.asarray(w), "bf16x3": jnp.asarray(cpu_native.pack_bf16x3(w))})
-    )
-    f32 = np.asarray(jax.jit(_lib().matmul)(x, jnp.asarray(w)))
+    high = np.asarray(jax.jit(_lib().matmul)(x, Bf16x3(jnp.asarray(w), jnp.asarray(cpu_native.pack_bf16x3(w)))))
+    f32 = np.asarray(jax.jit(_lib().matmul)(x, Dense(jnp.asarray(w))))
     diff = np.abs(high - f32).max()
     assert 0 < diff < 1e-3
 
@@ -113,10 +112,7 @@ def test_high_differs_from_float32_where_bf16x3_runs() -> None:
 @needs_amx
 def test_dispatch_by_rows() -> None:
     """Below HIGH_MIN_ROWS rows the float32 few-row kernel runs on "f32"; from it, bf16x3."""
-    w = {
-        "f32": jnp.ones((32, 64), jnp.float32),
-        "bf16x3": jnp.asarray(cpu_native.pack_bf16x3(np.ones((32, 64), np.float32))),
-    }
+    w = Bf16x3(jnp.ones((32, 64), jnp.float32), jnp.asarray(cpu_native.pack_bf16x3(np.ones((32, 64), np.float32))))
     lib = _lib()
     gemv, amx = lib.ffi_names["tl_gemv"], lib.ffi_names["tl_gemm_bf16x3"]
     few = str(jax.make_jaxpr(lib.matmul)(jnp.ones((cpu_native.HIGH_MIN_ROWS - 1, 64)), w))

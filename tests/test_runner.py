@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 
 from tl.config import EngineConfig
+from tl.embedding import dense_embedding
 from tl.model import llama
 from tl.model.config import ModelConfig
 from tl.plan import SchedulerOutput, SeqWork
 from tl.request import SamplingParams
-from tl.embedding import dense_embedding
 from tl.runner import ModelRunner
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -70,11 +70,22 @@ def runner_and_params() -> tuple[ModelRunner, dict]:
     return runner, params
 
 
-_dense = jax.jit(llama.forward_dense, static_argnums=1)
+_dense_jit = jax.jit(llama.forward_dense, static_argnums=1)
 
 
-def dense_greedy(params: dict, cfg: ModelConfig, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
-    """Greedy loop over the dense forward; inputs padded at the end to 64 (causal: no effect), one compile."""
+def _dense(params: dict | llama.Weights, cfg: ModelConfig, ids: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The dense forward of Hugging Face tensors (or host Weights)."""
+    weights = params
+    if isinstance(params, dict):
+        weights = llama.load_weights(params, cfg, np.dtype(next(iter(params.values())).dtype))
+    return _dense_jit(weights, cfg, ids)
+
+
+def dense_greedy(
+    params: dict | llama.Weights, cfg: ModelConfig, prompt: list[int], n: int
+) -> tuple[list[int], list[float]]:
+    """Greedy loop over the dense forward of Hugging Face tensors (or Weights) `params`; inputs
+    padded at the end to 64 (causal: no effect), one compile."""
     ids, lps = list(prompt), []
     for _ in range(n):
         _, logits = _dense(params, cfg, jnp.asarray(ids + [0] * (64 - len(ids)), jnp.int32))

@@ -76,38 +76,42 @@ def _check_megatron_shards(runner: Any, params: Any, cfg: Any, n: int) -> None:
     """Device 0 holds exactly its Megatron share of layer 0: query heads 0..Hq/N-1 with their KV
     heads (the fused wqkv is grouped by KV head) or, KV replicated, all KV heads; gate and up
     rows 0..F/N-1 (w_gate_up is [F,2,D]); input columns 0..q/N-1 of wo ([D, q]). Step-layout
-    matrices are [*out, in]; the canonical params here are [in, out]."""
+    matrices are [*out, in], as the Hugging Face tensors `params` are."""
     import numpy as np
 
-    lp, ly = runner._params["layers"][0], params["layers"]
+    lp = runner.params.layers[0]
+    a, m = "model.layers.0.self_attn.", "model.layers.0.mlp."
     hq, hk, hd, f = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size
-    q0 = ly["wq"][0][:, : cfg.q_size // n].T
+    q0 = params[a + "q_proj.weight"][: cfg.q_size // n]
     if hk % n == 0:
-        got = _shard0(lp["wqkv"])  # [Hk/N, G+2, hd, D]
+        got = _shard0(lp.wqkv.w)  # [Hk/N, G+2, hd, D]
         g = hq // hk
         assert got.shape == (hk // n, g + 2, hd, cfg.hidden_size)
         np.testing.assert_array_equal(got[:, :g].reshape(-1, cfg.hidden_size), q0)
-        np.testing.assert_array_equal(got[:, g].reshape(-1, cfg.hidden_size), ly["wk"][0][:, : cfg.kv_size // n].T)
-        np.testing.assert_array_equal(got[:, g + 1].reshape(-1, cfg.hidden_size), ly["wv"][0][:, : cfg.kv_size // n].T)
+        np.testing.assert_array_equal(
+            got[:, g].reshape(-1, cfg.hidden_size), params[a + "k_proj.weight"][: cfg.kv_size // n]
+        )
+        np.testing.assert_array_equal(
+            got[:, g + 1].reshape(-1, cfg.hidden_size), params[a + "v_proj.weight"][: cfg.kv_size // n]
+        )
     else:
-        assert "wqkv" not in lp
-        np.testing.assert_array_equal(_shard0(lp["wq"]), q0)
-        np.testing.assert_array_equal(_shard0(lp["wk"]), ly["wk"][0].T)  # replicated
-    gate_up = _shard0(lp["w_gate_up"])  # [F/N, 2, D]
-    np.testing.assert_array_equal(gate_up[:, 0], ly["w_gate"][0][:, : f // n].T)
-    np.testing.assert_array_equal(gate_up[:, 1], ly["w_up"][0][:, : f // n].T)
-    np.testing.assert_array_equal(_shard0(lp["wo"]), ly["wo"][0][: cfg.q_size // n].T)
+        assert lp.wqkv is None
+        np.testing.assert_array_equal(_shard0(lp.wq.w), q0)
+        np.testing.assert_array_equal(_shard0(lp.wk.w), params[a + "k_proj.weight"])  # replicated
+    gate_up = _shard0(lp.w_gate_up.w)  # [F/N, 2, D]
+    np.testing.assert_array_equal(gate_up[:, 0], params[m + "gate_proj.weight"][: f // n])
+    np.testing.assert_array_equal(gate_up[:, 1], params[m + "up_proj.weight"][: f // n])
+    np.testing.assert_array_equal(_shard0(lp.wo.w), params[a + "o_proj.weight"][:, : cfg.q_size // n])
 
 
 def test_tiny_engine_identical_for_tp_1_2_4() -> None:
-    import numpy as np
 
     from tests.models import tiny_config
     from tl.model import llama
     from tl.runner import ModelRunner
 
     cfg = tiny_config(vocab_size=264)
-    params = jax.tree.map(np.asarray, llama.init_params(cfg, jax.random.key(0)))
+    params = llama.init_params(cfg, jax.random.key(0))
     results = {}
     for n in (1, 2, 4):
         runner = ModelRunner(cfg, params, CFG.replace(tensor_parallel=n))
@@ -124,22 +128,21 @@ def test_tiny_engine_identical_for_tp_1_2_4() -> None:
 def test_tiny_int8_identical_for_tp_1_2_4() -> None:
     """int8 weights: q [*out,in] and scale [*out] are split with their columns; the int32 partial
     sums of the row-parallel dots add up exactly, so greedy output matches N = 1."""
-    import numpy as np
 
     from tests.models import tiny_config
     from tl.model import llama
     from tl.runner import ModelRunner
 
     cfg = tiny_config(vocab_size=264)
-    params = jax.tree.map(np.asarray, llama.init_params(cfg, jax.random.key(1)))
+    params = llama.init_params(cfg, jax.random.key(1))
     engine_cfg = CFG.replace(weight_dtype="int8", speculative="none")
     results = {}
     for n in (1, 2, 4):
         runner = ModelRunner(cfg, params, engine_cfg.replace(tensor_parallel=n))
-        lp = runner._params["layers"][0]
-        qkv = lp["wqkv"] if n < 4 else lp["wq"]
-        assert _shard0(qkv["scale"]).shape[:1] == ((cfg.num_key_value_heads // n,) if n < 4 else (cfg.q_size // n,))
-        assert _shard0(lp["w_gate_up"]["q"]).shape == (cfg.intermediate_size // n, 2, cfg.hidden_size)
+        lp = runner.params.layers[0]
+        qkv = lp.wqkv if n < 4 else lp.wq
+        assert _shard0(qkv.scale).shape[:1] == ((cfg.num_key_value_heads // n,) if n < 4 else (cfg.q_size // n,))
+        assert _shard0(lp.w_gate_up.q).shape == (cfg.intermediate_size // n, 2, cfg.hidden_size)
         results[n] = [token_ids(o) for o in drive(Engine(runner, engine_cfg), greedy_workload(), check=check_engine)]
     assert results[1] == results[2] == results[4]
     assert all(len(t) > 0 for t in results[1])

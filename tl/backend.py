@@ -91,22 +91,6 @@ def tp_layout(cfg: ModelConfig, n: int) -> TPLayout:
     return TPLayout(n, kv_sharded=hk % n == 0, vocab_sharded=cfg.vocab_size % n == 0)
 
 
-def partition_specs(step: Any, layout: TPLayout) -> Any:
-    """llama.step_partition_specs of the step-layout params with the replicated exceptions of `layout`.
-
-    With replicated KV heads the runner builds the step params with q/k/v unfused
-    (`llama.step_params(fused_qkv=False)`): wq stays split by column, wk/wv/bk/bv are whole.
-    """
-    from tl.model import llama
-
-    replicated: set[str] = set()
-    if not layout.kv_sharded:
-        replicated |= {"wk", "wv", "bk", "bv"}
-    if not layout.vocab_sharded:
-        replicated |= {"embed", "lm_head"}
-    return llama.step_partition_specs(step, frozenset(replicated))
-
-
 def make_mesh(platform: str, n: int) -> Mesh:
     """The first N devices of the platform (over all hosts) as a (1, N) ("data", "model") mesh."""
     devices = jax.devices(platform)

@@ -20,7 +20,7 @@ from tl.model.config import ModelConfig
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
-def _embed(params: llama.Params, token_ids: jax.Array, length: jax.Array, *, cfg: ModelConfig) -> jax.Array:
+def _embed(params: llama.Weights, token_ids: jax.Array, length: jax.Array, *, cfg: ModelConfig) -> jax.Array:
     """Mean of the final-normed hidden states of the first `length` tokens, L2-normalised [D]."""
     hidden, _ = llama.forward_dense(params, cfg, token_ids)
     mask = (jnp.arange(token_ids.shape[0]) < length)[:, None]
@@ -29,7 +29,7 @@ def _embed(params: llama.Params, token_ids: jax.Array, length: jax.Array, *, cfg
 
 
 def dense_embedding(
-    params: llama.Params, cfg: ModelConfig, token_ids: Sequence[int], token_buckets: Sequence[int], max_len: int
+    params: llama.Weights, cfg: ModelConfig, token_ids: Sequence[int], token_buckets: Sequence[int], max_len: int
 ) -> list[float]:
     """The embedding of token_ids over step-layout params (a runner's `params`), padded to a
     token bucket (or the next power of two past the largest) so that few lengths compile."""

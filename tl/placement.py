@@ -1,7 +1,8 @@
 """Placement: the model's weights and the KV cache as device arrays on the runner's mesh.
 
-Owns: converting host weights (a Hugging Face tensor dict or the loaded pytree) into the step
-layout (`llama.step_params`), their NamedShardings from the layout's partition specs, putting
+Owns: converting host weights (Hugging Face tensors) into the step layout (`llama.load_weights`,
+straight from the tensors), their NamedShardings from the axes each parameter declares
+(tl/model/weights.py `partition_specs`), putting
 them on the devices (on one CPU device: into one huge-page mapping, tl/weight_pages.py, with
 XLA's own buffers as the fallback and its reason), and allocating the paged KV cache zeroed in
 its storage dtype. What to place how is decided by tl/execution.py; this module only does it.
@@ -11,6 +12,7 @@ tests/test_weight_pages.py.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 from kernels import paged_attention
 from tl import backend, weight_pages
-from tl.model import llama
+from tl.model import llama, weights
 from tl.model.config import ModelConfig
 
 
@@ -30,13 +32,13 @@ from tl.model.config import ModelConfig
 class PlacedWeights:
     """The step-layout weights on the devices, and where their memory came from."""
 
-    params: llama.Params
+    params: llama.Weights
     pages: str  # "huge" or "default"
     reason: str  # what came of it (the mapping's size, or why it failed); "" for default pages
 
 
 def place_weights(
-    params_host: dict[str, Any],
+    tensors: Mapping[str, np.ndarray],
     cfg: ModelConfig,
     mesh: Mesh,
     layout: backend.TPLayout,
@@ -46,22 +48,26 @@ def place_weights(
     pack_bf16x3: bool,
     huge_pages: bool,
 ) -> PlacedWeights:
-    """params_host: HF tensors or the stacked pytree. pack_bf16x3: keep each float matrix's packed
-    bf16x3 copy beside it (matmul_precision "high"). huge_pages: as the plan says; where the
-    mapping then fails, XLA's buffers, and the reason is the failure."""
-    tree = params_host if "layers" in params_host else llama.params_from_hf(params_host, cfg)
-    shapes = llama.param_shapes(cfg, dtype)
-    if jax.tree.structure(tree) != jax.tree.structure(shapes):
-        raise ValueError(f"parameter tree does not match the model layout: {jax.tree.structure(tree)}")
-    host = jax.tree.map(lambda x, s: np.asarray(x, dtype=s.dtype), tree, shapes)
+    """tensors: Hugging Face names -> host arrays (memory-mapped where the file allows).
+    pack_bf16x3: keep each float matrix's packed bf16x3 copy beside it (matmul_precision
+    "high"). huge_pages: as the plan says; where the mapping then fails, XLA's buffers, and the
+    reason is the failure."""
     pack = None
     if pack_bf16x3:
         from kernels import cpu_native
 
         pack = cpu_native.pack_bf16x3
-    step = llama.step_params(host, cfg, weight_dtype, fused_qkv=layout.kv_sharded, pack=pack)
+    step = llama.load_weights(
+        tensors,
+        cfg,
+        dtype,
+        weight_dtype,
+        kv_sharded=layout.kv_sharded,
+        vocab_sharded=layout.vocab_sharded,
+        pack=pack,
+    )
     shardings = jax.tree.map(
-        lambda s: NamedSharding(mesh, s), backend.partition_specs(step, layout), is_leaf=lambda x: isinstance(x, P)
+        lambda s: NamedSharding(mesh, s), weights.partition_specs(step), is_leaf=lambda x: isinstance(x, P)
     )
     if not huge_pages:
         return PlacedWeights(jax.device_put(step, shardings), "default", "")

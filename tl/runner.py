@@ -23,7 +23,7 @@ the scratch block (id num_kv_blocks, the cache's last block).
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -100,7 +100,7 @@ def _from_buffers(bufs: tuple[jax.Array, ...], layout: HostLayout) -> Any:
 
 
 def _step(
-    params: llama.Params,
+    params: llama.Weights,
     kv: tuple[jax.Array, jax.Array],
     bufs: tuple[jax.Array, ...],
     pen: Penalties,
@@ -125,11 +125,11 @@ def _step(
     return kv, sample(logits, sb, pen, argmax_lse), logits, _pooled(params, cfg, hidden, inp)
 
 
-def _pooled(params: llama.Params, cfg: ModelConfig, hidden: jax.Array, inp: StepInputs) -> jax.Array:
+def _pooled(params: llama.Weights, cfg: ModelConfig, hidden: jax.Array, inp: StepInputs) -> jax.Array:
     """[S, D] sums of final-normed hidden states by pool_seq, as a one-hot [S, T] dot (a scatter-add
     is a serial loop on XLA:CPU; this is ~0.03% of a 512-token step's FLOPs)."""
     s_pad = inp.meta.block_tables.shape[0]
-    normed = llama.rms_norm(hidden, params["final_norm"], cfg.rms_norm_eps).astype(jnp.float32)
+    normed = llama.rms_norm(hidden, params.final_norm.value, cfg.rms_norm_eps).astype(jnp.float32)
     onehot = (inp.pool_seq[None, :] == jnp.arange(s_pad, dtype=jnp.int32)[:, None]).astype(jnp.float32)
     return jnp.dot(onehot, normed, precision=lax.Precision.HIGHEST)
 
@@ -181,7 +181,7 @@ class ModelRunner:
     def __init__(
         self,
         cfg: ModelConfig,
-        params_host: dict[str, Any],
+        tensors: Mapping[str, np.ndarray],
         engine_cfg: EngineConfig,
         eos_token_ids: Sequence[int] = (),
         mesh: Mesh | None = None,
@@ -206,7 +206,7 @@ class ModelRunner:
         self._num_compilations = 0
         self._zero_penalties: dict[tuple[int, int], Penalties] = {}
         placed = placement.place_weights(
-            params_host,
+            tensors,
             cfg,
             self.mesh,
             self.layout,
@@ -287,7 +287,7 @@ class ModelRunner:
         return self.plan.compute_dtype
 
     @property
-    def params(self) -> llama.Params:
+    def params(self) -> llama.Weights:
         """The placed step-layout weights (read-only by contract)."""
         return self._params
 

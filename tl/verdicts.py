@@ -41,10 +41,12 @@ import numpy as np
 
 from kernels import cpu_build
 from kernels.paged_attention import AttnMetadata
+from tl.model.weights import matrix
 
 if TYPE_CHECKING:
     from tl.execution import ExecutionPlan, Kernels
     from tl.model.config import ModelConfig
+    from tl.model.llama import Layer
 
 log = logging.getLogger("tl.verdicts")
 
@@ -125,11 +127,6 @@ def _fastest_s(fns: Timed, min_s: float = 0.02, min_reps: int = 5) -> dict[str, 
     return {k: min(v) for k, v in times.items()}
 
 
-def _matrix(w: Any) -> Any:
-    """The [*out, in] array of a weight as llama.linear takes it (float, int8 "q", "high" "f32")."""
-    return w if not isinstance(w, dict) else w["q"] if "q" in w else w["f32"]
-
-
 Timed = dict[str, Callable[[], Any]]
 """{"native", "xla"}: a compiled call each, ready to time."""
 
@@ -140,7 +137,7 @@ def _compiled(fn: Callable[..., Any], *args: Any) -> Callable[[], Any]:
 
 
 def matmul_case(
-    layers: Sequence[dict[str, Any]],
+    layers: Sequence[Layer],
     head: Any,
     matmul: Callable[..., Any],
     rows: int,
@@ -150,21 +147,21 @@ def matmul_case(
     """{"native", "xla"} compiled calls of a chain of these layers' matmuls (the step layout's wqkv, wo,
     w_gate_up, w_down) then the LM head (as llama.linear takes it, [V,D]) and the argmax and
     logsumexp of its logits, at `rows` rows: with matmul/argmax_lse, and with XLA's and jnp's."""
-    q_width = _matrix(layers[0]["wo"]).shape[-1]
+    q_width = matrix(layers[0].wo).shape[-1]
 
     def chain(mm: Callable[..., Any] | None, am: Callable[..., Any] | None) -> Callable[..., Any]:
-        def run(ws: Sequence[dict[str, Any]], hd: Any, x: jax.Array) -> Any:
+        def run(ws: Sequence[Layer], hd: Any, x: jax.Array) -> Any:
             for lp in ws:
-                qkv = linear(x, lp["wqkv"], mm).reshape(x.shape[0], -1)
-                x = x + 1e-3 * linear(qkv[:, :q_width], lp["wo"], mm)
-                gu = linear(x, lp["w_gate_up"], mm)
-                x = x + 1e-3 * linear(jax.nn.silu(gu[..., 0]) * gu[..., 1], lp["w_down"], mm)
+                qkv = linear(x, lp.wqkv, mm).reshape(x.shape[0], -1)
+                x = x + 1e-3 * linear(qkv[:, :q_width], lp.wo, mm)
+                gu = linear(x, lp.w_gate_up, mm)
+                x = x + 1e-3 * linear(jax.nn.silu(gu[..., 0]) * gu[..., 1], lp.w_down, mm)
             return (am or _jnp_argmax_lse)(linear(x, hd, mm).astype(jnp.float32))
 
         return run
 
-    d = _matrix(head).shape[-1]
-    dtype = jnp.float32 if isinstance(head, dict) else head.dtype
+    d = matrix(head).shape[-1]
+    dtype = head.dtype
     x = jnp.asarray(np.random.default_rng(rows).standard_normal((rows, d), dtype=np.float32)).astype(dtype)
     return {
         "native": _compiled(chain(matmul, argmax_lse), layers, head, x),
@@ -307,7 +304,7 @@ def measure(
     return verdicts
 
 
-def stream_layers(layers: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+def stream_layers(layers: Sequence[Layer]) -> list[Layer]:
     """The first layers whose weights together pass STREAM_BYTES (all, if fewer): a one-row chain
     over them reads from memory, as a step does, not from the last-level cache."""
     out, nbytes = [], 0
@@ -322,13 +319,6 @@ def stream_layers(layers: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 # ---- one runner's verdicts ----
 
 
-def _lm_head(params: dict[str, Any], tied: bool) -> Any:
-    """The LM head as llama.linear takes it ([V,D]: the tied embedding, or lm_head; "high"
-    precision's packed copy beside it)."""
-    w = params["embed"] if tied else params["lm_head"]
-    return {"f32": w, "bf16x3": params["lm_head_bf16x3"]} if "lm_head_bf16x3" in params else w
-
-
 def measure_runner(plan: ExecutionPlan, kernels: Kernels, cfg: ModelConfig, params: Any, kv: Any) -> Verdicts:
     """The verdicts of each class `plan.measure_classes()` names, from the cache beside the
     library or timed now at this model's shapes over its own placed weights and KV cache."""
@@ -340,8 +330,8 @@ def measure_runner(plan: ExecutionPlan, kernels: Kernels, cfg: ModelConfig, para
         return Verdicts()
     native = kernels.native
     assert native is not None
-    layers = stream_layers(params["layers"])
-    head = _lm_head(params, cfg.tie_word_embeddings)
+    layers = stream_layers(params.layers)
+    head = params.head()
     attn = dict(plan.attention_classes)
 
     def prepare(kernel: str, rows: int) -> Timed:

@@ -83,7 +83,9 @@ def _to_float32(bits: np.ndarray, dtype: str) -> np.ndarray:
 
 
 def read_safetensors(path: Path) -> dict[str, np.ndarray]:
-    """Every tensor of one safetensors file as a float32 array (own copy, file not kept open)."""
+    """Every tensor of one safetensors file as a float32 array: float32 tensors are read-only views
+    of the memory-mapped file (no copy: the runner's placement copies each weight once, into its
+    device buffer); other dtypes are converted into arrays of their own."""
     if not path.is_file():
         raise ModelDirError(f"{path}: file not found")
     size = path.stat().st_size
@@ -97,8 +99,10 @@ def read_safetensors(path: Path) -> dict[str, np.ndarray]:
     for name, info in hdr["tensors"].items():
         dt, shape, begin, end = _entry(path, name, info, size - start)
         bits = data[start + begin : start + end].view(dt).reshape(shape)
-        out[name] = np.array(_to_float32(bits, info["dtype"]), dtype=np.float32, copy=True)
-    del data
+        if info["dtype"] == "F32" and bits.dtype == np.dtype("<f4"):
+            out[name] = bits
+        else:
+            out[name] = np.array(_to_float32(bits, info["dtype"]), dtype=np.float32, copy=True)
     return out
 
 
