@@ -87,7 +87,8 @@ def run(argv: Sequence[str]) -> int:
     def padded_logits(r: ModelRunner, ids: list[int]) -> np.ndarray:
         pad = np.zeros(64, np.int32)
         pad[: len(ids)] = ids
-        return np.asarray(dense(r.params, mc, jnp.asarray(pad), r.matmul.fn if v == "high" else None)[1])[: len(ids)]
+        matmul = r.kernels.matmul.fn if v == "high" else None
+        return np.asarray(dense(r.params, mc, jnp.asarray(pad), matmul)[1])[: len(ids)]
 
     def position_logits(r: ModelRunner, ids: list[int]) -> np.ndarray:
         if v in ("int8", "high"):

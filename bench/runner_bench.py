@@ -128,12 +128,12 @@ def run(argv: Sequence[str]) -> int:
     runners = [("", runner)]
     if args.compare_kernel:
         other = ModelRunner.from_model_dir(cfg.replace(attention_kernel=args.compare_kernel))
-        if other.attention.name == runner.attention.name:
+        if other.kernels.attention.name == runner.kernels.attention.name:
             raise SystemExit(
-                f"--compare-kernel: both runners use {runner.attention.name} "
-                f"({other.attention.reason}); compare two different kernels"
+                f"--compare-kernel: both runners use {runner.kernels.attention.name} "
+                f"({other.kernels.attention.reason}); compare two different kernels"
             )
-        runners = [(runner.attention.name, runner), (other.attention.name, other)]
+        runners = [(runner.kernels.attention.name, runner), (other.kernels.attention.name, other)]
     b_info = runner.backend_info
     print(
         "backend:",
@@ -144,8 +144,8 @@ def run(argv: Sequence[str]) -> int:
                 "devices": b_info.device_count,
                 "dtype": b_info.dtype,
                 "attention": b_info.attention_kernel,
-                "why": runner.attention.reason,
-                "matmul": runner.matmul.name,
+                "why": runner.kernels.attention.reason,
+                "matmul": runner.kernels.matmul.name,
             }
         ),
     )

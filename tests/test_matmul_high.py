@@ -143,8 +143,8 @@ def test_runner_high_matches_float32_runner() -> None:
 
     high, got = run("high")
     highest, want = run("highest")
-    assert high.backend_info.matmul_precision == "high" and high.precision_reason.startswith("configured")  # type: ignore[attr-defined]
-    assert highest.backend_info.matmul_precision == "highest"  # type: ignore[attr-defined]
+    assert high.backend_info.matmul_precision == "high" and high.plan.precision.reason.startswith("configured")
+    assert highest.backend_info.matmul_precision == "highest"
     for a, b in zip(got, want, strict=True):
         assert a.out == b.out and np.allclose(a.logprobs, b.logprobs, atol=1e-3)
 
@@ -158,8 +158,8 @@ def test_high_falls_back_with_a_reason(kw: dict, why: str) -> None:
     highest, and say why."""
     runner, _ = make_runner(ENGINE.replace(matmul_precision="high", **kw))
     assert runner.backend_info.matmul_precision == "highest"
-    assert "runs highest" in runner.precision_reason
-    assert why in runner.precision_reason or not cpu_native.amx_available(AMX_TARGET)
+    assert "runs highest" in runner.plan.precision.reason
+    assert why in runner.plan.precision.reason or not cpu_native.amx_available(AMX_TARGET)
 
 
 def test_config_names_the_field() -> None:

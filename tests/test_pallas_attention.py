@@ -133,7 +133,7 @@ def test_runner_step_with_gpu_kernel(tiny_dir) -> None:  # type: ignore[no-untyp
     outs = []
     for kernel in ("reference", "pallas_gpu"):
         runner = ModelRunner.from_model_dir(base.replace(attention_kernel=kernel))
-        assert runner.attention.name.startswith(kernel)
+        assert runner.kernels.attention.name.startswith(kernel)
         tables = ((5, 2, 9, 11), (7, 3, 1, 0))
         prompts = ([1, 2, 3, 4, 5, 6, 7], [9, 8, 7])
         seqs = [list(p) for p in prompts]

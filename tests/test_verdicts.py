@@ -73,9 +73,9 @@ def _hlo(runner: runner_mod.ModelRunner, t: int, s: int) -> str:
 
 
 def _native_calls(runner: runner_mod.ModelRunner, t: int, s: int) -> set[str]:
-    assert runner.native is not None
+    assert runner.kernels.native is not None
     hlo = _hlo(runner, t, s)
-    return {base for base, name in runner.native.ffi_names.items() if f"@{name}(" in hlo}
+    return {base for base, name in runner.kernels.native.ffi_names.items() if f"@{name}(" in hlo}
 
 
 def test_each_step_shape_runs_what_its_verdicts_say(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -92,9 +92,9 @@ def test_each_step_shape_runs_what_its_verdicts_say(monkeypatch: pytest.MonkeyPa
     )
     monkeypatch.setattr(verdicts, "measure", lambda *a, **k: crafted)
     runner, _ = make_runner(ENGINE.replace(token_buckets=(1, 8, 32), max_num_batched_tokens=32))
-    if runner.native is None:
+    if runner.kernels.native is None:
         pytest.skip("the native library does not build here (tests/test_cpu_build.py says why)")
-    assert runner.verdicts is crafted
+    assert runner.plan.verdicts is crafted
     one = _native_calls(runner, 1, 1)  # 1 token: matmuls class 1 (native), attention class 4 (native)
     assert {"tl_gemv", "tl_small_attention", "tl_argmax_lse"} <= one
     eight = _native_calls(runner, 8, 4)  # 8 tokens: matmuls class 16 (XLA), attention class 32 (reference)
@@ -110,9 +110,9 @@ def test_each_step_shape_runs_what_its_verdicts_say(monkeypatch: pytest.MonkeyPa
 def test_forced_native_kernels_measure_nothing_and_run_everywhere(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(verdicts, "measure", lambda *a, **k: pytest.fail("a forced choice measured"))
     runner, _ = make_runner(ENGINE.replace(attention_kernel="cpu_native", matmul_kernel="cpu_native"))
-    if runner.native is None:
+    if runner.kernels.native is None:
         pytest.skip("the native library does not build here (tests/test_cpu_build.py says why)")
-    assert runner.verdicts.verdicts == () and runner.backend_info.kernel_choices == ()
+    assert runner.plan.verdicts.verdicts == () and runner.backend_info.kernel_choices == ()
     for t, s in ((8, 4), (32, 4)):
         assert {"tl_gemv", "tl_paged_attention_cached"} & _native_calls(runner, t, s)
     xla, _ = make_runner(ENGINE.replace(attention_kernel="reference", matmul_kernel="xla"))
@@ -122,15 +122,15 @@ def test_forced_native_kernels_measure_nothing_and_run_everywhere(monkeypatch: p
 
 def test_a_real_measurement_covers_every_class_and_is_saved() -> None:
     runner, _ = make_runner(ENGINE.replace(token_buckets=(1, 8, 32), max_num_batched_tokens=32))
-    if runner.native is None:
+    if runner.kernels.native is None:
         pytest.skip("the native library does not build here (tests/test_cpu_build.py says why)")
-    got = {(v.kernel, v.rows) for v in runner.verdicts.verdicts}
+    got = {(v.kernel, v.rows) for v in runner.plan.verdicts.verdicts}
     assert got == {("matmul", 1), ("matmul", 4), ("matmul", 16), ("matmul", 32), ("attention", 4), ("attention", 32)}
-    assert all(v.native_ms > 0 and v.xla_ms > 0 for v in runner.verdicts.verdicts)
+    assert all(v.native_ms > 0 and v.xla_ms > 0 for v in runner.plan.verdicts.verdicts)
     path = (
-        Path(runner.verdicts.source.split()[-1])
-        if "saved to" in runner.verdicts.source
-        else Path(runner.verdicts.source.removeprefix("cached: "))
+        Path(runner.plan.verdicts.source.split()[-1])
+        if "saved to" in runner.plan.verdicts.source
+        else Path(runner.plan.verdicts.source.removeprefix("cached: "))
     )
     saved = json.loads(path.read_text())
     assert len(saved["verdicts"]) == 6 and saved["shapes"]["classes"] == sorted([list(c) for c in got])

@@ -105,11 +105,11 @@ def test_runner_on_huge_pages_matches_default_pages() -> None:
 
     huge, got = run("huge")
     default, want = run("default")
-    assert huge.weight_pages == "huge" and "MADV_HUGEPAGE" in huge.weight_pages_reason  # type: ignore[attr-defined]
-    assert default.weight_pages == "default" and default.weight_pages_reason == "configured"  # type: ignore[attr-defined]
-    leaf = jax.tree.leaves(huge._params)[0]  # type: ignore[attr-defined]
+    assert huge.plan.weight_pages.value == "huge" and "MADV_HUGEPAGE" in huge.plan.weight_pages.reason
+    assert default.plan.weight_pages.value == "default" and default.plan.weight_pages.reason == "configured"
+    leaf = jax.tree.leaves(huge._params)[0]
     assert _region(leaf.unsafe_buffer_pointer()).get("THPeligible") == "1"  # type: ignore[union-attr]
-    assert leaf.sharding == jax.tree.leaves(default._params)[0].sharding  # type: ignore[attr-defined]
+    assert leaf.sharding == jax.tree.leaves(default._params)[0].sharding
     for a, b in zip(got, want, strict=True):
         assert a.out == b.out and a.logprobs == b.logprobs
 
@@ -120,7 +120,7 @@ def test_thp_never_falls_back_with_a_reason(monkeypatch: pytest.MonkeyPatch, tmp
     monkeypatch.setattr(weight_pages, "THP_ENABLED", never)
     assert "never" in weight_pages.unavailable_reason()
     runner, _ = make_runner(ENGINE.replace(weight_pages="huge"))
-    assert runner.weight_pages == "default" and "never" in runner.weight_pages_reason  # type: ignore[attr-defined]
+    assert runner.plan.weight_pages.value == "default" and "never" in runner.plan.weight_pages.reason
 
 
 def test_config_names_the_field() -> None:
@@ -131,4 +131,4 @@ def test_config_names_the_field() -> None:
 @needs_thp
 def test_bfloat16_weights_keep_xla_buffers_and_say_why() -> None:
     runner, _ = make_runner(ENGINE.replace(dtype="bfloat16"))
-    assert runner.weight_pages == "default" and "bfloat16" in runner.weight_pages_reason  # type: ignore[attr-defined]
+    assert runner.plan.weight_pages.value == "default" and "bfloat16" in runner.plan.weight_pages.reason

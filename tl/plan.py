@@ -25,7 +25,6 @@ Semantics of one SeqWork (the vLLM v1 rule: computed tokens catch up with known 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -96,8 +95,3 @@ class Runner(Protocol):
         ...
 
     def execute(self, plan: SchedulerOutput) -> RunnerOutput: ...
-
-    def embed(self, token_ids: Sequence[int]) -> list[float]:
-        """Mean-pooled, L2-normalised final hidden states of one input computed alone, without
-        the KV cache (the reference the scheduled pooling is tested against)."""
-        ...

@@ -25,7 +25,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -48,9 +48,6 @@ from tl.plan import RunnerOutput, SchedulerOutput, SeqResult, SeqWork
 from tl.sampler import Penalties, SampleOut, SamplingBatch, pack_penalties, pack_rows, sample, top_logprobs
 from tl.sampler import argmax_lse as sampler_argmax_lse
 from tl.stats import BackendInfo
-
-if TYPE_CHECKING:
-    from kernels.cpu_native import NativeLib
 
 
 @dataclass(frozen=True)
@@ -244,48 +241,6 @@ class ModelRunner:
             mesh=mesh,
         )
 
-    # ---- what the plan chose, for tests and the start-up log ----
-
-    @property
-    def native(self) -> NativeLib | None:
-        return self.kernels.native
-
-    @property
-    def attention(self) -> attention_select.Choice:
-        return self.kernels.attention
-
-    @property
-    def matmul(self) -> attention_select.MatmulChoice:
-        return self.kernels.matmul
-
-    @property
-    def verdicts(self) -> verdicts.Verdicts:
-        return self.plan.verdicts
-
-    @property
-    def matmul_precision(self) -> str:
-        return self.plan.precision.value
-
-    @property
-    def precision_reason(self) -> str:
-        return self.plan.precision.reason
-
-    @property
-    def weight_pages(self) -> str:
-        return self.plan.weight_pages.value
-
-    @property
-    def weight_pages_reason(self) -> str:
-        return self.plan.weight_pages.reason
-
-    @property
-    def kv_storage_dtype(self) -> Any:
-        return self.plan.kv_dtype
-
-    @property
-    def dtype(self) -> Any:
-        return self.plan.compute_dtype
-
     @property
     def params(self) -> llama.Weights:
         """The placed step-layout weights (read-only by contract)."""
@@ -303,11 +258,6 @@ class ModelRunner:
             matmul = attention_select.per_shape(plan.matmul_native, matmul, _no_native)
             argmax_lse = attention_select.per_shape(plan.matmul_native, argmax_lse, sampler_argmax_lse)
         return attention, matmul, argmax_lse
-
-    @property
-    def kernel_lines(self) -> list[str]:
-        """The kernel choices for the start-up log: each measured class with its ratio."""
-        return [v.line() for v in self.plan.verdicts.verdicts]
 
     @property
     def backend_info(self) -> BackendInfo:
