@@ -56,6 +56,9 @@ class _EngineCollector(Collector):
             value=s.prefix_cache_hit_ratio,
         )
         yield GaugeMetricFamily("tl_engine_compilations", "Compiled step variants", value=s.compilations)
+        yield GaugeMetricFamily(
+            "tl_engine_compile_pending", "Step variants still compiling in the background", value=s.compile_pending
+        )
         for name, doc, value in (
             ("tl_engine_preemptions", "Sequences preempted for KV blocks", s.preemptions),
             ("tl_engine_kv_evictions", "Cached KV blocks evicted", s.evictions),

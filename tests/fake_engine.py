@@ -90,6 +90,7 @@ class FakeRunner:
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
         self.num_compilations = 0
+        self.num_pending_compiles = 0
         self.warmed = False
 
     def warmup(self) -> None:
@@ -263,6 +264,7 @@ class SuccRunner:
         self.eos_token_ids: tuple[int, ...] = ()
         self.backend_info: BackendInfo | None = None
         self.num_compilations = 0
+        self.num_pending_compiles = 0
         self.step_delay_s = step_delay_s
 
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:

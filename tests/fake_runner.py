@@ -71,6 +71,7 @@ class FakeRunner:
         self.eos_token_ids = eos_token_ids
         self.backend_info: BackendInfo | None = None
         self.num_compilations = 0
+        self.num_pending_compiles = 0
         self.kv: list[tuple[int, int] | None] = [None] * (num_kv_blocks * block_size)  # slot -> (position, token)
         self.history: dict[int, list[int]] = {}  # seq id -> tokens by position as committed so far (-1: unseen)
         self.plans: list[SchedulerOutput] = []

@@ -138,6 +138,7 @@ class Engine:
             spec_drafts_accepted=c.spec_drafts_accepted,
             steps=self._num_steps,
             compilations=self.runner.num_compilations,
+            compile_pending=self.runner.num_pending_compiles,
             capped_steps=c.capped_steps,
             step_seconds=self._step_seconds.snapshot(),
             prompt_tokens_per_step=self._prompt_tokens.snapshot(),

@@ -96,7 +96,7 @@ class ExecutionPlan:
     def kv_dtype(self) -> Any:
         """The cache buffers' element type: bf16 is stored as uint16 bits (XLA:CPU scatters into a
         donated bf16 buffer by copying it)."""
-        return jnp.uint16 if self.kv_storage.value == "bfloat16" else self.compute_dtype
+        return jnp.dtype(jnp.uint16) if self.kv_storage.value == "bfloat16" else self.compute_dtype
 
     def attention_native(self, tokens: int) -> bool:
         """The step shape of `tokens` runs the native attention (measured classes only)."""

@@ -94,4 +94,9 @@ class Runner(Protocol):
         """Compiled step variants so far (EngineStats.compilations)."""
         ...
 
+    @property
+    def num_pending_compiles(self) -> int:
+        """Step variants still compiling in the background (EngineStats.compile_pending)."""
+        ...
+
     def execute(self, plan: SchedulerOutput) -> RunnerOutput: ...

@@ -66,7 +66,8 @@ class EngineStats:
     spec_drafts_proposed: int = 0  # draft tokens proposed
     spec_drafts_accepted: int = 0  # of those, accepted
     steps: int = 0
-    compilations: int = 0  # compiled step variants so far (flat after warm-up)
+    compilations: int = 0  # compiled step variants so far (flat once the background compilation is done)
+    compile_pending: int = 0  # step variants not compiled yet (tl/compiler.py compiles them in the background)
     capped_steps: int = 0  # steps whose prompt work prompt_tokens_while_decoding cut
     step_seconds: HistogramSnapshot = HistogramSnapshot()  # runner time of each step
     prompt_tokens_per_step: HistogramSnapshot = HistogramSnapshot()  # prompt-work tokens of each step
