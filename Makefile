@@ -40,7 +40,13 @@ $(CROSS):
 
 cross: | $(CROSS)
 
-test: $(STAMP) $(MODEL) | $(CROSS)
+# Lint, format and types (config in pyproject.toml): part of `make test`.
+check: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+test: $(STAMP) $(MODEL) check | $(CROSS)
 	$(BIN)/python -m pytest -q
 
 bench: $(STAMP) $(MODEL)

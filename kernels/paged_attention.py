@@ -33,13 +33,18 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeAlias
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 SEQ_DENSE_MAX_SEQS = 4  # up to this many sequences per step the cached part is computed per sequence
+
+
+Operand: TypeAlias = Any
+"""A record field: a host numpy array as the runner packs it, a jax.Array (or its
+ShapeDtypeStruct) under trace."""
 
 
 @dataclass(frozen=True)
@@ -50,10 +55,10 @@ class AttnMetadata:
     (tl/runner.py packs them so; the TPU kernel relies on it).
     """
 
-    seq_idx: jax.Array  # [T] int32: sequence of each token, -1 for padding
-    positions: jax.Array  # [T] int32: position of each token in its sequence
-    start_pos: jax.Array  # [S] int32: tokens of each sequence already in the cache before this step
-    block_tables: jax.Array  # [S, max_blocks] int32: block ids, unused entries any valid block
+    seq_idx: Operand  # [T] int32: sequence of each token, -1 for padding
+    positions: Operand  # [T] int32: position of each token in its sequence
+    start_pos: Operand  # [S] int32: tokens of each sequence already in the cache before this step
+    block_tables: Operand  # [S, max_blocks] int32: block ids, unused entries any valid block
     chunk_blocks: int = 8  # blocks read per iteration of the cached-part loop
     head_rows: int = 0  # if 0 < head_rows < T: the per-token cached part runs rows [:head_rows] and the rest apart
 

@@ -44,7 +44,7 @@ from serve.routes import Ctx, match
 from tl.async_engine import AsyncEngine, EmbedHandle
 from tl.build import build_async_engine
 from tl.config import EngineConfig
-from tl.stats import BackendInfo
+from tl.stats import BackendInfo, EngineStats
 
 log = logging.getLogger("serve")
 EngineFactory = Callable[[EngineConfig], AsyncEngine]
@@ -90,7 +90,7 @@ class App:
         self.ping_interval_s = PING_INTERVAL_S
         self._drain_task: asyncio.Task[None] | None = None
 
-    def _stats(self):  # type: ignore[no-untyped-def]
+    def _stats(self) -> EngineStats | None:
         return self.engine.stats() if self.engine is not None else None
 
     def _backend(self) -> BackendInfo | None:
@@ -144,8 +144,8 @@ class App:
             engine.max_model_len,
             cfg.max_logprobs,
             vocab_size,
-            tok,  # type: ignore[arg-type]
-            engine.chat_template,  # type: ignore[arg-type]
+            tok,
+            engine.chat_template,
             engine.backend_info,
         )
         if self.handle_signals:

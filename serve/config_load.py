@@ -41,7 +41,7 @@ def _coerce(key: str, value: object, typ: object) -> object:
         return tuple(_coerce(key, v, elem) for v in value)
     if typ is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
-    if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):  # type: ignore[arg-type]
+    if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):  # type: ignore[arg-type]  # typ: a field's plain class here
         raise ConfigError(f"[engine].{key} must be {getattr(typ, '__name__', typ)}, got {value!r}")
     return value
 
@@ -104,7 +104,7 @@ def engine_config_from(table: Mapping[str, object], env: Mapping[str, str]) -> E
         kwargs[key] = _coerce(key, _parse_env(key, text, types[key]), types[key])
     if bad_env:
         raise ConfigError(f"unknown engine override variables: {', '.join(sorted(bad_env))}")
-    return EngineConfig(**kwargs)  # type: ignore[arg-type]
+    return EngineConfig(**kwargs)  # type: ignore[arg-type]  # each value coerced to its field's type above
 
 
 def parse_runtime_toml(text: str, env: Mapping[str, str]) -> EngineConfig:

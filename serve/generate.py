@@ -15,6 +15,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import cast
 
 from serve import errors, sse
 from serve.asgi import DisconnectWatcher, Sender
@@ -174,7 +175,7 @@ class Job:
             raise errors.from_request_error(item, self.spec.context_param)
         if isinstance(item, BaseException):
             raise errors.internal(f"engine failure: {item}")
-        piece = choice.feed(item, self.engine.tokenizer)  # type: ignore[arg-type]
+        piece = choice.feed(cast(list[TokenOut], item), self.engine.tokenizer)  # the engine's batch of outputs
         if choice.finish is not None:
             self._observe(choice)
         return piece
@@ -201,7 +202,7 @@ class Job:
     # ---- documents ---------------------------------------------------------------------
 
     def token_str(self, token_id: int) -> tuple[str, list[int]]:
-        b = self.engine.tokenizer.token_bytes(token_id)  # type: ignore[attr-defined]
+        b = self.engine.tokenizer.token_bytes(token_id)
         return b.decode("utf-8", errors="replace"), list(b)
 
     def chat_logprobs(self, outs: list[TokenOut]) -> ChatLogprobs | None:

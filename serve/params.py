@@ -10,8 +10,9 @@ Must not touch the engine thread. Tested through tests/test_serve_app.py.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 from serve import errors
 from serve.wire import (
@@ -35,7 +36,10 @@ class TokenizerLike(Protocol):
 
 class TemplateLike(Protocol):
     def render(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True, tools: object = None
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str: ...
 
 
@@ -117,11 +121,11 @@ def prompt_token_lists(prompt: str | list[PromptItem], info: ModelInfo, param: s
     if isinstance(prompt, str):
         return [info.tokenizer.encode(prompt)]
     if all(isinstance(x, int) for x in prompt):
-        return [list(prompt)]  # type: ignore[arg-type]
+        return [[x for x in prompt if isinstance(x, int)]]
     if all(isinstance(x, str) for x in prompt):
-        return [info.tokenizer.encode(x) for x in prompt]  # type: ignore[arg-type]
+        return [info.tokenizer.encode(x) for x in prompt if isinstance(x, str)]
     if all(isinstance(x, list) for x in prompt):
-        return [list(x) for x in prompt]  # type: ignore[arg-type]
+        return [list(x) for x in prompt if isinstance(x, list)]
     raise errors.bad_request(
         f"{param} must be a string, a list of strings, a list of token ids or a list of token-id lists, not a mix",
         param,

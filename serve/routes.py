@@ -23,6 +23,7 @@ from serve.asgi import DisconnectWatcher, Request, Sender
 from serve.generate import Job, respond
 from serve.metrics import Metrics
 from serve.params import (
+    GenSpec,
     ModelInfo,
     chat_spec,
     check_model,
@@ -75,7 +76,7 @@ _DECODERS: dict[type, msgspec.json.Decoder[Any]] = {
 
 def decode(body: bytes, typ: type[S]) -> S:
     try:
-        return _DECODERS[typ].decode(body)  # type: ignore[no-any-return]
+        return _DECODERS[typ].decode(body)  # type: ignore[no-any-return]  # the decoder made for typ
     except msgspec.DecodeError as e:
         raise errors.from_decode_error(e) from None
 
@@ -93,7 +94,7 @@ def priority(ctx: Ctx) -> int:
     return value
 
 
-async def _generate(ctx: Ctx, spec_fn: Callable[[], object]) -> None:
+async def _generate(ctx: Ctx, spec_fn: Callable[[], GenSpec]) -> None:
     if "x-tl-kv-handle" in ctx.request.headers:
         raise errors.ApiError(
             404,
@@ -104,7 +105,7 @@ async def _generate(ctx: Ctx, spec_fn: Callable[[], object]) -> None:
         )
     spec = spec_fn()
     prio = priority(ctx)
-    job = Job(spec, ctx.engine, ctx.info.model_id, prio, ctx.metrics, ctx.arrived)  # type: ignore[arg-type]
+    job = Job(spec, ctx.engine, ctx.info.model_id, prio, ctx.metrics, ctx.arrived)
     ctx.jobs.add(job)
     try:
         assert ctx.watcher is not None

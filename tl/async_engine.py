@@ -23,10 +23,14 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from tl.request import EmbedRequest, GenRequest, RequestError, TokenOut
 from tl.stats import BackendInfo, EngineStats
+
+if TYPE_CHECKING:
+    from tl.chat_template import ChatTemplate
+    from tl.tokenizer import Tokenizer
 
 log = logging.getLogger("tl.async_engine")
 T = TypeVar("T")
@@ -204,7 +208,7 @@ Command = Add | AddEmbedding | Abort | Call | Stop
 
 
 class AsyncEngine:
-    def __init__(self, engine: SyncEngine, tokenizer: object, chat_template: object, model_id: str) -> None:
+    def __init__(self, engine: SyncEngine, tokenizer: Tokenizer, chat_template: ChatTemplate, model_id: str) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.chat_template = chat_template

@@ -243,7 +243,7 @@ class EngineConfig:
         return self.model_id or os.path.basename(os.path.normpath(self.model_dir))
 
     def replace(self, **changes: object) -> EngineConfig:
-        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]  # keys and types checked by __post_init__
 
 
 def engine_keys() -> dict[str, dataclasses.Field[object]]:

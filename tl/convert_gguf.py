@@ -21,7 +21,7 @@ from typing import Any
 import gguf
 import numpy as np
 from safetensors.numpy import save_file
-from tqdm import tqdm  # type: ignore[import-untyped]
+from tqdm import tqdm
 
 from tl.model.config import ModelConfig
 

@@ -39,4 +39,5 @@ def dense_embedding(
     t_pad = token_buckets[bisect_left(token_buckets, n)] if n <= token_buckets[-1] else 1 << (n - 1).bit_length()
     ids = np.zeros(t_pad, np.int32)
     ids[:n] = token_ids
-    return np.asarray(_embed(params, ids, np.int32(n), cfg=cfg)).tolist()
+    out: list[float] = np.asarray(_embed(params, ids, np.int32(n), cfg=cfg)).tolist()
+    return out

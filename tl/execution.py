@@ -31,6 +31,7 @@ from tl import backend, verdicts, weight_pages
 from tl.config import EngineConfig
 from tl.model.config import ModelConfig
 from tl.stats import BackendInfo
+from tl.verdicts import Verdicts
 
 if TYPE_CHECKING:
     from kernels.cpu_native import NativeLib
@@ -84,7 +85,7 @@ class ExecutionPlan:
     attention_classes: tuple[tuple[int, bool], ...]  # (tokens, decode) of each attention class measured
     chunk_blocks: int  # KV blocks per cached-attention iteration
     max_blocks: int  # block-table width (whole chunks covering max_model_len)
-    verdicts: verdicts.Verdicts = dataclasses.field(default_factory=verdicts.Verdicts)
+    verdicts: Verdicts = dataclasses.field(default_factory=Verdicts)
     attention_measured: bool = False  # cpu_native under "auto": each step class as its verdict says
     matmul_measured: bool = False
 
@@ -118,7 +119,7 @@ class ExecutionPlan:
             classes += [("attention", t) for t, _ in self.attention_classes]
         return classes
 
-    def measured(self, v: verdicts.Verdicts, pages: str, pages_reason: str) -> ExecutionPlan:
+    def measured(self, v: Verdicts, pages: str, pages_reason: str) -> ExecutionPlan:
         """The plan completed by the measured verdicts and the weight placement's outcome."""
         return dataclasses.replace(self, verdicts=v, weight_pages=Decision(pages, pages_reason))
 

@@ -88,6 +88,7 @@ def alloc_kv(
 
     def alloc(kind: str) -> jax.Array:
         shape = paged_attention.cache_shape(kind, *dims)
-        return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sh)()  # type: ignore[no-any-return]
+        out: jax.Array = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sh)()
+        return out
 
     return alloc("k"), alloc("v")

@@ -36,7 +36,7 @@ from jax.sharding import PartitionSpec as P
 
 from kernels import paged_attention
 from kernels import select as attention_select
-from kernels.paged_attention import AttnMetadata
+from kernels.paged_attention import AttnMetadata, Operand
 from tl import backend, execution, placement, verdicts
 from tl.compiler import StepCompiler, enable_compile_cache
 from tl.config import EngineConfig
@@ -54,13 +54,13 @@ from tl.stats import BackendInfo
 class StepInputs:
     """The token axis of one step [T], its sequences [S] and its sample rows [R]."""
 
-    token_ids: jax.Array  # [T] i32
-    positions: jax.Array  # [T] i32
-    kv_blocks: jax.Array  # [T] i32: cache block of each token's KV
-    kv_offsets: jax.Array  # [T] i32: offset in that block
+    token_ids: Operand  # [T] i32
+    positions: Operand  # [T] i32
+    kv_blocks: Operand  # [T] i32: cache block of each token's KV
+    kv_offsets: Operand  # [T] i32: offset in that block
     meta: AttnMetadata
-    row_token: jax.Array  # [R] i32: token whose hidden state each sample row reads
-    pool_seq: jax.Array  # [T] i32: the step's sequence index of each pooled token, S (none) elsewhere
+    row_token: Operand  # [R] i32: token whose hidden state each sample row reads
+    pool_seq: Operand  # [T] i32: the step's sequence index of each pooled token, S (none) elsewhere
 
 
 jax.tree_util.register_dataclass(StepInputs)
@@ -389,7 +389,7 @@ class ModelRunner:
             meta=meta,
             row_token=row_token,
             pool_seq=pool_seq,
-        )  # type: ignore[arg-type]
+        )
         return inp, _Rows(tuple(spans), tuple(pools))
 
     def _pack_sampling(self, rows: _Rows, s_pad: int, num_rows: int) -> tuple[SamplingBatch, Penalties]:

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from kernels.paged_attention import Operand
 from tl.request import SamplingParams
 
 BISECT_STEPS = 31  # bit patterns of floats in [0, 1] span < 2**30: 31 halvings pin one exactly
@@ -36,27 +37,27 @@ BISECT_STEPS = 31  # bit patterns of floats in [0, 1] span < 2**30: 31 halvings 
 class SamplingBatch:
     """Per sample row r: settings of the row's request and the row's draft."""
 
-    temperature: jax.Array  # [R] f32; 0 = greedy
-    top_p: jax.Array  # [R] f32; 1 = off
-    top_k: jax.Array  # [R] i32; 0 = off
-    min_p: jax.Array  # [R] f32; 0 = off
-    key_data: jax.Array  # [R, 2] uint32: threefry key of the request seed (hi, lo words)
-    step: jax.Array  # [R] i32: num_generated + j, folded into the key
-    draft: jax.Array  # [R] i32: draft token this row verifies, -1 for none
+    temperature: Operand  # [R] f32; 0 = greedy
+    top_p: Operand  # [R] f32; 1 = off
+    top_k: Operand  # [R] i32; 0 = off
+    min_p: Operand  # [R] f32; 0 = off
+    key_data: Operand  # [R, 2] uint32: threefry key of the request seed (hi, lo words)
+    step: Operand  # [R] i32: num_generated + j, folded into the key
+    draft: Operand  # [R] i32: draft token this row verifies, -1 for none
 
 
 @dataclass(frozen=True)
 class Penalties:
     """Output-token statistics for penalties; `enabled` False skips all of it (lax.cond)."""
 
-    enabled: jax.Array  # [] bool
-    counts: jax.Array  # [S, V] f32: occurrences of each token in the sequence's output so far
-    bias: jax.Array  # [S, V] f32: logit_bias
-    presence: jax.Array  # [S] f32
-    frequency: jax.Array  # [S] f32
-    repetition: jax.Array  # [S] f32; 1 = off
-    row_seq: jax.Array  # [R] i32: sequence of each sample row
-    prior_drafts: jax.Array  # [R, K] i32: drafts before this row in its sequence (-1 pad)
+    enabled: Operand  # [] bool
+    counts: Operand  # [S, V] f32: occurrences of each token in the sequence's output so far
+    bias: Operand  # [S, V] f32: logit_bias
+    presence: Operand  # [S] f32
+    frequency: Operand  # [S] f32
+    repetition: Operand  # [S] f32; 1 = off
+    row_seq: Operand  # [R] i32: sequence of each sample row
+    prior_drafts: Operand  # [R, K] i32: drafts before this row in its sequence (-1 pad)
 
 
 @dataclass(frozen=True)
@@ -80,20 +81,22 @@ def apply_penalties(logits: jax.Array, pen: Penalties) -> jax.Array:
     seen = counts > 0
     rep = pen.repetition[pen.row_seq][:, None]
     x = jnp.where(seen, jnp.where(x > 0, x / rep, x * rep), x)
-    return x - counts * pen.frequency[pen.row_seq][:, None] - seen * pen.presence[pen.row_seq][:, None]
+    out: jax.Array = x - counts * pen.frequency[pen.row_seq][:, None] - seen * pen.presence[pen.row_seq][:, None]
+    return out
 
 
-def _bisect(bits: jax.Array, hi: jax.Array, ok_fn: object) -> jax.Array:
+def _bisect(bits: jax.Array, hi: jax.Array, ok_fn: Callable[[jax.Array], jax.Array]) -> jax.Array:
     """Largest b in [lo=0, hi) per row with ok(b); ok is monotone (true at 0, false at hi)."""
     lo = jnp.zeros_like(hi)
 
     def body(_: int, lh: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
         lo, hi = lh
         mid = lo + (hi - lo) // 2
-        ok = ok_fn(mid)  # type: ignore[operator]
+        ok = ok_fn(mid)
         return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
 
-    return lax.fori_loop(0, BISECT_STEPS, body, (lo, hi))[0]
+    best: jax.Array = lax.fori_loop(0, BISECT_STEPS, body, (lo, hi))[0]
+    return best
 
 
 def _top_k_bits(p_bits: jax.Array, k: jax.Array) -> jax.Array:
@@ -167,9 +170,10 @@ def sample(logits: jax.Array, sb: SamplingBatch, pen: Penalties, argmax_lse_fn: 
     def general() -> tuple[jax.Array, jax.Array]:
         x = lax.cond(pen.enabled, apply_penalties, lambda lg, _: lg, logits, pen)
         greedy_tok = lax.cond(pen.enabled, lambda: jnp.argmax(x, axis=1).astype(jnp.int32), lambda: raw_tok)
-        return lax.cond(
+        out: tuple[jax.Array, jax.Array] = lax.cond(
             jnp.all(sb.temperature <= 0), lambda: _greedy(greedy_tok, sb), lambda: _sampled(x, greedy_tok, sb)
         )
+        return out
 
     # All rows greedy without penalties (the common serving case): the raw argmax only, skipping
     # the softmax, the truncation bisections and the draw (41 ms of a 64-row step on 2 cores),
@@ -239,7 +243,7 @@ def pack_rows(
         key_data=key_data,
         step=col(list(steps), 0, np.int32),
         draft=col(list(drafts), -1, np.int32),
-    )  # type: ignore[arg-type]
+    )
 
 
 def pack_penalties(
@@ -277,4 +281,4 @@ def pack_penalties(
         repetition=per_seq[2],
         row_seq=rows,
         prior_drafts=prior,
-    )  # type: ignore[arg-type]
+    )

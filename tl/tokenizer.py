@@ -21,8 +21,8 @@ from typing import Any
 
 import tokenizers
 
-from tl.model.config import ModelDirError
-from tl.model.files import load_tokenizer_config, read_json
+from tl.model.config import ModelDirError, read_json
+from tl.model.files import load_tokenizer_config
 
 _HEX_BYTE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 

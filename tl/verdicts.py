@@ -197,7 +197,7 @@ def attention_case(
     if decode:
         seq_idx, positions, starts = np.arange(seqs), np.full(seqs, ctx), np.full(seqs, ctx)
     else:
-        seq_idx, positions, starts = np.zeros(tokens), np.arange(tokens), np.zeros(1)
+        seq_idx, positions, starts = np.zeros(tokens, np.int64), np.arange(tokens), np.zeros(1, np.int64)
     meta = AttnMetadata(
         seq_idx=jnp.asarray(seq_idx, jnp.int32),
         positions=jnp.asarray(positions, jnp.int32),
@@ -338,6 +338,7 @@ def measure_runner(plan: ExecutionPlan, kernels: Kernels, cfg: ModelConfig, para
         if kernel == "matmul":
             # One row streams the weights (a chain past the cache); more rows are compute-bound.
             mm = kernels.matmul
+            assert mm.fn is not None and mm.argmax_lse is not None  # measured: the native matmul
             return matmul_case(layers if rows == 1 else layers[:1], head, mm.fn, rows, llama.linear, mm.argmax_lse)
         case = attention_case(
             rows,
@@ -350,7 +351,7 @@ def measure_runner(plan: ExecutionPlan, kernels: Kernels, cfg: ModelConfig, para
             plan.max_blocks,
             plan.compute_dtype,
         )
-        return attention_timed(kernels.attention.fn, paged_attention.paged_attention, case, *kv, layers=2)
+        return attention_timed(kernels.attention.fn, paged_attention.paged_attention, case, kv[0], kv[1], layers=2)
 
     key = {
         "model": [

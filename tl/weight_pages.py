@@ -55,7 +55,7 @@ def place(tree: Any, shardings: Any) -> tuple[Any, int]:
     structure; the runner's NamedShardings over a one-device mesh); and the mapping's size in
     bytes. Raises OSError where the mapping or the advice fails."""
     leaves, treedef = jax.tree.flatten(tree)
-    targets = treedef.flatten_up_to(shardings)
+    targets = treedef.flatten_up_to(shardings)  # type: ignore[attr-defined]  # jaxlib's PyTreeDef stub lacks it
     arrays = [np.ascontiguousarray(x) for x in leaves]
     offsets, size = [], 0
     for a in arrays:

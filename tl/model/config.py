@@ -62,7 +62,7 @@ class ModelConfig:
                 v = float(v)
             if not isinstance(v, kind) or isinstance(v, bool) and kind is not bool:
                 raise ModelDirError(f"{source}: key {key!r} must be {kind.__name__}, got {v!r}")
-            if kind in (int, float) and v <= 0:
+            if kind in (int, float) and isinstance(v, int | float) and v <= 0:
                 raise ModelDirError(f"{source}: key {key!r} must be positive, got {v!r}")
             return v
 

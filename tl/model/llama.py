@@ -227,7 +227,8 @@ def load_weights(
         if kv_sharded:
             lp["wqkv"] = lin(fuse_qkv(wq, wk, wv, cfg), (col, None, None, None))
             if cfg.attention_bias:
-                b = fuse_qkv(*(get(a + f"{n}_proj.bias") for n in "qkv"), cfg)
+                bq, bk, bv = (get(a + f"{n}_proj.bias") for n in "qkv")
+                b = fuse_qkv(bq, bk, bv, cfg)
                 lp["bqkv"] = Tensor(b, (col, None, None))
         else:
             lp |= {"wq": lin(wq, (col, None)), "wk": lin(wk, (None, None)), "wv": lin(wv, (None, None))}

@@ -75,7 +75,8 @@ class Dense:
         return lax.dot_general(h, self.w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
     def rows(self, ids: jax.Array) -> jax.Array:
-        return self.w[ids]
+        out: jax.Array = self.w[ids]
+        return out
 
     def specs(self) -> Dense:
         return Dense(P(*self.axes), self.axes)
@@ -111,13 +112,15 @@ class Int8:
         )
         acc = acc.T.reshape(xq.shape[0], *q.shape[:-1])
         row_scale = x_scale[:n].reshape((n,) + (1,) * (q.ndim - 1))
-        return (acc[:n].astype(jnp.float32) * row_scale * self.scale).astype(x.dtype)
+        out: jax.Array = (acc[:n].astype(jnp.float32) * row_scale * self.scale).astype(x.dtype)
+        return out
 
     def logits(self, h: jax.Array) -> jax.Array:
         return self.dot(h).astype(jnp.float32)
 
     def rows(self, ids: jax.Array) -> jax.Array:
-        return self.q[ids].astype(jnp.float32) * self.scale[ids][:, None]
+        out: jax.Array = self.q[ids].astype(jnp.float32) * self.scale[ids][:, None]
+        return out
 
     def specs(self) -> Int8:
         return Int8(P(*self.axes), P(*self.axes[:-1]), self.axes)
@@ -149,7 +152,8 @@ class Bf16x3:
         return Dense(self.w).logits(h)
 
     def rows(self, ids: jax.Array) -> jax.Array:
-        return self.w[ids]
+        out: jax.Array = self.w[ids]
+        return out
 
     def specs(self) -> Bf16x3:
         return Bf16x3(P(*self.axes), P(), self.axes)
