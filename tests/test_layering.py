@@ -4,8 +4,10 @@
 - No module of tl/ imports serve or bench; nothing in tl/, kernels/ or serve/ imports bench.
 - The scheduler, block manager, request/plan records, sequences and the engine core never
   import jax or numpy.
-- Only the runner (and its weight placement and kernel verdicts), the model, the sampler, kernels/
-  and bench/ import jax.
+- Only the runner side imports jax (JAX_ALLOWED: the runner, the execution plan, placement, the
+  compiler, the model and its weights, the sampler, the verdicts), besides kernels/ and bench/.
+- Only the runner and the placement of weights and KV cache create device arrays (device_put,
+  DLPack, arrays from device buffers): DEVICE_PLACERS.
 - serve/ uses only the engine's public API: of tl, the modules in SERVE_API and no private
   (underscored) name; never the scheduler, block manager, runner, kernels or jax.
 - No environment variables read deep in the library: tl/ and kernels/ read none, but for the
@@ -40,14 +42,21 @@ PURE = [
 ]
 JAX_ALLOWED = {
     "tl/runner.py",
+    "tl/execution.py",
+    "tl/placement.py",
+    "tl/compiler.py",
+    "tl/embedding.py",
     "tl/verdicts.py",
     "tl/weight_pages.py",
     "tl/sampler.py",
     "tl/model/llama.py",
-    "tl/mesh.py",
+    "tl/model/weights.py",
     "tl/backend.py",
-    "tl/async_engine.py",
 }
+DEVICE_PLACERS = {"tl/runner.py", "tl/placement.py", "tl/weight_pages.py"}
+"""The modules that put host data on devices (device_put, DLPack, arrays made from device
+buffers): the runner (each step's inputs) and the placement of weights and the KV cache."""
+PLACING_CALLS = ("device_put", "from_dlpack", "make_array_from_single_device_arrays", "make_array_from_callback")
 SERVE_FORBIDDEN = (
     "tl.scheduler",
     "tl.block_manager",
@@ -112,6 +121,17 @@ def _computes_imports(source: str) -> bool:
     return "importlib" in {top(n) for n in imported(source)}
 
 
+def _places_on_device(source: str) -> list[str]:
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call):
+            f = node.func
+            name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else ""
+            if name in PLACING_CALLS:
+                out.append(name)
+    return out
+
+
 def violations(rel: str, source: str) -> list[str]:
     """The rules above that module `rel` (a path from the repository root) breaks."""
     pkg, names, out = rel.split("/")[0], imported(source), []
@@ -132,6 +152,8 @@ def violations(rel: str, source: str) -> list[str]:
         out.append(f"{rel} reads the environment (make it an [engine] key or an argument)")
     if pkg in ("tl", "serve") and _computes_imports(source):
         out.append(f"{rel} imports a module by a computed name")
+    if pkg in ("tl", "serve") and rel not in DEVICE_PLACERS and (calls := _places_on_device(source)):
+        out.append(f"{rel} creates device arrays ({', '.join(sorted(set(calls)))}); only {sorted(DEVICE_PLACERS)} may")
     return out
 
 
@@ -170,6 +192,9 @@ def test_every_module_keeps_the_rules() -> None:
         ("tl/engine.py", "import os\nx = os.getenv('X')\n", "reads the environment"),
         ("serve/app.py", "import importlib\nf = importlib.import_module(name)\n", "computed name"),
         ("tl/build.py", "m = __import__(spec)\n", "computed name"),
+        ("tl/execution.py", "import jax\nx = jax.device_put(y)\n", "creates device arrays"),
+        ("tl/embedding.py", "from jax import device_put\nx = device_put(y, d)\n", "creates device arrays"),
+        ("serve/app.py", "x = jax.dlpack.from_dlpack(v)\n", "creates device arrays"),
     ],
 )
 def test_each_rule_catches_what_breaks_it(rel: str, source: str, rule: str) -> None:
