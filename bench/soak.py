@@ -108,7 +108,8 @@ async def serve(
     log_dir: Path | None = None,
 ) -> AsyncIterator[Server]:
     """Start granian over serve.app:app with TL_CONFIG=config and `TL_ENGINE__<KEY>` overrides
-    (keys lower-case as in runtime.toml); wait until /readyz answers 200; kill it at the end."""
+    (keys lower-case as in runtime.toml); wait until /readyz answers 200 and every step variant
+    is compiled (tl_engine_compile_pending 0); kill it at the end."""
     port, hport = free_port(), free_port()
     full = {
         **os.environ,
@@ -153,6 +154,13 @@ async def serve(
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"server not ready in {ready_timeout_s} s; log: {log_path}")
                 await asyncio.sleep(0.1)
+            # Ready serves in the start-up variants; measure once the background compilation is done.
+            while time.monotonic() < deadline:
+                async with client.get(f"{srv.health}/metrics") as r:
+                    text = await r.text()
+                if any(line.startswith("tl_engine_compile_pending 0") for line in text.splitlines()):
+                    break
+                await asyncio.sleep(0.5)
             async with client.get(f"{srv.api}/v1/models") as r:
                 srv.model = (await r.json())["data"][0]["id"]
         yield srv
