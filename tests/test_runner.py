@@ -382,7 +382,7 @@ def test_bf16_kv_cache_of_a_float32_model() -> None:
         return runner, generate(runner, prompts, 12)
 
     native, got = run(kv_cache_dtype="bfloat16", attention_kernel="cpu_native")  # forced: every step shape native
-    assert native.attention.name == "cpu_native" and native.dtype == jnp.float32
+    assert native.kernels.attention.name == "cpu_native" and native.plan.compute_dtype == jnp.float32
     assert native.kv_cache[0].dtype == jnp.uint16 and native.backend_info.kv_cache_dtype == "bfloat16"
     _, ref = run(kv_cache_dtype="bfloat16", attention_kernel="reference")
     full, exact = run()
