@@ -17,19 +17,37 @@ from tl.request import SamplingParams
 VARIANTS = [(1, 1), (4, 1), (4, 4), (8, 1), (8, 4), (16, 4)]
 
 
-def test_pick_takes_the_smallest_compiled_variant_that_holds_the_step() -> None:
+def test_pick_takes_the_smallest_compiled_variant_that_holds_the_step_while_compiling() -> None:
     made: list[tuple[int, int]] = []
-    c = StepCompiler(lambda v: made.append(v) or f"fn{v}", VARIANTS)
+    gate = threading.Event()
+
+    def compile(v: tuple[int, int]) -> str:
+        if v == (4, 1) and len(made) >= 2:
+            gate.wait(10)  # the background compilation holds here
+        made.append(v)
+        return f"fn{v}"
+
+    c = StepCompiler(compile, VARIANTS)
     c.compile_startup([(1, 1), (16, 4)])
     assert sorted(made) == [(1, 1), (16, 4)]
+    c.start_background()
+    assert c.compiling
     assert c.pick(1, 1) == ((1, 1), "fn(1, 1)")
-    assert c.pick(4, 1) == ((16, 4), "fn(16, 4)")  # its own is not compiled: the larger one, no compile
+    assert c.pick(4, 4) == ((16, 4), "fn(16, 4)")  # its own is not compiled: the larger one, no compile
     assert c.pick(8, 4) == ((16, 4), "fn(16, 4)")
-    assert len(made) == 2
-    c.ensure((4, 1))
-    assert c.pick(4, 1) == ((4, 1), "fn(4, 1)")
-    assert c.pick(1, 1) == ((1, 1), "fn(1, 1)")  # (1, 1) still beats (4, 1)
-    assert c.pick(32, 4)[0] == (32, 4) and made[-1] == (32, 4)  # nothing holds it: compiled now
+    assert c.pick(32, 4) == ((32, 4), "fn(32, 4)") and made[-1] == (32, 4)  # nothing holds it: compiled now
+    gate.set()
+    assert c.wait(10) and not c.compiling
+    assert c.pick(4, 1) == ((4, 1), "fn(4, 1)") and c.pick(8, 4) == ((8, 4), "fn(8, 4)")
+
+
+def test_without_background_compilation_a_step_compiles_its_own_variant() -> None:
+    """No warm-up asked for (the CLI's one-shot generate, benchmarks timing each variant): a
+    step never borrows a larger variant; its own compiles on first use."""
+    made: list[tuple[int, int]] = []
+    c = StepCompiler(lambda v: made.append(v) or f"fn{v}", VARIANTS)
+    assert c.pick(16, 4) == ((16, 4), "fn(16, 4)")
+    assert c.pick(1, 1) == ((1, 1), "fn(1, 1)") and made == [(16, 4), (1, 1)]
 
 
 def test_background_compiles_the_rest_in_ascending_order_and_stops() -> None:
@@ -81,6 +99,7 @@ def two_runners() -> tuple:
     part, _ = make_runner(ENGINE, seed=11)
     full.warmup()
     part.compiler.compile_startup(part.plan.startup_variants)  # (8, 1) and (32, 4) only
+    part.compiler.borrowing = True  # as while the background compilation runs
     return full, part
 
 

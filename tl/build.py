@@ -38,7 +38,9 @@ def build_engine(cfg: EngineConfig, warmup: bool = True, background: bool = Fals
     init_distributed(cfg, os.environ)
     t0 = time.perf_counter()
     runner = ModelRunner.from_model_dir(cfg)
-    log.info("loaded %s in %.1f s", cfg.model_dir, time.perf_counter() - t0)
+    kv_mib = sum(x.nbytes for x in runner.kv_cache) >> 20
+    parts = ", ".join(f"{k.replace('_', ' ')} {v:.1f} s" for k, v in runner.startup_seconds.items())
+    log.info("loaded %s in %.1f s (%s; KV cache %d MiB)", cfg.model_dir, time.perf_counter() - t0, parts, kv_mib)
     for line in runner.plan.lines():
         log.info("%s", line)
     if warmup:

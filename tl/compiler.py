@@ -56,6 +56,7 @@ class StepCompiler:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self.background_error: BaseException | None = None
+        self.borrowing = False  # steps may run in a larger compiled variant than their own
 
     @property
     def num_compiled(self) -> int:
@@ -66,16 +67,28 @@ class StepCompiler:
         return tuple(sorted(self._done))
 
     def pick(self, tokens: int, seqs: int) -> tuple[Variant, Any]:
-        """The compiled variant with the fewest tokens (then sequences) holding tokens x seqs
-        (both already bucketed); the exact one compiled now where none is."""
-        best = None
-        for v in list(self._done):
-            if v[0] >= tokens and v[1] >= seqs and (best is None or v < best):
-                best = v
-        if best is None:
-            best = (tokens, seqs)
-            return best, self.ensure(best)
-        return best, self._done[best]
+        """The variant that runs a step of tokens x seqs (both already bucketed): its own where
+        compiled; when `borrowing` (a background compilation was started: it is under way, or
+        stopped on an error), the compiled variant with the fewest tokens (then sequences) that
+        holds it; else (no warm-up: the CLI, benchmarks timing each variant) its own, compiled
+        now."""
+        own = (tokens, seqs)
+        fn = self._done.get(own)
+        if fn is not None:
+            return own, fn
+        if self.borrowing:
+            best = None
+            for v in list(self._done):
+                if v[0] >= tokens and v[1] >= seqs and (best is None or v < best):
+                    best = v
+            if best is not None:
+                return best, self._done[best]
+        return own, self.ensure(own)
+
+    @property
+    def compiling(self) -> bool:
+        """The background compilation is running."""
+        return self._thread is not None and self._thread.is_alive()
 
     def ensure(self, v: Variant) -> Any:
         """Variant v's compiled step, compiling it now if needed."""
@@ -135,6 +148,7 @@ class StepCompiler:
         what compiled)."""
         if self._thread is not None:
             return
+        self.borrowing = True
 
         def run() -> None:
             try:

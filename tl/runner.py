@@ -23,6 +23,7 @@ the scratch block (id num_kv_blocks, the cache's last block).
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -193,13 +194,16 @@ class ModelRunner:
         platform = backend.resolve_platform(engine_cfg.backend)
         self.layout = backend.tp_layout(cfg, mesh.shape["model"] if mesh else engine_cfg.tensor_parallel)
         self.mesh = mesh or backend.make_mesh(platform, engine_cfg.tensor_parallel)
+        t0 = time.perf_counter()
         plan, self.kernels = execution.plan_execution(engine_cfg, cfg, platform, self.mesh, self.layout)
+        t1 = time.perf_counter()
         self._spec_tokens = engine_cfg.spec_tokens
         self._chunk_blocks, self._max_blocks = plan.chunk_blocks, plan.max_blocks
         self._replicated = NamedSharding(self.mesh, P())
         self._kv = placement.alloc_kv(
             cfg, self.mesh, self.layout.kv_spec, self.num_kv_blocks + 1, self.block_size, plan.kv_dtype
         )
+        t2 = time.perf_counter()
         self._num_compilations = 0
         self._zero_penalties: dict[tuple[int, int], Penalties] = {}
         placed = placement.place_weights(
@@ -213,7 +217,10 @@ class ModelRunner:
             huge_pages=plan.weight_pages.value == "huge",
         )
         self._params = placed.params
+        t3 = time.perf_counter()
         measured = verdicts.measure_runner(plan, self.kernels, cfg, self._params, self._kv)
+        self.startup_seconds = {"plan": t1 - t0, "kv_cache": t2 - t1, "weights": t3 - t2}
+        self.startup_seconds["verdicts"] = time.perf_counter() - t3
         self.plan = plan.measured(measured, placed.pages, placed.reason or plan.weight_pages.reason)
         attention, matmul, argmax_lse = self._dispatch()
         kv_sh = NamedSharding(self.mesh, self.layout.kv_spec)
