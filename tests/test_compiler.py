@@ -50,7 +50,7 @@ def test_without_background_compilation_a_step_compiles_its_own_variant() -> Non
     assert c.pick(1, 1) == ((1, 1), "fn(1, 1)") and made == [(16, 4), (1, 1)]
 
 
-def test_background_compiles_the_rest_in_ascending_order_and_stops() -> None:
+def test_background_compiles_one_sequence_variants_first_and_stops() -> None:
     made: list[tuple[int, int]] = []
     gate = threading.Event()
 
@@ -67,7 +67,7 @@ def test_background_compiles_the_rest_in_ascending_order_and_stops() -> None:
     assert c.pick(8, 4)[0] == (16, 4)  # meanwhile a step runs in the larger variant
     gate.set()
     assert c.wait(10)
-    assert made[2:] == [(4, 1), (4, 4), (8, 1), (8, 4)] and c.compiled == tuple(VARIANTS)
+    assert made[2:] == [(4, 1), (8, 1), (4, 4), (8, 4)] and c.compiled == tuple(VARIANTS)  # one sequence first
     stopped = StepCompiler(compile, VARIANTS)
     stopped.stop()
     stopped.compile_rest()

@@ -4,13 +4,13 @@ Owns: JAX's persistent compilation cache (`enable_compile_cache`), the table of 
 variants (one per (token bucket, seq bucket)), compiling a variant ahead of time (the runner's
 `lower` function: trace and lower over abstract arguments, then XLA compiles off the GIL), the
 plan's start-up variants compiled before the runner is ready (two threads: XLA compiles one
-module on one core), the rest on one background thread in ascending order (small decode steps
-first: they are what a fresh server runs most), progress log lines with counts, and `pick`: the
-smallest compiled variant that holds a step. A step whose own variant is not compiled yet runs
-in a larger compiled one (padding only: the same tokens, written to the same slots), so no
-request waits on a compile once the start-up variants are in; where nothing compiled holds a
-step (no warm-up was asked for: the CLI's one-shot generate, tests), its variant is compiled
-then and there.
+module on one core), the rest on one background thread (one sequence's variants first, by
+tokens: a lone request's prefill and decode steps, what a fresh server meets first; then each
+larger sequence bucket's), progress log lines with counts, and `pick`. While the background
+compilation runs, a step whose own variant is not compiled yet runs in the smallest compiled
+one that holds it (padding only: the same tokens, written to the same slots), so no request
+waits on a compile once the start-up variants are in; with no warm-up asked for (the CLI's
+one-shot generate, `bench runner`, tests), a step's own variant is compiled then and there.
 Must not: decide the variants (tl/execution.py does), pack inputs, touch the KV cache.
 Tested by tests/test_compiler.py and tests/test_runner.py.
 """
@@ -123,9 +123,11 @@ class StepCompiler:
         return took
 
     def compile_rest(self) -> None:
-        """Compile every variant not compiled yet, in ascending order, here (blocking)."""
+        """Compile every variant not compiled yet, here (blocking): one sequence's variants first,
+        by tokens (a lone request's prefill chunks and decodes: what a fresh server meets
+        first), then each larger sequence bucket's."""
         t0 = time.perf_counter()
-        for v in self.variants:
+        for v in sorted(self.variants, key=lambda v: (v[1], v[0])):
             if self._stop.is_set():
                 return
             if v in self._done:
