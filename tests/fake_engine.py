@@ -91,7 +91,11 @@ class FakeRunner:
         self.eos_token_ids = eos_token_ids
         self.num_compilations = 0
         self.num_pending_compiles = 0
+        self.closed = False
         self.warmed = False
+
+    def close(self) -> None:
+        self.closed = True
 
     def warmup(self) -> None:
         self.num_compilations = 3
@@ -230,6 +234,9 @@ class FakeEngine:
             self._free += s.blocks
         return TokenOut(s.rid, tok, lp, top, finish)  # type: ignore[arg-type]
 
+    def close(self) -> None:
+        self.runner.close()
+
     def stats(self) -> EngineStats:
         used = self.runner.num_kv_blocks - self._free
         return EngineStats(
@@ -265,7 +272,11 @@ class SuccRunner:
         self.backend_info: BackendInfo | None = None
         self.num_compilations = 0
         self.num_pending_compiles = 0
+        self.closed = False
         self.step_delay_s = step_delay_s
+
+    def close(self) -> None:
+        self.closed = True
 
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
         if self.step_delay_s:

@@ -72,6 +72,7 @@ class FakeRunner:
         self.backend_info: BackendInfo | None = None
         self.num_compilations = 0
         self.num_pending_compiles = 0
+        self.closed = False
         self.kv: list[tuple[int, int] | None] = [None] * (num_kv_blocks * block_size)  # slot -> (position, token)
         self.history: dict[int, list[int]] = {}  # seq id -> tokens by position as committed so far (-1: unseen)
         self.plans: list[SchedulerOutput] = []
@@ -84,6 +85,9 @@ class FakeRunner:
 
     def slot(self, work: SeqWork, pos: int) -> int:
         return work.block_table[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def close(self) -> None:
+        self.closed = True
 
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
         self.plans.append(plan)

@@ -63,7 +63,9 @@ def test_generates_on_its_thread(build: Callable[..., AsyncEngine]) -> None:
         outs = await tokens(eng.submit(GenRequest((97,), GREEDY)))
         assert [o.token_id for o in outs] == [98, 99, 100] and outs[-1].finish_reason == "length"
         assert await eng.embed([[1, 2], [3]]) == [fake_embedding([1, 2]), fake_embedding([3])]
+        assert not eng.engine.runner.closed  # type: ignore[attr-defined]
         eng.shutdown()
+        assert eng.engine.runner.closed  # type: ignore[attr-defined]  # background compilation stopped
 
     run(body)
 

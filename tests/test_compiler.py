@@ -74,6 +74,23 @@ def test_background_compiles_one_sequence_variants_first_and_stops() -> None:
     assert stopped.num_compiled == 0
 
 
+def test_stop_without_waiting_ends_the_background_after_the_variant_in_progress() -> None:
+    gate = threading.Event()
+
+    def compile(v: tuple[int, int]) -> str:
+        if v == (4, 1):
+            gate.wait(10)
+        return str(v)
+
+    c = StepCompiler(compile, VARIANTS)
+    c.compile_startup([(1, 1), (16, 4)])
+    c.start_background()
+    c.stop(wait=False)  # returns at once, with (4, 1) still compiling
+    assert c.compiling
+    gate.set()
+    assert c.wait(10) and c.compiled == ((1, 1), (4, 1), (16, 4))  # nothing after the one in progress
+
+
 def test_a_background_failure_is_kept_and_steps_run_in_what_compiled() -> None:
     def compile(v: tuple[int, int]) -> str:
         if v == (4, 4):

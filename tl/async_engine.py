@@ -60,6 +60,7 @@ class SyncEngine(Protocol):
     def step(self) -> list[TokenOut]: ...
     def has_work(self) -> bool: ...
     def stats(self) -> EngineStats: ...
+    def close(self) -> None: ...
 
 
 class RequestHandle:
@@ -321,6 +322,7 @@ class AsyncEngine:
         if self._thread is not None and self._thread.is_alive():
             self._command(Stop())
             self._thread.join(timeout)
+        self.engine.close()  # the runner's background compilation
 
     def _command(self, cmd: Command) -> None:
         self._cmds.put(cmd)

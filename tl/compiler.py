@@ -169,7 +169,8 @@ class StepCompiler:
         self._thread.join(timeout)
         return not self._thread.is_alive()
 
-    def stop(self) -> None:
-        """Stop the background compilation after the variant in progress."""
+    def stop(self, wait: bool = True) -> None:
+        """Stop the background compilation after the variant in progress (waiting for it, or not)."""
         self._stop.set()
-        self.wait()
+        if wait:
+            self.wait()

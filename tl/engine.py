@@ -101,6 +101,10 @@ class Engine:
         """Finish a live request; its blocks are free at once, its "abort" TokenOut comes from the next step."""
         self.scheduler.abort(request_id)
 
+    def close(self) -> None:
+        """Stop the runner's background work (the engine is not stepped after this)."""
+        self.runner.close()
+
     def abort_all(self) -> None:
         for request_id in list(self.scheduler.seqs):
             self.scheduler.abort(request_id)

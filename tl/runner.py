@@ -472,7 +472,11 @@ class ModelRunner:
             ]
         return RunnerOutput(tuple(results))
 
-    # ---- warm-up ----
+    # ---- warm-up and close ----
+
+    def close(self) -> None:
+        """Stop the background compilation (after the variant in progress; not waiting for it)."""
+        self.compiler.stop(wait=False)
 
     def warmup(self, background: bool = False) -> None:
         """Compile the step's variants ahead of time: the plan's start-up variants now, then the
