@@ -129,7 +129,7 @@ class NativeLib:
         if isinstance(w, Bf16x3):
             if x.shape[0] >= HIGH_MIN_ROWS:
                 return self.matmul_bf16x3(x, w.packed, w.out_shape)
-            w = Dense(w.w, w.axes)
+            w = w.dense
         if x.shape[0] > self.max_rows():
             return None
         if isinstance(w, Int8):

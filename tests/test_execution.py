@@ -72,7 +72,7 @@ def test_runner_reads_the_measured_plan_and_the_card_shows_it() -> None:
     info = runner.backend_info
     assert (info.platform, info.dtype, info.weight_pages) == ("cpu", "float32", "default")
     assert info.attention_kernel == plan.summary("attention") and info.matmul_kernel == plan.summary("matmul")
-    assert info.reasons == tuple(plan.lines()[:6])
+    assert info.reasons == tuple(plan.decision_lines()) == tuple(plan.lines()[: len(info.reasons)])
     assert any(line.startswith("weight pages: default (configured)") for line in info.reasons)
     assert any("2 compiled before ready" in line for line in info.reasons)
     assert info.kernel_choices == tuple(v.line() for v in plan.verdicts.verdicts)

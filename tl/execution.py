@@ -133,9 +133,9 @@ class ExecutionPlan:
             return self.matmul.value
         return self.verdicts.summary("matmul", "cpu_native", "xla")
 
-    def lines(self) -> list[str]:
-        """The start-up log: one line a decision, then each measured class."""
-        out = [
+    def decision_lines(self) -> list[str]:
+        """One line a decision, with its reason."""
+        return [
             f"platform {self.platform.value} ({self.platform.reason}), tensor_parallel {self.tensor_parallel}"
             f" (KV heads {self.kv_heads.value}: {self.kv_heads.reason})",
             f"dtype {self.dtype.value} ({self.dtype.reason});"
@@ -147,6 +147,10 @@ class ExecutionPlan:
             f"buckets: tokens {list(self.token_buckets)}, sequences {list(self.seq_buckets)}: {len(self.variants)}"
             f" step variants, {len(self.startup_variants)} compiled before ready {list(self.startup_variants)}",
         ]
+
+    def lines(self) -> list[str]:
+        """The start-up log: the decisions, then each measured class."""
+        out = self.decision_lines()
         if self.verdicts.verdicts:
             cpu = cpu_build.cpu_model()
             out.append(f"native kernels ({self.native_target} build, {cpu}): verdicts {self.verdicts.source}")
@@ -169,7 +173,7 @@ class ExecutionPlan:
             kernel_choices=tuple(v.line() for v in self.verdicts.verdicts),
             kv_heads=self.kv_heads.value,
             weight_pages=self.weight_pages.value,
-            reasons=tuple(self.lines()[:6]),
+            reasons=tuple(self.decision_lines()),
         )
 
 

@@ -138,22 +138,26 @@ class Bf16x3:
     axes: Axes = struct.field(pytree_node=False, default=())
 
     @property
+    def dense(self) -> Dense:
+        """The float32 matrix alone: what XLA and the few-row kernels run."""
+        return Dense(self.w, self.axes)
+
+    @property
     def out_shape(self) -> tuple[int, ...]:
-        return tuple(self.w.shape[:-1])
+        return self.dense.out_shape
 
     @property
     def dtype(self) -> Any:
         return self.w.dtype
 
     def dot(self, x: jax.Array) -> jax.Array:
-        return _flat_dot(x, self.w)
+        return self.dense.dot(x)
 
     def logits(self, h: jax.Array) -> jax.Array:
-        return Dense(self.w).logits(h)
+        return self.dense.logits(h)
 
     def rows(self, ids: jax.Array) -> jax.Array:
-        out: jax.Array = self.w[ids]
-        return out
+        return self.dense.rows(ids)
 
     def specs(self) -> Bf16x3:
         return Bf16x3(P(*self.axes), P(), self.axes)
