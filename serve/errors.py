@@ -110,6 +110,11 @@ def aborted() -> ApiError:
     )
 
 
+def constraint_failed(message: str) -> ApiError:
+    """A constrained generation whose matcher refused a token mid-way (its output is not valid)."""
+    return ApiError(500, message, "server_error", None, "structured_output_failed")
+
+
 def internal(message: str = "Internal server error") -> ApiError:
     return ApiError(500, message, "server_error", None, "internal_error")
 

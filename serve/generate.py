@@ -40,7 +40,7 @@ from serve.wire import (
     encoder,
 )
 from tl.async_engine import AsyncEngine, EngineError, RequestHandle
-from tl.request import GenRequest, RequestError, TokenOut
+from tl.request import Constraint, GenRequest, RequestError, TokenOut
 
 PING_INTERVAL_S = 15.0
 _GONE = object()
@@ -86,6 +86,8 @@ class Choice:
                 raise errors.no_capacity()
             elif o.finish_reason == "abort":
                 raise errors.aborted()
+            elif o.finish_reason == "error":
+                raise errors.constraint_failed(o.error or "the structured-output matcher failed")
         piece = "".join(pieces)
         self.text.append(piece)
         return piece
@@ -95,9 +97,17 @@ class Job:
     """One HTTP generation request: its choices, merged deliveries and cleanup."""
 
     def __init__(
-        self, spec: GenSpec, engine: AsyncEngine, model_id: str, priority: int, metrics: Metrics, arrived: float
+        self,
+        spec: GenSpec,
+        engine: AsyncEngine,
+        model_id: str,
+        priority: int,
+        metrics: Metrics,
+        arrived: float,
+        constraint: Constraint | None = None,
     ) -> None:
         self.spec = spec
+        self.constraint = constraint
         self.engine = engine
         self.model_id = model_id
         self.metrics = metrics
@@ -116,7 +126,7 @@ class Job:
         try:
             for p_idx, prompt in enumerate(self.spec.prompts):
                 for c_idx, params in enumerate(self.spec.params):
-                    handle = self.engine.submit(GenRequest(prompt, params, priority))
+                    handle = self.engine.submit(GenRequest(prompt, params, priority, self.constraint))
                     stops = stop_ids | set(params.stop_token_ids)
                     choices.append(
                         Choice(

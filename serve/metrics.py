@@ -5,7 +5,9 @@ tensor parallelism, dtype, attention kernel), the engine gauges, counters and hi
 time, prompt tokens per step) (read from the
 AsyncEngine's stats snapshot at scrape time, so the engine thread is never touched), latency histograms (time to first
 token, time per output token, end-to-end, queue time = submit until the engine thread
-admitted the request) and request counters by endpoint and status.
+admitted the request), request counters by endpoint and status, and structured output's
+constrained requests (by kind and compile outcome: the cache hits), compile time and
+per-token mask time.
 Tested by the /metrics checks in tests/test_serve_app.py.
 """
 
@@ -77,6 +79,7 @@ class _EngineCollector(Collector):
                 "Prompt-work tokens (prefill chunks, embeddings inputs) of each step",
                 s.prompt_tokens_per_step,
             ),
+            ("tl_engine_mask_seconds", "Host time filling one constrained token's bitmask", s.mask_seconds),
         ):
             if h.bounds:
                 yield HistogramMetricFamily(name, doc, buckets=h.cumulative(), sum_value=h.total)
@@ -104,6 +107,19 @@ class Metrics:
         self.queue_time = Histogram(
             "tl_request_queue_time_seconds",
             "Submit until the engine took the request",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.grammar_requests = Counter(
+            "tl_structured_output_requests",
+            "Constrained requests by kind (json, regex, choice, grammar) and compile outcome "
+            "(cached, compiled, refused)",
+            ["kind", "outcome"],
+            registry=r,
+        )
+        self.grammar_compile = Histogram(
+            "tl_structured_output_compile_seconds",
+            "Time to compile a constraint not in the cache",
             buckets=LATENCY_BUCKETS,
             registry=r,
         )

@@ -1,6 +1,7 @@
 """Chat and completion bodies -> GenSpec: prompts as token ids plus validated sampling settings.
 
-Owns request validation beyond msgspec's ranges: the 422 list of unsupported parameters,
+Owns request validation beyond msgspec's ranges: the 422 list of unsupported parameters, the
+structured-output constraint a request asks for (response_format or structured_outputs, one),
 the served model id (404), the chat template render, a chat request's default max_tokens
 (the rest of the context), the wire field a context-length refusal names (the engine
 decides whether a request fits, at submit) and the SamplingParams build (its RequestError
@@ -10,6 +11,7 @@ Must not touch the engine thread. Tested through tests/test_serve_app.py.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
@@ -22,7 +24,7 @@ from serve.wire import (
     PromptItem,
     SamplingFields,
 )
-from tl.request import MAX_SEED, RequestError, SamplingParams
+from tl.request import MAX_SEED, ConstraintSpec, RequestError, SamplingParams
 from tl.stats import BackendInfo
 
 Kind = Literal["chat", "completion"]
@@ -66,6 +68,7 @@ class GenSpec:
     include_usage: bool
     logprobs: bool
     context_param: str  # the field a context-length refusal names: max_tokens' own, or "messages" when defaulted
+    constraint: ConstraintSpec | None = None  # structured output: what every choice must match
 
     @property
     def n(self) -> int:
@@ -86,8 +89,64 @@ def _refuse_unsupported(req: SamplingFields) -> None:
         raise errors.unsupported("functions")
     if req.function_call is not None:
         raise errors.unsupported("function_call")
-    if req.response_format is not None and req.response_format.type != "text":
-        raise errors.unsupported("response_format", f"type {req.response_format.type!r}")
+
+
+ANY_OBJECT = '{"type":"object"}'
+
+
+def constraint(req: SamplingFields) -> ConstraintSpec | None:
+    """The request's structured-output constraint: OpenAI's response_format (json_object,
+    json_schema) or vLLM's structured_outputs (json, regex, choice, grammar, json_object), at
+    most one of them; None for text. Compiled later (tl/grammar.py), off the event loop."""
+    specs = []
+    rf = req.response_format
+    if rf is not None and rf.type == "json_object":
+        specs.append(ConstraintSpec("json", ANY_OBJECT, "response_format"))
+    elif rf is not None and rf.type == "json_schema":
+        if rf.json_schema is None:
+            raise errors.bad_request(
+                "response_format.json_schema is required when type is 'json_schema'", "response_format.json_schema"
+            )
+        schema = rf.json_schema.schema
+        text = "{}" if schema is None else json.dumps(schema)
+        specs.append(ConstraintSpec("json", text, "response_format.json_schema.schema"))
+    so = req.structured_outputs
+    if so is not None:
+        given = [
+            (name, value)
+            for name, value in (
+                ("json", so.json),
+                ("regex", so.regex),
+                ("choice", so.choice),
+                ("grammar", so.grammar),
+                ("json_object", so.json_object or None),
+            )
+            if value is not None
+        ]
+        if len(given) != 1:
+            names = ", ".join(f"structured_outputs.{n}" for n, _ in given) or "none"
+            raise errors.bad_request(
+                f"structured_outputs must hold exactly one of json, regex, choice, grammar, json_object (got {names})",
+                "structured_outputs",
+            )
+        name, value = given[0]
+        param = f"structured_outputs.{name}"
+        if name == "json":
+            specs.append(ConstraintSpec("json", value if isinstance(value, str) else json.dumps(value), param))
+        elif name == "json_object":
+            specs.append(ConstraintSpec("json", ANY_OBJECT, param))
+        elif name == "choice":
+            specs.append(ConstraintSpec("choice", json.dumps(value), param))
+        elif name == "regex" or name == "grammar":
+            if not value:
+                raise errors.bad_request(f"{param} must not be empty", param)
+            specs.append(ConstraintSpec("regex" if name == "regex" else "grammar", str(value), param))
+    if len(specs) > 1:
+        raise errors.bad_request(
+            f"{specs[0].param} and {specs[1].param} both constrain the output; give only one of them",
+            specs[1].param.split(".")[0],
+        )
+    return specs[0] if specs else None
 
 
 def message_dicts(messages: list[ChatMessage]) -> list[dict[str, str]]:
@@ -216,6 +275,7 @@ def chat_spec(req: ChatRequest, info: ModelInfo) -> GenSpec:
         bool(req.stream_options and req.stream_options.include_usage),
         bool(req.logprobs),
         "messages" if asked is None else param,
+        constraint(req),
     )
 
 
@@ -243,4 +303,5 @@ def completion_spec(req: CompletionRequest, info: ModelInfo) -> GenSpec:
         bool(req.stream_options and req.stream_options.include_usage),
         logprobs,
         "max_tokens",
+        constraint(req),
     )

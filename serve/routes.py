@@ -48,7 +48,7 @@ from serve.wire import (
     encoder,
 )
 from tl.async_engine import AsyncEngine, EmbedHandle, EngineError
-from tl.request import MAX_EMBED_INPUTS, EmbedRequest, RequestError
+from tl.request import MAX_EMBED_INPUTS, Constraint, ConstraintSpec, EmbedRequest, RequestError
 
 S = TypeVar("S")
 STARTED_AT = int(time.time())
@@ -105,13 +105,28 @@ async def _generate(ctx: Ctx, spec_fn: Callable[[], GenSpec]) -> None:
         )
     spec = spec_fn()
     prio = priority(ctx)
-    job = Job(spec, ctx.engine, ctx.info.model_id, prio, ctx.metrics, ctx.arrived)
+    grammar = await _compile(ctx, spec.constraint) if spec.constraint is not None else None
+    job = Job(spec, ctx.engine, ctx.info.model_id, prio, ctx.metrics, ctx.arrived, grammar)
     ctx.jobs.add(job)
     try:
         assert ctx.watcher is not None
         await respond(job, ctx.out, ctx.watcher, ctx.ping_interval_s)
     finally:
         ctx.jobs.discard(job)
+
+
+async def _compile(ctx: Ctx, spec: ConstraintSpec) -> Constraint:
+    """The request's constraint compiled (a 400 naming its field if it does not compile in time)."""
+    m = ctx.metrics
+    try:
+        compiled = await ctx.engine.compile_constraint(spec)
+    except RequestError as e:
+        m.grammar_requests.labels(spec.kind, "refused").inc()
+        raise errors.from_request_error(e) from None
+    m.grammar_requests.labels(spec.kind, "cached" if compiled.cached else "compiled").inc()
+    if not compiled.cached:
+        m.grammar_compile.observe(compiled.seconds)
+    return compiled.grammar
 
 
 async def chat(ctx: Ctx) -> None:

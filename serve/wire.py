@@ -8,7 +8,7 @@ No logic beyond shapes. Tested through the route tests.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta, Struct
@@ -43,8 +43,28 @@ class StreamOptions(Struct):
     include_usage: bool | None = None
 
 
-class ResponseFormat(Struct):
-    type: str
+class JsonSchemaFormat(Struct, kw_only=True):
+    """OpenAI's response_format.json_schema: `strict` is accepted; tl always enforces the schema."""
+
+    name: Annotated[str, Meta(min_length=1, max_length=64)]
+    schema: dict[str, Any] | None = None  # absent: any JSON value
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(Struct, kw_only=True):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(Struct, kw_only=True, omit_defaults=True):
+    """vLLM's structured_outputs: exactly one constraint."""
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: Annotated[list[str], Meta(min_length=1)] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class SamplingFields(Struct, kw_only=True):
@@ -73,6 +93,7 @@ class SamplingFields(Struct, kw_only=True):
     functions: object = None
     function_call: object = None
     response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
 
 
 class ChatRequest(SamplingFields, kw_only=True):

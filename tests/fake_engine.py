@@ -1,11 +1,12 @@
 """A pure-Python stand-in for tl.engine.Engine with hand-checkable outputs, for server tests.
 
 The "succ" rule over a byte tokenizer: greedy next token = (last token + 1) % 256, so "a"
-continues "bcd...". Sampling (temperature > 0) adds a seeded offset in 0..3. EOS is never
-produced unless `eos_token_ids` is set. Each request reserves ceil((prompt + max_tokens) /
-block_size) blocks when admitted and returns them when it finishes or is aborted, so
-/metrics can be checked exactly. `step_delay_s` slows steps down for disconnect and drain
-tests; `fail_next_step` makes the next step raise.
+continues "bcd...". Under a structured-output constraint the successor is taken when the
+grammar allows it, else the smallest allowed byte (`constrained`). Sampling (temperature > 0)
+adds a seeded offset in 0..3. EOS is never produced unless `eos_token_ids` is set. Each
+request reserves ceil((prompt + max_tokens) / block_size) blocks when admitted and returns
+them when it finishes or is aborted, so /metrics can be checked exactly. `step_delay_s`
+slows steps down for disconnect and drain tests; `fail_next_step` makes the next step raise.
 
 FakeEngine has the members tl.async_engine.SyncEngine names, as tl.engine.Engine does, and
 admits by the same rules (tl/request.py check_context and check_capacity).
@@ -17,6 +18,7 @@ App (tests/fake_app.py hands the latter to granian's App).
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import random
@@ -25,13 +27,34 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+from fake_runner import pick_allowed
+from models import BYTE_VOCAB_SIZE, IM_END_ID, byte_tokenizer_json
+
 from tl.async_engine import AsyncEngine
 from tl.config import EngineConfig
+from tl.grammar import GrammarCompiler
 from tl.plan import RunnerOutput, SchedulerOutput, SeqResult
-from tl.request import EmbedRequest, GenRequest, TokenOut, check_capacity, check_context
+from tl.request import EmbedRequest, GenRequest, Guide, TokenOut, check_capacity, check_context
 from tl.stats import BackendInfo, EngineStats
 
 EMBED_DIM = 8
+
+
+def byte_grammars(cfg: EngineConfig) -> GrammarCompiler:
+    """Structured output over the byte tokenizer of tests/models.py (ids 0..255 are the bytes; its
+    EOS, <|im_end|>, is what a complete grammar allows)."""
+    return GrammarCompiler(
+        json.dumps(byte_tokenizer_json()), BYTE_VOCAB_SIZE, (IM_END_ID,), cfg.grammar_cache_size, cfg.grammar_timeout_s
+    )
+
+
+def constrained(guide: Guide, preferred: int) -> int:
+    """The succ rule under a constraint: `preferred` if the grammar allows it, else the smallest
+    allowed byte, else the smallest allowed id (EOS when the grammar is complete)."""
+    mask = np.zeros((1, (BYTE_VOCAB_SIZE + 31) // 32), np.int32)
+    guide.fill(mask, 0, ())
+    return pick_allowed(mask[0], preferred, BYTE_VOCAB_SIZE)
 
 
 class ByteTokenizer:
@@ -44,7 +67,7 @@ class ByteTokenizer:
         return bytes(ids).decode("utf-8", errors="replace")
 
     def token_bytes(self, token_id: int) -> bytes:
-        return bytes([token_id])
+        return bytes([token_id]) if token_id < 256 else b""  # a special id (a grammar's EOS) shows nothing
 
 
 class ConcatTemplate:
@@ -113,6 +136,7 @@ class _Seq:
     rng: random.Random
     out: list[int] = field(default_factory=list)
     blocks: int = 0
+    guide: Guide | None = None
 
 
 class FakeEngine:
@@ -153,7 +177,8 @@ class FakeEngine:
         rid = self._next_id
         self._next_id += 1
         seed = req.params.seed if req.params.seed is not None else random.getrandbits(32)
-        seq = _Seq(rid, req, time.monotonic(), random.Random(seed))
+        guide = req.constraint.matcher() if req.constraint is not None else None
+        seq = _Seq(rid, req, time.monotonic(), random.Random(seed), guide=guide)
         self._waiting.append(seq)
         self._waiting = deque(sorted(self._waiting, key=lambda s: -s.req.priority))
         return rid
@@ -221,11 +246,19 @@ class FakeEngine:
         last = (s.out or list(s.req.prompt_ids))[-1]
         offset = 1 if p.greedy else 1 + s.rng.randrange(4)
         tok = (last + offset) % 256
+        if s.guide is not None:
+            tok = constrained(s.guide, tok)
         lp = 0.0 if p.greedy else math.log(0.25)
         s.out.append(tok)
         top = tuple(((tok + k) % 256, lp - 5.0 * k) for k in range(p.top_logprobs)) if p.logprobs else ()
         finish = None
-        if tok in p.stop_token_ids or (tok in self.runner.eos_token_ids and not p.ignore_eos):
+        if s.guide is not None and not s.guide.accept(tok):
+            del self._running[s.rid]
+            self._free += s.blocks
+            return TokenOut(s.rid, -1, finish_reason="error", error=f"matcher refused {tok}: {s.guide.error}")
+        if s.guide is not None and s.guide.done:
+            finish = "stop"
+        elif tok in p.stop_token_ids or (tok in self.runner.eos_token_ids and not p.ignore_eos):
             finish = "stop"
         elif len(s.out) >= p.max_tokens or len(s.req.prompt_ids) + len(s.out) >= self.max_model_len:
             finish = "length"
@@ -256,7 +289,7 @@ def make_async_engine(cfg: EngineConfig) -> AsyncEngine:
     engine = FakeEngine(runner, cfg, step_delay_s=float(os.environ.get("FAKE_STEP_DELAY_S", "0")))
     runner.warmup()
     template = RoleTemplate() if os.environ.get("FAKE_TEMPLATE") == "role" else ConcatTemplate()
-    return AsyncEngine(engine, ByteTokenizer(), template, cfg.served_model_id())
+    return AsyncEngine(engine, ByteTokenizer(), template, cfg.served_model_id(), byte_grammars(cfg))
 
 
 class SuccRunner:
@@ -291,6 +324,8 @@ class SuccRunner:
                 continue
             offset = 1 if w.params.greedy else 1 + random.Random(w.seed * 1_000_003 + w.num_generated).randrange(4)
             tok = (w.token_ids[-1] + offset) % 256
+            if w.guide is not None:
+                tok = constrained(w.guide, tok)
             lp = 0.0 if w.params.greedy else math.log(0.25)
             top = tuple(((tok + k) % 256, lp - 5.0 * k) for k in range(w.params.top_logprobs))
             results.append(SeqResult(w.seq_id, (tok,), (lp,), (top,) if w.params.logprobs else ()))
@@ -311,4 +346,4 @@ def make_real_async_engine(cfg: EngineConfig) -> AsyncEngine:
         step_delay_s=float(os.environ.get("FAKE_STEP_DELAY_S", "0")),
     )
     engine = Engine(runner, cfg)
-    return AsyncEngine(engine, ByteTokenizer(), ConcatTemplate(), cfg.served_model_id())
+    return AsyncEngine(engine, ByteTokenizer(), ConcatTemplate(), cfg.served_model_id(), byte_grammars(cfg))

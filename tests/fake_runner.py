@@ -11,12 +11,15 @@ its position: mostly the "succ" successor (so prompt lookup finds matching draft
 dependent on the whole context. Sampled requests (temperature > 0) add a pseudo-random
 offset from (seed, num_generated + row), the key rule of tl/plan.py, so their output also
 must not depend on batch neighbours, chunking or preemption. A draft is accepted while it
-equals the rule's token at its row.
+equals the rule's token at its row. Under a constraint (SeqWork.guide) the rule's token is
+taken where the row's bitmask allows it, else the smallest allowed id (`pick_allowed`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+
+import numpy as np
 
 from tl.config import EngineConfig
 from tl.plan import RunnerOutput, SchedulerOutput, SeqResult, SeqWork
@@ -48,6 +51,16 @@ def pooled_embedding(ids: Sequence[int]) -> list[float]:
     mean = [sum(c) / len(ids) for c in zip(*(pool_vector(t, p) for p, t in enumerate(ids)), strict=True)]
     norm = sum(x * x for x in mean) ** 0.5
     return [x / norm for x in mean]
+
+
+def pick_allowed(mask_row: np.ndarray, preferred: int, vocab_size: int) -> int:
+    """The rule's token under a bitmask row (int32 words): `preferred` if allowed, else the
+    smallest allowed id (what a constrained greedy pick is to this fake)."""
+    bits = np.unpackbits(np.ascontiguousarray(mask_row).view(np.uint8), bitorder="little")[:vocab_size]
+    if bits[preferred]:
+        return preferred
+    allowed = np.flatnonzero(bits)
+    return int(allowed[0]) if len(allowed) else preferred
 
 
 def logprob_of(token: int) -> float:
@@ -127,11 +140,17 @@ class FakeRunner:
         k = len(work.draft_ids)
         last = work.start_pos + len(work.token_ids) - 1
         out: list[int] = []
+        masks = None
+        if work.guide is not None:  # a constraint: row j's bitmask, as the real step gets it
+            masks = np.zeros((k + 1, (self.vocab_size + 31) // 32), np.int32)
+            work.guide.fill(masks, 0, work.draft_ids)
         for j in range(k + 1):
             context = self._context(work, last - k + j)
             token = next_token(
                 context, self.vocab_size, greedy=work.params.greedy, seed=work.seed, counter=work.num_generated + j
             )
+            if masks is not None:
+                token = pick_allowed(masks[j], token, self.vocab_size)
             out.append(token)
             if j == k or token != work.draft_ids[j]:
                 break

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from tl.request import SamplingParams
-from tl.sampler import pack_penalties, pack_rows, sample, top_logprobs
+from tl.sampler import allowed, apply_mask, pack_penalties, pack_rows, sample, top_logprobs
 
 CHI2_CRIT = {4: 23.5, 5: 25.7, 9: 33.7}  # chi-square 0.9999 quantiles by degrees of freedom
 _sample = jax.jit(sample)
@@ -158,3 +158,67 @@ def test_top_logprobs_matches_sort() -> None:
     order = np.argsort(-logits, axis=1)[:, :5]
     assert (np.asarray(ids) == order).all()
     assert np.allclose(np.asarray(vals), np.take_along_axis(ref, order, 1), atol=1e-5)
+
+
+def bitmask(rows: list[set[int]], vocab: int) -> np.ndarray:
+    """[R, W] int32 bitmask with the given allowed ids per row (the layout llguidance fills)."""
+    bits = np.zeros((len(rows), (vocab + 31) // 32 * 32), np.uint8)
+    for r, ids in enumerate(rows):
+        bits[r, sorted(ids)] = 1
+    return np.packbits(bits, axis=1, bitorder="little").view(np.int32)
+
+
+def test_bitmask_unpacks_to_the_allowed_ids() -> None:
+    rows = [{0, 31, 32, 63, 64, 69}, set(range(70)), {5}]
+    got = np.asarray(allowed(bitmask(rows, 70), 70))
+    assert [set(np.flatnonzero(r).tolist()) for r in got] == rows
+
+
+MASK_CASES = [
+    SamplingParams(temperature=0.0),
+    SamplingParams(temperature=1.0),
+    SamplingParams(temperature=0.5, top_k=3),
+    SamplingParams(temperature=1.3, top_p=0.6),
+    SamplingParams(temperature=1.0, min_p=0.3),
+    SamplingParams(temperature=1.0, presence_penalty=1.5, logit_bias=((0, 20.0),)),
+]
+
+
+@pytest.mark.parametrize("p", MASK_CASES, ids=lambda p: repr(p)[15:60])
+def test_a_constrained_row_samples_the_constrained_distribution(p: SamplingParams) -> None:
+    """Blocked tokens are never drawn (even a logit_bias of +20 on one does not revive it), the
+    draw follows the distribution renormalised over the allowed tokens, and the logprob is that
+    distribution's (log_softmax over the allowed raw logits)."""
+    keep = {1, 3, 4, 7}
+    n = 4000
+    logits = np.tile(LOGITS, (n, 1)).astype(np.float32)
+    masked = np.asarray(apply_mask(logits, bitmask([keep] * n, 10)))
+    tokens, logprobs, _ = run(masked, [p] * n, [3] * n, list(range(n)))
+    assert set(np.unique(tokens).tolist()) <= keep
+    ref = np.full(10, -np.inf)
+    ref[sorted(keep)] = LOGITS[sorted(keep)]
+    lsm = ref - np.log(np.exp(ref[sorted(keep)]).sum())
+    np.testing.assert_allclose(logprobs, lsm[tokens], rtol=0, atol=1e-5)
+    if p.temperature == 1.0 and not p.has_penalties and p.min_p == 0.0:
+        assert chi2(np.bincount(tokens, minlength=10), np.exp(lsm)) < CHI2_CRIT[9]
+    if p.greedy:
+        assert (tokens == 1).all()  # the most likely allowed token
+
+
+def test_an_open_mask_changes_nothing() -> None:
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(6, 70)).astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(apply_mask(logits, bitmask([set(range(70))] * 6, 70))), logits)
+    ones = np.full((6, 3), -1, np.int32)  # what the runner sends for unconstrained rows (bits past 70 set too)
+    np.testing.assert_array_equal(np.asarray(apply_mask(logits, ones)), logits)
+
+
+def test_a_draft_the_mask_blocks_is_never_accepted() -> None:
+    keep = {2, 5}
+    for temperature in (0.0, 1.0):
+        p = SamplingParams(temperature=temperature)
+        n = 500
+        logits = np.tile(LOGITS, (n, 1)).astype(np.float32)
+        masked = np.asarray(apply_mask(logits, bitmask([keep] * n, 10)))
+        tokens, _, accepted = run(masked, [p] * n, [1] * n, list(range(n)), [0] * n)  # draft 0: the argmax, blocked
+        assert not accepted.any() and set(tokens.tolist()) <= keep

@@ -23,6 +23,7 @@ from fake_engine import (
     FakeRunner,
     RoleTemplate,
     SuccRunner,
+    byte_grammars,
     fake_embedding,
 )
 
@@ -42,9 +43,9 @@ def factory(kind: str, delay: float = 0.0, template: object = None) -> Callable[
     def build(cfg: EngineConfig) -> AsyncEngine:
         tmpl = template or ConcatTemplate()
         if kind == "fake":
-            return AsyncEngine(FakeEngine(FakeRunner(), cfg, delay), ByteTokenizer(), tmpl, "succ")
+            return AsyncEngine(FakeEngine(FakeRunner(), cfg, delay), ByteTokenizer(), tmpl, "succ", byte_grammars(cfg))
         runner = SuccRunner(block_size=cfg.block_size, num_kv_blocks=256, step_delay_s=delay)
-        return AsyncEngine(Engine(runner, cfg), ByteTokenizer(), tmpl, "succ")
+        return AsyncEngine(Engine(runner, cfg), ByteTokenizer(), tmpl, "succ", byte_grammars(cfg))
 
     return build
 
@@ -194,7 +195,8 @@ BAD = [
     (CHAT, chat(max_tokens=600), 400, "max_tokens", "context_length_exceeded"),
     (CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 422, "tools", "unsupported_parameter"),
     (CHAT, chat(tool_choice="auto"), 422, "tool_choice", "unsupported_parameter"),
-    (CHAT, chat(response_format={"type": "json_object"}), 422, "response_format", "unsupported_parameter"),
+    (CHAT, chat(response_format={"type": "xml"}), 400, "response_format.type", None),
+    (CHAT, chat(response_format={"type": "json_schema"}), 400, "response_format.json_schema", None),
     (
         CHAT,
         chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),

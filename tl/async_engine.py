@@ -5,7 +5,9 @@ add_embedding, abort, step, stats), a FIFO command queue into it, and per-reques
 queues out of it (filled with loop.call_soon_threadsafe, one call per step); embeddings
 requests are engine work like prompts (EmbedHandle gathers their inputs' vectors). Nothing that
 computes runs on the event loop: the loop only enqueues commands and reads snapshots.
-Commands into the thread are typed records (Add, AddEmbedding, Abort, Call, Stop). Admission
+Commands into the thread are typed records (Add, AddEmbedding, Abort, Call, Stop).
+Structured output's grammars compile on two worker threads of their own (`compile_constraint`,
+time-bounded), so neither the loop nor the engine thread ever waits for one. Admission
 is the engine's (its check_context and check_capacity, which read only fixed limits), applied
 here too so that submit() refuses at once: ContextLengthError, or QueueFullError when requests
 not yet taken by the thread plus the engine's waiting queue reach queue_capacity.
@@ -22,14 +24,16 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
-from tl.request import EmbedRequest, GenRequest, RequestError, TokenOut
+from tl.request import ConstraintSpec, EmbedRequest, GenRequest, RequestError, TokenOut
 from tl.stats import BackendInfo, EngineStats
 
 if TYPE_CHECKING:
     from tl.chat_template import ChatTemplate
+    from tl.grammar import Compiled, GrammarCompiler
     from tl.tokenizer import Tokenizer
 
 log = logging.getLogger("tl.async_engine")
@@ -209,11 +213,21 @@ Command = Add | AddEmbedding | Abort | Call | Stop
 
 
 class AsyncEngine:
-    def __init__(self, engine: SyncEngine, tokenizer: Tokenizer, chat_template: ChatTemplate, model_id: str) -> None:
+    def __init__(
+        self,
+        engine: SyncEngine,
+        tokenizer: Tokenizer,
+        chat_template: ChatTemplate,
+        model_id: str,
+        grammars: GrammarCompiler | None = None,
+    ) -> None:
+        """grammars: compiles the constraints of structured output (None: such requests are refused)."""
         self.engine = engine
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         self.model_id = model_id
+        self.grammars = grammars
+        self._grammar_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tl-grammar")
         self.ready = False
         self._cmds: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._lock = threading.Lock()
@@ -245,11 +259,32 @@ class AsyncEngine:
         """The engine's context-length rule, now: raises ContextLengthError (submit applies it too)."""
         self.engine.check_context(req)
 
+    async def compile_constraint(self, spec: ConstraintSpec) -> Compiled:
+        """The compiled grammar of spec, from the cache or built on a worker thread (never on the
+        loop), within grammars.timeout_s. Raises RequestError naming spec.param: no grammar
+        support, a constraint that does not compile, or one slower than the bound (its compile
+        finishes on the worker and is remembered as refused)."""
+        grammars = self.grammars
+        if grammars is None:
+            raise RequestError("structured output is not available for this model", param=spec.param)
+        loop = asyncio.get_running_loop()
+        job = loop.run_in_executor(self._grammar_pool, grammars.compile, spec)
+        try:
+            return await asyncio.wait_for(job, grammars.timeout_s)
+        except TimeoutError:
+            raise RequestError(
+                f"{spec.param}: compiling this constraint took longer than {grammars.timeout_s:g} s "
+                "(grammar_timeout_s); simplify it",
+                param=spec.param,
+            ) from None
+
     def start(self) -> None:
         """Start the engine thread; call from the event loop that will submit."""
         self._loop = asyncio.get_running_loop()
         self._thread = threading.Thread(target=self._run, name="tl-engine", daemon=True)
         self._thread.start()
+        if self.grammars is not None:  # llguidance's tokenizer (~0.4 s), built before the first constraint needs it
+            self._grammar_pool.submit(self.grammars.tokenizer)
 
     async def warmup(self) -> None:
         """Mark ready once the engine thread answers (one round trip through its commands).
@@ -322,6 +357,7 @@ class AsyncEngine:
         if self._thread is not None and self._thread.is_alive():
             self._command(Stop())
             self._thread.join(timeout)
+        self._grammar_pool.shutdown(wait=False, cancel_futures=True)
         self.engine.close()  # the runner's background compilation
 
     def _command(self, cmd: Command) -> None:

@@ -59,9 +59,18 @@ def build_async_engine(cfg: EngineConfig, warmup: bool = True) -> AsyncEngine:
     """The serving form: an Engine plus tokenizer and chat template behind the engine thread."""
     from tl.async_engine import AsyncEngine
     from tl.chat_template import ChatTemplate
+    from tl.grammar import GrammarCompiler
+    from tl.model.config import load_model_config
     from tl.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.load(cfg.model_dir)
     template = ChatTemplate.from_model_dir(cfg.model_dir)
     engine = build_engine(cfg, warmup=warmup, background=True)
-    return AsyncEngine(engine, tokenizer, template, cfg.served_model_id())
+    grammars = GrammarCompiler.from_model_dir(
+        cfg.model_dir,
+        load_model_config(cfg.model_dir).vocab_size,
+        engine.eos_token_ids,
+        cfg.grammar_cache_size,
+        cfg.grammar_timeout_s,
+    )
+    return AsyncEngine(engine, tokenizer, template, cfg.served_model_id(), grammars)

@@ -119,6 +119,10 @@ class EngineConfig:
     """Longest n-gram that prompt lookup tries first."""
     max_logprobs: int = 20
     """Most `top_logprobs` a request may ask for."""
+    grammar_timeout_s: float = 5.0
+    """Longest a structured-output constraint may take to compile; a slower one is a 400."""
+    grammar_cache_size: int = 128
+    """Compiled constraints kept (LRU, by the exact schema, regex or grammar text)."""
     queue_capacity: int = 256
     """Requests waiting for admission; one more is refused (HTTP 429)."""
     queue_deadline_ms: int = 30_000
@@ -227,6 +231,8 @@ class EngineConfig:
             f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {self.prompt_lookup_min}, {self.prompt_lookup_max}",
         )
         _check(0 <= self.max_logprobs <= 20, f"max_logprobs must be in 0..20, got {self.max_logprobs}")
+        _check(self.grammar_timeout_s > 0, f"grammar_timeout_s must be > 0, got {self.grammar_timeout_s}")
+        _check(self.grammar_cache_size >= 1, f"grammar_cache_size must be >= 1, got {self.grammar_cache_size}")
         _check(self.queue_capacity >= 1, f"queue_capacity must be >= 1, got {self.queue_capacity}")
         _check(self.queue_deadline_ms >= 1, f"queue_deadline_ms must be >= 1, got {self.queue_deadline_ms}")
         _check(self.drain_timeout_s >= 0, f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")

@@ -23,7 +23,14 @@ from tl.plan import Runner, RunnerOutput
 from tl.request import MAX_SEED, EmbedRequest, GenRequest, SamplingParams, TokenOut, check_capacity, check_context
 from tl.scheduler import Scheduler
 from tl.sequence import Sequence
-from tl.stats import PROMPT_TOKENS_BUCKETS, STEP_SECONDS_BUCKETS, BackendInfo, EngineStats, Histogram
+from tl.stats import (
+    MASK_SECONDS_BUCKETS,
+    PROMPT_TOKENS_BUCKETS,
+    STEP_SECONDS_BUCKETS,
+    BackendInfo,
+    EngineStats,
+    Histogram,
+)
 
 _POOL_PARAMS = SamplingParams(temperature=0.0, max_tokens=1)  # an embeddings input samples nothing
 
@@ -59,6 +66,7 @@ class Engine:
         self._batch_tokens = 0
         self._step_seconds = Histogram(STEP_SECONDS_BUCKETS)
         self._prompt_tokens = Histogram(PROMPT_TOKENS_BUCKETS)
+        self._mask_seconds = Histogram(MASK_SECONDS_BUCKETS)
 
     @property
     def backend_info(self) -> BackendInfo | None:
@@ -82,7 +90,9 @@ class Engine:
         self.check_capacity(self.scheduler.num_waiting_requests())
         seed = req.params.seed if req.params.seed is not None else self._rng.randint(0, MAX_SEED)
         seq_id, self._next_id = self._next_id, self._next_id + 1
-        self.scheduler.add(Sequence(seq_id, req.prompt_ids, req.params, seed, req.priority, self._clock()))
+        guide = req.constraint.matcher() if req.constraint is not None else None
+        seq = Sequence(seq_id, req.prompt_ids, req.params, seed, req.priority, self._clock(), guide=guide)
+        self.scheduler.add(seq)
         return seq_id
 
     def add_embedding(self, req: EmbedRequest) -> list[int]:
@@ -116,6 +126,8 @@ class Engine:
             output = self.runner.execute(plan)
             self._step_seconds.observe(time.perf_counter() - t0)
             self._prompt_tokens.observe(plan.num_prompt_tokens)
+            for seconds in output.mask_seconds:
+                self._mask_seconds.observe(seconds)
         else:
             output = RunnerOutput(())
         self._batch_tokens = plan.num_tokens
@@ -146,6 +158,7 @@ class Engine:
             capped_steps=c.capped_steps,
             step_seconds=self._step_seconds.snapshot(),
             prompt_tokens_per_step=self._prompt_tokens.snapshot(),
+            mask_seconds=self._mask_seconds.snapshot(),
         )
 
 

@@ -18,6 +18,9 @@ Semantics of one SeqWork (the vLLM v1 rule: computed tokens catch up with known 
   batch neighbours.
 - `output_ids` are the request's generated tokens so far (for penalties only; empty when
   the request has no penalties).
+- `guide` (a constrained sampled work): the runner fills its sample rows' token bitmask from
+  it (row j: after drafts 0..j-1, which the scheduler trimmed to what the grammar allows);
+  every other row allows every token.
 - `pool` (an embeddings input; never sampled): the runner returns the sum over this work's
   tokens of their final-normed hidden states as `SeqResult.pooled` (no tokens); the
   scheduler adds the chunks' sums up and divides by the input's length.
@@ -28,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from tl.request import SamplingParams
+from tl.request import Guide, SamplingParams
 from tl.stats import BackendInfo
 
 
@@ -45,6 +48,7 @@ class SeqWork:
     draft_ids: tuple[int, ...] = ()
     output_ids: tuple[int, ...] = ()
     pool: bool = False
+    guide: Guide | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +78,7 @@ class SeqResult:
 @dataclass(frozen=True, slots=True)
 class RunnerOutput:
     results: tuple[SeqResult, ...]
+    mask_seconds: tuple[float, ...] = ()  # per constrained sample row: host time filling its bitmask
 
 
 class Runner(Protocol):

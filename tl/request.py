@@ -11,12 +11,15 @@ tests/test_async_engine.py and the 400s and 429s of tests/test_serve_app.py.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal, Protocol
 
-FinishReason = Literal["stop", "length", "abort", "no_capacity"]
-"""stop: EOS or a stop token id; length: max_tokens or the context limit; abort: abort()
-was called; no_capacity: still waiting for KV blocks after queue_deadline_ms."""
+FinishReason = Literal["stop", "length", "abort", "no_capacity", "error"]
+"""stop: EOS, a stop token id or a complete constrained answer; length: max_tokens or the
+context limit; abort: abort() was called; no_capacity: still waiting for KV blocks after
+queue_deadline_ms; error: the constraint's matcher refused a token (TokenOut.error says why)."""
+ConstraintKind = Literal["json", "regex", "choice", "grammar"]
 
 MAX_SEED = 2**63 - 1
 MAX_EMBED_INPUTS = 2048
@@ -101,12 +104,59 @@ class SamplingParams:
 
 
 @dataclass(frozen=True, slots=True)
+class ConstraintSpec:
+    """What a request's output must match, as the wire gave it (tl/grammar.py compiles it).
+
+    kind "json": `text` is a JSON Schema document; "regex": a regular expression; "choice": a
+    JSON array of strings, one of which is the whole output; "grammar": a Lark grammar.
+    `param` is the wire field it came from, named by every error about it.
+    """
+
+    kind: ConstraintKind
+    text: str
+    param: str
+
+
+class Guide(Protocol):
+    """One sequence's matcher (tl.grammar.Matcher): the scheduler trims drafts to what it allows
+    and feeds it every token; the runner fills the step's bitmask rows from it."""
+
+    def valid_prefix(self, tokens: Sequence[int]) -> int:
+        """How many of the tokens, in order, the grammar allows from here."""
+        ...
+
+    def fill(self, mask: Any, row: int, drafts: Sequence[int]) -> None:
+        """Bitmask rows row .. row+len(drafts) of an int32 [R, W] array: now, and after each draft."""
+        ...
+
+    def accept(self, token: int) -> bool:
+        """Consume a sampled token; False puts the matcher in its error state."""
+        ...
+
+    @property
+    def done(self) -> bool:
+        """The grammar is complete: nothing but EOS may follow."""
+        ...
+
+    @property
+    def error(self) -> str: ...
+
+
+class Constraint(Protocol):
+    """A compiled constraint (tl.grammar.Grammar): a fresh matcher per sequence."""
+
+    def matcher(self) -> Guide: ...
+
+
+@dataclass(frozen=True, slots=True)
 class GenRequest:
-    """One generation: prompt token ids plus how to sample. Priority -100..100, higher first."""
+    """One generation: prompt token ids plus how to sample. Priority -100..100, higher first.
+    `constraint`: the grammar its output must match (each request gets its own matcher)."""
 
     prompt_ids: tuple[int, ...]
     params: SamplingParams = field(default_factory=SamplingParams)
     priority: int = 0
+    constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -140,8 +190,9 @@ class EmbedRequest:
 class TokenOut:
     """One token a step produced for a request (a step may produce several per request).
 
-    A finished request with no new token (abort, no_capacity) has token_id -1; so has a
+    A finished request with no new token (abort, no_capacity, error) has token_id -1; so has a
     finished embeddings input, whose `embedding` is its mean-pooled, L2-normalised vector.
+    `error` says why a request finished with "error".
     """
 
     request_id: int
@@ -150,6 +201,7 @@ class TokenOut:
     top_logprobs: tuple[tuple[int, float], ...] = ()
     finish_reason: FinishReason | None = None
     embedding: tuple[float, ...] = ()
+    error: str = ""
 
 
 def check_context(req: GenRequest | EmbedRequest, max_model_len: int) -> None:

@@ -46,7 +46,16 @@ from tl.model import llama
 from tl.model.config import ModelConfig, load_model_config
 from tl.model.files import eos_token_ids, read_tensors
 from tl.plan import RunnerOutput, SchedulerOutput, SeqResult, SeqWork
-from tl.sampler import Penalties, SampleOut, SamplingBatch, pack_penalties, pack_rows, sample, top_logprobs
+from tl.sampler import (
+    Penalties,
+    SampleOut,
+    SamplingBatch,
+    apply_mask,
+    pack_penalties,
+    pack_rows,
+    sample,
+    top_logprobs,
+)
 from tl.sampler import argmax_lse as sampler_argmax_lse
 from tl.stats import BackendInfo
 
@@ -102,6 +111,7 @@ def _step(
     kv: tuple[jax.Array, jax.Array],
     bufs: tuple[jax.Array, ...],
     pen: Penalties,
+    mask: jax.Array,
     *,
     layout: HostLayout,
     cfg: ModelConfig,
@@ -110,16 +120,17 @@ def _step(
     matmul: Any,
     argmax_lse: Any = None,
 ) -> tuple[Any, SampleOut, jax.Array, jax.Array]:
-    """Forward, KV write, sample-row selection and sampling, pooling; returns (kv, SampleOut,
-    logits [R,V], pooled [S,D]: each sequence's sum of the final-normed hidden states of its
-    pooled tokens, 0 for a sequence without). bufs/layout: the step's StepInputs and
-    SamplingBatch as packed by `_to_host_buffers`."""
+    """Forward, KV write, sample-row selection, the constraint bitmask, sampling, pooling; returns
+    (kv, SampleOut, logits [R,V] as masked, pooled [S,D]: each sequence's sum of the
+    final-normed hidden states of its pooled tokens, 0 for a sequence without). bufs/layout: the
+    step's StepInputs and SamplingBatch as packed by `_to_host_buffers`; mask [R, W] int32: the
+    rows' allowed tokens (all ones for a row without a constraint)."""
     inp, sb = _from_buffers(bufs, layout)
     on_trace()
     hidden, kv = llama.forward(
         params, cfg, inp.token_ids, inp.positions, kv, inp.kv_blocks, inp.kv_offsets, inp.meta, attention, matmul
     )
-    logits = llama.lm_logits(params, cfg, hidden[inp.row_token], matmul)
+    logits = apply_mask(llama.lm_logits(params, cfg, hidden[inp.row_token], matmul), mask)
     return kv, sample(logits, sb, pen, argmax_lse), logits, _pooled(params, cfg, hidden, inp)
 
 
@@ -206,6 +217,8 @@ class ModelRunner:
         t2 = time.perf_counter()
         self._num_compilations = 0
         self._zero_penalties: dict[tuple[int, int], Penalties] = {}
+        self._open_masks: dict[int, jax.Array] = {}
+        self._mask_words = (cfg.vocab_size + 31) // 32
         placed = placement.place_weights(
             tensors,
             cfg,
@@ -296,16 +309,18 @@ class ModelRunner:
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
         if not plan.work:
             return RunnerOutput(())
-        rows, out, logits, pooled, variant = self._forward(plan)
-        return self._results(rows, out, logits, pooled, variant)
+        rows, out, logits, pooled, variant, mask_seconds = self._forward(plan)
+        return self._results(rows, out, logits, pooled, variant, mask_seconds)
 
     def logits(self, plan: SchedulerOutput) -> np.ndarray:
         """The float32 logits [sample rows, V] of a non-empty plan, run as `execute` runs it (its
         keys written to the cache); for quality checks (bench/quant_bench.py)."""
-        rows, _, logits, _, _ = self._forward(plan)
+        rows, _, logits, _, _, _ = self._forward(plan)
         return np.asarray(logits)[: sum(1 + k for _, _, k in rows.spans)]
 
-    def _forward(self, plan: SchedulerOutput) -> tuple[_Rows, SampleOut, jax.Array, jax.Array, _Variant]:
+    def _forward(
+        self, plan: SchedulerOutput
+    ) -> tuple[_Rows, SampleOut, jax.Array, jax.Array, _Variant, tuple[float, ...]]:
         """Runs the plan in the smallest compiled variant that holds it (tl/compiler.py)."""
         p = self.plan
         need_t = bucket(plan.num_tokens, p.token_buckets, "step tokens")
@@ -313,13 +328,14 @@ class ModelRunner:
         (t_pad, s_pad), variant = self.compiler.pick(need_t, need_s)
         inp, rows = self._pack_tokens(plan.work, t_pad, s_pad)
         sb, pen = self._pack_sampling(rows, s_pad, self.num_rows(t_pad, s_pad))
+        mask, mask_seconds = self._pack_mask(rows, self.num_rows(t_pad, s_pad))
         # The host buffers go in as numpy arrays: the compiled call's own transfer (C++) took
         # ~0.6 ms less a step than a jax.device_put of them first (one-row decode, alternated).
         bufs, layout = _to_host_buffers((inp, sb))
         if layout != variant.layout:
             raise RuntimeError(f"step {t_pad}x{s_pad}: packed inputs do not match the compiled layout")
-        self._kv, out, logits, pooled = variant.step(self._params, self._kv, bufs, pen)
-        return rows, out, logits, pooled, variant
+        self._kv, out, logits, pooled = variant.step(self._params, self._kv, bufs, pen, mask)
+        return rows, out, logits, pooled, variant, mask_seconds
 
     def _compile_variant(self, v: tuple[int, int]) -> _Variant:
         """Variant v of the step (and of the top-logprobs function at its row count) compiled
@@ -329,8 +345,14 @@ class ModelRunner:
         inp, rows = self._pack_tokens([], t_pad, s_pad)
         sb, pen = self._pack_sampling(rows, s_pad, num_rows)
         bufs, layout = _to_host_buffers((inp, sb))
+        mask = self._open_mask(num_rows)
         step = self._step.lower(
-            _abstract(self._params), _abstract(self._kv), _abstract(bufs), _abstract(pen), layout=layout
+            _abstract(self._params),
+            _abstract(self._kv),
+            _abstract(bufs),
+            _abstract(pen),
+            _abstract(mask),
+            layout=layout,
         ).compile()
         top = None
         if self.engine_config.max_logprobs:
@@ -425,6 +447,28 @@ class ModelRunner:
         )
         return sb, jax.device_put(pen, self._replicated)
 
+    def _pack_mask(self, rows: _Rows, num_rows: int) -> tuple[Any, tuple[float, ...]]:
+        """The step's [R, W] int32 token bitmask and the host seconds per constrained row spent
+        filling it. Without a constrained row: a device-resident all-ones mask (nothing copied)."""
+        guided = [(w, r) for w, r, _ in rows.spans if w.guide is not None]
+        if not guided:
+            return self._open_mask(num_rows), ()
+        mask = np.full((num_rows, self._mask_words), -1, np.int32)
+        seconds = []
+        for w, r in guided:
+            assert w.guide is not None
+            t0 = time.perf_counter()
+            w.guide.fill(mask, r, w.draft_ids)
+            seconds += [(time.perf_counter() - t0) / (1 + len(w.draft_ids))] * (1 + len(w.draft_ids))
+        return mask, tuple(seconds)
+
+    def _open_mask(self, num_rows: int) -> jax.Array:
+        """Device-resident all-ones bitmask per row count: every token allowed."""
+        if num_rows not in self._open_masks:
+            ones = np.full((num_rows, self._mask_words), -1, np.int32)
+            self._open_masks[num_rows] = jax.device_put(ones, self._replicated)
+        return self._open_masks[num_rows]
+
     def _no_penalties(self, s_pad: int, num_rows: int) -> Penalties:
         """Device-resident all-zero penalties per shape, so penalty-free steps copy nothing."""
         key = (s_pad, num_rows)
@@ -436,7 +480,13 @@ class ModelRunner:
         return self._zero_penalties[key]
 
     def _results(
-        self, rows: _Rows, out: SampleOut, logits: jax.Array, pooled: jax.Array, variant: _Variant
+        self,
+        rows: _Rows,
+        out: SampleOut,
+        logits: jax.Array,
+        pooled: jax.Array,
+        variant: _Variant,
+        mask_seconds: tuple[float, ...],
     ) -> RunnerOutput:
         token, logprob, accepted = jax.device_get((out.token, out.logprob, out.accepted))
         top_ids = top_vals = None
@@ -451,8 +501,12 @@ class ModelRunner:
             tops: tuple[tuple[tuple[int, float], ...], ...] = ()
             n_top = min(w.params.top_logprobs, self.engine_config.max_logprobs)
             if n_top and top_ids is not None and top_vals is not None:
-                tops = tuple(
-                    tuple(zip(top_ids[i, :n_top].tolist(), top_vals[i, :n_top].tolist(), strict=True))
+                tops = tuple(  # a constrained row lists allowed tokens only (a blocked one's logprob is -inf)
+                    tuple(
+                        (t, v)
+                        for t, v in zip(top_ids[i, :n_top].tolist(), top_vals[i, :n_top].tolist(), strict=True)
+                        if v > -np.inf
+                    )
                     for i in range(r, r + n_acc + 1)
                 )
             results.append(
@@ -470,7 +524,7 @@ class ModelRunner:
                 SeqResult(seq_id=w.seq_id, token_ids=(), logprobs=(), pooled=tuple(sums[s].tolist()))
                 for w, s in rows.pools
             ]
-        return RunnerOutput(tuple(results))
+        return RunnerOutput(tuple(results), mask_seconds)
 
     # ---- warm-up and close ----
 

@@ -9,7 +9,9 @@ by bisection over float32 bit patterns (exact in 31 halvings; non-negative float
 their bits), followed by one inverse-CDF draw.
 Tested by tests/test_sampler.py.
 
-Processing order for a row: logit_bias, repetition penalty, frequency and presence penalties
+Processing order for a row: the structured-output bitmask (blocked tokens -inf: everything
+after, logprobs included, sees the constrained distribution; an unconstrained row's mask
+allows every token and changes nothing), logit_bias, repetition penalty, frequency and presence penalties
 (penalties count the output so far plus the drafts before this row), then greedy argmax when
 temperature == 0, else softmax(logits / temperature) -> top-k -> top-p (over the top-k mass)
 -> min-p (relative to the most likely token). Ties at a threshold are all kept.
@@ -144,6 +146,17 @@ def _uniforms(sb: SamplingBatch) -> jax.Array:
     keys = jax.random.wrap_key_data(sb.key_data, impl="threefry2x32")
     keys = jax.vmap(jax.random.fold_in)(keys, sb.step)
     return jax.vmap(lambda k: jax.random.uniform(k, (2,)))(keys)
+
+
+def allowed(mask: jax.Array, vocab: int) -> jax.Array:
+    """[R, W] int32 bitmask (bit b of word w: token 32w + b, 1 = allowed) -> [R, vocab] bool."""
+    bits = (mask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1
+    return bits.reshape(mask.shape[0], -1)[:, :vocab].astype(bool)
+
+
+def apply_mask(logits: jax.Array, mask: jax.Array) -> jax.Array:
+    """logits [R,V] with the tokens a row's bitmask blocks set to -inf."""
+    return jnp.where(allowed(mask, logits.shape[1]), logits, -jnp.inf)
 
 
 ArgmaxLse = Callable[[jax.Array], tuple[jax.Array, jax.Array]]

@@ -237,7 +237,10 @@ class Scheduler:
             seq.params.max_tokens - seq.num_generated - 1,
             self.max_model_len - seq.num_tokens,
         )
-        return self.proposer.propose(seq.token_ids, num_drafts)
+        drafts = self.proposer.propose(seq.token_ids, num_drafts)
+        if seq.guide is not None and drafts:  # a draft the grammar refuses is never verified
+            drafts = drafts[: seq.guide.valid_prefix(drafts)]
+        return drafts
 
     def _reserve_blocks(self, seq: Sequence, num_tokens: int) -> bool:
         """Blocks for num_tokens positions, preempting victims until they fit; False if seq itself went."""
@@ -266,18 +269,20 @@ class Scheduler:
     def _add_work(self, seq: Sequence, num_new: int, drafts: tuple[int, ...]) -> None:
         start = seq.num_computed_tokens
         decode = _is_decode(seq)
+        sample = not seq.pool and start + num_new == seq.num_tokens
         self._scheduled[seq.seq_id] = SeqWork(
             seq_id=seq.seq_id,
             token_ids=tuple(seq.token_ids[start : start + num_new]) + drafts,
             start_pos=start,
             block_table=self.block_manager.block_table(seq.seq_id),
-            sample=not seq.pool and start + num_new == seq.num_tokens,
+            sample=sample,
             params=seq.params,
             seed=seq.seed,
             num_generated=seq.num_generated,
             draft_ids=drafts,
             output_ids=seq.output_ids if seq.params.has_penalties else (),
             pool=seq.pool,
+            guide=seq.guide if sample else None,
         )
         self._num_scheduled_tokens += num_new + len(drafts)
         self._num_decodes += decode
@@ -343,6 +348,10 @@ class Scheduler:
     def _append_tokens(self, seq: Sequence, result: SeqResult) -> list[TokenOut]:
         outs = []
         for i, token in enumerate(result.token_ids):
+            if seq.guide is not None and not seq.guide.accept(token):
+                error = f"the structured-output matcher refused token {token}: {seq.guide.error}"
+                outs.append(TokenOut(seq.seq_id, -1, finish_reason="error", error=error))
+                break
             seq.token_ids.append(token)
             reason = self._stop_reason(seq, token)
             top = result.top_logprobs[i] if i < len(result.top_logprobs) else ()
@@ -352,6 +361,8 @@ class Scheduler:
         return outs
 
     def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
+        if seq.guide is not None and seq.guide.done:  # a complete answer, before any length cut
+            return "stop"
         if token in seq.params.stop_token_ids or (not seq.params.ignore_eos and token in self.eos_token_ids):
             return "stop"
         if seq.num_generated >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:

@@ -1,7 +1,7 @@
 """Per-request mutable state, owned by the scheduler.
 
 Owns: Sequence (known tokens = prompt + output, num_computed_tokens, status, priority and
-arrival order, the request's seed) and SeqStatus. Only tl/scheduler.py mutates a
+arrival order, the request's seed, its constraint's matcher) and SeqStatus. Only tl/scheduler.py mutates a
 Sequence; the engine and tests read it. KV block tables live in tl/block_manager.py, keyed
 by seq_id, not here. Pure Python, no jax/numpy. Tested through tests/test_scheduler.py.
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from tl.request import FinishReason, SamplingParams
+from tl.request import FinishReason, Guide, SamplingParams
 
 
 class SeqStatus(enum.Enum):
@@ -42,6 +42,7 @@ class Sequence:
     pool: bool = False  # an embeddings input: pooled, never sampled, its blocks never cached
     group: int = -1  # the request it belongs to (an embeddings request's inputs share one); -1: its own
     pooled: list[float] = field(default_factory=list)  # the pooled sum over its computed tokens
+    guide: Guide | None = None  # its constraint's matcher: has consumed exactly its output tokens
 
     @property
     def request_key(self) -> int:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 STEP_SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 PROMPT_TOKENS_BUCKETS = (0, 1, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+MASK_SECONDS_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +72,7 @@ class EngineStats:
     capped_steps: int = 0  # steps whose prompt work prompt_tokens_while_decoding cut
     step_seconds: HistogramSnapshot = HistogramSnapshot()  # runner time of each step
     prompt_tokens_per_step: HistogramSnapshot = HistogramSnapshot()  # prompt-work tokens of each step
+    mask_seconds: HistogramSnapshot = HistogramSnapshot()  # host time per constrained token's bitmask
 
     @property
     def prefix_cache_hit_ratio(self) -> float:
