@@ -126,6 +126,8 @@ def test_constraints_in_the_compiled_step(runners: dict[str, Any]) -> None:
             else:
                 assert 3 <= len(text) <= 9 and set(text) <= set("abc")
     assert {k: r.num_compilations for k, r in runners.items()} == compiled
+    masks = engine.stats().mask_seconds  # one observation per constrained sample row
+    assert masks.count >= sum(len(o) for o in drive(Engine(factory(CFG), CFG), arrivals)) - len(arrivals)
 
 
 def test_constrained_logprobs_are_the_constrained_distributions(runners: dict[str, Any]) -> None:

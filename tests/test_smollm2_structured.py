@@ -1,0 +1,129 @@
+"""Structured output end to end on the real SmolLM2-135M, over real HTTP (granian serving
+serve.app:app), with the official openai client: `chat.completions.parse` with a Pydantic model
+returns a parsed object; a realistic JSON Schema (nested objects, enums, arrays, bounds)
+answers valid, compact JSON (checked by the independent `jsonschema` validator) whenever it
+finishes with "stop", and streamed equals non-streamed."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Literal
+
+import jsonschema
+import openai
+import pytest
+from granian_server import ROOT, free_port, granian_argv, running
+from pydantic import BaseModel, Field
+
+pytestmark = pytest.mark.slow
+
+
+class Landmark(BaseModel):
+    name: str = Field(max_length=24)
+    kind: Literal["museum", "tower", "church", "park", "palace"]
+
+
+class City(BaseModel):
+    name: str = Field(max_length=20)
+    country: Literal["France", "Germany", "Italy", "Spain", "United Kingdom"]
+    population_millions: int = Field(ge=0, le=40)
+    landmarks: list[Landmark] = Field(max_length=2)
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "title": {"type": "string", "maxLength": 30},
+        "genre": {"enum": ["fiction", "science", "history", "poetry"]},
+        "year": {"type": "integer", "minimum": 1500, "maximum": 2030},
+        "authors": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {"name": {"type": "string", "maxLength": 24}, "alive": {"type": "boolean"}},
+                "required": ["name", "alive"],
+                "additionalProperties": False,
+            },
+            "minItems": 1,
+            "maxItems": 2,
+        },
+    },
+    "required": ["title", "genre", "year", "authors"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def client(smol_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
+    port, hport = free_port(), free_port()
+    cfg = tmp_path_factory.mktemp("smol-structured") / "runtime.toml"
+    cfg.write_text(
+        f'[engine]\nmodel_dir = "{smol_dir}"\nmodel_id = "smol"\nhttp_listen = "127.0.0.1:{port}"\n'
+        f'health_listen = "127.0.0.1:{hport}"\nblock_size = 16\nnum_kv_blocks = 128\nmax_num_seqs = 2\n'
+        "max_num_batched_tokens = 256\nprefill_chunk = 256\ntoken_buckets = [16, 256]\nseq_buckets = [1, 2]\n"
+    )
+    env = {**os.environ, "TL_CONFIG": str(cfg), "PYTHONPATH": str(ROOT)}
+    with running(granian_argv(port), env, f"http://127.0.0.1:{hport}/readyz", timeout_s=600):
+        with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0) as c:
+            yield c
+
+
+def test_openai_parse_returns_a_pydantic_object(client: openai.OpenAI) -> None:
+    done = client.chat.completions.parse(
+        model="smol",
+        messages=[{"role": "user", "content": "Describe Paris as JSON: its name, country, population and landmarks."}],
+        response_format=City,
+        temperature=0,
+        max_tokens=200,
+    )
+    choice = done.choices[0]
+    assert choice.finish_reason == "stop"
+    city = choice.message.parsed
+    assert isinstance(city, City) and city.country in ("France", "Germany", "Italy", "Spain", "United Kingdom")
+    assert 0 <= city.population_millions <= 40 and len(city.landmarks) <= 2
+    assert "\n" not in (choice.message.content or "")
+
+
+def test_a_realistic_schema_is_valid_compact_and_streams_the_same(client: openai.OpenAI) -> None:
+    fmt = {"type": "json_schema", "json_schema": {"name": "book", "schema": SCHEMA, "strict": True}}
+    messages = [{"role": "user", "content": "Give me a famous novel as JSON."}]
+    doc = client.chat.completions.create(
+        model="smol",
+        messages=messages,
+        response_format=fmt,
+        temperature=0,
+        max_tokens=200,  # type: ignore[arg-type]
+    )
+    text = doc.choices[0].message.content or ""
+    assert doc.choices[0].finish_reason == "stop", text
+    jsonschema.validate(json.loads(text), SCHEMA)
+    assert text == json.dumps(json.loads(text), separators=(",", ":"), ensure_ascii=False)  # compact
+    stream = client.chat.completions.create(
+        model="smol",
+        messages=messages,  # type: ignore[arg-type]
+        response_format=fmt,  # type: ignore[arg-type]
+        temperature=0,
+        max_tokens=200,
+        stream=True,
+    )
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    sampled = client.chat.completions.create(
+        model="smol",
+        messages=messages,  # type: ignore[arg-type]
+        response_format=fmt,  # type: ignore[arg-type]
+        temperature=1.0,
+        top_p=0.9,
+        seed=7,
+        n=2,
+        max_tokens=200,
+    )
+    for ch in sampled.choices:
+        if ch.finish_reason == "stop":
+            jsonschema.validate(json.loads(ch.message.content or ""), SCHEMA)
+        else:
+            assert ch.finish_reason == "length"
