@@ -1,4 +1,7 @@
-"""`python -m bench <name> [args]` (also `tl bench ...`): runner | engine | mixed | http | quant | kernels | soak."""
+"""`python -m bench <name> [args]` (also `tl bench ...`).
+
+Names: runner | engine | mixed | http | structured | quant | kernels | soak.
+"""
 
 from __future__ import annotations
 
@@ -20,6 +23,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from bench.mixed_step import run
     elif name == "http":
         from bench.http_bench import run
+    elif name == "structured":
+        from bench.structured_bench import run
     elif name == "quant":
         from bench.quant_bench import run
     elif name == "kernels":
@@ -27,9 +32,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif name == "soak":
         from bench.soak import run
     else:
-        print(
-            f"unknown benchmark {name!r}; choose runner, engine, mixed, http, quant, kernels or soak", file=sys.stderr
-        )
+        names = "runner, engine, mixed, http, structured, quant, kernels or soak"
+        print(f"unknown benchmark {name!r}; choose {names}", file=sys.stderr)
         return 2
     return run(rest)
 

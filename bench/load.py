@@ -90,6 +90,7 @@ class RequestResult:
     t_end: float = 0.0
     error: str = ""
     text_len: int = 0
+    text: str = ""  # the streamed content, joined
 
     @property
     def ok(self) -> bool:
@@ -218,6 +219,7 @@ def _on_event(res: RequestResult, data: str) -> bool:
     if text:
         res.chunk_times.append(now)
         res.text_len += len(text)
+        res.text += text
     usage = chunk.get("usage")
     if usage:
         res.usage_completion_tokens = usage.get("completion_tokens")

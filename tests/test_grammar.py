@@ -200,3 +200,23 @@ def test_compiles_run_without_the_gil() -> None:
     ticker.join()
     elapsed = time.perf_counter() - t0
     assert ticks >= 0.3 * elapsed / 0.0011, (ticks, elapsed, one)  # the Python thread kept running
+
+
+def test_fill_masks_in_parallel_equals_row_by_row() -> None:
+    """A step's rows filled together (llguidance's executor, drafts included) equal each
+    matcher's own fill, and leave every matcher where it was."""
+    from tl.grammar import fill_masks
+
+    g = compiler()
+    specs = [ConstraintSpec("regex", r, "p") for r in ("(ab|ac)d+", "[0-9]{2,5}", "x|y|zz")]
+    matchers = [g.compile(s).grammar.matcher() for s in specs]
+    feed(matchers[1], "7")
+    rows = [(matchers[0], 0, (ord("a"), ord("c"))), (matchers[1], 4, (ord("1"),)), (matchers[2], 6, ())]
+    together = np.full((8, 9), -1, np.int32)
+    fill_masks(together, rows)  # type: ignore[arg-type]  # Matchers are Guides
+    alone = np.full((8, 9), -1, np.int32)
+    for m, row, drafts in rows:
+        m.fill(alone, row, drafts)
+    np.testing.assert_array_equal(together, alone)
+    assert (together[3] == -1).all() and (together[7] == -1).all()  # rows of no constrained work: untouched
+    assert allowed(matchers[0]) == {ord("a")} and len(allowed(matchers[1])) == 10  # a second digit

@@ -13,6 +13,8 @@
 - No environment variables read deep in the library: tl/ and kernels/ read none, but for the
   assembly (tl/build.py hands the environment to jax.distributed's set-up), and no module of
   tl/ or serve/ imports a module by a name it computes (importlib, __import__).
+- Only tl/grammar.py imports llguidance (GRAMMAR_OWNERS): the scheduler and runner see a
+  constraint through tl.request's Guide protocol.
 - Every file a module's docstring names (its tests, its neighbours) exists.
 
 Each rule is `violations(rel, source)`, tried on the tree and on snippets that break it.
@@ -68,6 +70,8 @@ SERVE_FORBIDDEN = (
 )
 
 
+GRAMMAR_OWNERS = {"tl/grammar.py"}
+"""The one module that talks to llguidance (compiling constraints, the per-sequence matcher)."""
 SERVE_API = ("tl.config", "tl.request", "tl.async_engine", "tl.stats", "tl.build")
 """What serve/ may import of tl: configuration, the request records and their errors, the
 AsyncEngine, the stats records and the one function that builds the engine."""
@@ -148,6 +152,8 @@ def violations(rel: str, source: str) -> list[str]:
             out.append(f"{rel} reaches past the public engine API ({', '.join(SERVE_API)}): {reach}")
         if private := _private_names(source, "tl"):
             out.append(f"{rel} imports private names {private}")
+    if pkg in PACKAGES and rel not in GRAMMAR_OWNERS and any(top(n) == "llguidance" for n in names):
+        out.append(f"{rel} imports llguidance; only {sorted(GRAMMAR_OWNERS)} may")
     if pkg in ("tl", "kernels") and rel not in ENV_READERS and _reads_environment(source):
         out.append(f"{rel} reads the environment (make it an [engine] key or an argument)")
     if pkg in ("tl", "serve") and _computes_imports(source):
@@ -195,6 +201,8 @@ def test_every_module_keeps_the_rules() -> None:
         ("tl/execution.py", "import jax\nx = jax.device_put(y)\n", "creates device arrays"),
         ("tl/embedding.py", "from jax import device_put\nx = device_put(y, d)\n", "creates device arrays"),
         ("serve/app.py", "x = jax.dlpack.from_dlpack(v)\n", "creates device arrays"),
+        ("tl/scheduler.py", "import llguidance\n", "imports llguidance"),
+        ("tl/runner.py", "from llguidance.numpy import fill_next_token_bitmask\n", "imports llguidance"),
     ],
 )
 def test_each_rule_catches_what_breaks_it(rel: str, source: str, rule: str) -> None:

@@ -4,9 +4,9 @@ Owns: turning a ConstraintSpec (tl/request.py) into llguidance grammar text (JSO
 compact whitespace, regex, a choice of strings, Lark), the llguidance tokenizer built from the
 model's tokenizer.json (its vocabulary padded to the model's, so mask columns past the
 tokenizer's tokens stay blocked), compiling with resource limits, the LRU cache of compiled
-grammars keyed by the exact spec (a refusal is cached too), the time bound, and Matcher: one
+grammars keyed by the exact spec (a refusal is cached too), the time bound, Matcher: one
 sequence's llguidance matcher behind tl.request's Guide (the scheduler trims drafts and
-consumes tokens through it, the runner fills the step's bitmask rows). Host code (numpy,
+consumes tokens through it), and `fill_masks`, a step's bitmask rows filled in parallel. Host code (numpy,
 llguidance): must not import jax. The async time bound is AsyncEngine's (it runs `compile` on
 its worker threads). Tested by tests/test_grammar.py.
 """
@@ -14,17 +14,19 @@ its worker threads). Tested by tests/test_grammar.py.
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 
 import llguidance
 import numpy as np
 
-from tl.request import ConstraintSpec, RequestError
+from tl.request import ConstraintSpec, Guide, RequestError
 
 JSON_OPTIONS: dict[str, str | bool] = {
     "whitespace_flexible": False,  # compact: "," and ":" only, so no runaway newlines until max_tokens
@@ -94,6 +96,32 @@ class Matcher:
     @property
     def error(self) -> str:
         return str(self._m.get_error())
+
+
+@cache
+def _executor() -> llguidance.LLExecutor:
+    """llguidance's thread pool for a step's masks: one thread per core (the step has not started
+    yet, so the cores are free), not its default of 80% of them."""
+    return llguidance.LLExecutor(num_threads=max(1, len(os.sched_getaffinity(0))))
+
+
+def fill_masks(mask: np.ndarray, rows: Sequence[tuple[Guide, int, Sequence[int]]]) -> None:
+    """Every constrained row of a step's bitmask [R, W] int32 at once: each (guide, first row,
+    drafts) fills rows first .. first+len(drafts). Matchers of this module are filled in
+    parallel by llguidance's executor (it consumes the drafts and rolls them back itself); any
+    other Guide (a test's) through its own `fill`."""
+    plain = [(g._m, row) for g, row, drafts in rows if isinstance(g, Matcher) and not drafts]
+    drafted = [(g._m, row, list(drafts)) for g, row, drafts in rows if isinstance(g, Matcher) and drafts]
+    if (plain or drafted) and (not mask.flags["C_CONTIGUOUS"] or mask.dtype != np.int32):
+        raise ValueError("the bitmask must be a C-contiguous int32 array")
+    width, batch = mask.shape[1] * 4, mask.shape[0]
+    if plain:
+        _executor().unsafe_compute_mask_ptr(plain, mask.ctypes.data, width, batch)
+    if drafted:  # llguidance's call for drafts refuses an empty draft list: the two batches apart
+        _executor().unsafe_compute_mask_ptr_with_draft_token(drafted, mask.ctypes.data, width, batch)
+    for g, row, drafts in rows:
+        if not isinstance(g, Matcher):
+            g.fill(mask, row, drafts)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,7 +1,9 @@
 """Request records that cross the engine's public seam: what a caller submits and what a step returns.
 
 Owns: SamplingParams (validated per-request sampling settings), GenRequest, EmbedRequest, TokenOut,
-FinishReason, the typed admission errors and the two admission rules (`check_context`,
+FinishReason, ConstraintSpec (a structured-output constraint as the wire gave it) and the two
+protocols a compiled one is used through (Constraint, Guide: tl/grammar.py implements them,
+the scheduler and runner call them), the typed admission errors and the two admission rules (`check_context`,
 `check_capacity`) with their messages; the engine applies them with its own limits
 (tl/engine.py), serve/ turns the errors into HTTP answers (serve/errors.py). Pure data: must
 not import jax, the runner or the scheduler. The mutable per-request state the scheduler

@@ -31,6 +31,13 @@ they finish with the pooled vector. They hold at most half of max_num_seqs at on
 generation request queued behind them may start before their waiting inputs (never the
 other way round), so one large embeddings request cannot hold every new chat back.
 
+Structured output: a constrained sequence's matcher (Sequence.guide) has consumed exactly its
+output tokens. Its drafts are cut to the prefix the grammar allows before they are scheduled
+(a refused draft is never verified), its sampled work carries the matcher so the runner fills
+its rows' bitmask, and update() feeds it each token: a grammar complete is "stop" (before any
+length check), a refused token ends the request with "error". Preemption keeps the matcher:
+recomputing re-feeds no token to it, so it resumes exactly where it was.
+
 Preemption: when a running sequence cannot get blocks, the running sequence with the
 lowest priority and latest arrival (possibly itself) releases all its blocks and goes back
 to waiting with its tokens kept (prompt + output, recomputed later, often from the prefix
