@@ -98,6 +98,19 @@ def test_stream_n_and_seeds_under_a_constraint(kind: str) -> None:
     run(make_app(kind), body)
 
 
+def test_stop_strings_logprobs_and_penalties_keep_working(kind: str) -> None:
+    async def body(app: App) -> None:
+        so = {"regex": "[a-c]{5}"}  # "bcabc" from "a"
+        doc = (await call(app, "POST", CHAT, chat(structured_outputs=so, max_tokens=8, stop=["ca"]))).json()
+        assert (answer(doc), doc["choices"][0]["finish_reason"]) == ("b", "stop")  # the stop string you set cuts
+        doc = (await call(app, "POST", CHAT, chat(structured_outputs=so, max_tokens=8, logprobs=True))).json()
+        assert [t["token"] for t in doc["choices"][0]["logprobs"]["content"]] == list("bcabc")
+        doc = (await call(app, "POST", CHAT, chat(structured_outputs=so, max_tokens=8, presence_penalty=1.0))).json()
+        assert answer(doc) == "bcabc"
+
+    run(make_app(kind), body)
+
+
 BAD = [
     (chat(response_format=schema_format({"type": "strin"})), "response_format.json_schema.schema", "Invalid type"),
     (
@@ -196,11 +209,13 @@ def test_a_matcher_failing_mid_way_is_an_error_never_stop() -> None:
 
 def test_structured_output_metrics() -> None:
     async def body(app: App) -> None:
-        for _ in range(2):
-            await call(app, "POST", CHAT, chat(response_format=schema_format(), max_tokens=200))
+        req = chat(response_format=schema_format(), max_tokens=200)
+        first = await asyncio.gather(*(call(app, "POST", CHAT, req) for _ in range(3)))  # one compile, shared
+        assert [r.status for r in first] == [200] * 3
+        await call(app, "POST", CHAT, req)
         await call(app, "POST", CHAT, chat(structured_outputs={"regex": "a(b"}))
         assert metric(app, 'tl_structured_output_requests_total{kind="json",outcome="compiled"}') == 1
-        assert metric(app, 'tl_structured_output_requests_total{kind="json",outcome="cached"}') == 1
+        assert metric(app, 'tl_structured_output_requests_total{kind="json",outcome="cached"}') == 3
         assert metric(app, 'tl_structured_output_requests_total{kind="regex",outcome="refused"}') == 1
         assert metric(app, "tl_structured_output_compile_seconds_count") == 1
 

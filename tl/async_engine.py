@@ -19,6 +19,7 @@ Must not import jax or serve/. Tested with tests/fake_engine.py by tests/test_as
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
@@ -228,6 +229,7 @@ class AsyncEngine:
         self.model_id = model_id
         self.grammars = grammars
         self._grammar_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tl-grammar")
+        self._compiling: dict[tuple[str, str, str], asyncio.Future[Compiled]] = {}  # the loop's only
         self.ready = False
         self._cmds: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._lock = threading.Lock()
@@ -261,22 +263,31 @@ class AsyncEngine:
 
     async def compile_constraint(self, spec: ConstraintSpec) -> Compiled:
         """The compiled grammar of spec, from the cache or built on a worker thread (never on the
-        loop), within grammars.timeout_s. Raises RequestError naming spec.param: no grammar
-        support, a constraint that does not compile, or one slower than the bound (its compile
-        finishes on the worker and is remembered as refused)."""
+        loop), within grammars.timeout_s. Concurrent requests for one spec share one compile
+        (they count as cached). Raises RequestError naming spec.param: no grammar support, a
+        constraint that does not compile, or one slower than the bound (its compile finishes on
+        the worker and is remembered as refused)."""
         grammars = self.grammars
         if grammars is None:
             raise RequestError("structured output is not available for this model", param=spec.param)
-        loop = asyncio.get_running_loop()
-        job = loop.run_in_executor(self._grammar_pool, grammars.compile, spec)
+        key = (spec.kind, spec.text, spec.param)
+        job = self._compiling.get(key)
+        shared = job is not None
+        if job is None:
+            job = asyncio.ensure_future(
+                asyncio.get_running_loop().run_in_executor(self._grammar_pool, grammars.compile, spec)
+            )
+            self._compiling[key] = job
+            job.add_done_callback(lambda f: self._compiling.pop(key, None) and not f.cancelled() and f.exception())
         try:
-            return await asyncio.wait_for(job, grammars.timeout_s)
+            compiled = await asyncio.wait_for(asyncio.shield(job), grammars.timeout_s)
         except TimeoutError:
             raise RequestError(
                 f"{spec.param}: compiling this constraint took longer than {grammars.timeout_s:g} s "
                 "(grammar_timeout_s); simplify it",
                 param=spec.param,
             ) from None
+        return dataclasses.replace(compiled, cached=True, seconds=0.0) if shared else compiled
 
     def start(self) -> None:
         """Start the engine thread; call from the event loop that will submit."""
