@@ -147,6 +147,7 @@ class App:
             tok,
             engine.chat_template,
             engine.backend_info,
+            engine.tools,
         )
         if self.handle_signals:
             loop.add_signal_handler(signal.SIGTERM, self.begin_drain)

@@ -34,13 +34,18 @@ from serve.wire import (
     CompletionChoice,
     CompletionLogprobs,
     Delta,
+    FunctionCallOut,
+    FunctionDelta,
     TokenLogprob,
+    ToolCallDelta,
+    ToolCallOut,
     TopLogprob,
     Usage,
     encoder,
 )
 from tl.async_engine import AsyncEngine, EngineError, RequestHandle
 from tl.request import Constraint, GenRequest, RequestError, TokenOut
+from tl.tools import CallArgs, CallStart, Event, ToolCallParser
 
 PING_INTERVAL_S = 15.0
 _GONE = object()
@@ -54,15 +59,18 @@ class Choice:
     stream: TextStream
     stop_ids: frozenset[int]
     hidden_ids: frozenset[int]  # special tokens: counted, never shown (vLLM's skip_special_tokens)
-    text: list[str] = field(default_factory=list)
+    parser: ToolCallParser | None = None  # tools: the shown text goes through it (content and calls)
+    call_ids: list[str] = field(default_factory=list)  # the id of each call, in order
+    text: list[str] = field(default_factory=list)  # content
     num_tokens: int = 0
     finish: str | None = None
     pending: list[TokenOut] = field(default_factory=list)  # tokens whose logprobs are not yet sent
     logprobs: list[TokenOut] = field(default_factory=list)  # every token, for the non-streamed answer
     first_token_at: float | None = None
 
-    def feed(self, outs: list[TokenOut], tok: TokenizerLike) -> str:
-        """Consume one delivery; return the text that may be sent now. Raises ApiError on abort/no_capacity."""
+    def feed(self, outs: list[TokenOut], tok: TokenizerLike) -> list[Event]:
+        """Consume one delivery; return what may be sent now: content text and, with tools, call
+        events. Raises ApiError on abort, no_capacity or a constraint's failure."""
         pieces = []
         for o in outs:
             if self.finish is not None:
@@ -89,8 +97,29 @@ class Choice:
             elif o.finish_reason == "error":
                 raise errors.constraint_failed(o.error or "the structured-output matcher failed")
         piece = "".join(pieces)
-        self.text.append(piece)
-        return piece
+        if self.parser is None:
+            self.text.append(piece)
+            return [piece] if piece else []
+        events = self.parser.push(piece) + (self.parser.finish() if self.finish is not None else [])
+        for e in events:
+            if isinstance(e, str):
+                self.text.append(e)
+            elif isinstance(e, CallStart):
+                self.call_ids.append(f"call_{uuid.uuid4().hex[:24]}")
+        if self.finish == "stop" and self.parser.calls:
+            self.finish = "tool_calls"
+        return events
+
+    def message(self) -> AssistantMessage:
+        """The non-streamed answer: content (null when only calls came) and the tool calls."""
+        text = "".join(self.text)
+        if self.parser is None or not self.parser.calls:
+            return AssistantMessage("assistant", text)
+        calls = [
+            ToolCallOut(i, "function", FunctionCallOut(c.name, c.arguments_text))
+            for i, c in zip(self.call_ids, self.parser.calls, strict=True)
+        ]
+        return AssistantMessage("assistant", text or None, calls)
 
 
 class Job:
@@ -122,6 +151,10 @@ class Job:
     def _submit(self, priority: int) -> list[Choice]:
         stop_ids = frozenset(self.engine.eos_token_ids)
         hidden_ids = frozenset(getattr(self.engine.tokenizer, "special_token_ids", ()))
+        fmt = self.spec.tool_format
+        if fmt is not None:  # a marker that is a special token (Qwen's <tool_call>) must reach the parser
+            to_id = getattr(self.engine.tokenizer, "token_to_id", lambda _: None)
+            hidden_ids -= {to_id(fmt.start), to_id(fmt.end)}
         choices: list[Choice] = []
         try:
             for p_idx, prompt in enumerate(self.spec.prompts):
@@ -136,6 +169,7 @@ class Job:
                             TextStream(self.spec.stops),
                             stops,
                             hidden_ids,
+                            None if fmt is None else ToolCallParser(fmt),
                         )
                     )
         except RequestError as e:  # the engine's refusal (context, queue): nothing of this request runs
@@ -180,15 +214,15 @@ class Job:
     def gone(self) -> None:
         self.queue.put_nowait((None, _GONE))
 
-    def feed(self, choice: Choice, item: object) -> str:
+    def feed(self, choice: Choice, item: object) -> list[Event]:
         if isinstance(item, RequestError):
             raise errors.from_request_error(item, self.spec.context_param)
         if isinstance(item, BaseException):
             raise errors.internal(f"engine failure: {item}")
-        piece = choice.feed(cast(list[TokenOut], item), self.engine.tokenizer)  # the engine's batch of outputs
+        events = choice.feed(cast(list[TokenOut], item), self.engine.tokenizer)  # the engine's batch of outputs
         if choice.finish is not None:
             self._observe(choice)
-        return piece
+        return events
 
     @property
     def done(self) -> bool:
@@ -250,12 +284,7 @@ class Job:
                     self.created,
                     self.model_id,
                     [
-                        ChatChoice(
-                            c.index,
-                            AssistantMessage("assistant", "".join(c.text)),
-                            self.chat_logprobs(c.logprobs),
-                            c.finish or "stop",
-                        )
+                        ChatChoice(c.index, c.message(), self.chat_logprobs(c.logprobs), c.finish or "stop")
                         for c in self.choices
                     ],
                     self.usage(),
@@ -277,16 +306,44 @@ class Job:
             )
         )
 
-    def chunk(self, c: Choice, piece: str, first: bool = False) -> bytes:
+    def chunks(self, c: Choice, events: list[Event]) -> list[bytes]:
+        """The SSE chunks of one delivery: one per event (content text, a call opening with its id,
+        type and name, an arguments fragment), the finish reason on the last; logprobs on the first."""
+        if self.spec.kind != "chat" or c.parser is None:
+            return [self.chunk(c, "".join(e for e in events if isinstance(e, str)))]
+        if not events:
+            return [self.chunk(c, "")] if c.finish is not None else []
+        out = []
+        for k, e in enumerate(events):
+            last = k == len(events) - 1
+            if isinstance(e, str):
+                delta = Delta(content=e)
+            elif isinstance(e, CallStart):
+                fn = FunctionDelta(name=e.name, arguments="")
+                delta = Delta(tool_calls=[ToolCallDelta(e.index, c.call_ids[e.index], "function", fn)])
+            else:
+                assert isinstance(e, CallArgs)
+                delta = Delta(tool_calls=[ToolCallDelta(e.index, function=FunctionDelta(arguments=e.text))])
+            out.append(self.chunk(c, "", delta=delta, finish=last))
+        return out
+
+    def chunk(
+        self, c: Choice, piece: str, first: bool = False, delta: Delta | None = None, finish: bool = True
+    ) -> bytes:
         outs, c.pending = c.pending, []
         if self.spec.kind == "chat":
-            delta = Delta(role="assistant", content="") if first else Delta(content=piece or None)
+            if delta is None:
+                delta = Delta(role="assistant", content="") if first else Delta(content=piece or None)
             doc: object = ChatCompletionChunk(
                 self.id,
                 "chat.completion.chunk",
                 self.created,
                 self.model_id,
-                [ChunkChoice(c.index, delta, None if first else self.chat_logprobs(outs), c.finish)],
+                [
+                    ChunkChoice(
+                        c.index, delta, None if first else self.chat_logprobs(outs), c.finish if finish else None
+                    )
+                ],
             )
         else:
             offset = sum(len(t) for t in c.text) - len(piece)
@@ -345,9 +402,10 @@ async def _stream(job: Job, out: Sender, ping_s: float) -> None:
             if choice is None:
                 await out.chunk(sse.PING)
                 continue
-            piece = job.feed(choice, item)
-            if piece or choice.finish is not None:
-                await out.chunk(job.chunk(choice, piece))
+            events = job.feed(choice, item)
+            if events or choice.finish is not None:
+                for data in job.chunks(choice, events):
+                    await out.chunk(data)
         if job.spec.include_usage:
             await out.chunk(job.usage_chunk())
     except ApiError as e:

@@ -12,20 +12,25 @@ Must not touch the engine thread. Tested through tests/test_serve_app.py.
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
+
+import msgspec
 
 from serve import errors
 from serve.wire import (
     ChatMessage,
     ChatRequest,
     CompletionRequest,
+    NamedToolChoice,
     PromptItem,
     SamplingFields,
 )
 from tl.request import MAX_SEED, ConstraintSpec, RequestError, SamplingParams
 from tl.stats import BackendInfo
+from tl.tools import ToolFormat, ToolSetup, ToolSpec, tool_grammar
 
 Kind = Literal["chat", "completion"]
 
@@ -56,6 +61,7 @@ class ModelInfo:
     tokenizer: TokenizerLike
     template: TemplateLike
     backend: BackendInfo | None = None  # where the engine runs (None for fake engines)
+    tools: ToolSetup | None = None  # the model's tool-call format and tool template (None: no tools)
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +75,8 @@ class GenSpec:
     logprobs: bool
     context_param: str  # the field a context-length refusal names: max_tokens' own, or "messages" when defaulted
     constraint: ConstraintSpec | None = None  # structured output: what every choice must match
+    tool_format: ToolFormat | None = None  # answers are parsed for tool calls in this format
+    checks: tuple[ConstraintSpec, ...] = ()  # compiled first, so an error names its own field (a tool's parameters)
 
     @property
     def n(self) -> int:
@@ -81,10 +89,10 @@ def check_model(model: str | None, info: ModelInfo) -> None:
 
 
 def _refuse_unsupported(req: SamplingFields) -> None:
-    if req.tools:
-        raise errors.unsupported("tools")
-    if req.tool_choice not in (None, "none"):
-        raise errors.unsupported("tool_choice")
+    if isinstance(req, CompletionRequest) and req.tools:
+        raise errors.unsupported("tools", "on /v1/completions (use /v1/chat/completions)")
+    if isinstance(req, CompletionRequest) and req.tool_choice is not None:
+        raise errors.unsupported("tool_choice", "on /v1/completions (use /v1/chat/completions)")
     if req.functions is not None:
         raise errors.unsupported("functions")
     if req.function_call is not None:
@@ -149,8 +157,10 @@ def constraint(req: SamplingFields) -> ConstraintSpec | None:
     return specs[0] if specs else None
 
 
-def message_dicts(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    """Messages as the template sees them; text parts are joined, any other part is a 422."""
+def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as the template sees them (as transformers' apply_chat_template gets them): text
+    parts joined (any other part is a 422), an assistant's tool_calls with their arguments as a
+    dict (empty tool_calls: absent), a tool turn's tool_call_id."""
     out = []
     for i, m in enumerate(messages):
         content = m.content
@@ -159,20 +169,97 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, str]]:
                 if part.type != "text":
                     raise errors.unsupported(f"messages[{i}].content[{j}].type", f"content part {part.type!r}")
             content = "".join(p.text or "" for p in content)
-        d = {"role": m.role, "content": content or ""}
+        d: dict[str, Any] = {"role": m.role, "content": content or ""}
         if m.name is not None:
             d["name"] = m.name
+        if m.tool_calls:
+            calls = []
+            for j, c in enumerate(m.tool_calls):
+                param = f"messages[{i}].tool_calls[{j}].function.arguments"
+                try:
+                    arguments = json.loads(c.function.arguments)
+                except ValueError:
+                    raise errors.bad_request(f"{param} is not valid JSON", param) from None
+                calls.append(
+                    {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": arguments}}
+                )
+            d["tool_calls"] = calls
+            if not content:
+                d["content"] = None
+        if m.tool_call_id is not None:
+            d["tool_call_id"] = m.tool_call_id
         out.append(d)
     return out
 
 
-def render_chat(messages: list[ChatMessage], info: ModelInfo, add_generation_prompt: bool = True) -> list[int]:
+def render_chat(
+    messages: list[ChatMessage],
+    info: ModelInfo,
+    add_generation_prompt: bool = True,
+    tools: list[dict[str, Any]] | None = None,
+) -> list[int]:
+    """The prompt's token ids. With tools, or a conversation that already called tools, the
+    model's tool template renders it (its own, or tl's for a model whose template has none)."""
     dicts = message_dicts(messages)
+    tooled = tools is not None or any("tool_calls" in d or d["role"] == "tool" for d in dicts)
+    template = info.tools.template if tooled and info.tools is not None else info.template
     try:
-        text = info.template.render(dicts, add_generation_prompt=add_generation_prompt)
+        text = template.render(dicts, add_generation_prompt=add_generation_prompt, tools=tools)
     except Exception as e:  # noqa: BLE001 - TemplateError, or raise_exception() inside any template
         raise errors.bad_request(f"The chat template could not render these messages: {e}", "messages") from None
     return info.tokenizer.encode(text)
+
+
+@dataclass(frozen=True, slots=True)
+class ToolRequest:
+    """A chat request's tools as the template and the constraint need them."""
+
+    dicts: list[dict[str, Any]] | None  # handed to the template (None: render no tools)
+    constraint: ConstraintSpec | None  # the calls' grammar (forced or guarded)
+    checks: tuple[ConstraintSpec, ...]  # each tool's parameters schema, compiled on its own
+    format: ToolFormat | None  # parse answers for calls (None: tool_choice "none" or no tools)
+
+
+def tool_request(req: ChatRequest, info: ModelInfo) -> ToolRequest:
+    """Validate tools / tool_choice / parallel_tool_calls: 400s name the field. "none" renders
+    no tools and never parses calls; "auto" (the default with tools) lets the model answer or
+    call, "required" and a named tool force calls; all calls follow their tool's schema."""
+    tools, choice = req.tools or [], req.tool_choice
+    if not tools:
+        if choice is not None and choice != "none":
+            raise errors.bad_request("tool_choice is only allowed when tools are given", "tool_choice")
+        return ToolRequest(None, None, (), None)
+    if info.tools is None:
+        raise errors.unsupported("tools", "this model has no tool-call format")
+    names = [t.function.name for t in tools]
+    twice = sorted(n for n, k in Counter(names).items() if k > 1)
+    if twice:
+        raise errors.bad_request(f"tool names must be unique; {twice[0]!r} appears more than once", "tools")
+    named = choice.function.name if isinstance(choice, NamedToolChoice) else ""
+    if isinstance(choice, NamedToolChoice) and named not in names:
+        raise errors.bad_request(
+            f"tool_choice names the function {named!r}, which is not among the tools", "tool_choice"
+        )
+    if choice == "none":
+        return ToolRequest(None, None, (), None)
+    specs = [
+        ToolSpec(
+            t.function.name,
+            t.function.description,
+            "" if t.function.parameters is None else json.dumps(t.function.parameters),
+        )
+        for t in tools
+    ]
+    checks = tuple(
+        ConstraintSpec("json", s.parameters, f"tools[{i}].function.parameters")
+        for i, s in enumerate(specs)
+        if s.parameters
+    )
+    mode = "named" if named else ("auto" if choice is None else choice)
+    parallel = req.parallel_tool_calls is not False
+    grammar = tool_grammar(info.tools.format, specs, mode, parallel, named)  # type: ignore[arg-type]  # auto/required/named
+    dicts = [msgspec.to_builtins(t) for t in tools]
+    return ToolRequest(dicts, ConstraintSpec("grammar", grammar, "tools"), checks, info.tools.format)
 
 
 def prompt_token_lists(prompt: str | list[PromptItem], info: ModelInfo, param: str) -> list[list[int]]:
@@ -259,7 +346,15 @@ def chat_spec(req: ChatRequest, info: ModelInfo) -> GenSpec:
     _refuse_unsupported(req)
     if req.top_logprobs and not req.logprobs:
         raise errors.bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
-    ids = render_chat(req.messages, info)
+    tools = tool_request(req, info)
+    fmt_constraint = constraint(req)
+    if tools.constraint is not None and fmt_constraint is not None:
+        raise errors.bad_request(
+            f"tools (tool_choice {req.tool_choice or 'auto'!r}) and {fmt_constraint.param} both constrain the "
+            "output; give only one of them (or tool_choice 'none')",
+            fmt_constraint.param.split(".")[0],
+        )
+    ids = render_chat(req.messages, info, tools=tools.dicts)
     _check_tokens(ids, info, "messages")
     asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
@@ -275,7 +370,9 @@ def chat_spec(req: ChatRequest, info: ModelInfo) -> GenSpec:
         bool(req.stream_options and req.stream_options.include_usage),
         bool(req.logprobs),
         "messages" if asked is None else param,
-        constraint(req),
+        tools.constraint or fmt_constraint,
+        tools.format,
+        tools.checks,
     )
 
 

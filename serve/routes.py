@@ -105,6 +105,8 @@ async def _generate(ctx: Ctx, spec_fn: Callable[[], GenSpec]) -> None:
         )
     spec = spec_fn()
     prio = priority(ctx)
+    for check in spec.checks:  # a tool's parameters alone first: its error names its own field
+        await _compile(ctx, check, count=False)
     grammar = await _compile(ctx, spec.constraint) if spec.constraint is not None else None
     job = Job(spec, ctx.engine, ctx.info.model_id, prio, ctx.metrics, ctx.arrived, grammar)
     ctx.jobs.add(job)
@@ -115,15 +117,18 @@ async def _generate(ctx: Ctx, spec_fn: Callable[[], GenSpec]) -> None:
         ctx.jobs.discard(job)
 
 
-async def _compile(ctx: Ctx, spec: ConstraintSpec) -> Constraint:
-    """The request's constraint compiled (a 400 naming its field if it does not compile in time)."""
+async def _compile(ctx: Ctx, spec: ConstraintSpec, count: bool = True) -> Constraint:
+    """The request's constraint compiled (a 400 naming its field if it does not compile in time);
+    `count`: it is the request's constraint (a tool's parameters checked alone are not)."""
     m = ctx.metrics
     try:
         compiled = await ctx.engine.compile_constraint(spec)
     except RequestError as e:
-        m.grammar_requests.labels(spec.kind, "refused").inc()
+        if count:
+            m.grammar_requests.labels(spec.kind, "refused").inc()
         raise errors.from_request_error(e) from None
-    m.grammar_requests.labels(spec.kind, "cached" if compiled.cached else "compiled").inc()
+    if count:
+        m.grammar_requests.labels(spec.kind, "cached" if compiled.cached else "compiled").inc()
     if not compiled.cached:
         m.grammar_compile.observe(compiled.seconds)
     return compiled.grammar

@@ -33,10 +33,44 @@ class ContentPart(Struct):
     text: str | None = None
 
 
-class ChatMessage(Struct):
+class CallFunction(Struct):
+    name: str
+    arguments: str  # JSON text, as the API sends it
+
+
+class ToolCall(Struct, kw_only=True):
+    id: str
+    type: Literal["function"] = "function"
+    function: CallFunction
+
+
+class ChatMessage(Struct, kw_only=True):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant turns that called tools
+    tool_call_id: str | None = None  # a tool turn: the call it answers
+
+
+class FunctionDef(Struct, kw_only=True, omit_defaults=True):
+    name: Annotated[str, Meta(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(Struct, kw_only=True, omit_defaults=True):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(Struct):
+    name: str
+
+
+class NamedToolChoice(Struct, kw_only=True):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class StreamOptions(Struct):
@@ -88,8 +122,6 @@ class SamplingFields(Struct, kw_only=True):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     user: str | None = None
-    tools: object = None
-    tool_choice: object = None
     functions: object = None
     function_call: object = None
     response_format: ResponseFormat | None = None
@@ -98,6 +130,9 @@ class SamplingFields(Struct, kw_only=True):
 
 class ChatRequest(SamplingFields, kw_only=True):
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     max_completion_tokens: PosInt | None = None
     logprobs: bool | None = None
     top_logprobs: TopLogprobs | None = None
@@ -108,6 +143,8 @@ PromptItem = str | TokenId | list[TokenId]
 
 class CompletionRequest(SamplingFields, kw_only=True):
     prompt: str | Annotated[list[PromptItem], Meta(min_length=1)]
+    tools: object = None  # chat only: refused here
+    tool_choice: object = None
     logprobs: TopLogprobs | None = None
     echo: bool | None = None
     suffix: str | None = None
@@ -161,9 +198,21 @@ class ChatLogprobs(Struct, frozen=True):
     content: list[TokenLogprob]
 
 
-class AssistantMessage(Struct, frozen=True):
+class FunctionCallOut(Struct, frozen=True):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(Struct, frozen=True):
+    id: str
+    type: str
+    function: FunctionCallOut
+
+
+class AssistantMessage(Struct, frozen=True, omit_defaults=True):
     role: str
-    content: str
+    content: str | None  # null when the answer is only tool calls
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(Struct, frozen=True):
@@ -182,9 +231,25 @@ class ChatCompletion(Struct, frozen=True):
     usage: Usage
 
 
+class FunctionDelta(Struct, frozen=True, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(Struct, frozen=True, omit_defaults=True):
+    """A call's first delta carries index, id, type and the name (arguments ""); the rest only
+    index and an arguments fragment."""
+
+    index: int
+    id: str | None = None
+    type: str | None = None
+    function: FunctionDelta | None = None
+
+
 class Delta(Struct, frozen=True, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChunkChoice(Struct, frozen=True):

@@ -8,8 +8,11 @@ an import path from the environment. Used by tests/test_serve_http.py.
 
 from __future__ import annotations
 
-from fake_engine import make_real_async_engine
+from fake_engine import make_real_async_engine, make_script_async_engine
 
 from serve.app import App
 
 app = App(engine_factory=make_real_async_engine)
+
+script_app = App(engine_factory=make_script_async_engine)
+"""`fake_app:script_app`: every answer is FAKE_SCRIPT (tests/fake_engine.py ScriptEngine)."""

@@ -32,11 +32,13 @@ from fake_runner import pick_allowed
 from models import BYTE_VOCAB_SIZE, IM_END_ID, byte_tokenizer_json
 
 from tl.async_engine import AsyncEngine
+from tl.chat_template import ChatTemplate
 from tl.config import EngineConfig
 from tl.grammar import GrammarCompiler
 from tl.plan import RunnerOutput, SchedulerOutput, SeqResult
 from tl.request import EmbedRequest, GenRequest, Guide, TokenOut, check_capacity, check_context
 from tl.stats import BackendInfo, EngineStats
+from tl.tools import FORMATS, ToolSetup, tool_template
 
 EMBED_DIM = 8
 
@@ -47,6 +49,11 @@ def byte_grammars(cfg: EngineConfig) -> GrammarCompiler:
     return GrammarCompiler(
         json.dumps(byte_tokenizer_json()), BYTE_VOCAB_SIZE, (IM_END_ID,), cfg.grammar_cache_size, cfg.grammar_timeout_s
     )
+
+
+def byte_tools() -> ToolSetup:
+    """Tool calling for the fake engines: SmolLM2's JSON-array form, tl's own tool template."""
+    return ToolSetup(FORMATS["smollm2"], ChatTemplate(tool_template()), "tests: tl's tool template")
 
 
 def constrained(guide: Guide, preferred: int) -> int:
@@ -289,7 +296,7 @@ def make_async_engine(cfg: EngineConfig) -> AsyncEngine:
     engine = FakeEngine(runner, cfg, step_delay_s=float(os.environ.get("FAKE_STEP_DELAY_S", "0")))
     runner.warmup()
     template = RoleTemplate() if os.environ.get("FAKE_TEMPLATE") == "role" else ConcatTemplate()
-    return AsyncEngine(engine, ByteTokenizer(), template, cfg.served_model_id(), byte_grammars(cfg))
+    return AsyncEngine(engine, ByteTokenizer(), template, cfg.served_model_id(), byte_grammars(cfg), byte_tools())
 
 
 class SuccRunner:
@@ -346,4 +353,57 @@ def make_real_async_engine(cfg: EngineConfig) -> AsyncEngine:
         step_delay_s=float(os.environ.get("FAKE_STEP_DELAY_S", "0")),
     )
     engine = Engine(runner, cfg)
-    return AsyncEngine(engine, ByteTokenizer(), ConcatTemplate(), cfg.served_model_id(), byte_grammars(cfg))
+    return AsyncEngine(
+        engine, ByteTokenizer(), ConcatTemplate(), cfg.served_model_id(), byte_grammars(cfg), byte_tools()
+    )
+
+
+class ScriptEngine(FakeEngine):
+    """A FakeEngine whose every answer is `script` (bytes), `per_step` tokens a step, then EOS
+    (<|im_end|>): a tiny scripted model with a known output (a known tool call). A constraint's
+    matcher is fed each token; a token it refuses ends the request with "error"."""
+
+    def __init__(self, config: EngineConfig, script: bytes, per_step: int = 1) -> None:
+        super().__init__(FakeRunner(num_kv_blocks=4096, max_model_len=8192, eos_token_ids=(IM_END_ID,)), config)
+        self.script = script
+        self.per_step = per_step
+
+    def step(self) -> list[TokenOut]:
+        self._steps += 1
+        outs = [TokenOut(rid, -1, finish_reason="abort") for rid in self._aborted]
+        self._aborted.clear()
+        self._admit(outs)
+        for s in list(self._running.values()):
+            for _ in range(self.per_step):
+                out = self._scripted(s)
+                outs.append(out)
+                if out.finish_reason is not None:
+                    break
+        return outs
+
+    def _scripted(self, s: _Seq) -> TokenOut:
+        n = len(s.out)
+        tok = self.script[n] if n < len(self.script) else IM_END_ID
+        s.out.append(tok)
+        finish = None
+        if s.guide is not None and not s.guide.accept(tok):
+            finish = "error"
+        elif tok == IM_END_ID or (s.guide is not None and s.guide.done):
+            finish = "stop"
+        elif len(s.out) >= s.req.params.max_tokens:
+            finish = "length"
+        if finish is not None:
+            del self._running[s.rid]
+            self._free += s.blocks
+        if finish == "error":
+            return TokenOut(s.rid, -1, finish_reason="error", error="the script left the grammar")
+        return TokenOut(s.rid, tok, 0.0, (), finish)  # type: ignore[arg-type]
+
+
+def make_script_async_engine(cfg: EngineConfig) -> AsyncEngine:
+    """An App's engine factory: ScriptEngine answering FAKE_SCRIPT, FAKE_SCRIPT_PER_STEP tokens a step."""
+    script = os.environ.get("FAKE_SCRIPT", "").encode()
+    engine = ScriptEngine(cfg, script, int(os.environ.get("FAKE_SCRIPT_PER_STEP", "1")))
+    return AsyncEngine(
+        engine, ByteTokenizer(), ConcatTemplate(), cfg.served_model_id(), byte_grammars(cfg), byte_tools()
+    )

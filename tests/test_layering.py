@@ -72,9 +72,10 @@ SERVE_FORBIDDEN = (
 
 GRAMMAR_OWNERS = {"tl/grammar.py"}
 """The one module that talks to llguidance (compiling constraints, the per-sequence matcher)."""
-SERVE_API = ("tl.config", "tl.request", "tl.async_engine", "tl.stats", "tl.build")
+SERVE_API = ("tl.config", "tl.request", "tl.async_engine", "tl.stats", "tl.build", "tl.tools")
 """What serve/ may import of tl: configuration, the request records and their errors, the
-AsyncEngine, the stats records and the one function that builds the engine."""
+AsyncEngine, the stats records, the one function that builds the engine, and the tool-call
+formats with their parser."""
 ENV_READERS = {"tl/build.py"}
 PACKAGES = ("tl", "serve", "kernels")
 

@@ -24,6 +24,7 @@ from fake_engine import (
     RoleTemplate,
     SuccRunner,
     byte_grammars,
+    byte_tools,
     fake_embedding,
 )
 
@@ -43,9 +44,10 @@ def factory(kind: str, delay: float = 0.0, template: object = None) -> Callable[
     def build(cfg: EngineConfig) -> AsyncEngine:
         tmpl = template or ConcatTemplate()
         if kind == "fake":
-            return AsyncEngine(FakeEngine(FakeRunner(), cfg, delay), ByteTokenizer(), tmpl, "succ", byte_grammars(cfg))
-        runner = SuccRunner(block_size=cfg.block_size, num_kv_blocks=256, step_delay_s=delay)
-        return AsyncEngine(Engine(runner, cfg), ByteTokenizer(), tmpl, "succ", byte_grammars(cfg))
+            engine: Any = FakeEngine(FakeRunner(), cfg, delay)
+        else:
+            engine = Engine(SuccRunner(block_size=cfg.block_size, num_kv_blocks=256, step_delay_s=delay), cfg)
+        return AsyncEngine(engine, ByteTokenizer(), tmpl, "succ", byte_grammars(cfg), byte_tools())
 
     return build
 
@@ -193,8 +195,9 @@ BAD = [
     (CHAT, chat(top_logprobs=2), 400, "top_logprobs", None),
     (CHAT, chat(logit_bias={"x": 1}), 400, "logit_bias", None),
     (CHAT, chat(max_tokens=600), 400, "max_tokens", "context_length_exceeded"),
-    (CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 422, "tools", "unsupported_parameter"),
-    (CHAT, chat(tool_choice="auto"), 422, "tool_choice", "unsupported_parameter"),
+    (CHAT, chat(tools=[{"type": "function", "function": {"name": "no spaces"}}]), 400, "tools[0].function.name", None),
+    (CHAT, chat(tool_choice="auto"), 400, "tool_choice", None),
+    (CHAT, chat(functions=[{"name": "f"}]), 422, "functions", "unsupported_parameter"),
     (CHAT, chat(response_format={"type": "xml"}), 400, "response_format.type", None),
     (CHAT, chat(response_format={"type": "json_schema"}), 400, "response_format.json_schema", None),
     (

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -42,7 +43,12 @@ class Server:
 
 @contextmanager
 def server(
-    tmp_path: Path, extra: str = "", env: dict[str, str] | None = None, expect_ready: bool = True, via_cli: bool = False
+    tmp_path: Path,
+    extra: str = "",
+    env: dict[str, str] | None = None,
+    expect_ready: bool = True,
+    via_cli: bool = False,
+    app: str = "fake_app:app",
 ) -> Iterator[Server]:
     port, hport = free_port(), free_port()
     cfg = tmp_path / "runtime.toml"
@@ -56,9 +62,9 @@ def server(
         "PYTHONPATH": f"{ROOT / 'tests'}{os.pathsep}{ROOT}",
         **(env or {}),
     }
-    argv = granian_argv(port, "fake_app:app")
+    argv = granian_argv(port, app)
     if via_cli:  # what `tl serve --config` runs: checks the config, then execs granian in its place
-        argv = [sys.executable, "-c", f"from serve.launch import serve_main; serve_main({str(cfg)!r}, 'fake_app:app')"]
+        argv = [sys.executable, "-c", f"from serve.launch import serve_main; serve_main({str(cfg)!r}, {app!r})"]
     ready = f"http://127.0.0.1:{port}/healthz" if expect_ready else None
     with running(argv, full_env, ready, timeout_s=20) as proc:
         yield Server(proc, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{hport}")
@@ -117,9 +123,7 @@ def test_health_port_tokenize_models_and_openai_client(tmp_path: Path) -> None:
         assert nf.value.code == "model_not_found"
         with pytest.raises(openai.UnprocessableEntityError):
             client.chat.completions.create(
-                model="succ",
-                messages=[{"role": "user", "content": "a"}],
-                tools=[{"type": "function", "function": {"name": "f"}}],
+                model="succ", messages=[{"role": "user", "content": "a"}], extra_body={"functions": [{"name": "f"}]}
             )
         r2 = httpx.post(
             f"{srv.api}/v1/tokenize",
@@ -192,3 +196,34 @@ def test_tl_serve_config_starts_granian_and_drains_on_sigterm(tmp_path: Path) ->
         assert r.json()["choices"][0]["message"]["content"] == "bcd"
         os.kill(srv.proc.pid, signal.SIGTERM)
         assert srv.proc.wait(10) == 0
+
+
+def test_openai_client_tool_calls_under_auto_from_a_scripted_model(tmp_path: Path) -> None:
+    """`tool_choice` auto end to end with the official client: a scripted model answers text and
+    two calls; create() and the client's own stream accumulation give the same calls."""
+    calls = '<tool_call>[{"name":"get_weather","arguments":{"city":"Rome"}},{"name":"now","arguments":{}}]</tool_call>'
+    env = {"FAKE_SCRIPT": "Checking. " + calls, "FAKE_SCRIPT_PER_STEP": "3"}
+    tools: Any = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+            },
+        },
+        {"type": "function", "function": {"name": "now"}},
+    ]
+    messages: Any = [{"role": "user", "content": "weather?"}]
+    with server(tmp_path, "num_kv_blocks = 4096\n", env=env, app="fake_app:script_app") as srv:
+        client = openai.OpenAI(base_url=f"{srv.api}/v1", api_key="x", max_retries=0)
+        done = client.chat.completions.create(model="succ", messages=messages, tools=tools, max_tokens=300)
+        msg = done.choices[0].message
+        assert done.choices[0].finish_reason == "tool_calls" and msg.content == "Checking. "
+        got = [(c.function.name, c.function.arguments) for c in msg.tool_calls or []]  # type: ignore[union-attr]
+        assert got == [("get_weather", '{"city":"Rome"}'), ("now", "{}")]
+        with client.chat.completions.stream(model="succ", messages=messages, tools=tools, max_tokens=300) as s:
+            final = s.get_final_completion()
+        streamed = final.choices[0].message
+        assert [(c.function.name, c.function.arguments) for c in streamed.tool_calls or []] == got
+        assert streamed.content == "Checking. " and final.choices[0].finish_reason == "tool_calls"
+        assert len({c.id for c in streamed.tool_calls or []}) == 2

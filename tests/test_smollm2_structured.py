@@ -10,7 +10,7 @@ import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import jsonschema
 import openai
@@ -127,3 +127,53 @@ def test_a_realistic_schema_is_valid_compact_and_streams_the_same(client: openai
             jsonschema.validate(json.loads(ch.message.content or ""), SCHEMA)
         else:
             assert ch.finish_reason == "length"
+
+
+WEATHER_TOOLS: Any = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The current weather in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string", "maxLength": 20},
+                    "unit": {"enum": ["celsius", "fahrenheit"]},
+                },
+                "required": ["city", "unit"],
+                "additionalProperties": False,
+            },
+        },
+    },
+    {"type": "function", "function": {"name": "get_time", "description": "The current time"}},
+]
+
+
+@pytest.mark.parametrize(
+    "choice", ["required", {"type": "function", "function": {"name": "get_time"}}], ids=["required", "named"]
+)
+def test_forced_tool_calls_with_the_openai_client(client: openai.OpenAI, choice: Any) -> None:
+    """`required` and a named tool on SmolLM2 (tl's tool template, SmolLM2's JSON-array form):
+    create() and the client's stream accumulation give the same valid calls."""
+    messages: Any = [{"role": "user", "content": "What is the weather in Paris?"}]
+    kw: Any = dict(
+        model="smol", messages=messages, tools=WEATHER_TOOLS, tool_choice=choice, temperature=0, max_tokens=120
+    )
+    done = client.chat.completions.create(**kw, parallel_tool_calls=False)
+    ch = done.choices[0]
+    assert ch.finish_reason == "tool_calls", ch
+    calls = ch.message.tool_calls or []
+    assert len(calls) == 1 and calls[0].id.startswith("call_")
+    fn = calls[0].function  # type: ignore[union-attr]
+    if isinstance(choice, dict):
+        assert (fn.name, fn.arguments) == ("get_time", "{}")
+    else:
+        assert fn.name in ("get_weather", "get_time")
+        if fn.name == "get_weather":
+            jsonschema.validate(json.loads(fn.arguments), WEATHER_TOOLS[0]["function"]["parameters"])
+    with client.chat.completions.stream(**kw, parallel_tool_calls=False) as s:
+        final = s.get_final_completion()
+    streamed = final.choices[0].message.tool_calls or []
+    assert [(c.function.name, c.function.arguments) for c in streamed] == [(fn.name, fn.arguments)]
+    assert final.choices[0].finish_reason == "tool_calls"

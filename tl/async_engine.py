@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from tl.chat_template import ChatTemplate
     from tl.grammar import Compiled, GrammarCompiler
     from tl.tokenizer import Tokenizer
+    from tl.tools import ToolSetup
 
 log = logging.getLogger("tl.async_engine")
 T = TypeVar("T")
@@ -221,13 +222,16 @@ class AsyncEngine:
         chat_template: ChatTemplate,
         model_id: str,
         grammars: GrammarCompiler | None = None,
+        tools: ToolSetup | None = None,
     ) -> None:
-        """grammars: compiles the constraints of structured output (None: such requests are refused)."""
+        """grammars: compiles the constraints of structured output (None: such requests are
+        refused); tools: how the model calls tools (None: requests with tools are refused)."""
         self.engine = engine
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         self.model_id = model_id
         self.grammars = grammars
+        self.tools = tools
         self._grammar_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tl-grammar")
         self._compiling: dict[tuple[str, str, str], asyncio.Future[Compiled]] = {}  # the loop's only
         self.ready = False

@@ -62,9 +62,12 @@ def build_async_engine(cfg: EngineConfig, warmup: bool = True) -> AsyncEngine:
     from tl.grammar import GrammarCompiler
     from tl.model.config import load_model_config
     from tl.tokenizer import Tokenizer
+    from tl.tools import setup
 
     tokenizer = Tokenizer.load(cfg.model_dir)
     template = ChatTemplate.from_model_dir(cfg.model_dir)
+    tools = setup(cfg.tool_parser, template)
+    log.info("%s", tools.reason)
     engine = build_engine(cfg, warmup=warmup, background=True)
     grammars = GrammarCompiler.from_model_dir(
         cfg.model_dir,
@@ -73,4 +76,4 @@ def build_async_engine(cfg: EngineConfig, warmup: bool = True) -> AsyncEngine:
         cfg.grammar_cache_size,
         cfg.grammar_timeout_s,
     )
-    return AsyncEngine(engine, tokenizer, template, cfg.served_model_id(), grammars)
+    return AsyncEngine(engine, tokenizer, template, cfg.served_model_id(), grammars, tools)

@@ -154,6 +154,8 @@ class ChatTemplate:
         if "default" not in named:
             raise TemplateError(f"named chat templates {sorted(named)} have no 'default'")
         self._templates = {name: _compile(env, src, name) for name, src in named.items()}
+        self.sources = named
+        """The template sources by name (tl/tools.py reads them to detect the tool-call format)."""
         self.bos_token, self.eos_token = bos_token, eos_token
 
     @classmethod

@@ -22,6 +22,7 @@ KVCacheDType = Literal["auto", "bfloat16"]
 MatmulPrecision = Literal["highest", "high"]
 WeightPages = Literal["huge", "default"]
 Backend = Literal["auto", "cpu", "gpu", "tpu"]
+ToolParser = Literal["auto", "hermes", "smollm2"]
 AttentionKernel = Literal["auto", "reference", "cpu_native", "pallas_tpu", "pallas_gpu"]
 MatmulKernel = Literal["auto", "xla", "cpu_native"]
 NativeTarget = Literal["auto", "x86-64", "x86-64-v3", "x86-64-v4", "sapphirerapids", "aarch64"]
@@ -119,6 +120,10 @@ class EngineConfig:
     """Longest n-gram that prompt lookup tries first."""
     max_logprobs: int = 20
     """Most `top_logprobs` a request may ask for."""
+    tool_parser: ToolParser = "auto"
+    """How tool calls are written and parsed: "auto" detects it from the chat template (Hermes
+    blocks where the template writes <tool_call>; else SmolLM2's JSON array with tl's own tool
+    template), or "hermes" / "smollm2"."""
     grammar_timeout_s: float = 5.0
     """Longest a structured-output constraint may take to compile; a slower one is a 400."""
     grammar_cache_size: int = 128
@@ -231,6 +236,10 @@ class EngineConfig:
             f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {self.prompt_lookup_min}, {self.prompt_lookup_max}",
         )
         _check(0 <= self.max_logprobs <= 20, f"max_logprobs must be in 0..20, got {self.max_logprobs}")
+        _check(
+            self.tool_parser in ("auto", "hermes", "smollm2"),
+            f"tool_parser must be auto, hermes or smollm2, got {self.tool_parser!r}",
+        )
         _check(self.grammar_timeout_s > 0, f"grammar_timeout_s must be > 0, got {self.grammar_timeout_s}")
         _check(self.grammar_cache_size >= 1, f"grammar_cache_size must be >= 1, got {self.grammar_cache_size}")
         _check(self.queue_capacity >= 1, f"queue_capacity must be >= 1, got {self.queue_capacity}")
