@@ -201,7 +201,8 @@ def test_tl_serve_config_starts_granian_and_drains_on_sigterm(tmp_path: Path) ->
 def test_openai_client_tool_calls_under_auto_from_a_scripted_model(tmp_path: Path) -> None:
     """`tool_choice` auto end to end with the official client: a scripted model answers text and
     two calls; create() and the client's own stream accumulation give the same calls."""
-    calls = '<tool_call>[{"name":"get_weather","arguments":{"city":"Rome"}},{"name":"now","arguments":{}}]</tool_call>'
+    weather, now = '{"name": "get_weather", "arguments": {"city": "Rome"}}', '{"name": "now", "arguments": {}}'
+    calls = f"<tool_call>[{weather}, {now}]</tool_call>"
     env = {"FAKE_SCRIPT": "Checking. " + calls, "FAKE_SCRIPT_PER_STEP": "3"}
     tools: Any = [
         {
@@ -220,7 +221,7 @@ def test_openai_client_tool_calls_under_auto_from_a_scripted_model(tmp_path: Pat
         msg = done.choices[0].message
         assert done.choices[0].finish_reason == "tool_calls" and msg.content == "Checking. "
         got = [(c.function.name, c.function.arguments) for c in msg.tool_calls or []]  # type: ignore[union-attr]
-        assert got == [("get_weather", '{"city":"Rome"}'), ("now", "{}")]
+        assert got == [("get_weather", '{"city": "Rome"}'), ("now", "{}")]
         with client.chat.completions.stream(model="succ", messages=messages, tools=tools, max_tokens=300) as s:
             final = s.get_final_completion()
         streamed = final.choices[0].message

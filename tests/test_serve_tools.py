@@ -21,6 +21,7 @@ from serve.app import App
 from tl.async_engine import AsyncEngine
 from tl.config import EngineConfig
 from tl.engine import Engine
+from tl.tools import ToolSetup, setup
 
 CITY = {
     "type": "object",
@@ -45,10 +46,11 @@ def succ_app() -> App:
     return App(CONFIG, build, handle_signals=False, start_health=False)
 
 
-def script_app(script: str, per_step: int = 1) -> App:
+def script_app(script: str, per_step: int = 1, tools: ToolSetup | None = None) -> App:
     def build(cfg: EngineConfig) -> AsyncEngine:
         engine = ScriptEngine(cfg, script.encode(), per_step)
-        return AsyncEngine(engine, ByteTokenizer(), ConcatTemplate(), "succ", byte_grammars(cfg), byte_tools())
+        setup = tools or byte_tools()
+        return AsyncEngine(engine, ByteTokenizer(), ConcatTemplate(), "succ", byte_grammars(cfg), setup)
 
     return App(CONFIG, build, handle_signals=False, start_health=False)
 
@@ -95,7 +97,7 @@ def same_calls(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> bool:
 def test_required_and_named_calls_are_forced_and_shaped_as_openai_does() -> None:
     async def body(app: App) -> None:
         for choice, want in (
-            ("required", [("get_weather", '{"city":"Paris"}')]),
+            ("required", [("get_weather", '{"city": "Paris"}')]),
             ({"type": "function", "function": {"name": "now"}}, [("now", "{}")]),  # no parameters: "{}", never dropped
         ):
             doc, (text, calls, finish, _) = await both(
@@ -119,7 +121,9 @@ def test_required_and_named_calls_are_forced_and_shaped_as_openai_does() -> None
     run(succ_app(), body)
 
 
-CALLS = '<tool_call>[{"name":"get_weather","arguments":{"city":"Rome"}},{"name":"now","arguments":{}}]</tool_call>'
+CALLS = (
+    '<tool_call>[{"name": "get_weather", "arguments": {"city": "Rome"}}, {"name": "now", "arguments": {}}]</tool_call>'
+)
 
 
 @pytest.mark.parametrize("per_step", [1, 7, 1000], ids=["token_by_token", "chunks", "all_at_once"])
@@ -130,11 +134,33 @@ def test_auto_with_a_scripted_call_streams_the_same_calls(per_step: int) -> None
         doc, (text, calls, finish, deltas) = await both(app, ask(tools=TOOLS))
         assert doc["choices"][0]["message"]["content"] == text == "Let me check. "
         got = plain_calls(doc)
-        assert [(c["name"], c["arguments"]) for c in got] == [("get_weather", '{"city":"Rome"}'), ("now", "{}")]
+        assert [(c["name"], c["arguments"]) for c in got] == [("get_weather", '{"city": "Rome"}'), ("now", "{}")]
         assert same_calls(calls, got) and doc["choices"][0]["finish_reason"] == finish == "tool_calls"
         assert not any("<" in (d.get("content") or "") for d in deltas)  # no marker leaks into content
 
     run(script_app("Let me check. " + CALLS, per_step), body)
+
+
+def test_the_hermes_form_end_to_end() -> None:
+    """A model whose template writes Hermes blocks: one block per call, parsed and forced alike."""
+    from test_tools import HERMES_TEMPLATE
+
+    from tl.chat_template import ChatTemplate
+
+    hermes = setup("auto", ChatTemplate(HERMES_TEMPLATE))
+    script = 'On it.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+    script += '<tool_call>{"name": "now", "arguments": {}}</tool_call>'
+
+    async def body(app: App) -> None:
+        doc, (text, calls, finish, _) = await both(app, ask(tools=TOOLS))
+        got = plain_calls(doc)
+        assert [(c["name"], c["arguments"]) for c in got] == [("get_weather", '{"city": "Paris"}'), ("now", "{}")]
+        assert doc["choices"][0]["message"]["content"] == text == "On it.\n" and same_calls(calls, got)
+        assert finish == "tool_calls"
+        tok = await call(app, "POST", "/v1/tokenize", {"model": "succ", "messages": [{"role": "user", "content": "a"}]})
+        assert "<tools>" not in bytes(tok.json()["tokens"]).decode()  # no tools in the request: none rendered
+
+    run(script_app(script, 5, hermes), body)
 
 
 def test_auto_answers_text_and_none_never_parses() -> None:
@@ -158,7 +184,7 @@ def test_a_script_that_leaves_the_grammar_is_an_error_never_a_call() -> None:
         r = await call(app, "POST", CHAT, ask(tools=TOOLS))
         assert r.status == 500 and r.error()["code"] == "structured_output_failed"
 
-    run(script_app('<tool_call>[{"name":"delete_everything","arguments":{}}]</tool_call>'), body)
+    run(script_app('<tool_call>[{"name": "delete_everything", "arguments": {}}]</tool_call>'), body)
 
 
 def tool_call(name: str, arguments: str, id: str = "c") -> dict[str, Any]:

@@ -138,13 +138,13 @@ def matches(grammar: str, text: str) -> bool:
     return m.done or m.accept(IM_END_ID)
 
 
-ROME = '{"name":"get_weather","arguments":{"city":"Rome"}}'
-OSLO = '{"name":"get_weather","arguments":{"city":"Oslo"}}'
-NOW_CALL = '{"name":"now","arguments":{}}'
+ROME = '{"name": "get_weather", "arguments": {"city": "Rome"}}'
+OSLO = '{"name": "get_weather", "arguments": {"city": "Oslo"}}'
+NOW_CALL = '{"name": "now", "arguments": {}}'
 
 
 def array(*calls: str) -> str:
-    return "<tool_call>[" + ",".join(calls) + "]</tool_call>"
+    return "<tool_call>[" + ", ".join(calls) + "]</tool_call>"
 
 
 def blocks(*calls: str) -> str:
@@ -163,7 +163,9 @@ def blocks(*calls: str) -> str:
         ("smollm2", "auto", True, "I won't call anything.", True),
         ("smollm2", "auto", True, "Sure. " + array(NOW_CALL), True),
         ("smollm2", "auto", True, "Sure. <tool_call>hello", False),  # once a call opens, it is constrained
-        ("smollm2", "auto", True, "Sure. " + array('{"name":"now","arguments":{"x":1}}'), False),
+        ("smollm2", "auto", True, "Sure. " + array('{"name": "now", "arguments": {"x": 1}}'), False),
+        ("smollm2", "required", True, '<tool_call>[{"name":"now","arguments":{}}]</tool_call>', False),  # one space
+        ("hermes", "required", False, "<tool_call>\n" + NOW_CALL + "\n</tool_call>", True),  # Qwen's newlines
         ("smollm2", "named", True, array(NOW_CALL), True),
         ("smollm2", "named", True, array(ROME), False),
         ("hermes", "required", True, blocks(NOW_CALL, NOW_CALL), True),
@@ -225,3 +227,43 @@ def test_tl_tool_template_renders_as_transformers_does() -> None:
     text = ours.render(conversations[1], tools=tools)
     assert '<tool_call>[{"name": "get_weather", "arguments": {"city": "Paris"}}, ' in text
     assert "<tool_response>18C</tool_response>" in text and "<tools>[" in text
+
+
+HERMES_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nTools: <tools>{% for t in tools %}{{ t | tojson }}{% endfor %}</tools>"
+    "<|im_end|>\n{% endif %}"
+    "{% for m in messages %}{% if m['role'] == 'assistant' and m.get('tool_calls') %}<|im_start|>assistant\n"
+    "{% for c in m['tool_calls'] %}<tool_call>\n{{ {'name': c['function']['name'], 'arguments': "
+    "c['function']['arguments']} | tojson }}\n</tool_call>{% endfor %}<|im_end|>\n"
+    "{% elif m['role'] == 'tool' %}<|im_start|>user\n<tool_response>{{ m['content'] }}</tool_response><|im_end|>\n"
+    "{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_a_hermes_template_is_detected_and_gets_the_tools_as_transformers_passes_them() -> None:
+    from pathlib import Path
+
+    from models import byte_tokenizer_json
+    from transformers import PreTrainedTokenizerFast
+
+    s = setup("auto", ChatTemplate(HERMES_TEMPLATE))
+    assert s.format.name == "hermes" and "renders tools" in s.reason
+    path = Path(__file__).parent / "_tok_hermes.json"
+    try:
+        path.write_text(json.dumps(byte_tokenizer_json()))
+        tk = PreTrainedTokenizerFast(tokenizer_file=str(path))
+    finally:
+        path.unlink()
+    tools = [{"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}]
+    call = {"id": "call_1", "type": "function", "function": {"name": "now", "arguments": {}}}
+    messages = [
+        {"role": "user", "content": "time?"},
+        {"role": "assistant", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "noon"},
+    ]
+    ref = tk.apply_chat_template(
+        messages, tools=tools, tokenize=False, add_generation_prompt=True, chat_template=HERMES_TEMPLATE
+    )
+    assert s.template.render(messages, tools=tools) == ref
+    assert '<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>' in ref

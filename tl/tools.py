@@ -28,7 +28,9 @@ FormatName = Literal["hermes", "smollm2"]
 ChoiceMode = Literal["auto", "required", "named"]
 JSON_WS = " \t\n\r"
 TEMPLATES = Path(__file__).parent / "templates"
-_COMPACT = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}  # as tl/grammar.py's JSON
+_CALL_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+"""Calls' JSON: one space after "," and ":", as models are trained to write calls; no other
+whitespace (no runaway newlines)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,22 +120,23 @@ def tool_grammar(fmt: ToolFormat, tools: Sequence[ToolSpec], mode: ChoiceMode, p
     """A Lark grammar (llguidance's dialect) for the answer.
 
     required / named: nothing but calls (one for a named tool or parallel=False, else one or
-    more), each `{"name": <a tool>, "arguments": <valid for that tool>}`, compact. auto: any
+    more), each `{"name": <a tool>, "arguments": <valid for that tool>}` with one space after
+    "," and ":" (hermes: a newline allowed inside the block's markers). auto: any
     text, and once the start marker appears (a lazy lexeme: the text ends at the first marker)
     the same calls, then nothing more; plain text is never constrained.
     """
     chosen = [t for t in tools if t.name == named] if mode == "named" else list(tools)
-    one = {"anyOf": [_call_schema(t) for t in chosen], "x-guidance": _COMPACT}
+    one = {"anyOf": [_call_schema(t) for t in chosen], "x-guidance": _CALL_JSON}
     single = mode == "named" or not parallel
     start, end = json.dumps(fmt.start), json.dumps(fmt.end)
     if fmt.array:
-        array: dict[str, object] = {"type": "array", "items": one, "minItems": 1, "x-guidance": _COMPACT}
+        array: dict[str, object] = {"type": "array", "items": one, "minItems": 1, "x-guidance": _CALL_JSON}
         if single:
             array["maxItems"] = 1
         calls = f"calls: %json {json.dumps(array)} {end}"
     else:
         repeat = "" if single else f' ("\\n" {start} call)*'
-        calls = f"calls: call{repeat}\ncall: %json {json.dumps(one)} {end}"
+        calls = f'calls: call{repeat}\ncall: "\\n"? %json {json.dumps(one)} "\\n"? {end}'  # Qwen2.5 writes the newlines
     if mode == "auto":
         head = f"start: text_only | text_trig calls\ntext_only: TEXT\nTEXT: /(.|\\n)*/\ntext_trig[lazy]: TEXT {start}"
     else:
