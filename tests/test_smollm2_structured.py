@@ -89,39 +89,17 @@ def test_openai_parse_returns_a_pydantic_object(client: openai.OpenAI) -> None:
 
 def test_a_realistic_schema_is_valid_compact_and_streams_the_same(client: openai.OpenAI) -> None:
     fmt = {"type": "json_schema", "json_schema": {"name": "book", "schema": SCHEMA, "strict": True}}
-    messages = [{"role": "user", "content": "Give me a famous novel as JSON."}]
-    doc = client.chat.completions.create(
-        model="smol",
-        messages=messages,
-        response_format=fmt,
-        temperature=0,
-        max_tokens=200,  # type: ignore[arg-type]
-    )
+    messages: Any = [{"role": "user", "content": "Give me a famous novel as JSON."}]
+    base: Any = dict(model="smol", messages=messages, response_format=fmt, max_tokens=200)
+    doc = client.chat.completions.create(**base, temperature=0)
     text = doc.choices[0].message.content or ""
     assert doc.choices[0].finish_reason == "stop", text
     jsonschema.validate(json.loads(text), SCHEMA)
     assert text == json.dumps(json.loads(text), separators=(",", ":"), ensure_ascii=False)  # compact
-    stream = client.chat.completions.create(
-        model="smol",
-        messages=messages,  # type: ignore[arg-type]
-        response_format=fmt,  # type: ignore[arg-type]
-        temperature=0,
-        max_tokens=200,
-        stream=True,
-    )
-    chunks = list(stream)
+    chunks = list(client.chat.completions.create(**base, temperature=0, stream=True))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
     assert chunks[-1].choices[0].finish_reason == "stop"
-    sampled = client.chat.completions.create(
-        model="smol",
-        messages=messages,  # type: ignore[arg-type]
-        response_format=fmt,  # type: ignore[arg-type]
-        temperature=1.0,
-        top_p=0.9,
-        seed=7,
-        n=2,
-        max_tokens=200,
-    )
+    sampled = client.chat.completions.create(**base, temperature=1.0, top_p=0.9, seed=7, n=2)
     for ch in sampled.choices:
         if ch.finish_reason == "stop":
             jsonschema.validate(json.loads(ch.message.content or ""), SCHEMA)

@@ -6,6 +6,7 @@ tl's tool template rendered byte for byte as transformers renders it."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -180,18 +181,18 @@ def test_each_tool_choice_compiles_to_the_language_it_promises(
     assert matches(grammar, text) is ok
 
 
-def test_tl_tool_template_renders_as_transformers_does() -> None:
-    from pathlib import Path
-
+def hf_byte_tokenizer(tmp_path: Path) -> Any:
+    """transformers' tokenizer over tests/models.py's byte tokenizer (the reference renderer)."""
     from models import byte_tokenizer_json
     from transformers import PreTrainedTokenizerFast
 
-    path = Path(__file__).parent / "_tok.json"
-    try:
-        path.write_text(json.dumps(byte_tokenizer_json()))
-        tk = PreTrainedTokenizerFast(tokenizer_file=str(path))
-    finally:
-        path.unlink()
+    path = tmp_path / "tokenizer.json"
+    path.write_text(json.dumps(byte_tokenizer_json()))
+    return PreTrainedTokenizerFast(tokenizer_file=str(path))
+
+
+def test_tl_tool_template_renders_as_transformers_does(tmp_path: Path) -> None:
+    tk = hf_byte_tokenizer(tmp_path)
     weather = {"name": "get_weather", "description": "The weather", "parameters": {"type": "object"}}
     tools = [{"type": "function", "function": weather}, {"type": "function", "function": {"name": "now"}}]
     conversations = [
@@ -241,20 +242,10 @@ HERMES_TEMPLATE = (
 )
 
 
-def test_a_hermes_template_is_detected_and_gets_the_tools_as_transformers_passes_them() -> None:
-    from pathlib import Path
-
-    from models import byte_tokenizer_json
-    from transformers import PreTrainedTokenizerFast
-
+def test_a_hermes_template_is_detected_and_gets_the_tools_as_transformers_passes_them(tmp_path: Path) -> None:
     s = setup("auto", ChatTemplate(HERMES_TEMPLATE))
     assert s.format.name == "hermes" and "renders tools" in s.reason
-    path = Path(__file__).parent / "_tok_hermes.json"
-    try:
-        path.write_text(json.dumps(byte_tokenizer_json()))
-        tk = PreTrainedTokenizerFast(tokenizer_file=str(path))
-    finally:
-        path.unlink()
+    tk = hf_byte_tokenizer(tmp_path)
     tools = [{"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}]
     call = {"id": "call_1", "type": "function", "function": {"name": "now", "arguments": {}}}
     messages = [

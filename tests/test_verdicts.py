@@ -69,7 +69,8 @@ def _hlo(runner: runner_mod.ModelRunner, t: int, s: int) -> str:
     inp, rows = runner._pack_tokens([], t, s)
     sb, pen = runner._pack_sampling(rows, s, runner.num_rows(t, s))
     bufs, layout = runner_mod._to_host_buffers((inp, sb))
-    return runner._step.lower(runner._params, runner._kv, bufs, pen, layout=layout).as_text()
+    mask = runner._open_mask(runner.num_rows(t, s))
+    return runner._step.lower(runner._params, runner._kv, bufs, pen, mask, layout=layout).as_text()
 
 
 def _native_calls(runner: runner_mod.ModelRunner, t: int, s: int) -> set[str]:
