@@ -202,15 +202,15 @@ class App:
                 raise ApiError(
                     404, f"Unknown route {req.method} {req.path}", "invalid_request_error", None, "not_found"
                 )
-            _, method, handler, has_body = route
-            if req.method != method:
-                raise _method_not_allowed(method)
+            _, r = route
+            if req.method != r.method:
+                raise _method_not_allowed(r.method)
             if self.draining or self.engine is None or self.info is None or self.config is None:
                 raise errors.draining()
             self._authorize(req)
             self.inflight += 1
             counted = True
-            body = await req.body(self.config.max_body_bytes) if has_body else b""
+            body = await req.body(self.config.max_body_bytes) if r.request is not None else b""
             watcher = DisconnectWatcher(receive)
             ctx = Ctx(
                 self.engine,
@@ -224,7 +224,7 @@ class App:
                 self.jobs,
                 watcher,
             )
-            await handler(ctx)
+            await r.handler(ctx)
         except ClientGone:
             pass
         except ApiError as e:

@@ -33,7 +33,10 @@ from serve.params import (
 )
 from serve.wire import (
     BackendCard,
+    ChatCompletion,
+    ChatCompletionChunk,
     ChatRequest,
+    Completion,
     CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
@@ -258,22 +261,44 @@ async def model(ctx: Ctx) -> None:
 
 Handler = Callable[[Ctx], Awaitable[None]]
 
-# path -> (method, handler, needs a body, watches for disconnect)
-ROUTES: dict[str, tuple[str, Handler, bool]] = {
-    "/v1/chat/completions": ("POST", chat, True),
-    "/v1/completions": ("POST", completions, True),
-    "/v1/embeddings": ("POST", embeddings, True),
-    "/v1/tokenize": ("POST", tokenize, True),
-    "/v1/detokenize": ("POST", detokenize, True),
-    "/v1/models": ("GET", models, False),
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """One route of the API port: what it takes and answers (serve/openapi.py documents it from this)."""
+
+    method: str
+    handler: Handler
+    request: type | None  # the body's wire Struct; None: no body
+    response: type  # the 200 document's Struct
+    summary: str
+    chunk: type | None = None  # `stream: true` answers text/event-stream of these documents
+
+
+async def openapi(ctx: Ctx) -> None:
+    from serve.openapi import document  # the document is built from ROUTES, which this module defines
+
+    await ctx.out.whole(200, encoder.encode(document(ctx.info.model_id)))
+
+
+ROUTES: dict[str, Route] = {
+    "/v1/chat/completions": Route(
+        "POST", chat, ChatRequest, ChatCompletion, "A chat completion (tools, structured output)", ChatCompletionChunk
+    ),
+    "/v1/completions": Route("POST", completions, CompletionRequest, Completion, "A text completion", Completion),
+    "/v1/embeddings": Route("POST", embeddings, EmbeddingRequest, EmbeddingList, "Embeddings of the inputs"),
+    "/v1/tokenize": Route("POST", tokenize, TokenizeRequest, TokenizeResponse, "Token ids of a prompt or chat"),
+    "/v1/detokenize": Route("POST", detokenize, DetokenizeRequest, DetokenizeResponse, "Text of token ids"),
+    "/v1/models": Route("GET", models, None, ModelList, "The served model"),
+    "/v1/models/{id}": Route("GET", model, None, ModelCard, "One model by id"),
+    "/openapi.json": Route("GET", openapi, None, dict, "This document (OpenAPI 3.1)"),
 }
+"""Every route of the API port but /healthz (answered by serve/app.py before dispatch)."""
 
 
-def match(path: str) -> tuple[str, str, Handler, bool] | None:
-    """(endpoint label, method, handler, has body) for a path, or None."""
-    if path in ROUTES:
-        method, handler, has_body = ROUTES[path]
-        return path, method, handler, has_body
+def match(path: str) -> tuple[str, Route] | None:
+    """(endpoint label, route) for a path, or None."""
+    if path in ROUTES and "{" not in path:
+        return path, ROUTES[path]
     if path.startswith("/v1/models/") and len(path) > len("/v1/models/"):
-        return "/v1/models/{id}", "GET", model, False
+        return "/v1/models/{id}", ROUTES["/v1/models/{id}"]
     return None

@@ -122,8 +122,8 @@ class SamplingFields(Struct, kw_only=True):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     user: str | None = None
-    functions: object = None
-    function_call: object = None
+    functions: Any = None
+    function_call: Any = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
 
@@ -143,8 +143,8 @@ PromptItem = str | TokenId | list[TokenId]
 
 class CompletionRequest(SamplingFields, kw_only=True):
     prompt: str | Annotated[list[PromptItem], Meta(min_length=1)]
-    tools: object = None  # chat only: refused here
-    tool_choice: object = None
+    tools: Any = None  # chat only: refused here
+    tool_choice: Any = None
     logprobs: TopLogprobs | None = None
     echo: bool | None = None
     suffix: str | None = None
