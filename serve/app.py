@@ -228,7 +228,7 @@ class App:
         except ClientGone:
             pass
         except ApiError as e:
-            await self._fail(out, e)
+            await self._fail(out, e, route is not None and route[1].anthropic)
         except Exception:
             log.exception("unhandled error in %s %s", req.method, req.path)
             await self._fail(out, errors.internal())
@@ -241,9 +241,9 @@ class App:
                 await out.end()
             self.metrics.requests.labels(endpoint, str(out.status or 499)).inc()
 
-    async def _fail(self, out: Sender, err: ApiError) -> None:
+    async def _fail(self, out: Sender, err: ApiError, anthropic: bool = False) -> None:
         if not out.started:
-            await out.error(err)
+            await out.error(err, anthropic)
         else:
             await out.end()
 
@@ -253,6 +253,9 @@ class App:
             return
         scheme, _, token = req.headers.get("authorization", "").partition(" ")
         if scheme.lower() == "bearer" and any(hmac.compare_digest(token.strip(), k) for k in keys):
+            return
+        anthropic_key = req.headers.get("x-api-key", "")  # Anthropic's clients send the key here
+        if anthropic_key and any(hmac.compare_digest(anthropic_key.strip(), k) for k in keys):
             return
         raise ApiError(
             401,

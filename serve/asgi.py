@@ -95,8 +95,9 @@ class Sender:
         await self.start(status, content_type, ((b"content-length", str(len(body)).encode()), *headers))
         await self.end(body)
 
-    async def error(self, err: ApiError) -> None:
-        await self.whole(err.status, err.body(), JSON, err.headers)
+    async def error(self, err: ApiError, anthropic: bool = False) -> None:
+        """The error document: OpenAI's shape, or Anthropic's on its routes."""
+        await self.whole(err.status, err.anthropic_body() if anthropic else err.body(), JSON, err.headers)
 
 
 class DisconnectWatcher:

@@ -51,6 +51,40 @@ class ApiError(Exception):
     def body(self) -> bytes:
         return msgspec.json.encode(self.doc())
 
+    def anthropic_doc(self) -> AnthropicErrorDoc:
+        """The same error in Anthropic's shape (the /v1/messages routes)."""
+        kind = ANTHROPIC_TYPES.get(self.status, "api_error")
+        message = f"{self.param}: {self.message}" if self.param and self.param not in self.message else self.message
+        return AnthropicErrorDoc("error", AnthropicError(kind, message))
+
+    def anthropic_body(self) -> bytes:
+        return msgspec.json.encode(self.anthropic_doc())
+
+
+class AnthropicError(msgspec.Struct, frozen=True):
+    type: str
+    message: str
+
+
+class AnthropicErrorDoc(msgspec.Struct, frozen=True):
+    type: str  # "error"
+    error: AnthropicError
+
+
+ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "request_too_large",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+}
+"""Anthropic's error type for each status tl answers."""
+
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
     return ApiError(400, message, "invalid_request_error", param, code)

@@ -142,8 +142,8 @@ class Job:
         self.metrics = metrics
         self.arrived = arrived
         self.created = int(time.time())
-        prefix = "chatcmpl" if spec.kind == "chat" else "cmpl"
-        self.id = f"{prefix}-{uuid.uuid4().hex}"
+        prefix = {"chat": "chatcmpl", "completion": "cmpl", "messages": "msg"}[spec.kind]
+        self.id = f"{prefix}{'_' if spec.kind == 'messages' else '-'}{uuid.uuid4().hex}"  # Anthropic: msg_...
         self.queue: asyncio.Queue[tuple[Choice | None, object]] = asyncio.Queue()
         self.choices = self._submit(priority)
         self._pumps = [asyncio.create_task(self._pump(c)) for c in self.choices]
@@ -276,6 +276,10 @@ class Job:
         return CompletionLogprobs(tokens, lps, tops, offsets)
 
     def final_document(self) -> bytes:
+        if self.spec.kind == "messages":
+            from serve import anthropic
+
+            return anthropic.document(self)
         if self.spec.kind == "chat":
             return encoder.encode(
                 ChatCompletion(
@@ -370,7 +374,12 @@ async def respond(job: Job, out: Sender, watcher: DisconnectWatcher, ping_interv
     """Answer one generation request (errors before the first byte are raised as ApiError)."""
     watcher.on_gone(job.gone)
     try:
-        if job.spec.stream:
+        if job.spec.stream and job.spec.kind == "messages":
+            from serve import anthropic
+
+            await job.admitted()
+            await anthropic.stream(job, out, ping_interval_s())
+        elif job.spec.stream:
             await job.admitted()
             await _stream(job, out, ping_interval_s())
         else:

@@ -15,7 +15,7 @@ from typing import Any
 
 import msgspec
 
-from serve.errors import ErrorDoc
+from serve.errors import AnthropicErrorDoc, ErrorDoc
 from serve.routes import ROUTES, Route
 
 ERRORS = {
@@ -42,12 +42,13 @@ def _operation_id(method: str, path: str) -> str:
 
 
 def _operation(path: str, r: Route, ref: dict[type, Any]) -> dict[str, Any]:
+    error = ref[AnthropicErrorDoc if r.anthropic else ErrorDoc]
     ok: dict[str, Any] = {"application/json": {"schema": ref[r.response]}}
     if r.chunk is not None:  # the events: each `data` a chunk document (or an error), the last `[DONE]`
         data = {
             "anyOf": [
                 {"const": "[DONE]"},
-                {"contentMediaType": "application/json", "contentSchema": {"anyOf": [ref[r.chunk], ref[ErrorDoc]]}},
+                {"contentMediaType": "application/json", "contentSchema": {"anyOf": [ref[r.chunk], error]}},
             ]
         }
         event = {"type": "object", "properties": {"data": data}, "description": "One Server-Sent Event"}
@@ -57,7 +58,7 @@ def _operation(path: str, r: Route, ref: dict[type, Any]) -> dict[str, Any]:
         "summary": r.summary,
         "responses": {"200": {"description": r.summary, "content": ok}}
         | {
-            code: {"description": why, "content": {"application/json": {"schema": ref[ErrorDoc]}}}
+            code: {"description": why, "content": {"application/json": {"schema": error}}}
             for code, why in ERRORS.items()
         },
     }
@@ -77,7 +78,7 @@ def document(model_id: str | None = None) -> dict[str, Any]:
     routes = {**ROUTES, "/healthz": Route("GET", ROUTES["/v1/models"].handler, None, Health, "Liveness")}
     types = sorted(
         {t for r in routes.values() for t in (r.request, r.response, r.chunk) if t is not None and t is not dict}
-        | {ErrorDoc},
+        | {ErrorDoc, AnthropicErrorDoc},
         key=lambda t: t.__name__,
     )
     schemas, components = msgspec.json.schema_components(types, ref_template="#/components/schemas/{name}")

@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 import msgspec
 
 from serve import errors
+from serve.anthropic import count_tokens, messages_spec
 from serve.asgi import DisconnectWatcher, Request, Sender
 from serve.generate import Job, respond
 from serve.metrics import Metrics
@@ -32,20 +33,25 @@ from serve.params import (
     render_chat,
 )
 from serve.wire import (
+    AnthropicEvent,
+    AnthropicMessageDoc,
     BackendCard,
     ChatCompletion,
     ChatCompletionChunk,
     ChatRequest,
     Completion,
     CompletionRequest,
+    CountTokensRequest,
     DetokenizeRequest,
     DetokenizeResponse,
     Embedding,
     EmbeddingList,
     EmbeddingRequest,
     EmbeddingUsage,
+    MessagesRequest,
     ModelCard,
     ModelList,
+    TokenCount,
     TokenizeRequest,
     TokenizeResponse,
     encoder,
@@ -73,7 +79,15 @@ class Ctx:
 
 _DECODERS: dict[type, msgspec.json.Decoder[Any]] = {
     t: msgspec.json.Decoder(t)
-    for t in (ChatRequest, CompletionRequest, EmbeddingRequest, TokenizeRequest, DetokenizeRequest)
+    for t in (
+        ChatRequest,
+        CompletionRequest,
+        EmbeddingRequest,
+        TokenizeRequest,
+        DetokenizeRequest,
+        MessagesRequest,
+        CountTokensRequest,
+    )
 }
 
 
@@ -272,6 +286,18 @@ class Route:
     response: type  # the 200 document's Struct
     summary: str
     chunk: type | None = None  # `stream: true` answers text/event-stream of these documents
+    anthropic: bool = False  # errors in Anthropic's shape (the Messages API)
+
+
+async def messages(ctx: Ctx) -> None:
+    req = decode(ctx.body, MessagesRequest)
+    await _generate(ctx, lambda: messages_spec(req, ctx.info))
+
+
+async def messages_count_tokens(ctx: Ctx) -> None:
+    req = decode(ctx.body, CountTokensRequest)
+    check_model(req.model, ctx.info)
+    await ctx.out.whole(200, encoder.encode(TokenCount(count_tokens(req, ctx.info))))
 
 
 async def openapi(ctx: Ctx) -> None:
@@ -290,6 +316,12 @@ ROUTES: dict[str, Route] = {
     "/v1/detokenize": Route("POST", detokenize, DetokenizeRequest, DetokenizeResponse, "Text of token ids"),
     "/v1/models": Route("GET", models, None, ModelList, "The served model"),
     "/v1/models/{id}": Route("GET", model, None, ModelCard, "One model by id"),
+    "/v1/messages": Route(
+        "POST", messages, MessagesRequest, AnthropicMessageDoc, "Anthropic's Messages API", AnthropicEvent, True
+    ),
+    "/v1/messages/count_tokens": Route(
+        "POST", messages_count_tokens, CountTokensRequest, TokenCount, "Input tokens of a Messages request", None, True
+    ),
     "/openapi.json": Route("GET", openapi, None, dict, "This document (OpenAPI 3.1)"),
 }
 """Every route of the API port but /healthz (answered by serve/app.py before dispatch)."""

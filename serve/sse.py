@@ -11,6 +11,8 @@ PING = b": ping\n\n"
 HEADERS = ((b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"))
 
 
-def event(payload: bytes) -> bytes:
-    """One SSE event carrying a JSON document (which never contains a raw newline)."""
-    return b"data: " + payload + b"\n\n"
+def event(payload: bytes, name: str = "") -> bytes:
+    """One SSE event carrying a JSON document (which never contains a raw newline); `name`: its
+    `event:` line (Anthropic's streams name every event)."""
+    head = b"event: " + name.encode() + b"\n" if name else b""
+    return head + b"data: " + payload + b"\n\n"

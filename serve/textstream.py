@@ -20,6 +20,7 @@ class TextStream:
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._held = ""
         self._stopped = False
+        self.matched: str | None = None  # the stop string that ended the text
 
     @property
     def stopped(self) -> bool:
@@ -39,8 +40,10 @@ class TextStream:
         return self._release(self._held + self._decoder.decode(b"", final=True), final=True)
 
     def _release(self, text: str, final: bool) -> str:
-        cut = min((i for i in (text.find(s) for s in self._stops) if i >= 0), default=-1)
+        hits = [(i, s) for s in self._stops if (i := text.find(s)) >= 0]
+        cut = min(hits)[0] if hits else -1
         if cut >= 0:
+            self.matched = min(hits)[1]
             self._stopped = True
             self._held = ""
             return text[:cut]

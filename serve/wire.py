@@ -354,3 +354,101 @@ class DetokenizeResponse(Struct, frozen=True):
 
 
 encoder = msgspec.json.Encoder()
+
+
+# ---- Anthropic's Messages API (/v1/messages) ------------------------------------------
+
+
+class AnthropicBlock(Struct, kw_only=True):
+    """A content block: text, tool_use (an assistant's call), tool_result (a call's answer);
+    any other type is refused with 422 naming it."""
+
+    type: str
+    text: str | None = None
+    id: str | None = None
+    name: str | None = None
+    input: dict[str, Any] | None = None
+    tool_use_id: str | None = None
+    content: str | list[AnthropicBlock] | None = None
+    is_error: bool | None = None
+
+
+class AnthropicMessage(Struct, kw_only=True):
+    role: Literal["user", "assistant"]
+    content: str | list[AnthropicBlock]
+
+
+class AnthropicTool(Struct, kw_only=True):
+    name: Annotated[str, Meta(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+    description: str | None = None
+    input_schema: dict[str, Any]
+
+
+class AnthropicToolChoice(Struct, kw_only=True):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None
+
+
+class MessagesRequest(Struct, kw_only=True):
+    model: str
+    messages: Annotated[list[AnthropicMessage], Meta(min_length=1)]
+    max_tokens: PosInt  # required, as Anthropic requires it
+    system: str | list[AnthropicBlock] | None = None
+    stop_sequences: list[str] | None = None
+    temperature: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
+    top_p: TopP | None = None
+    top_k: Annotated[int, Meta(ge=0)] | None = None
+    stream: bool | None = None
+    tools: list[AnthropicTool] | None = None
+    tool_choice: AnthropicToolChoice | None = None
+    metadata: dict[str, Any] | None = None
+
+
+class CountTokensRequest(Struct, kw_only=True):
+    model: str
+    messages: Annotated[list[AnthropicMessage], Meta(min_length=1)]
+    system: str | list[AnthropicBlock] | None = None
+    tools: list[AnthropicTool] | None = None
+
+
+class AnthropicUsage(Struct, frozen=True):
+    input_tokens: int
+    output_tokens: int
+
+
+class AnthropicTextOut(Struct, frozen=True, tag="text", tag_field="type"):
+    text: str
+
+
+class AnthropicToolUseOut(Struct, frozen=True, tag="tool_use", tag_field="type"):
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
+class AnthropicMessageDoc(Struct, frozen=True):
+    id: str
+    type: str  # "message"
+    role: str  # "assistant"
+    model: str
+    content: list[AnthropicTextOut | AnthropicToolUseOut]
+    stop_reason: Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"] | None
+    stop_sequence: str | None
+    usage: AnthropicUsage
+
+
+class TokenCount(Struct, frozen=True):
+    input_tokens: int
+
+
+class AnthropicEvent(Struct, frozen=True, omit_defaults=True):
+    """One event of a streamed Messages answer (the `event:` line names its type)."""
+
+    type: str
+    message: dict[str, Any] | None = None
+    index: int | None = None
+    content_block: dict[str, Any] | None = None
+    delta: dict[str, Any] | None = None
+    usage: dict[str, Any] | None = None
+    error: dict[str, Any] | None = None

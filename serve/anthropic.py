@@ -1,0 +1,266 @@
+"""Anthropic's Messages API on the one generation path: /v1/messages and /v1/messages/count_tokens.
+
+Owns translation only: a MessagesRequest becomes the ChatRequest it means (system, text blocks,
+tool_use blocks as an assistant's tool_calls, tool_result blocks as tool turns, tools and
+tool_choice, stop_sequences, temperature/top_p/top_k) and goes through serve/params.py's
+chat_spec and serve/generate.py's Job like any chat request (the same admission, disconnects,
+drain, metrics, API keys, request id); the finished Job becomes Anthropic's message document,
+or, streamed, Anthropic's event sequence (message_start, content_block_start / delta / stop per
+text or tool_use block, message_delta with stop_reason and usage, message_stop; an `error`
+event if it fails after the first byte). Errors on these routes take Anthropic's shape
+(serve/errors.py anthropic_doc). Tested with the anthropic client by tests/test_anthropic.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import TYPE_CHECKING, Any
+
+from serve import errors, sse
+from serve.errors import ApiError
+from serve.params import GenSpec, ModelInfo, chat_spec, render_chat, tool_request
+from serve.wire import (
+    AnthropicBlock,
+    AnthropicMessage,
+    AnthropicMessageDoc,
+    AnthropicTextOut,
+    AnthropicTool,
+    AnthropicToolChoice,
+    AnthropicToolUseOut,
+    AnthropicUsage,
+    CallFunction,
+    ChatMessage,
+    ChatRequest,
+    CountTokensRequest,
+    FunctionDef,
+    MessagesRequest,
+    NamedFunction,
+    NamedToolChoice,
+    Tool,
+    ToolCall,
+    encoder,
+)
+from tl.tools import CallArgs, CallStart, Event
+
+if TYPE_CHECKING:
+    from serve.asgi import Sender
+    from serve.generate import Choice, Job
+
+STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
+
+
+def _text(blocks: str | list[AnthropicBlock] | None, param: str) -> str:
+    if blocks is None or isinstance(blocks, str):
+        return blocks or ""
+    for i, b in enumerate(blocks):
+        if b.type != "text":
+            raise errors.unsupported(f"{param}[{i}].type", f"content block {b.type!r} here")
+    return "".join(b.text or "" for b in blocks)
+
+
+def _messages(system: str | list[AnthropicBlock] | None, messages: list[AnthropicMessage]) -> list[ChatMessage]:
+    out = [ChatMessage(role="system", content=_text(system, "system"))] if system else []
+    for i, m in enumerate(messages):
+        if isinstance(m.content, str):
+            out.append(ChatMessage(role=m.role, content=m.content))
+            continue
+        text, calls = [], []
+        for j, b in enumerate(m.content):
+            param = f"messages[{i}].content[{j}]"
+            if b.type == "text":
+                text.append(b.text or "")
+            elif b.type == "tool_use" and m.role == "assistant":
+                arguments = json.dumps(b.input or {})
+                calls.append(ToolCall(id=b.id or f"toolu_{i}_{j}", function=CallFunction(b.name or "", arguments)))
+            elif b.type == "tool_result" and m.role == "user":
+                result = _text(b.content, f"{param}.content")
+                out.append(ChatMessage(role="tool", content=result, tool_call_id=b.tool_use_id))
+            else:
+                raise errors.unsupported(f"{param}.type", f"content block {b.type!r} in a {m.role} turn")
+        if text or calls or m.role == "assistant":
+            out.append(ChatMessage(role=m.role, content="".join(text), tool_calls=calls or None))
+    return out
+
+
+def _tools(tools: list[AnthropicTool] | None, choice: AnthropicToolChoice | None) -> dict[str, Any]:
+    if not tools:
+        return {"tool_choice": "none"} if choice is not None and choice.type == "none" else {}
+    wire = [
+        Tool(type="function", function=FunctionDef(name=t.name, description=t.description, parameters=t.input_schema))
+        for t in tools
+    ]
+    kw: dict[str, Any] = {"tools": wire}
+    if choice is not None:
+        if choice.type == "tool":
+            if not choice.name:
+                raise errors.bad_request(
+                    "tool_choice.name is required when tool_choice.type is 'tool'", "tool_choice.name"
+                )
+            kw["tool_choice"] = NamedToolChoice(type="function", function=NamedFunction(choice.name))
+        else:
+            kw["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}[choice.type]
+        if choice.disable_parallel_tool_use:
+            kw["parallel_tool_calls"] = False
+    return kw
+
+
+def messages_spec(req: MessagesRequest, info: ModelInfo) -> GenSpec:
+    """The chat request a Messages request means, as a GenSpec of kind "messages"."""
+    if req.top_k == 0:
+        raise errors.bad_request("top_k must be >= 1", "top_k")
+    chat = ChatRequest(
+        model=req.model,
+        messages=_messages(req.system, req.messages),
+        max_tokens=req.max_tokens,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=req.top_p,
+        top_k=req.top_k,
+        stop=req.stop_sequences or None,
+        stream=bool(req.stream),
+        **_tools(req.tools, req.tool_choice),
+    )
+    spec = chat_spec(chat, info)
+    return dataclasses.replace(spec, kind="messages", stream=bool(req.stream))
+
+
+def count_tokens(req: CountTokensRequest, info: ModelInfo) -> int:
+    """Input tokens of the request as it would be rendered (tools included)."""
+    chat = ChatRequest(model=req.model, messages=_messages(req.system, req.messages), **_tools(req.tools, None))
+    tools = tool_request(chat, info)
+    return len(render_chat(chat.messages, info, tools=tools.dicts))
+
+
+# ---- the answer ---------------------------------------------------------------------------
+
+
+def _stop(c: Choice) -> tuple[str | None, str | None]:
+    """(stop_reason, stop_sequence) of a finished choice."""
+    if c.stream.matched is not None:
+        return "stop_sequence", c.stream.matched
+    return STOP_REASONS.get(c.finish or "stop", "end_turn"), None
+
+
+def document(job: Job) -> bytes:
+    c = job.choices[0]
+    content: list[AnthropicTextOut | AnthropicToolUseOut] = []
+    text = "".join(c.text)
+    if text:
+        content.append(AnthropicTextOut(text))
+    for call_id, call in zip(c.call_ids, c.parser.calls if c.parser else [], strict=True):
+        content.append(AnthropicToolUseOut(call_id.replace("call_", "toolu_"), call.name, _input(call.arguments_text)))
+    reason, sequence = _stop(c)
+    usage = AnthropicUsage(c.prompt_len, c.num_tokens)
+    doc = AnthropicMessageDoc(job.id, "message", "assistant", job.model_id, content, reason, sequence, usage)  # type: ignore[arg-type]
+    return encoder.encode(doc)
+
+
+def _input(arguments: str) -> dict[str, Any]:
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {"value": value}
+
+
+class Stream:
+    """Anthropic's event sequence for one streamed choice: blocks open as their text or call
+    begins and close when the next begins or the message ends."""
+
+    def __init__(self, job: Job) -> None:
+        self.job = job
+        self.block = -1  # index of the open block
+        self.kind = ""  # "text" or "tool_use"
+
+    def start(self) -> bytes:
+        c = self.job.choices[0]
+        message: dict[str, Any] = {
+            "id": self.job.id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.job.model_id,
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": {"input_tokens": c.prompt_len, "output_tokens": 0},
+        }
+        return _event("message_start", {"type": "message_start", "message": message})
+
+    def deliver(self, c: Choice, events: list[Event]) -> list[bytes]:
+        out: list[bytes] = []
+        for e in events:
+            if isinstance(e, str):
+                if not e:
+                    continue
+                if self.kind != "text":
+                    out += self._open({"type": "text", "text": ""}, "text")
+                out.append(self._delta({"type": "text_delta", "text": e}))
+            elif isinstance(e, CallStart):
+                block = {
+                    "type": "tool_use",
+                    "id": c.call_ids[e.index].replace("call_", "toolu_"),
+                    "name": e.name,
+                    "input": {},
+                }
+                out += self._open(block, "tool_use")
+            elif isinstance(e, CallArgs):
+                out.append(self._delta({"type": "input_json_delta", "partial_json": e.text}))
+        if c.finish is not None:
+            out += self._close()
+            reason, sequence = _stop(c)
+            delta = {"stop_reason": reason, "stop_sequence": sequence}
+            out.append(
+                _event(
+                    "message_delta", {"type": "message_delta", "delta": delta, "usage": {"output_tokens": c.num_tokens}}
+                )
+            )
+            out.append(_event("message_stop", {"type": "message_stop"}))
+        return out
+
+    def _open(self, block: dict[str, Any], kind: str) -> list[bytes]:
+        out = self._close()
+        self.block, self.kind = self.block + 1, kind
+        out.append(
+            _event("content_block_start", {"type": "content_block_start", "index": self.block, "content_block": block})
+        )
+        return out
+
+    def _close(self) -> list[bytes]:
+        if not self.kind:
+            return []
+        self.kind = ""
+        return [_event("content_block_stop", {"type": "content_block_stop", "index": self.block})]
+
+    def _delta(self, delta: dict[str, Any]) -> bytes:
+        return _event("content_block_delta", {"type": "content_block_delta", "index": self.block, "delta": delta})
+
+
+def _event(name: str, doc: dict[str, Any]) -> bytes:
+    return sse.event(encoder.encode(doc), name)
+
+
+def error_event(e: ApiError) -> bytes:
+    return sse.event(e.anthropic_body(), "error")
+
+
+async def stream(job: Job, out: Sender, ping_s: float) -> None:
+    """The streamed answer (after admission); errors after the first byte become an error event."""
+    from serve.generate import _GONE
+
+    s = Stream(job)
+    await out.start(200, b"text/event-stream", ((b"cache-control", b"no-cache"),))
+    await out.chunk(s.start())
+    try:
+        while not job.done:
+            choice, item = await job.next(ping_s)
+            if item is _GONE:
+                return
+            if choice is None:
+                await out.chunk(_event("ping", {"type": "ping"}))
+                continue
+            for data in s.deliver(choice, job.feed(choice, item)):
+                await out.chunk(data)
+    except ApiError as e:
+        job.abort()
+        await out.chunk(error_event(e))
+    await out.end()
