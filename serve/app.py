@@ -40,6 +40,7 @@ from serve.generate import PING_INTERVAL_S, Job
 from serve.health import HealthServer
 from serve.metrics import Metrics
 from serve.params import ModelInfo
+from serve.responses import ResponseStore
 from serve.routes import Ctx, match
 from tl.async_engine import AsyncEngine, EmbedHandle
 from tl.build import build_async_engine
@@ -87,6 +88,7 @@ class App:
         self.draining = False
         self.inflight = 0
         self.jobs: set[Job | EmbedHandle] = set()
+        self.responses = ResponseStore(1000, 3600.0)  # sized from the config at start-up
         self.ping_interval_s = PING_INTERVAL_S
         self._drain_task: asyncio.Task[None] | None = None
 
@@ -128,6 +130,7 @@ class App:
         if self.config is None:
             self.config = load_config()
         cfg = self.config
+        self.responses = ResponseStore(cfg.responses_store_size, cfg.responses_store_ttl_s)
         if self.start_health:
             host, port = parse_listen(cfg.health_listen)
             await self.health.start(host, port)
@@ -202,9 +205,10 @@ class App:
                 raise ApiError(
                     404, f"Unknown route {req.method} {req.path}", "invalid_request_error", None, "not_found"
                 )
-            _, r = route
-            if req.method != r.method:
-                raise _method_not_allowed(r.method)
+            _, ops = route
+            r = next((op for op in ops if op.method == req.method), None)
+            if r is None:
+                raise _method_not_allowed(", ".join(op.method for op in ops))
             if self.draining or self.engine is None or self.info is None or self.config is None:
                 raise errors.draining()
             self._authorize(req)
@@ -222,13 +226,14 @@ class App:
                 time.monotonic(),
                 lambda: self.ping_interval_s,
                 self.jobs,
+                self.responses,
                 watcher,
             )
             await r.handler(ctx)
         except ClientGone:
             pass
         except ApiError as e:
-            await self._fail(out, e, route is not None and route[1].anthropic)
+            await self._fail(out, e, route is not None and route[1][0].anthropic)
         except Exception:
             log.exception("unhandled error in %s %s", req.method, req.path)
             await self._fail(out, errors.internal())

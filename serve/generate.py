@@ -15,7 +15,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import cast
+from typing import Protocol, cast
 
 from serve import errors, sse
 from serve.asgi import DisconnectWatcher, Sender
@@ -142,8 +142,10 @@ class Job:
         self.metrics = metrics
         self.arrived = arrived
         self.created = int(time.time())
-        prefix = {"chat": "chatcmpl", "completion": "cmpl", "messages": "msg"}[spec.kind]
-        self.id = f"{prefix}{'_' if spec.kind == 'messages' else '-'}{uuid.uuid4().hex}"  # Anthropic: msg_...
+        prefix = {"chat": "chatcmpl", "completion": "cmpl", "messages": "msg", "responses": "resp"}[spec.kind]
+        self.id = (
+            f"{prefix}{'-' if spec.kind in ('chat', 'completion') else '_'}{uuid.uuid4().hex}"  # msg_..., resp_...
+        )
         self.queue: asyncio.Queue[tuple[Choice | None, object]] = asyncio.Queue()
         self.choices = self._submit(priority)
         self._pumps = [asyncio.create_task(self._pump(c)) for c in self.choices]
@@ -370,11 +372,31 @@ class Job:
         return sse.event(encoder.encode(doc))
 
 
-async def respond(job: Job, out: Sender, watcher: DisconnectWatcher, ping_interval_s: Callable[[], float]) -> None:
-    """Answer one generation request (errors before the first byte are raised as ApiError)."""
+class Presenter(Protocol):
+    """Another API's shapes for a Job (serve/responses.py): its document and its stream."""
+
+    def document(self, job: Job) -> bytes: ...
+    async def stream(self, job: Job, out: Sender, ping_s: float) -> None: ...
+
+
+async def respond(
+    job: Job,
+    out: Sender,
+    watcher: DisconnectWatcher,
+    ping_interval_s: Callable[[], float],
+    present: Presenter | None = None,
+) -> None:
+    """Answer one generation request (errors before the first byte are raised as ApiError);
+    `present`: another API's document and stream instead of chat's or completions'."""
     watcher.on_gone(job.gone)
     try:
-        if job.spec.stream and job.spec.kind == "messages":
+        if present is not None and job.spec.stream:
+            await job.admitted()
+            await present.stream(job, out, ping_interval_s())
+        elif present is not None:
+            if await _finish(job):
+                await out.whole(200, present.document(job))
+        elif job.spec.stream and job.spec.kind == "messages":
             from serve import anthropic
 
             await job.admitted()
@@ -388,14 +410,20 @@ async def respond(job: Job, out: Sender, watcher: DisconnectWatcher, ping_interv
         job.close()
 
 
-async def _collect(job: Job, out: Sender) -> None:
+async def _finish(job: Job) -> bool:
+    """Every delivery fed in; False if the client left first."""
     while not job.done:
         choice, item = await job.next(None)
         if item is _GONE:
-            return
+            return False
         assert choice is not None
         job.feed(choice, item)
-    await out.whole(200, job.final_document())
+    return True
+
+
+async def _collect(job: Job, out: Sender) -> None:
+    if await _finish(job):
+        await out.whole(200, job.final_document())
 
 
 async def _stream(job: Job, out: Sender, ping_s: float) -> None:

@@ -75,9 +75,16 @@ def document(model_id: str | None = None) -> dict[str, Any]:
     """The OpenAPI 3.1 document (built once per model id: the routes and Structs are fixed).
     With the served model's id, every request's `model` and the model path parameter name it
     (an `enum`), so a client generating requests from the document reaches the model."""
-    routes = {**ROUTES, "/healthz": Route("GET", ROUTES["/v1/models"].handler, None, Health, "Liveness")}
+    health = Route("GET", ROUTES["/v1/models"][0].handler, None, Health, "Liveness")
+    routes = {**ROUTES, "/healthz": (health,)}
     types = sorted(
-        {t for r in routes.values() for t in (r.request, r.response, r.chunk) if t is not None and t is not dict}
+        {
+            t
+            for ops in routes.values()
+            for r in ops
+            for t in (r.request, r.response, r.chunk)
+            if t is not None and t is not dict
+        }
         | {ErrorDoc, AnthropicErrorDoc},
         key=lambda t: t.__name__,
     )
@@ -85,8 +92,9 @@ def document(model_id: str | None = None) -> dict[str, Any]:
     ref: dict[type, Any] = dict(zip(types, schemas, strict=True))
     ref[dict] = {"type": "object", "description": "An OpenAPI 3.1 document"}
     paths: dict[str, Any] = {}
-    for path, r in routes.items():
-        paths.setdefault(path, {})[r.method.lower()] = _operation(path, r, ref)
+    for path, ops in routes.items():
+        for r in ops:
+            paths.setdefault(path, {})[r.method.lower()] = _operation(path, r, ref)
     if model_id is not None:
         for schema in components.values():
             if "model" in schema.get("properties", {}):

@@ -32,7 +32,7 @@ from tl.request import MAX_SEED, ConstraintSpec, RequestError, SamplingParams
 from tl.stats import BackendInfo
 from tl.tools import ToolFormat, ToolSetup, ToolSpec, tool_grammar
 
-Kind = Literal["chat", "completion", "messages"]
+Kind = Literal["chat", "completion", "messages", "responses"]
 
 
 class TokenizerLike(Protocol):

@@ -21,7 +21,7 @@ import msgspec
 from serve import errors
 from serve.anthropic import count_tokens, messages_spec
 from serve.asgi import DisconnectWatcher, Request, Sender
-from serve.generate import Job, respond
+from serve.generate import Job, Presenter, respond
 from serve.metrics import Metrics
 from serve.params import (
     GenSpec,
@@ -32,16 +32,20 @@ from serve.params import (
     prompt_token_lists,
     render_chat,
 )
+from serve.responses import ResponseStore, conversation, finished, responses_spec
+from serve.responses import stream as stream_response
 from serve.wire import (
     AnthropicEvent,
     AnthropicMessageDoc,
     BackendCard,
     ChatCompletion,
     ChatCompletionChunk,
+    ChatMessage,
     ChatRequest,
     Completion,
     CompletionRequest,
     CountTokensRequest,
+    DeletedResponse,
     DetokenizeRequest,
     DetokenizeResponse,
     Embedding,
@@ -51,6 +55,9 @@ from serve.wire import (
     MessagesRequest,
     ModelCard,
     ModelList,
+    ResponseDoc,
+    ResponsesEvent,
+    ResponsesRequest,
     TokenCount,
     TokenizeRequest,
     TokenizeResponse,
@@ -74,6 +81,7 @@ class Ctx:
     arrived: float
     ping_interval_s: Callable[[], float]
     jobs: set[Job | EmbedHandle]  # in flight, aborted at the drain deadline
+    store: ResponseStore  # the Responses API's stored responses (per replica)
     watcher: DisconnectWatcher | None = None
 
 
@@ -87,6 +95,7 @@ _DECODERS: dict[type, msgspec.json.Decoder[Any]] = {
         DetokenizeRequest,
         MessagesRequest,
         CountTokensRequest,
+        ResponsesRequest,
     )
 }
 
@@ -111,7 +120,7 @@ def priority(ctx: Ctx) -> int:
     return value
 
 
-async def _generate(ctx: Ctx, spec_fn: Callable[[], GenSpec]) -> None:
+async def _generate(ctx: Ctx, spec_fn: Callable[[], GenSpec], present: Presenter | None = None) -> None:
     if "x-tl-kv-handle" in ctx.request.headers:
         raise errors.ApiError(
             404,
@@ -129,7 +138,7 @@ async def _generate(ctx: Ctx, spec_fn: Callable[[], GenSpec]) -> None:
     ctx.jobs.add(job)
     try:
         assert ctx.watcher is not None
-        await respond(job, ctx.out, ctx.watcher, ctx.ping_interval_s)
+        await respond(job, ctx.out, ctx.watcher, ctx.ping_interval_s, present)
     finally:
         ctx.jobs.discard(job)
 
@@ -273,6 +282,44 @@ async def model(ctx: Ctx) -> None:
     await ctx.out.whole(200, encoder.encode(_card(ctx)))
 
 
+# ---- the Responses API ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _ResponsesPresenter:
+    req: ResponsesRequest
+    store: ResponseStore
+    turns: list[ChatMessage]
+
+    def document(self, job: Job) -> bytes:
+        return encoder.encode(finished(job, self.req, self.store, self.turns))
+
+    async def stream(self, job: Job, out: Sender, ping_s: float) -> None:
+        await stream_response(job, self.req, out, ping_s, lambda: finished(job, self.req, self.store, self.turns))
+
+
+async def responses_create(ctx: Ctx) -> None:
+    req = decode(ctx.body, ResponsesRequest)
+    check_model(req.model, ctx.info)
+    turns = conversation(req, ctx.store)
+    present = _ResponsesPresenter(req, ctx.store, turns)
+    await _generate(ctx, lambda: responses_spec(req, ctx.info, turns), present)
+
+
+def _response_id(ctx: Ctx) -> str:
+    return ctx.request.path[len("/v1/responses/") :]
+
+
+async def responses_get(ctx: Ctx) -> None:
+    await ctx.out.whole(200, encoder.encode(ctx.store.get(_response_id(ctx)).doc))
+
+
+async def responses_delete(ctx: Ctx) -> None:
+    rid = _response_id(ctx)
+    ctx.store.delete(rid)
+    await ctx.out.whole(200, encoder.encode(DeletedResponse(rid, "response", True)))
+
+
 Handler = Callable[[Ctx], Awaitable[None]]
 
 
@@ -306,7 +353,7 @@ async def openapi(ctx: Ctx) -> None:
     await ctx.out.whole(200, encoder.encode(document(ctx.info.model_id)))
 
 
-ROUTES: dict[str, Route] = {
+_ONE: dict[str, Route] = {
     "/v1/chat/completions": Route(
         "POST", chat, ChatRequest, ChatCompletion, "A chat completion (tools, structured output)", ChatCompletionChunk
     ),
@@ -324,13 +371,25 @@ ROUTES: dict[str, Route] = {
     ),
     "/openapi.json": Route("GET", openapi, None, dict, "This document (OpenAPI 3.1)"),
 }
-"""Every route of the API port but /healthz (answered by serve/app.py before dispatch)."""
+ROUTES: dict[str, tuple[Route, ...]] = {
+    **{path: (route,) for path, route in _ONE.items()},
+    "/v1/responses": (
+        Route("POST", responses_create, ResponsesRequest, ResponseDoc, "OpenAI's Responses API", ResponsesEvent),
+    ),
+    "/v1/responses/{id}": (
+        Route("GET", responses_get, None, ResponseDoc, "A stored response"),
+        Route("DELETE", responses_delete, None, DeletedResponse, "Delete a stored response"),
+    ),
+}
+"""Every route of the API port but /healthz (answered by serve/app.py before dispatch): the
+operations of each path, one per method."""
 
 
-def match(path: str) -> tuple[str, Route] | None:
-    """(endpoint label, route) for a path, or None."""
+def match(path: str) -> tuple[str, tuple[Route, ...]] | None:
+    """(endpoint label, its operations) for a path, or None."""
     if path in ROUTES and "{" not in path:
         return path, ROUTES[path]
-    if path.startswith("/v1/models/") and len(path) > len("/v1/models/"):
-        return "/v1/models/{id}", ROUTES["/v1/models/{id}"]
+    for prefix in ("/v1/models/", "/v1/responses/"):
+        if path.startswith(prefix) and len(path) > len(prefix) and "/" not in path[len(prefix) :]:
+            return prefix + "{id}", ROUTES[prefix + "{id}"]
     return None

@@ -452,3 +452,118 @@ class AnthropicEvent(Struct, frozen=True, omit_defaults=True):
     delta: dict[str, Any] | None = None
     usage: dict[str, Any] | None = None
     error: dict[str, Any] | None = None
+
+
+# ---- OpenAI's Responses API (/v1/responses) -------------------------------------------
+
+
+class ResponsesPart(Struct, kw_only=True):
+    """A content part of an input message: input_text / output_text (others are refused with 422)."""
+
+    type: str
+    text: str | None = None
+
+
+class ResponsesItem(Struct, kw_only=True):
+    """An input item: a message (type "message" or just a role), a function_call, or a
+    function_call_output; any other type is refused with 422 naming it."""
+
+    type: str = "message"
+    role: Literal["user", "assistant", "system", "developer"] | None = None
+    content: str | list[ResponsesPart] | None = None
+    call_id: str | None = None
+    name: str | None = None
+    arguments: str | None = None
+    output: str | None = None
+    id: str | None = None
+    status: str | None = None
+
+
+class ResponsesTool(Struct, kw_only=True):
+    type: str
+    name: str | None = None
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ResponsesToolChoice(Struct, kw_only=True):
+    type: Literal["function"]
+    name: str
+
+
+class ResponsesTextFormat(Struct, kw_only=True):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponsesText(Struct, kw_only=True):
+    format: ResponsesTextFormat | None = None
+
+
+class ResponsesRequest(Struct, kw_only=True):
+    model: str
+    input: str | Annotated[list[ResponsesItem], Meta(min_length=1)]
+    instructions: str | None = None
+    tools: list[ResponsesTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ResponsesToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    max_output_tokens: PosInt | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    text: ResponsesText | None = None
+    stream: bool | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    previous_response_id: str | None = None
+    user: str | None = None
+
+
+class ResponseDoc(Struct, frozen=True):
+    """A response object (its `output` items and `usage` as OpenAI's API has them)."""
+
+    id: str
+    object: str  # "response"
+    created_at: int
+    status: str  # "completed" | "incomplete" | "in_progress"
+    incomplete_details: dict[str, str] | None
+    model: str
+    output: list[dict[str, Any]]
+    usage: dict[str, Any] | None
+    instructions: str | None
+    metadata: dict[str, str]
+    parallel_tool_calls: bool
+    temperature: float | None
+    top_p: float | None
+    tool_choice: Any
+    tools: list[dict[str, Any]]
+    text: dict[str, Any]
+    max_output_tokens: int | None
+    previous_response_id: str | None
+    store: bool
+    error: dict[str, Any] | None = None
+
+
+class ResponsesEvent(Struct, frozen=True, omit_defaults=True):
+    """One event of a streamed response; every one carries its `sequence_number`."""
+
+    type: str
+    sequence_number: int
+    response: dict[str, Any] | None = None
+    output_index: int | None = None
+    item: dict[str, Any] | None = None
+    item_id: str | None = None
+    content_index: int | None = None
+    part: dict[str, Any] | None = None
+    delta: str | None = None
+    text: str | None = None
+    arguments: str | None = None
+
+
+class DeletedResponse(Struct, frozen=True):
+    id: str
+    object: str
+    deleted: bool

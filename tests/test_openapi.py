@@ -25,14 +25,15 @@ def test_the_document_is_valid_and_names_exactly_the_served_routes() -> None:
     validate(doc)  # type: ignore[arg-type]  # a plain dict is the spec
     assert doc["openapi"] == "3.1.0"
     assert set(doc["paths"]) == {*ROUTES, "/healthz"}
-    for path, route in ROUTES.items():
-        assert list(doc["paths"][path]) == [route.method.lower()]
-        op = doc["paths"][path][route.method.lower()]
-        assert ("requestBody" in op) == (route.request is not None)
-        if route.request is not None:
-            ref = op["requestBody"]["content"]["application/json"]["schema"]["$ref"]
-            assert ref == f"#/components/schemas/{route.request.__name__}"
-        assert ("text/event-stream" in op["responses"]["200"]["content"]) == (route.chunk is not None)
+    for path, ops in ROUTES.items():
+        assert list(doc["paths"][path]) == [r.method.lower() for r in ops]
+        for route in ops:
+            op = doc["paths"][path][route.method.lower()]
+            assert ("requestBody" in op) == (route.request is not None)
+            if route.request is not None:
+                ref = op["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+                assert ref == f"#/components/schemas/{route.request.__name__}"
+            assert ("text/event-stream" in op["responses"]["200"]["content"]) == (route.chunk is not None)
     chat = doc["components"]["schemas"]["ChatRequest"]
     assert "messages" in chat["required"] and chat["properties"]["temperature"]["anyOf"][0]["maximum"] == 2.0
 

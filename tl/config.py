@@ -128,6 +128,11 @@ class EngineConfig:
     """Longest a structured-output constraint may take to compile; a slower one is a 400."""
     grammar_cache_size: int = 128
     """Compiled constraints kept (LRU, by the exact schema, regex or grammar text)."""
+    responses_store_size: int = 1000
+    """Responses (/v1/responses with store) kept per replica for previous_response_id and GET;
+    the least recently used goes first."""
+    responses_store_ttl_s: float = 3600.0
+    """Longest a stored response is kept."""
     queue_capacity: int = 256
     """Requests waiting for admission; one more is refused (HTTP 429)."""
     queue_deadline_ms: int = 30_000
@@ -242,6 +247,8 @@ class EngineConfig:
         )
         _check(self.grammar_timeout_s > 0, f"grammar_timeout_s must be > 0, got {self.grammar_timeout_s}")
         _check(self.grammar_cache_size >= 1, f"grammar_cache_size must be >= 1, got {self.grammar_cache_size}")
+        _check(self.responses_store_size >= 1, f"responses_store_size must be >= 1, got {self.responses_store_size}")
+        _check(self.responses_store_ttl_s > 0, f"responses_store_ttl_s must be > 0, got {self.responses_store_ttl_s}")
         _check(self.queue_capacity >= 1, f"queue_capacity must be >= 1, got {self.queue_capacity}")
         _check(self.queue_deadline_ms >= 1, f"queue_deadline_ms must be >= 1, got {self.queue_deadline_ms}")
         _check(self.drain_timeout_s >= 0, f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")

@@ -1,0 +1,432 @@
+"""OpenAI's Responses API on the one generation path: POST /v1/responses, GET and DELETE
+/v1/responses/{id}.
+
+Owns translation and the store: a ResponsesRequest becomes the ChatRequest it means
+(`instructions` as the system turn, `input` items as turns: messages with input_text /
+output_text parts, function_call items as an assistant's tool_calls, function_call_output
+items as tool turns; function tools, tool_choice, parallel_tool_calls, max_output_tokens,
+temperature, top_p, `text.format` as response_format) and runs through serve/params.py's
+chat_spec and serve/generate.py's Job like any chat request; the finished Job becomes a
+response object (output items `message` with `output_text` and `function_call` with its
+`call_id`; status `completed`, or `incomplete` with `incomplete_details.reason` on a length
+cut; usage), or, streamed, the typed event sequence with a `sequence_number` on every event.
+ResponseStore keeps stored responses (`store`, default true) per replica, bounded by count
+(LRU) and age, so `previous_response_id` continues a conversation and GET / DELETE work; an id
+past the bound is a 404. Tested with the openai client by tests/test_responses.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from serve import errors, sse
+from serve.errors import ApiError
+from serve.params import GenSpec, ModelInfo, chat_spec
+from serve.wire import (
+    CallFunction,
+    ChatMessage,
+    ChatRequest,
+    FunctionDef,
+    JsonSchemaFormat,
+    NamedFunction,
+    NamedToolChoice,
+    ResponseDoc,
+    ResponseFormat,
+    ResponsesItem,
+    ResponsesRequest,
+    Tool,
+    ToolCall,
+    encoder,
+)
+from tl.tools import CallArgs, CallStart, Event
+
+if TYPE_CHECKING:
+    from serve.asgi import Sender
+    from serve.generate import Choice, Job
+
+
+@dataclasses.dataclass
+class Stored:
+    at: float
+    doc: ResponseDoc
+    conversation: list[ChatMessage]  # every turn through this response's output
+
+
+class ResponseStore:
+    """Stored responses of this replica: at most `size` (least recently used dropped first),
+    none older than `ttl_s`. Loop-only (no lock)."""
+
+    def __init__(self, size: int, ttl_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.size, self.ttl_s, self._clock = size, ttl_s, clock
+        self._items: OrderedDict[str, Stored] = OrderedDict()
+
+    def put(self, doc: ResponseDoc, conversation: list[ChatMessage]) -> None:
+        self._items[doc.id] = Stored(self._clock(), doc, conversation)
+        self._items.move_to_end(doc.id)
+        self._expire()
+        while len(self._items) > self.size:
+            self._items.popitem(last=False)
+
+    def get(self, response_id: str, param: str = "response_id") -> Stored:
+        self._expire()
+        item = self._items.get(response_id)
+        if item is None:
+            raise ApiError(
+                404, f"Response with id '{response_id}' not found.", "invalid_request_error", param, "not_found"
+            )
+        self._items.move_to_end(response_id)
+        return item
+
+    def delete(self, response_id: str) -> None:
+        self.get(response_id)
+        del self._items[response_id]
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def _expire(self) -> None:
+        cutoff = self._clock() - self.ttl_s
+        while self._items and next(iter(self._items.values())).at < cutoff:
+            self._items.popitem(last=False)
+
+
+# ---- the request ----------------------------------------------------------------------------
+
+
+def _turns(req: ResponsesRequest) -> list[ChatMessage]:
+    items = [ResponsesItem(role="user", content=req.input)] if isinstance(req.input, str) else req.input
+    out: list[ChatMessage] = []
+    for i, it in enumerate(items):
+        if it.type == "message":
+            if it.role is None:
+                raise errors.bad_request(f"input[{i}].role is required for a message", f"input[{i}].role")
+            out.append(ChatMessage(role=it.role, content=_text(it.content, i)))
+        elif it.type == "function_call":
+            call = ToolCall(id=it.call_id or f"call_{i}", function=CallFunction(it.name or "", it.arguments or "{}"))
+            last = out[-1] if out else None
+            if last is not None and last.role == "assistant" and last.tool_calls:
+                last.tool_calls.append(call)
+            else:
+                out.append(ChatMessage(role="assistant", content=None, tool_calls=[call]))
+        elif it.type == "function_call_output":
+            out.append(ChatMessage(role="tool", content=it.output or "", tool_call_id=it.call_id))
+        else:
+            raise errors.unsupported(f"input[{i}].type", f"input item {it.type!r}")
+    return out
+
+
+def _text(content: Any, i: int) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    for j, part in enumerate(content):
+        if part.type not in ("input_text", "output_text", "text"):
+            raise errors.unsupported(f"input[{i}].content[{j}].type", f"content part {part.type!r}")
+    return "".join(p.text or "" for p in content)
+
+
+def _tools(req: ResponsesRequest) -> dict[str, Any]:
+    kw: dict[str, Any] = {}
+    if req.tools:
+        for i, t in enumerate(req.tools):
+            if t.type != "function":
+                raise errors.unsupported(f"tools[{i}].type", f"tool {t.type!r}")
+            if not t.name:
+                raise errors.bad_request(f"tools[{i}].name is required", f"tools[{i}].name")
+        kw["tools"] = [
+            Tool(
+                type="function",
+                function=FunctionDef(name=t.name or "", description=t.description, parameters=t.parameters),
+            )
+            for t in req.tools
+        ]
+    choice = req.tool_choice
+    if choice is not None:
+        kw["tool_choice"] = (
+            choice if isinstance(choice, str) else NamedToolChoice(type="function", function=NamedFunction(choice.name))
+        )
+    if req.parallel_tool_calls is not None:
+        kw["parallel_tool_calls"] = req.parallel_tool_calls
+    fmt = req.text.format if req.text is not None else None
+    if fmt is not None and fmt.type == "json_schema":
+        schema = JsonSchemaFormat(name=fmt.name or "response", schema=fmt.schema, strict=fmt.strict)
+        kw["response_format"] = ResponseFormat(type="json_schema", json_schema=schema)
+    elif fmt is not None and fmt.type == "json_object":
+        kw["response_format"] = ResponseFormat(type="json_object")
+    return kw
+
+
+def conversation(req: ResponsesRequest, store: ResponseStore) -> list[ChatMessage]:
+    """The turns this request continues (its previous response's) plus its own."""
+    prior = store.get(req.previous_response_id, "previous_response_id").conversation if req.previous_response_id else []
+    system = [ChatMessage(role="system", content=req.instructions)] if req.instructions else []
+    return system + [m for m in prior if m.role != "system"] + _turns(req)
+
+
+def responses_spec(req: ResponsesRequest, info: ModelInfo, turns: list[ChatMessage]) -> GenSpec:
+    chat = ChatRequest(
+        model=req.model,
+        messages=turns,
+        max_tokens=req.max_output_tokens,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        stream=bool(req.stream),
+        **_tools(req),
+    )
+    return dataclasses.replace(chat_spec(chat, info), kind="responses")
+
+
+# ---- the answer -----------------------------------------------------------------------------
+
+
+def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+    part = {"type": "output_text", "text": text, "annotations": []}
+    return {
+        "type": "message",
+        "id": item_id,
+        "status": status,
+        "role": "assistant",
+        "content": [part] if text or status == "completed" else [],
+    }
+
+
+def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
+    return {
+        "type": "function_call",
+        "id": item_id,
+        "call_id": call_id,
+        "name": name,
+        "arguments": arguments,
+        "status": status,
+    }
+
+
+def output_items(job: Job, c: Choice) -> list[dict[str, Any]]:
+    text = "".join(c.text)
+    items = [_message_item(job.id.replace("resp_", "msg_"), text, "completed")] if text else []
+    for i, (call_id, call) in enumerate(zip(c.call_ids, c.parser.calls if c.parser else [], strict=True)):
+        items.append(_call_item(f"fc_{job.id[5:]}_{i}", call_id, call.name, call.arguments_text, "completed"))
+    return items
+
+
+def response_doc(
+    job: Job, req: ResponsesRequest, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None
+) -> ResponseDoc:
+    incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
+    tools = [
+        {
+            "type": "function",
+            "name": t.name,
+            "description": t.description,
+            "parameters": t.parameters,
+            "strict": t.strict,
+        }
+        for t in req.tools or []
+    ]
+    fmt = req.text.format if req.text is not None else None
+    shown = {"type": "text"} if fmt is None else {k: v for k, v in msgspec.structs.asdict(fmt).items() if v is not None}
+    choice = req.tool_choice
+    return ResponseDoc(
+        id=job.id,
+        object="response",
+        created_at=job.created,
+        status=status,
+        incomplete_details=incomplete,
+        model=job.model_id,
+        output=output,
+        usage=usage,
+        instructions=req.instructions,
+        metadata=req.metadata or {},
+        parallel_tool_calls=req.parallel_tool_calls is not False,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        tool_choice=choice if isinstance(choice, str) or choice is None else {"type": "function", "name": choice.name},
+        tools=tools,
+        text={"format": shown},
+        max_output_tokens=req.max_output_tokens,
+        previous_response_id=req.previous_response_id,
+        store=req.store is not False,
+    )
+
+
+def usage(job: Job) -> dict[str, Any]:
+    c = job.choices[0]
+    return {
+        "input_tokens": c.prompt_len,
+        "input_tokens_details": {"cached_tokens": 0},
+        "output_tokens": c.num_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": c.prompt_len + c.num_tokens,
+    }
+
+
+def finished(job: Job, req: ResponsesRequest, store: ResponseStore, turns: list[ChatMessage]) -> ResponseDoc:
+    """The finished response (stored when `store` is not false, with its conversation)."""
+    c = job.choices[0]
+    status = "incomplete" if c.finish == "length" else "completed"
+    doc = response_doc(job, req, status, output_items(job, c), usage(job))
+    if req.store is not False:
+        reply = ChatMessage(role="assistant", content="".join(c.text))
+        if c.parser is not None and c.parser.calls:
+            reply.tool_calls = [
+                ToolCall(id=i, function=CallFunction(call.name, call.arguments_text))
+                for i, call in zip(c.call_ids, c.parser.calls, strict=True)
+            ]
+        store.put(doc, [*turns, reply])
+    return doc
+
+
+class Stream:
+    """The typed event sequence of one streamed response, numbered from 0."""
+
+    def __init__(self, job: Job, req: ResponsesRequest) -> None:
+        self.job, self.req = job, req
+        self.seq = 0
+        self.index = -1  # output index of the open item
+        self.open: dict[str, Any] | None = None  # the open item
+        self.items: list[dict[str, Any]] = []
+        self.text = ""
+
+    def event(self, kind: str, **fields: Any) -> bytes:
+        doc = {"type": kind, "sequence_number": self.seq, **fields}
+        self.seq += 1
+        return sse.event(encoder.encode(doc), kind)
+
+    def start(self) -> list[bytes]:
+        doc = msgspec.structs.asdict(response_doc(self.job, self.req, "in_progress", [], None))
+        return [self.event("response.created", response=doc), self.event("response.in_progress", response=doc)]
+
+    def deliver(self, c: Choice, events: list[Event]) -> list[bytes]:
+        out: list[bytes] = []
+        for e in events:
+            if isinstance(e, str):
+                if not e:
+                    continue
+                if self.open is None or self.open["type"] != "message":
+                    out += self._close()
+                    out += self._add(_message_item(self.job.id.replace("resp_", "msg_"), "", "in_progress"))
+                    part = {"type": "output_text", "text": "", "annotations": []}
+                    out.append(
+                        self.event(
+                            "response.content_part.added",
+                            item_id=self.open_id,
+                            output_index=self.index,
+                            content_index=0,
+                            part=part,
+                        )
+                    )
+                self.text += e
+                out.append(
+                    self.event(
+                        "response.output_text.delta",
+                        item_id=self.open_id,
+                        output_index=self.index,
+                        content_index=0,
+                        delta=e,
+                    )
+                )
+            elif isinstance(e, CallStart):
+                out += self._close()
+                item = _call_item(f"fc_{self.job.id[5:]}_{e.index}", c.call_ids[e.index], e.name, "", "in_progress")
+                out += self._add(item)
+            elif isinstance(e, CallArgs):
+                assert self.open is not None
+                self.open["arguments"] += e.text
+                out.append(
+                    self.event(
+                        "response.function_call_arguments.delta",
+                        item_id=self.open_id,
+                        output_index=self.index,
+                        delta=e.text,
+                    )
+                )
+        if c.finish is not None:
+            out += self._close()
+        return out
+
+    @property
+    def open_id(self) -> str:
+        assert self.open is not None
+        return str(self.open["id"])
+
+    def _add(self, item: dict[str, Any]) -> list[bytes]:
+        self.index += 1
+        self.open = item
+        return [self.event("response.output_item.added", output_index=self.index, item=dict(item))]
+
+    def _close(self) -> list[bytes]:
+        item = self.open
+        if item is None:
+            return []
+        out = []
+        if item["type"] == "message":
+            part = {"type": "output_text", "text": self.text, "annotations": []}
+            out.append(
+                self.event(
+                    "response.output_text.done",
+                    item_id=item["id"],
+                    output_index=self.index,
+                    content_index=0,
+                    text=self.text,
+                )
+            )
+            out.append(
+                self.event(
+                    "response.content_part.done",
+                    item_id=item["id"],
+                    output_index=self.index,
+                    content_index=0,
+                    part=part,
+                )
+            )
+            item = _message_item(item["id"], self.text, "completed")
+            self.text = ""
+        else:
+            out.append(
+                self.event(
+                    "response.function_call_arguments.done",
+                    item_id=item["id"],
+                    output_index=self.index,
+                    arguments=item["arguments"],
+                )
+            )
+            item = {**item, "status": "completed"}
+        self.items.append(item)
+        out.append(self.event("response.output_item.done", output_index=self.index, item=item))
+        self.open = None
+        return out
+
+    def end(self, doc: ResponseDoc) -> bytes:
+        """`response.completed` carrying the response, whose `status` says "incomplete" on a length
+        cut: the official client's stream helper takes only that event as the end."""
+        return self.event("response.completed", response=msgspec.structs.asdict(doc))
+
+
+async def stream(job: Job, req: ResponsesRequest, out: Sender, ping_s: float, done: Callable[[], ResponseDoc]) -> None:
+    """The streamed response (after admission); a failure after the first byte is an `error` event."""
+    from serve.generate import _GONE
+
+    s = Stream(job, req)
+    await out.start(200, b"text/event-stream", ((b"cache-control", b"no-cache"),))
+    for data in s.start():
+        await out.chunk(data)
+    try:
+        while not job.done:
+            choice, item = await job.next(ping_s)
+            if item is _GONE:
+                return
+            if choice is None:
+                await out.chunk(sse.PING)
+                continue
+            for data in s.deliver(choice, job.feed(choice, item)):
+                await out.chunk(data)
+        await out.chunk(s.end(done()))
+    except ApiError as e:
+        job.abort()
+        await out.chunk(s.event("error", code=e.code, message=e.message, param=e.param))
+    await out.end()
