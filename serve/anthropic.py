@@ -245,21 +245,13 @@ def error_event(e: ApiError) -> bytes:
 
 async def stream(job: Job, out: Sender, ping_s: float) -> None:
     """The streamed answer (after admission); errors after the first byte become an error event."""
-    from serve.generate import _GONE
+    from serve.generate import pump
 
     s = Stream(job)
     await out.start(200, b"text/event-stream", ((b"cache-control", b"no-cache"),))
     await out.chunk(s.start())
     try:
-        while not job.done:
-            choice, item = await job.next(ping_s)
-            if item is _GONE:
-                return
-            if choice is None:
-                await out.chunk(_event("ping", {"type": "ping"}))
-                continue
-            for data in s.deliver(choice, job.feed(choice, item)):
-                await out.chunk(data)
+        await pump(job, out, ping_s, s.deliver, _event("ping", {"type": "ping"}))
     except ApiError as e:
         job.abort()
         await out.chunk(error_event(e))

@@ -426,23 +426,31 @@ async def _collect(job: Job, out: Sender) -> None:
         await out.whole(200, job.final_document())
 
 
+async def pump(
+    job: Job, out: Sender, ping_s: float, deliver: Callable[[Choice, list[Event]], list[bytes]], ping: bytes = sse.PING
+) -> bool:
+    """Every delivery of a streamed Job fed in and its chunks (as `deliver` frames them) sent,
+    `ping` after ping_s without one; False if the client left. Raises ApiError from a delivery."""
+    while not job.done:
+        choice, item = await job.next(ping_s)
+        if item is _GONE:
+            return False
+        if choice is None:
+            await out.chunk(ping)
+            continue
+        for data in deliver(choice, job.feed(choice, item)):
+            await out.chunk(data)
+    return True
+
+
 async def _stream(job: Job, out: Sender, ping_s: float) -> None:
     await out.start(200, b"text/event-stream", ((b"cache-control", b"no-cache"),))
     if job.spec.kind == "chat":
         for c in job.choices:
             await out.chunk(job.chunk(c, "", first=True))
     try:
-        while not job.done:
-            choice, item = await job.next(ping_s)
-            if item is _GONE:
-                return
-            if choice is None:
-                await out.chunk(sse.PING)
-                continue
-            events = job.feed(choice, item)
-            if events or choice.finish is not None:
-                for data in job.chunks(choice, events):
-                    await out.chunk(data)
+        if not await pump(job, out, ping_s, lambda c, ev: job.chunks(c, ev) if ev or c.finish is not None else []):
+            return
         if job.spec.include_usage:
             await out.chunk(job.usage_chunk())
     except ApiError as e:

@@ -409,23 +409,15 @@ class Stream:
 
 async def stream(job: Job, req: ResponsesRequest, out: Sender, ping_s: float, done: Callable[[], ResponseDoc]) -> None:
     """The streamed response (after admission); a failure after the first byte is an `error` event."""
-    from serve.generate import _GONE
+    from serve.generate import pump
 
     s = Stream(job, req)
     await out.start(200, b"text/event-stream", ((b"cache-control", b"no-cache"),))
     for data in s.start():
         await out.chunk(data)
     try:
-        while not job.done:
-            choice, item = await job.next(ping_s)
-            if item is _GONE:
-                return
-            if choice is None:
-                await out.chunk(sse.PING)
-                continue
-            for data in s.deliver(choice, job.feed(choice, item)):
-                await out.chunk(data)
-        await out.chunk(s.end(done()))
+        if await pump(job, out, ping_s, s.deliver):
+            await out.chunk(s.end(done()))
     except ApiError as e:
         job.abort()
         await out.chunk(s.event("error", code=e.code, message=e.message, param=e.param))
