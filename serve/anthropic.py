@@ -243,6 +243,16 @@ def error_event(e: ApiError) -> bytes:
     return sse.event(e.anthropic_body(), "error")
 
 
+class Presenter:
+    """The Messages API's shapes for a Job (serve/generate.py's Presenter)."""
+
+    def document(self, job: Job) -> bytes:
+        return document(job)
+
+    async def stream(self, job: Job, out: Sender, ping_s: float) -> None:
+        await stream(job, out, ping_s)
+
+
 async def stream(job: Job, out: Sender, ping_s: float) -> None:
     """The streamed answer (after admission); errors after the first byte become an error event."""
     from serve.generate import pump

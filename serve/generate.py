@@ -278,10 +278,6 @@ class Job:
         return CompletionLogprobs(tokens, lps, tops, offsets)
 
     def final_document(self) -> bytes:
-        if self.spec.kind == "messages":
-            from serve import anthropic
-
-            return anthropic.document(self)
         if self.spec.kind == "chat":
             return encoder.encode(
                 ChatCompletion(
@@ -373,7 +369,8 @@ class Job:
 
 
 class Presenter(Protocol):
-    """Another API's shapes for a Job (serve/responses.py): its document and its stream."""
+    """Another API's shapes for a Job (serve/anthropic.py, serve/responses.py): its document and
+    its stream."""
 
     def document(self, job: Job) -> bytes: ...
     async def stream(self, job: Job, out: Sender, ping_s: float) -> None: ...
@@ -396,11 +393,6 @@ async def respond(
         elif present is not None:
             if await _finish(job):
                 await out.whole(200, present.document(job))
-        elif job.spec.stream and job.spec.kind == "messages":
-            from serve import anthropic
-
-            await job.admitted()
-            await anthropic.stream(job, out, ping_interval_s())
         elif job.spec.stream:
             await job.admitted()
             await _stream(job, out, ping_interval_s())

@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 import msgspec
 
 from serve import errors
+from serve.anthropic import Presenter as AnthropicPresenter
 from serve.anthropic import count_tokens, messages_spec
 from serve.asgi import DisconnectWatcher, Request, Sender
 from serve.generate import Job, Presenter, respond
@@ -338,7 +339,7 @@ class Route:
 
 async def messages(ctx: Ctx) -> None:
     req = decode(ctx.body, MessagesRequest)
-    await _generate(ctx, lambda: messages_spec(req, ctx.info))
+    await _generate(ctx, lambda: messages_spec(req, ctx.info), AnthropicPresenter())
 
 
 async def messages_count_tokens(ctx: Ctx) -> None:
