@@ -126,8 +126,8 @@ class Engine:
             output = self.runner.execute(plan)
             self._step_seconds.observe(time.perf_counter() - t0)
             self._prompt_tokens.observe(plan.num_prompt_tokens)
-            for seconds in output.mask_seconds:
-                self._mask_seconds.observe(seconds)
+            if output.mask_rows:  # the rows were filled together: each its share of the time
+                self._mask_seconds.observe(output.mask_seconds / output.mask_rows, output.mask_rows)
         else:
             output = RunnerOutput(())
         self._batch_tokens = plan.num_tokens

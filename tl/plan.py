@@ -78,7 +78,8 @@ class SeqResult:
 @dataclass(frozen=True, slots=True)
 class RunnerOutput:
     results: tuple[SeqResult, ...]
-    mask_seconds: tuple[float, ...] = ()  # per constrained sample row: host time filling its bitmask
+    mask_rows: int = 0  # constrained sample rows whose bitmask the host filled
+    mask_seconds: float = 0.0  # the host time filling them (together)
 
 
 class Runner(Protocol):

@@ -310,8 +310,8 @@ class ModelRunner:
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
         if not plan.work:
             return RunnerOutput(())
-        rows, out, logits, pooled, variant, mask_seconds = self._forward(plan)
-        return self._results(rows, out, logits, pooled, variant, mask_seconds)
+        rows, out, logits, pooled, variant, masked = self._forward(plan)
+        return self._results(rows, out, logits, pooled, variant, masked)
 
     def logits(self, plan: SchedulerOutput) -> np.ndarray:
         """The float32 logits [sample rows, V] of a non-empty plan, run as `execute` runs it (its
@@ -321,7 +321,7 @@ class ModelRunner:
 
     def _forward(
         self, plan: SchedulerOutput
-    ) -> tuple[_Rows, SampleOut, jax.Array, jax.Array, _Variant, tuple[float, ...]]:
+    ) -> tuple[_Rows, SampleOut, jax.Array, jax.Array, _Variant, tuple[int, float]]:
         """Runs the plan in the smallest compiled variant that holds it (tl/compiler.py)."""
         p = self.plan
         need_t = bucket(plan.num_tokens, p.token_buckets, "step tokens")
@@ -329,14 +329,14 @@ class ModelRunner:
         (t_pad, s_pad), variant = self.compiler.pick(need_t, need_s)
         inp, rows = self._pack_tokens(plan.work, t_pad, s_pad)
         sb, pen = self._pack_sampling(rows, s_pad, self.num_rows(t_pad, s_pad))
-        mask, mask_seconds = self._pack_mask(rows, self.num_rows(t_pad, s_pad))
+        mask, masked = self._pack_mask(rows, self.num_rows(t_pad, s_pad))
         # The host buffers go in as numpy arrays: the compiled call's own transfer (C++) took
         # ~0.6 ms less a step than a jax.device_put of them first (one-row decode, alternated).
         bufs, layout = _to_host_buffers((inp, sb))
         if layout != variant.layout:
             raise RuntimeError(f"step {t_pad}x{s_pad}: packed inputs do not match the compiled layout")
         self._kv, out, logits, pooled = variant.step(self._params, self._kv, bufs, pen, mask)
-        return rows, out, logits, pooled, variant, mask_seconds
+        return rows, out, logits, pooled, variant, masked
 
     def _compile_variant(self, v: tuple[int, int]) -> _Variant:
         """Variant v of the step (and of the top-logprobs function at its row count) compiled
@@ -448,18 +448,16 @@ class ModelRunner:
         )
         return sb, jax.device_put(pen, self._replicated)
 
-    def _pack_mask(self, rows: _Rows, num_rows: int) -> tuple[Any, tuple[float, ...]]:
-        """The step's [R, W] int32 token bitmask and the host seconds per constrained row (the
-        rows are filled together, in parallel: the fill's wall time over their number). Without
-        a constrained row: a device-resident all-ones mask (nothing copied)."""
+    def _pack_mask(self, rows: _Rows, num_rows: int) -> tuple[Any, tuple[int, float]]:
+        """The step's [R, W] int32 token bitmask and (constrained rows, host seconds filling them,
+        in parallel). Without a constrained row: a device-resident all-ones mask (nothing copied)."""
         guided = [(w.guide, r, w.draft_ids) for w, r, _ in rows.spans if w.guide is not None]
         if not guided:
-            return self._open_mask(num_rows), ()
+            return self._open_mask(num_rows), (0, 0.0)
         mask = np.full((num_rows, self._mask_words), -1, np.int32)
         t0 = time.perf_counter()
         fill_masks(mask, guided)
-        n = sum(1 + len(d) for _, _, d in guided)
-        return mask, ((time.perf_counter() - t0) / n,) * n
+        return mask, (sum(1 + len(d) for _, _, d in guided), time.perf_counter() - t0)
 
     def _open_mask(self, num_rows: int) -> jax.Array:
         """Device-resident all-ones bitmask per row count: every token allowed."""
@@ -485,7 +483,7 @@ class ModelRunner:
         logits: jax.Array,
         pooled: jax.Array,
         variant: _Variant,
-        mask_seconds: tuple[float, ...],
+        masked: tuple[int, float],
     ) -> RunnerOutput:
         token, logprob, accepted = jax.device_get((out.token, out.logprob, out.accepted))
         top_ids = top_vals = None
@@ -523,7 +521,7 @@ class ModelRunner:
                 SeqResult(seq_id=w.seq_id, token_ids=(), logprobs=(), pooled=tuple(sums[s].tolist()))
                 for w, s in rows.pools
             ]
-        return RunnerOutput(tuple(results), mask_seconds)
+        return RunnerOutput(tuple(results), *masked)
 
     # ---- warm-up and close ----
 

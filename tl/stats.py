@@ -44,9 +44,10 @@ class Histogram:
         self.counts = [0] * (len(bounds) + 1)
         self.total = 0.0
 
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.bounds, value)] += 1
-        self.total += value
+    def observe(self, value: float, count: int = 1) -> None:
+        """`count` observations of `value`."""
+        self.counts[bisect.bisect_left(self.bounds, value)] += count
+        self.total += value * count
 
     def snapshot(self) -> HistogramSnapshot:
         return HistogramSnapshot(self.bounds, tuple(self.counts), self.total)
