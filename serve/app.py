@@ -59,6 +59,10 @@ def parse_listen(addr: str) -> tuple[str, int]:
     return (host.strip("[]") or "0.0.0.0"), int(port)
 
 
+def _response_store(cfg: EngineConfig) -> ResponseStore:
+    return ResponseStore(cfg.responses_store_size, cfg.responses_store_ttl_s)
+
+
 def _setup_logging() -> None:
     for name in ("serve", "tl"):
         lg = logging.getLogger(name)
@@ -88,7 +92,7 @@ class App:
         self.draining = False
         self.inflight = 0
         self.jobs: set[Job | EmbedHandle] = set()
-        self.responses = ResponseStore(1000, 3600.0)  # sized from the config at start-up
+        self.responses = _response_store(config or EngineConfig())  # again at start-up, from the loaded config
         self.ping_interval_s = PING_INTERVAL_S
         self._drain_task: asyncio.Task[None] | None = None
 
@@ -130,7 +134,7 @@ class App:
         if self.config is None:
             self.config = load_config()
         cfg = self.config
-        self.responses = ResponseStore(cfg.responses_store_size, cfg.responses_store_ttl_s)
+        self.responses = _response_store(cfg)
         if self.start_health:
             host, port = parse_listen(cfg.health_listen)
             await self.health.start(host, port)

@@ -274,6 +274,8 @@ class AsyncEngine:
         grammars = self.grammars
         if grammars is None:
             raise RequestError("structured output is not available for this model", param=spec.param)
+        from tl.grammar import too_slow
+
         key = (spec.kind, spec.text, spec.param)
         job = self._compiling.get(key)
         shared = job is not None
@@ -282,15 +284,17 @@ class AsyncEngine:
                 asyncio.get_running_loop().run_in_executor(self._grammar_pool, grammars.compile, spec)
             )
             self._compiling[key] = job
-            job.add_done_callback(lambda f: self._compiling.pop(key, None) and not f.cancelled() and f.exception())
+
+            def done(f: asyncio.Future[Compiled]) -> None:
+                self._compiling.pop(key, None)
+                if not f.cancelled():
+                    f.exception()  # retrieved: a refusal nobody awaits any more (timed out) is not logged
+
+            job.add_done_callback(done)
         try:
             compiled = await asyncio.wait_for(asyncio.shield(job), grammars.timeout_s)
         except TimeoutError:
-            raise RequestError(
-                f"{spec.param}: compiling this constraint took longer than {grammars.timeout_s:g} s "
-                "(grammar_timeout_s); simplify it",
-                param=spec.param,
-            ) from None
+            raise too_slow(spec, grammars.timeout_s) from None
         return dataclasses.replace(compiled, cached=True, seconds=0.0) if shared else compiled
 
     def start(self) -> None:

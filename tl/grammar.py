@@ -44,6 +44,14 @@ class GrammarError(RequestError):
     """A constraint that does not compile (or not in time): a 400 naming its wire field."""
 
 
+def too_slow(spec: ConstraintSpec, timeout_s: float) -> GrammarError:
+    """The refusal of a constraint whose compile took longer than grammar_timeout_s."""
+    return GrammarError(
+        f"{spec.param}: compiling this constraint took longer than {timeout_s:g} s (grammar_timeout_s); simplify it",
+        param=spec.param,
+    )
+
+
 def grammar_text(spec: ConstraintSpec) -> str:
     """The llguidance grammar of a spec (not yet checked: `GrammarCompiler.compile` checks)."""
     try:
@@ -203,11 +211,7 @@ class GrammarCompiler:
             outcome = e
         seconds = time.perf_counter() - t0
         if seconds > self.timeout_s:
-            outcome = GrammarError(
-                f"{spec.param}: compiling this constraint took longer than {self.timeout_s:g} s "
-                "(grammar_timeout_s); simplify it",
-                param=spec.param,
-            )
+            outcome = too_slow(spec, self.timeout_s)
         with self._lock:
             self._cache[key] = outcome
             while len(self._cache) > self.cache_size:
