@@ -148,11 +148,16 @@ def document(job: Job) -> bytes:
     if text:
         content.append(AnthropicTextOut(text))
     for call_id, call in zip(c.call_ids, c.parser.calls if c.parser else [], strict=True):
-        content.append(AnthropicToolUseOut(call_id.replace("call_", "toolu_"), call.name, _input(call.arguments_text)))
+        content.append(AnthropicToolUseOut(_tool_use_id(call_id), call.name, _input(call.arguments_text)))
     reason, sequence = _stop(c)
     usage = AnthropicUsage(c.prompt_len, c.num_tokens)
     doc = AnthropicMessageDoc(job.id, "message", "assistant", job.model_id, content, reason, sequence, usage)  # type: ignore[arg-type]
     return encoder.encode(doc)
+
+
+def _tool_use_id(call_id: str) -> str:
+    """Anthropic's id of a call (toolu_...) from the one the chat path gave it (call_...)."""
+    return call_id.replace("call_", "toolu_", 1)
 
 
 def _input(arguments: str) -> dict[str, Any]:
@@ -198,7 +203,7 @@ class Stream:
             elif isinstance(e, CallStart):
                 block = {
                     "type": "tool_use",
-                    "id": c.call_ids[e.index].replace("call_", "toolu_"),
+                    "id": _tool_use_id(c.call_ids[e.index]),
                     "name": e.name,
                     "input": {},
                 }

@@ -184,6 +184,14 @@ def responses_spec(req: ResponsesRequest, info: ModelInfo, turns: list[ChatMessa
 # ---- the answer -----------------------------------------------------------------------------
 
 
+def _message_id(job: Job) -> str:
+    return job.id.replace("resp_", "msg_")
+
+
+def _call_item_id(job: Job, index: int) -> str:
+    return f"fc_{job.id[5:]}_{index}"
+
+
 def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
     part = {"type": "output_text", "text": text, "annotations": []}
     return {
@@ -208,9 +216,9 @@ def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: st
 
 def output_items(job: Job, c: Choice) -> list[dict[str, Any]]:
     text = "".join(c.text)
-    items = [_message_item(job.id.replace("resp_", "msg_"), text, "completed")] if text else []
+    items = [_message_item(_message_id(job), text, "completed")] if text else []
     for i, (call_id, call) in enumerate(zip(c.call_ids, c.parser.calls if c.parser else [], strict=True)):
-        items.append(_call_item(f"fc_{job.id[5:]}_{i}", call_id, call.name, call.arguments_text, "completed"))
+        items.append(_call_item(_call_item_id(job, i), call_id, call.name, call.arguments_text, "completed"))
     return items
 
 
@@ -309,7 +317,7 @@ class Stream:
                     continue
                 if self.open is None or self.open["type"] != "message":
                     out += self._close()
-                    out += self._add(_message_item(self.job.id.replace("resp_", "msg_"), "", "in_progress"))
+                    out += self._add(_message_item(_message_id(self.job), "", "in_progress"))
                     part = {"type": "output_text", "text": "", "annotations": []}
                     out.append(
                         self.event(
@@ -332,7 +340,7 @@ class Stream:
                 )
             elif isinstance(e, CallStart):
                 out += self._close()
-                item = _call_item(f"fc_{self.job.id[5:]}_{e.index}", c.call_ids[e.index], e.name, "", "in_progress")
+                item = _call_item(_call_item_id(self.job, e.index), c.call_ids[e.index], e.name, "", "in_progress")
                 out += self._add(item)
             elif isinstance(e, CallArgs):
                 assert self.open is not None
