@@ -63,7 +63,7 @@ def _response_store(cfg: EngineConfig) -> ResponseStore:
     return ResponseStore(cfg.responses_store_size, cfg.responses_store_ttl_s)
 
 
-def _setup_logging() -> None:
+def setup_logging() -> None:
     for name in ("serve", "tl"):
         lg = logging.getLogger(name)
         if not lg.handlers:
@@ -130,7 +130,7 @@ class App:
                 return
 
     async def startup(self) -> None:
-        _setup_logging()
+        setup_logging()
         if self.config is None:
             self.config = load_config()
         cfg = self.config
@@ -215,6 +215,8 @@ class App:
                 raise _method_not_allowed(", ".join(op.method for op in ops))
             if self.draining or self.engine is None or self.info is None or self.config is None:
                 raise errors.draining()
+            if self.engine.failure is not None:
+                raise errors.unavailable(str(self.engine.failure))
             self._authorize(req)
             self.inflight += 1
             counted = True

@@ -13,6 +13,7 @@ import re
 
 import msgspec
 
+from tl.async_engine import EngineError, EngineUnavailable
 from tl.request import ContextLengthError, QueueFullError, RequestError
 
 
@@ -151,6 +152,25 @@ def constraint_failed(message: str) -> ApiError:
 
 def internal(message: str = "Internal server error") -> ApiError:
     return ApiError(500, message, "server_error", None, "internal_error")
+
+
+def unavailable(message: str) -> ApiError:
+    """The engine can run no more steps (a multi-host group lost a process); the server exits."""
+    return ApiError(
+        503,
+        f"The engine is unavailable: {message}",
+        "server_error",
+        None,
+        "engine_unavailable",
+        ((b"retry-after", b"1"), (b"connection", b"close")),
+    )
+
+
+def from_engine_error(err: EngineError) -> ApiError:
+    """A failure while the request was live: 503 when the engine is gone for good, else 500."""
+    if isinstance(err, EngineUnavailable):
+        return unavailable(str(err))
+    return internal(str(err))
 
 
 _AT_PATH = re.compile(r" - at `\$((?:\.[A-Za-z_0-9]+|\[\d+\])*)`$")

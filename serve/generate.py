@@ -178,6 +178,10 @@ class Job:
             for c in choices:
                 c.handle.abort()
             raise errors.from_request_error(e, self.spec.context_param) from None
+        except EngineError as e:  # the engine is gone (a multi-host group lost a process)
+            for c in choices:
+                c.handle.abort()
+            raise errors.from_engine_error(e) from None
         return choices
 
     async def _pump(self, choice: Choice) -> None:
@@ -195,7 +199,7 @@ class Job:
             except RequestError as e:
                 raise errors.from_request_error(e, self.spec.context_param) from None
             except EngineError as e:
-                raise errors.internal(str(e)) from None
+                raise errors.from_engine_error(e) from None
 
     def abort(self) -> None:
         for c in self.choices:
@@ -219,6 +223,8 @@ class Job:
     def feed(self, choice: Choice, item: object) -> list[Event]:
         if isinstance(item, RequestError):
             raise errors.from_request_error(item, self.spec.context_param)
+        if isinstance(item, EngineError):
+            raise errors.from_engine_error(item)
         if isinstance(item, BaseException):
             raise errors.internal(f"engine failure: {item}")
         events = choice.feed(cast(list[TokenOut], item), self.engine.tokenizer)  # the engine's batch of outputs

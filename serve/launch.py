@@ -17,6 +17,7 @@ from typing import NoReturn
 
 from serve.app import parse_listen
 from serve.config_load import load_config
+from tl.build import is_follower
 
 APP = "serve.app:app"
 
@@ -45,7 +46,14 @@ def granian_argv(config_path: str, app: str = APP) -> list[str]:
 
 
 def serve_main(config_path: str, app: str = APP) -> NoReturn:
-    """Never returns: the process becomes granian serving `app` (default serve.app:app)."""
+    """Never returns: the process becomes granian serving `app` (default serve.app:app), or, as a
+    follower of a multi-host job (a known process_id other than 0), follows its leader
+    (serve/follower.py) and exits with its status."""
+    cfg = load_config(config_path)
+    if is_follower(cfg):
+        from serve.follower import follower_main
+
+        sys.exit(follower_main(cfg))
     argv = granian_argv(config_path, app)
     os.environ["TL_CONFIG"] = os.path.abspath(config_path)
     os.execv(argv[0], argv)

@@ -206,6 +206,8 @@ async def embeddings(ctx: Ctx) -> None:
         handle = ctx.engine.submit_embedding(request)
     except RequestError as e:
         raise errors.from_request_error(e) from None
+    except EngineError as e:
+        raise errors.from_engine_error(e) from None
     assert ctx.watcher is not None
     ctx.watcher.on_gone(handle.abort)
     ctx.jobs.add(handle)
@@ -216,7 +218,7 @@ async def embeddings(ctx: Ctx) -> None:
     except EngineError as e:
         if ctx.watcher.gone.is_set():
             return  # the client left: nobody to answer
-        raise (errors.aborted() if handle.aborted else errors.internal(str(e))) from None
+        raise (errors.aborted() if handle.aborted else errors.from_engine_error(e)) from None
     finally:
         handle.abort()
         ctx.jobs.discard(handle)

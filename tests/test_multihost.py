@@ -1,18 +1,39 @@
-"""Multi-host start as far as one machine allows: two processes join one jax.distributed job
-through tl.backend.init_distributed (coordinator on localhost, 2 CPU devices each) and see one
-4-device job from which make_mesh builds the tensor-parallel mesh; plus how the keywords are
-read from config and the standard JAX_* variables.
+"""Multi-host as far as one machine allows. Two processes join one jax.distributed job through
+tl.backend.init_distributed (coordinator on localhost, 2 CPU devices each) and see one 4-device
+job from which make_mesh builds the tensor-parallel mesh; the keywords come from config, then
+the standard JAX_* variables. The step channel (tl/multihost.py): frames round-trip, a silent
+peer fails within peer_timeout_s. Groups of 2 and 4 processes (one CPU device each, JAX's CPU
+collectives) serve the tiny model over HTTP as one job: greedy answers equal one process's,
+concurrent streams equal serial ones, a follower killed mid-stream fails the group (503s, exit
+status 3 everywhere), a killed leader takes its followers down, SIGTERM drains then stops them.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
+import shutil
+import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+from granian_server import free_port
 
 from tl.config import EngineConfig
+from tl.multihost import GroupFailed
 
 ROOT = Path(__file__).resolve().parent.parent
 CHILD = """
@@ -54,7 +75,7 @@ def test_two_processes_form_one_job() -> None:
 
 
 def test_distributed_args_from_config_then_environment() -> None:
-    from tl.backend import distributed_args
+    from tl.multihost import distributed_args
 
     assert distributed_args(EngineConfig(), {}) is None
     env = {"JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234", "JAX_NUM_PROCESSES": "4", "JAX_PROCESS_ID": "2"}
@@ -66,3 +87,266 @@ def test_distributed_args_from_config_then_environment() -> None:
     cfg = EngineConfig(coordinator_address="h:1", num_processes=2, process_id=0)
     assert distributed_args(cfg, env) == {"coordinator_address": "h:1", "num_processes": 2, "process_id": 0}
     assert distributed_args(EngineConfig(num_processes=8), {}) == {"num_processes": 8}  # the rest auto-detected
+
+
+# ---- serving one model from a group of processes (tl/multihost.py, serve/follower.py) ----------
+
+
+def test_step_frames_round_trip() -> None:
+    from tl.multihost import StepFrame
+
+    bufs = (np.arange(7, dtype=np.int32), np.linspace(0, 1, 5, dtype=np.float32))
+    pen = (np.array(True), np.ones((2, 3), np.float32), np.zeros((4, 2), np.int32))
+    mask = np.full((3, 9), -1, np.int32)
+    for frame in (
+        StepFrame((8, 1), bufs, None, None, False),
+        StepFrame((32, 4), bufs, pen, mask, True),
+        StepFrame((16, 4), bufs, (), mask, False),
+    ):
+        back = StepFrame.decode(frame.encode())
+        assert back.variant == frame.variant and back.top == frame.top
+        assert len(back.bufs) == len(frame.bufs) and all(
+            a.dtype == b.dtype and np.array_equal(a, b) for a, b in zip(back.bufs, frame.bufs, strict=True)
+        )
+        assert (back.penalties is None) == (frame.penalties is None)
+        for a, b in zip(back.penalties or (), frame.penalties or (), strict=True):
+            assert a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b)
+        assert (back.mask is None) == (frame.mask is None)
+        if frame.mask is not None:
+            assert back.mask is not None and np.array_equal(back.mask, frame.mask)
+
+
+def test_step_address_and_roles() -> None:
+    from tl.multihost import is_follower, step_address
+
+    assert step_address("10.0.0.1:8476", 0) == ("10.0.0.1", 8477)
+    assert step_address("leader.tl:8476", 9000) == ("leader.tl", 9000)
+    assert step_address("[::1]:5000", 0) == ("::1", 5001)
+    assert not is_follower(EngineConfig(), {})
+    assert not is_follower(EngineConfig(coordinator_address="h:1", num_processes=2, process_id=0), {})
+    assert is_follower(EngineConfig(coordinator_address="h:1", num_processes=2), {"JAX_PROCESS_ID": "1"})
+    assert not is_follower(EngineConfig(num_processes=2), {})  # unknown id: serve refuses it later, named
+
+
+def test_a_silent_follower_and_a_lost_leader_fail_within_the_bound() -> None:
+    """The channel alone (no jax): a follower that stops beating is lost after peer_timeout_s,
+    on_failure runs once with the reason, and the follower then sees its leader gone."""
+    from tl.multihost import Follower, Leader
+
+    reasons: list[str] = []
+    leader = Leader(1, 0.5, reasons.append, exit_on_failure=False)
+    port = leader.listen("127.0.0.1", 0)
+    follower = Follower(1, 0.5, exit_on_failure=False)
+    t = threading.Thread(target=leader.accept, args=(10,))
+    t.start()
+    follower.connect("127.0.0.1", port, timeout_s=10)
+    t.join()
+    follower.announce_ready()
+    leader.wait_ready()
+    assert leader.all_ready and follower.reachable
+    time.sleep(1.0)  # heartbeats both ways keep both alive
+    assert leader.failure is None and follower.failure is None
+    follower._closed.set()  # the follower's heartbeat stops (as a stalled process's does)
+    t0 = time.monotonic()
+    while leader.failure is None and time.monotonic() - t0 < 5:
+        time.sleep(0.02)
+    assert leader.failure is not None and "process 1 has been silent" in leader.failure
+    # silence counts from the last beat heard (up to beat_s = 0.1 s before the stop), checked every beat_s
+    assert 0.5 - 0.1 - 0.05 <= time.monotonic() - t0 < 0.5 + 0.1 + 0.5 and reasons == [leader.failure]
+    with pytest.raises(GroupFailed, match="leader"):
+        list(follower.frames())  # the leader closed every connection when it failed
+
+
+@dataclass
+class Group:
+    procs: list[subprocess.Popen[bytes]]
+    http: str
+    health: list[str]
+    logs: list[Path]
+
+    def log(self, i: int) -> str:
+        return self.logs[i].read_text(errors="replace")[-4000:]
+
+
+def _group_config(path: Path, model_dir: Path, n: int, coordinator: str, step_port: int) -> Path:
+    path.write_text(
+        "[engine]\n"
+        f'model_dir = "{model_dir}"\n'
+        f"tensor_parallel = {n}\nnum_processes = {n}\n"
+        f'coordinator_address = "{coordinator}"\nstep_port = {step_port}\n'
+        "peer_timeout_s = 3.0\ndrain_timeout_s = 20.0\n" + GROUP_ENGINE
+    )
+    return path
+
+
+GROUP_ENGINE = """block_size = 4
+num_kv_blocks = 96
+max_num_seqs = 4
+max_num_batched_tokens = 32
+token_buckets = [8, 32]
+seq_buckets = [1, 4]
+prefill_chunk = 0
+max_logprobs = 2
+compile_cache_dir = ""
+matmul_precision = "highest"
+attention_kernel = "reference"
+matmul_kernel = "xla"
+"""
+
+
+@contextmanager
+def group(model_dir: Path, tmp: Path, n: int) -> Iterator[Group]:
+    """n processes on localhost (one CPU device each) serving model_dir as one job: process 0
+    through `tl serve`'s granian, the others as followers; all killed at the end."""
+    http, coordinator, steps = free_port(), free_port(), free_port()
+    health = [free_port() for _ in range(n)]
+    config = _group_config(tmp / "group.toml", model_dir, n, f"127.0.0.1:{coordinator}", steps)
+    procs, logs = [], []
+    for i in range(n):
+        env = {
+            **os.environ,
+            "XLA_FLAGS": "--xla_force_host_platform_device_count=1",
+            "JAX_PLATFORMS": "cpu",
+            "TL_ENGINE__PROCESS_ID": str(i),
+            "TL_ENGINE__HTTP_LISTEN": f"127.0.0.1:{http}",
+            "TL_ENGINE__HEALTH_LISTEN": f"127.0.0.1:{health[i]}",
+        }
+        logs.append(tmp / f"process-{i}.log")
+        with logs[-1].open("wb") as out:
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "serve", "--config", str(config)],
+                    cwd=ROOT,
+                    env=env,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
+    g = Group(procs, f"http://127.0.0.1:{http}", [f"http://127.0.0.1:{p}" for p in health], logs)
+    try:
+        deadline = time.monotonic() + 240
+        for i, url in enumerate(g.health):
+            while not _ready(url):
+                assert procs[i].poll() is None, g.log(i)
+                assert time.monotonic() < deadline, f"process {i} not ready:\n{g.log(i)}"
+                time.sleep(0.1)
+        yield g
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait(10)
+
+
+def _ready(url: str) -> bool:
+    try:
+        return httpx.get(url + "/readyz", timeout=1).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+PROMPTS = ["The tiny model", "abc", "Once upon a time, in a land far", "0123456789"]
+
+
+def _body(prompt: str, stream: bool = False, max_tokens: int = 12) -> dict[str, Any]:
+    return {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": stream}
+
+
+def _reference(model_dir: Path) -> list[str]:
+    """The same requests through one process's server (in memory, one device, no group)."""
+    from asgi_client import call, served
+
+    from serve.app import App
+    from serve.config_load import load_config
+
+    cfg_path = model_dir.parent / "single.toml"
+    cfg_path.write_text(f'[engine]\nmodel_dir = "{model_dir}"\nmodel_id = "tiny"\n' + GROUP_ENGINE)
+    cfg = load_config(str(cfg_path))
+
+    async def go() -> list[str]:
+        async with served(App(config=cfg, handle_signals=False, start_health=False)) as app:
+            replies = [await call(app, "POST", "/v1/completions", json=_body(p)) for p in PROMPTS]
+            return [r.json()["choices"][0]["text"] for r in replies]
+
+    return asyncio.run(go())
+
+
+def _complete(client: httpx.Client, url: str, prompt: str) -> str:
+    r = client.post(url + "/v1/completions", json=_body(prompt), timeout=60)
+    assert r.status_code == 200, r.text
+    return str(r.json()["choices"][0]["text"])
+
+
+def _stream_text(client: httpx.Client, url: str, body: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
+    text, events = "", []
+    with client.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                ev = json.loads(line[6:])
+                events.append(ev)
+                if "choices" in ev and ev["choices"]:
+                    text += ev["choices"][0].get("text", "")
+    return text, events
+
+
+def test_two_processes_serve_one_model_and_drain_on_sigterm(tiny_dir: Path, tmp_path: Path) -> None:
+    """Tensor parallelism across two processes: greedy answers over HTTP equal one process's,
+    concurrent streams equal serial answers; SIGTERM to the leader finishes the stream in
+    flight, then stops the follower; both exit 0."""
+    model = tmp_path / "tiny"
+    shutil.copytree(tiny_dir, model)
+    expected = _reference(model)
+    with group(model, tmp_path, 2) as g, httpx.Client() as client:
+        assert [_complete(client, g.http, p) for p in PROMPTS] == expected
+        with ThreadPoolExecutor(4) as pool:
+            streamed = list(pool.map(lambda p: _stream_text(client, g.http, _body(p, True))[0], PROMPTS))
+        assert streamed == expected
+        models = client.get(g.http + "/v1/models").json()
+        assert models["data"][0]["id"] == "tiny"
+        # SIGTERM mid-stream: the stream finishes (its finish reason is length), new requests 503
+        long = _body(PROMPTS[2], True, max_tokens=60)
+        with client.stream("POST", g.http + "/v1/completions", json=long, timeout=60) as r:
+            lines = r.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            g.procs[0].send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line.startswith("data: ")]
+        finishes = [json.loads(x[6:])["choices"][0]["finish_reason"] for x in [first, *rest[:-1]]]
+        assert finishes[-1] == "length" and rest[-1] == "data: [DONE]", rest[-3:]
+        assert g.procs[0].wait(60) == 0, g.log(0)
+        assert g.procs[1].wait(30) == 0, g.log(1)
+        assert "stopped by the leader" in g.log(1)
+
+
+def test_four_processes_then_a_killed_follower_fails_the_group(tiny_dir: Path, tmp_path: Path) -> None:
+    """Four processes: greedy answers equal one process's. Then a follower killed mid-stream:
+    the stream ends in a 503 engine_unavailable error event, new requests are refused with
+    503, and every other process exits with status 3 within the bound (peer_timeout_s 3 s)."""
+    model = tmp_path / "tiny"
+    shutil.copytree(tiny_dir, model)
+    expected = _reference(model)
+    with group(model, tmp_path, 4) as g, httpx.Client() as client:
+        assert [_complete(client, g.http, p) for p in PROMPTS] == expected
+        events: list[dict[str, Any]] = []
+        with client.stream("POST", g.http + "/v1/completions", json=_body(PROMPTS[2], True, 400), timeout=60) as r:
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                events.append(json.loads(line[6:]))
+                if len(events) == 3:
+                    t0 = time.monotonic()
+                    os.killpg(g.procs[2].pid, signal.SIGKILL)
+        assert "choices" in events[0] and "error" in events[-1], events[-2:]
+        assert events[-1]["error"]["code"] == "engine_unavailable" and "process 2" in events[-1]["error"]["message"]
+        refused = None
+        try:
+            refused = client.post(g.http + "/v1/completions", json=_body("x"), timeout=10)
+        except httpx.TransportError:
+            pass  # already gone: the exit follows the failure within FAILURE_GRACE_S
+        if refused is not None:
+            assert refused.status_code == 503 and refused.json()["error"]["code"] == "engine_unavailable"
+        for i in (0, 1, 3):
+            assert g.procs[i].wait(30) == 3, (i, g.log(i))
+        assert time.monotonic() - t0 < 3.0 + 10, "the group outlived its bound"
+        assert "multi-host group failed" in g.log(0) and "multi-host group failed" in g.log(1)

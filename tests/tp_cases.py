@@ -148,13 +148,13 @@ def test_tiny_int8_identical_for_tp_1_2_4() -> None:
     assert all(len(t) > 0 for t in results[1])
 
 
-SMOL = EngineConfig(
+SMOL = EngineConfig(  # one step variant (64 tokens x 4 sequences): one compile per degree
     block_size=16,
     num_kv_blocks=48,
     max_num_seqs=4,
     max_num_batched_tokens=64,
-    token_buckets=(8, 64),
-    seq_buckets=(1, 4),
+    token_buckets=(64,),
+    seq_buckets=(4,),
     prefill_chunk=32,
     prefix_cache="radix",
     speculative="none",
@@ -193,8 +193,10 @@ def test_smol_identical_for_tp_1_3_and_2_refused(smol_dir: Path) -> None:
     assert results[1] == results[3]
 
 
-def _serve_and_complete(model_dir: Path, tmp: Path, n: int) -> tuple[str, dict[str, Any], str]:
-    port, hport = free_port(), free_port()
+BODY = {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 12, "temperature": 0}
+
+
+def _config(model_dir: Path, tmp: Path, n: int, port: int = 0, hport: int = 0) -> Path:
     cfg = tmp / f"runtime-{n}.toml"
     cfg.write_text(
         f'[engine]\nmodel_dir = "{model_dir}"\nblock_size = 4\nnum_kv_blocks = 64\nmax_num_seqs = 4\n'
@@ -203,11 +205,35 @@ def _serve_and_complete(model_dir: Path, tmp: Path, n: int) -> tuple[str, dict[s
         f'http_listen = "127.0.0.1:{port}"\n'
         f'health_listen = "127.0.0.1:{hport}"\n'
     )
+    return cfg
+
+
+def _in_memory_complete(model_dir: Path, tmp: Path, n: int) -> tuple[str, dict[str, Any]]:
+    """The completion and /v1/models card of the same server run in this process (no HTTP)."""
+    import asyncio
+
+    from asgi_client import call, served
+
+    from serve.app import App
+    from serve.config_load import load_config
+
+    cfg = load_config(str(_config(model_dir, tmp, n)))
+
+    async def go() -> tuple[str, dict[str, Any]]:
+        async with served(App(config=cfg, handle_signals=False, start_health=False)) as app:
+            r = (await call(app, "POST", "/v1/completions", json=BODY)).json()
+            return r["choices"][0]["text"], (await call(app, "GET", "/v1/models")).json()["data"][0]
+
+    return asyncio.run(go())
+
+
+def _serve_and_complete(model_dir: Path, tmp: Path, n: int) -> tuple[str, dict[str, Any], str]:
+    port, hport = free_port(), free_port()
+    cfg = _config(model_dir, tmp, n, port, hport)
     env = {**os.environ, "TL_CONFIG": str(cfg), "PYTHONPATH": f"{ROOT}"}
     with running(granian_argv(port), env, f"http://127.0.0.1:{hport}/readyz", timeout_s=120):
-        body = {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 12, "temperature": 0}
         model = httpx.get(f"http://127.0.0.1:{port}/v1/models").json()["data"][0]
-        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60).json()
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=BODY, timeout=60).json()
         metrics = httpx.get(f"http://127.0.0.1:{hport}/metrics").text
         return r["choices"][0]["text"], model, metrics
 
@@ -216,7 +242,7 @@ def test_http_identical_for_tp_1_2(tmp_path: Path) -> None:
     from tests.models import make_tiny_llama
 
     model_dir = make_tiny_llama(tmp_path / "tiny")
-    text1, model1, _ = _serve_and_complete(model_dir, tmp_path, 1)
+    text1, model1 = _in_memory_complete(model_dir, tmp_path, 1)  # one device, in this process
     text2, model2, metrics2 = _serve_and_complete(model_dir, tmp_path, 2)
     assert text1 == text2 and text1
     assert model1["backend"]["tensor_parallel"] == 1 and model2["backend"]["tensor_parallel"] == 2

@@ -24,6 +24,7 @@ import logging
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -44,6 +45,10 @@ T = TypeVar("T")
 
 class EngineError(RuntimeError):
     """The engine failed (or stopped) while this request was live."""
+
+
+class EngineUnavailable(EngineError):
+    """The engine can run no more steps (a multi-host group lost a process): served as 503."""
 
 
 class SyncEngine(Protocol):
@@ -243,6 +248,8 @@ class AsyncEngine:
         self._live: dict[int, Handle] = {}  # engine id -> handle; engine thread only
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._open: weakref.WeakSet[Handle] = weakref.WeakSet()  # submitted handles (the loop's only)
+        self.failure: EngineUnavailable | None = None
 
     # ---- event-loop side -------------------------------------------------------------
 
@@ -320,6 +327,7 @@ class AsyncEngine:
         assert self._loop is not None, "start() first"
         self._reserve(req)
         handle = RequestHandle(self, req, self._loop)
+        self._open.add(handle)
         self._command(Add(handle))
         return handle
 
@@ -330,11 +338,14 @@ class AsyncEngine:
         assert self._loop is not None, "start() first"
         self._reserve(req)
         handle = EmbedHandle(self, req, self._loop)
+        self._open.add(handle)
         self._command(AddEmbedding(handle))
         return handle
 
     def _reserve(self, req: GenRequest | EmbedRequest) -> None:
         """Apply the engine's admission rules to `req` and count it in the inbox if they pass."""
+        if self.failure is not None:
+            raise self.failure
         self.engine.check_context(req)
         with self._lock:
             self.engine.check_capacity(self._inbox + self._waiting)
@@ -378,6 +389,24 @@ class AsyncEngine:
             self._thread.join(timeout)
         self._grammar_pool.shutdown(wait=False, cancel_futures=True)
         self.engine.close()  # the runner's background compilation
+
+    def fail(self, reason: str) -> None:
+        """From any thread: the engine can run no more steps (tl/multihost.py's on_failure, while
+        the engine thread may be stuck in a step). Not ready from now on; every open request
+        fails with EngineUnavailable(reason) on the loop, and submit refuses new ones with it."""
+        self.failure = EngineUnavailable(reason)
+        self.ready = False
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(self._fail_open)
+            except RuntimeError:  # the loop closed meanwhile
+                pass
+
+    def _fail_open(self) -> None:
+        err = self.failure
+        assert err is not None
+        _dispatch([(h, err) for h in list(self._open) if not h.done])
 
     def _command(self, cmd: Command) -> None:
         self._cmds.put(cmd)
@@ -484,7 +513,7 @@ class AsyncEngine:
             outs = self.engine.step()
         except Exception as e:
             log.exception("engine step failed; failing %d live requests", len(self._live))
-            self._fail_all(EngineError(f"engine step failed: {e}"), events)
+            self._fail_all(self.failure or EngineError(f"engine step failed: {e}"), events)
             return
         by_id: dict[int, list[TokenOut]] = {}
         for o in outs:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import jax
 import numpy as np
@@ -31,6 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 from tl.config import ConfigError, EngineConfig
 from tl.model.config import ModelConfig
+from tl.multihost import distributed_args
 
 log = logging.getLogger("tl.backend")
 PLATFORMS = ("tpu", "gpu", "cpu")  # "auto" takes the first present
@@ -92,33 +92,17 @@ def tp_layout(cfg: ModelConfig, n: int) -> TPLayout:
 
 
 def make_mesh(platform: str, n: int) -> Mesh:
-    """The first N devices of the platform (over all hosts) as a (1, N) ("data", "model") mesh."""
+    """The first N devices of the platform (over all hosts) as a (1, N) ("data", "model") mesh; a
+    multi-host job's mesh is all of them (every process runs every step)."""
     devices = jax.devices(platform)
     if len(devices) < n:
         raise ConfigError(f"tensor_parallel={n} needs {n} {platform} devices; {len(devices)} present")
+    if jax.process_count() > 1 and n != len(devices):
+        raise ConfigError(
+            f"a multi-host job serves one model over all its devices: tensor_parallel must be "
+            f"{len(devices)} ({jax.process_count()} processes), got {n}"
+        )
     return Mesh(np.array(devices[:n]).reshape(1, n), ("data", "model"))
-
-
-def distributed_args(cfg: EngineConfig, env: Mapping[str, str]) -> dict[str, Any] | None:
-    """jax.distributed.initialize keywords from config, then JAX_* variables; None for one host.
-
-    Multi-host is on when a coordinator address is known or num_processes > 1 (config or
-    JAX_NUM_PROCESSES). Unset values are left to jax's cluster auto-detection (TPU pods,
-    SLURM, Open MPI, Kubernetes), which is how TPU pods and GPU clusters usually start.
-    """
-    address = cfg.coordinator_address or env.get("JAX_COORDINATOR_ADDRESS", "")
-    num = cfg.num_processes or int(env.get("JAX_NUM_PROCESSES", "0") or 0)
-    pid = cfg.process_id if cfg.process_id >= 0 else int(env.get("JAX_PROCESS_ID", "-1") or -1)
-    if not address and num <= 1:
-        return None
-    args: dict[str, Any] = {}
-    if address:
-        args["coordinator_address"] = address
-    if num:
-        args["num_processes"] = num
-    if pid >= 0:
-        args["process_id"] = pid
-    return args
 
 
 def init_distributed(cfg: EngineConfig, env: Mapping[str, str]) -> bool:

@@ -2,8 +2,10 @@
 
 Owns: the order of start-up (jax.distributed on multi-host -> model dir -> runner -> engine ->
 warm-up -> freezing start-up's objects out of the garbage collector's passes), the start-up
-log of backend, devices, attention kernel and weight pages, and nothing else.
-Must not hold state. Tested through tests/test_cli.py and the server tests.
+log of backend, devices, attention kernel and weight pages, and the multi-host roles: process 0
+binds the step channel, waits for its followers and hands the channel to its runner; a
+follower (`run_follower`) builds the same runner and follows (tl/multihost.py).
+Must not hold state. Tested through tests/test_cli.py, the server tests and tests/test_multihost.py.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import gc
 import logging
 import os
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from tl.config import EngineConfig
@@ -19,23 +22,31 @@ from tl.config import EngineConfig
 if TYPE_CHECKING:
     from tl.async_engine import AsyncEngine
     from tl.engine import Engine
+    from tl.multihost import Leader
 
 log = logging.getLogger("tl.build")
 
 
-def build_engine(cfg: EngineConfig, warmup: bool = True, background: bool = False) -> Engine:
+def build_engine(
+    cfg: EngineConfig,
+    warmup: bool = True,
+    background: bool = False,
+    on_group_failure: Callable[[str], None] | None = None,
+) -> Engine:
     """Load the model named by cfg.model_dir and wrap it in an Engine.
 
     With warmup, the plan's start-up step variants are compiled before this returns and the
     rest then (background False: serving never compiles) or on a background thread while the
     engine serves (tl/compiler.py: a step meanwhile runs in a larger compiled variant); without
-    it (the CLI's one-shot generate) variants compile on first use.
+    it (the CLI's one-shot generate) variants compile on first use. In a multi-host job this
+    is process 0: it waits for every follower, and `on_group_failure(reason)` runs when one is
+    lost (then the process exits, status 3).
     """
     from tl.backend import init_distributed
     from tl.engine import Engine
     from tl.runner import ModelRunner
 
-    init_distributed(cfg, os.environ)
+    leader = _leader(cfg, on_group_failure) if init_distributed(cfg, os.environ) else None
     t0 = time.perf_counter()
     runner = ModelRunner.from_model_dir(cfg)
     kv_mib = sum(x.nbytes for x in runner.kv_cache) >> 20
@@ -52,7 +63,94 @@ def build_engine(cfg: EngineConfig, warmup: bool = True, background: bool = Fals
         # the collector's full passes skip them: one mid-stream took 97 ms, four decode steps.
         gc.collect()
         gc.freeze()
+    if leader is not None:
+        log.info("waiting for the %d followers' start-up", leader.num_followers)
+        leader.wait_ready()
+        leader.busy = lambda: runner.compiler.busy
+        runner.peers = leader
     return Engine(runner, cfg)
+
+
+def _leader(cfg: EngineConfig, on_failure: Callable[[str], None] | None) -> Leader | None:
+    """Process 0 of a multi-host job: the step channel bound (on the coordinator's host) and
+    every follower connected; None on one process. Another process here is a mistake: the
+    followers run `run_follower` (serve starts it for a known process_id > 0)."""
+    import jax
+
+    from tl.config import ConfigError
+    from tl.multihost import Leader, step_address
+
+    if jax.process_count() == 1:
+        return None
+    if jax.process_index() != 0:
+        raise ConfigError(
+            f"process {jax.process_index()} of a multi-host job started as the server: set process_id "
+            "(or JAX_PROCESS_ID) so that processes other than 0 start as followers"
+        )
+    host, port = step_address(jax_coordinator(cfg), cfg.step_port)
+    leader = Leader(jax.process_count() - 1, cfg.peer_timeout_s, on_failure)
+    try:
+        bound = leader.listen(host, port)
+    except OSError:  # the coordinator's name is not one of this host's addresses (a Service in front)
+        bound = leader.listen("", port)
+        host = "all interfaces"
+    log.info("step channel listening on %s:%d for %d followers", host, bound, leader.num_followers)
+    leader.accept()
+    return leader
+
+
+def jax_coordinator(cfg: EngineConfig) -> str:
+    """The coordinator address the job was started with (config, JAX_COORDINATOR_ADDRESS)."""
+    from tl.multihost import distributed_args
+
+    args = distributed_args(cfg, os.environ) or {}
+    address = args.get("coordinator_address", "")
+    if not address:
+        raise ValueError("a multi-host job needs coordinator_address (or JAX_COORDINATOR_ADDRESS) to serve")
+    return str(address)
+
+
+def is_follower(cfg: EngineConfig) -> bool:
+    """This process follows a multi-host job (a known process id other than 0): it runs
+    `run_follower`, not the server."""
+    from tl.multihost import is_follower as follower
+
+    return follower(cfg, os.environ)
+
+
+def run_follower(cfg: EngineConfig, on_ready: Callable[[Callable[[], bool]], None]) -> int:
+    """A follower's whole life: join the job, connect to the leader's step channel, build the
+    same runner and compile its start-up variants, call `on_ready(is_ready)` (is_ready: the
+    leader still reachable), then run the leader's steps until it stops the group (returns 0).
+    A lost leader or a stuck step exits the process with status 3 (tl/multihost.py)."""
+    import jax
+
+    from tl.backend import init_distributed
+    from tl.multihost import Follower, GroupFailed, follow, step_address
+    from tl.runner import ModelRunner
+
+    init_distributed(cfg, os.environ)
+    chan = Follower(jax.process_index(), cfg.peer_timeout_s)
+    host, port = step_address(jax_coordinator(cfg), cfg.step_port)
+    chan.connect(host, port)
+    log.info("process %d: connected to the leader's step channel at %s:%d", jax.process_index(), host, port)
+    runner = ModelRunner.from_model_dir(cfg)
+    chan.busy = lambda: runner.compiler.busy
+    runner.warmup(background=True)
+    gc.collect()
+    gc.freeze()
+    chan.announce_ready()
+    on_ready(lambda: chan.reachable)
+    log.info("process %d ready: following the leader's steps", jax.process_index())
+    try:
+        follow(chan, runner)
+    except GroupFailed:
+        return 3  # the exit is on its way (tl/multihost.py), status 3
+    finally:
+        runner.close()
+    chan.close()
+    log.info("process %d: stopped by the leader", jax.process_index())
+    return 0
 
 
 def build_async_engine(cfg: EngineConfig, warmup: bool = True) -> AsyncEngine:
@@ -68,7 +166,9 @@ def build_async_engine(cfg: EngineConfig, warmup: bool = True) -> AsyncEngine:
     template = ChatTemplate.from_model_dir(cfg.model_dir)
     tools = setup(cfg.tool_parser, template)
     log.info("%s", tools.reason)
-    engine = build_engine(cfg, warmup=warmup, background=True)
+    built: list[AsyncEngine] = []
+    # A multi-host group losing a process: every request fails with 503, then the exit (status 3).
+    engine = build_engine(cfg, warmup=warmup, background=True, on_group_failure=lambda why: built[0].fail(why))
     grammars = GrammarCompiler.from_model_dir(
         cfg.model_dir,
         load_model_config(cfg.model_dir).vocab_size,
@@ -76,4 +176,5 @@ def build_async_engine(cfg: EngineConfig, warmup: bool = True) -> AsyncEngine:
         cfg.grammar_cache_size,
         cfg.grammar_timeout_s,
     )
-    return AsyncEngine(engine, tokenizer, template, cfg.served_model_id(), grammars, tools)
+    built.append(AsyncEngine(engine, tokenizer, template, cfg.served_model_id(), grammars, tools))
+    return built[0]

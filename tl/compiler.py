@@ -53,10 +53,12 @@ class StepCompiler:
         self.variants = tuple(sorted(variants))
         self._done: dict[Variant, Any] = {}
         self._lock = threading.Lock()  # one compile of a variant at a time, never two of the same
+        self._count_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self.background_error: BaseException | None = None
         self.borrowing = False  # steps may run in a larger compiled variant than their own
+        self._active = 0  # compiles in progress (any thread)
 
     @property
     def num_compiled(self) -> int:
@@ -86,6 +88,24 @@ class StepCompiler:
         return own, self.ensure(own)
 
     @property
+    def busy(self) -> bool:
+        """A variant is being compiled now (start-up, background or on demand)."""
+        return self._active > 0
+
+    def _compiled(self, v: Variant) -> Any:
+        with self._count_lock:
+            self._active += 1
+        try:
+            return self._compile(v)
+        finally:
+            with self._count_lock:
+                self._active -= 1
+
+    def has(self, v: Variant) -> bool:
+        """Variant v is compiled."""
+        return v in self._done
+
+    @property
     def compiling(self) -> bool:
         """The background compilation is running."""
         return self._thread is not None and self._thread.is_alive()
@@ -97,7 +117,7 @@ class StepCompiler:
             return fn
         with self._lock:
             if v not in self._done:
-                self._done[v] = self._compile(v)
+                self._done[v] = self._compiled(v)
             return self._done[v]
 
     def compile_startup(self, startup: Sequence[Variant], threads: int = 2) -> float:
@@ -106,7 +126,7 @@ class StepCompiler:
         todo = [v for v in startup if v not in self._done]
 
         def one(v: Variant) -> None:
-            fn = self._compile(v)
+            fn = self._compiled(v)
             with self._lock:
                 self._done.setdefault(v, fn)
 

@@ -88,7 +88,15 @@ class EngineConfig:
     num_processes: int = 0
     """Multi-host: processes in the job; 0 means JAX_NUM_PROCESSES or auto-detection."""
     process_id: int = -1
-    """Multi-host: this process's index; -1 means JAX_PROCESS_ID or auto-detection."""
+    """Multi-host: this process's index; -1 means JAX_PROCESS_ID or auto-detection. Serving needs it
+    known before start-up (config or JAX_PROCESS_ID): process 0 serves the API, the others follow."""
+    step_port: int = 0
+    """Multi-host: the TCP port process 0 sends each step's inputs on (followers connect to the
+    coordinator's host); 0 means the coordinator's port + 1."""
+    peer_timeout_s: float = 10.0
+    """Multi-host: a process of the group silent this long (no step, no heartbeat), or a step whose
+    collectives have not returned this long, fails the group: process 0 stops admitting (readyz 503),
+    fails in-flight requests with 503 and every process exits non-zero (status 3)."""
     block_size: int = 16
     """Tokens per KV-cache block."""
     num_kv_blocks: int = 2048
@@ -190,6 +198,8 @@ class EngineConfig:
         )
         _check(self.num_processes >= 0, f"num_processes must be >= 0, got {self.num_processes}")
         _check(self.process_id >= -1, f"process_id must be >= -1, got {self.process_id}")
+        _check(0 <= self.step_port < 65536, f"step_port must be in 0..65535, got {self.step_port}")
+        _check(self.peer_timeout_s > 0, f"peer_timeout_s must be > 0, got {self.peer_timeout_s}")
         _check(
             self.block_size in (1, 2, 4, 8, 16, 32, 64, 128),
             f"block_size must be a power of two <= 128, got {self.block_size}",

@@ -273,6 +273,14 @@ def plan_execution(
     kv_dtype = jnp.uint16 if bf16_kv else jnp.dtype(dtype)
     probe = _attention_probe(cfg, ec, jnp.dtype(dtype), kv_dtype, chunk_blocks, max_blocks)
     attention = kernel_select.select(ec.attention_kernel, platform, mesh, layout.kv_sharded, probe, native, why_native)
+    if attention.measured and jax.process_count() > 1:
+        # Each process would time (or find cached) its own verdicts, and its timing runs would
+        # have to meet the others' collectives: every process of a group must run one program.
+        attention = kernel_select.Choice(
+            paged_attention.paged_attention,
+            "reference",
+            "auto in a multi-host job is not measured (each process would time its own); cpu_native forces it",
+        )
     matmul = kernel_select.select_matmul(ec.matmul_kernel, native, why_native, mesh)
     tp = mesh.shape["model"]
     kv_heads = (

@@ -26,7 +26,7 @@ import functools
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -46,6 +46,7 @@ from tl.grammar import fill_masks
 from tl.model import llama
 from tl.model.config import ModelConfig, load_model_config
 from tl.model.files import eos_token_ids, read_tensors
+from tl.multihost import StepFrame
 from tl.plan import RunnerOutput, SchedulerOutput, SeqResult, SeqWork
 from tl.sampler import (
     Penalties,
@@ -180,6 +181,16 @@ class _Rows:
     pools: tuple[tuple[SeqWork, int], ...] = ()  # (pooled work, its sequence index in the step)
 
 
+class StepPeers(Protocol):
+    """The leader's end of the multi-host step channel (tl/multihost.py's Leader)."""
+
+    def send_step(self, frame: StepFrame) -> None: ...
+
+    def step_ended(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+
 class ModelRunner:
     """Runs SchedulerOutputs on one model; implements tl.plan.Runner.
 
@@ -250,6 +261,8 @@ class ModelRunner:
             functools.partial(_top_logprobs, k=max(1, engine_cfg.max_logprobs), on_trace=self._count)
         )
         self.compiler = StepCompiler(self._compile_variant, self.plan.variants)
+        self.peers: StepPeers | None = None
+        """Multi-host leader: every step's frame goes to the followers first (tl/build.py sets it)."""
 
     @classmethod
     def from_model_dir(cls, engine_cfg: EngineConfig, mesh: Mesh | None = None) -> ModelRunner:
@@ -310,8 +323,8 @@ class ModelRunner:
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
         if not plan.work:
             return RunnerOutput(())
-        rows, out, logits, pooled, variant, masked = self._forward(plan)
-        return self._results(rows, out, logits, pooled, variant, masked)
+        rows, out, logits, pooled, tops, masked = self._forward(plan)
+        return self._results(rows, out, logits, pooled, tops, masked)
 
     def logits(self, plan: SchedulerOutput) -> np.ndarray:
         """The float32 logits [sample rows, V] of a non-empty plan, run as `execute` runs it (its
@@ -319,10 +332,9 @@ class ModelRunner:
         rows, _, logits, _, _, _ = self._forward(plan)
         return np.asarray(logits)[: sum(1 + k for _, _, k in rows.spans)]
 
-    def _forward(
-        self, plan: SchedulerOutput
-    ) -> tuple[_Rows, SampleOut, jax.Array, jax.Array, _Variant, tuple[int, float]]:
-        """Runs the plan in the smallest compiled variant that holds it (tl/compiler.py)."""
+    def _forward(self, plan: SchedulerOutput) -> tuple[_Rows, SampleOut, jax.Array, jax.Array, Any, tuple[int, float]]:
+        """Runs the plan in the smallest compiled variant that holds it (tl/compiler.py); a
+        multi-host leader sends the step's frame to the followers first."""
         p = self.plan
         need_t = bucket(plan.num_tokens, p.token_buckets, "step tokens")
         need_s = bucket(len(plan.work), p.seq_buckets, "step sequences")
@@ -330,13 +342,46 @@ class ModelRunner:
         inp, rows = self._pack_tokens(plan.work, t_pad, s_pad)
         sb, pen = self._pack_sampling(rows, s_pad, self.num_rows(t_pad, s_pad))
         mask, masked = self._pack_mask(rows, self.num_rows(t_pad, s_pad))
-        # The host buffers go in as numpy arrays: the compiled call's own transfer (C++) took
-        # ~0.6 ms less a step than a jax.device_put of them first (one-row decode, alternated).
         bufs, layout = _to_host_buffers((inp, sb))
         if layout != variant.layout:
             raise RuntimeError(f"step {t_pad}x{s_pad}: packed inputs do not match the compiled layout")
-        self._kv, out, logits, pooled = variant.step(self._params, self._kv, bufs, pen, mask)
-        return rows, out, logits, pooled, variant, masked
+        top = variant.top is not None and any(w.params.top_logprobs for w, _, _ in rows.spans)
+        pen_leaves = None if pen is None else tuple(jax.tree.leaves(pen))
+        frame = StepFrame((t_pad, s_pad), bufs, pen_leaves, mask, top)
+        if self.peers is not None:
+            self.peers.send_step(frame)
+        out, logits, pooled, tops = self._run(variant, frame)
+        return rows, out, logits, pooled, tops, masked
+
+    def _run(self, variant: _Variant, frame: StepFrame) -> tuple[SampleOut, jax.Array, jax.Array, Any]:
+        """One step on the device from its frame (what every process of a multi-host job runs
+        alike): the donated KV cache replaced, the outputs and top-logprobs dispatched."""
+        t_pad, s_pad = frame.variant
+        num_rows = self.num_rows(t_pad, s_pad)
+        pen = (
+            self._no_penalties(s_pad, num_rows)
+            if frame.penalties is None
+            else jax.device_put(Penalties(*frame.penalties), self._replicated)
+        )
+        mask = self._open_mask(num_rows) if frame.mask is None else frame.mask
+        # The host buffers go in as numpy arrays: the compiled call's own transfer (C++) took
+        # ~0.6 ms less a step than a jax.device_put of them first (one-row decode, alternated).
+        self._kv, out, logits, pooled = variant.step(self._params, self._kv, frame.bufs, pen, mask)
+        tops = variant.top(logits) if frame.top else None
+        return out, logits, pooled, tops
+
+    def has_variant(self, variant: tuple[int, int]) -> bool:
+        return self.compiler.has(variant)
+
+    def ensure_variant(self, variant: tuple[int, int]) -> None:
+        self.compiler.ensure(variant)
+
+    def run_frame(self, frame: StepFrame) -> None:
+        """A multi-host follower's step: the leader's frame run in the same variant (compiled
+        now if this process has not compiled it yet), waited for; its outputs are the leader's."""
+        variant = self.compiler.ensure(frame.variant)
+        out, _, _, _ = self._run(variant, frame)
+        jax.block_until_ready(out.token)
 
     def _compile_variant(self, v: tuple[int, int]) -> _Variant:
         """Variant v of the step (and of the top-logprobs function at its row count) compiled
@@ -344,15 +389,18 @@ class ModelRunner:
         t_pad, s_pad = v
         num_rows = self.num_rows(t_pad, s_pad)
         inp, rows = self._pack_tokens([], t_pad, s_pad)
-        sb, pen = self._pack_sampling(rows, s_pad, num_rows)
+        sb, _ = self._pack_sampling(rows, s_pad, num_rows)
         bufs, layout = _to_host_buffers((inp, sb))
-        mask = self._open_mask(num_rows)
+        # Shapes only: compiles run on worker threads, and a device_put there would be one more
+        # collective in this process's order (in a multi-host job, out of step with the others).
+        pen = pack_penalties([], [], [], [], s_pad, num_rows, max(1, self._spec_tokens), self.model_config.vocab_size)
+        mask = np.zeros((num_rows, self._mask_words), np.int32)
         step = self._step.lower(
             _abstract(self._params),
             _abstract(self._kv),
             _abstract(bufs),
-            _abstract(pen),
-            _abstract(mask),
+            self._replicated_abstract(pen),
+            self._replicated_abstract(mask),
             layout=layout,
         ).compile()
         top = None
@@ -362,6 +410,10 @@ class ModelRunner:
             )
             top = self._top_lp.lower(logits).compile()
         return _Variant(layout, step, top)
+
+    def _replicated_abstract(self, tree: Any) -> Any:
+        """ShapeDtypeStructs of host arrays as the step receives them: replicated on the mesh."""
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self._replicated), tree)
 
     def _check(self, w: SeqWork) -> None:
         end = w.start_pos + len(w.token_ids)
@@ -422,7 +474,9 @@ class ModelRunner:
         )
         return inp, _Rows(tuple(spans), tuple(pools))
 
-    def _pack_sampling(self, rows: _Rows, s_pad: int, num_rows: int) -> tuple[SamplingBatch, Penalties]:
+    def _pack_sampling(self, rows: _Rows, s_pad: int, num_rows: int) -> tuple[SamplingBatch, Penalties | None]:
+        """The rows' sampling parameters, and their penalties (None: no row has any, so the
+        step takes the device-resident all-zero ones)."""
         params, seeds, steps, drafts, row_seq, prior = [], [], [], [], [], []
         for s, (w, _, k) in enumerate(rows.spans):
             for j in range(k + 1):
@@ -434,7 +488,7 @@ class ModelRunner:
                 prior.append(w.draft_ids[:j])
         sb = pack_rows(params, seeds, steps, drafts, num_rows)
         if not any(w.params.has_penalties for w, _, _ in rows.spans):
-            return sb, self._no_penalties(s_pad, num_rows)
+            return sb, None
         spans = rows.spans
         pen = pack_penalties(
             [w.params for w, _, _ in spans],
@@ -446,14 +500,15 @@ class ModelRunner:
             max(1, self._spec_tokens),
             self.model_config.vocab_size,
         )
-        return sb, jax.device_put(pen, self._replicated)
+        return sb, pen
 
-    def _pack_mask(self, rows: _Rows, num_rows: int) -> tuple[Any, tuple[int, float]]:
+    def _pack_mask(self, rows: _Rows, num_rows: int) -> tuple[np.ndarray | None, tuple[int, float]]:
         """The step's [R, W] int32 token bitmask and (constrained rows, host seconds filling them,
-        in parallel). Without a constrained row: a device-resident all-ones mask (nothing copied)."""
+        in parallel). Without a constrained row None: the step takes a device-resident all-ones
+        mask (nothing copied)."""
         guided = [(w.guide, r, w.draft_ids) for w, r, _ in rows.spans if w.guide is not None]
         if not guided:
-            return self._open_mask(num_rows), (0, 0.0)
+            return None, (0, 0.0)
         mask = np.full((num_rows, self._mask_words), -1, np.int32)
         t0 = time.perf_counter()
         fill_masks(mask, guided)
@@ -482,13 +537,15 @@ class ModelRunner:
         out: SampleOut,
         logits: jax.Array,
         pooled: jax.Array,
-        variant: _Variant,
+        tops_out: Any,
         masked: tuple[int, float],
     ) -> RunnerOutput:
         token, logprob, accepted = jax.device_get((out.token, out.logprob, out.accepted))
         top_ids = top_vals = None
-        if variant.top is not None and any(w.params.top_logprobs for w, _, _ in rows.spans):
-            top_ids, top_vals = jax.device_get(variant.top(logits))
+        if tops_out is not None:
+            top_ids, top_vals = jax.device_get(tops_out)
+        if self.peers is not None:
+            self.peers.step_ended()
         results = []
         for w, r, k in rows.spans:
             n_acc = 0
@@ -526,8 +583,11 @@ class ModelRunner:
     # ---- warm-up and close ----
 
     def close(self) -> None:
-        """Stop the background compilation (after the variant in progress; not waiting for it)."""
+        """Stop the background compilation (after the variant in progress; not waiting for it);
+        a multi-host leader stops its followers."""
         self.compiler.stop(wait=False)
+        if self.peers is not None:
+            self.peers.stop()
 
     def warmup(self, background: bool = False) -> None:
         """Compile the step's variants ahead of time: the plan's start-up variants now, then the
