@@ -259,6 +259,8 @@ class Leader(_Peer):
         self.conns: dict[int, _Conn] = {}
         self.ready: set[int] = set()
         self.compiling: dict[int, bool] = {}
+        self.steps_sent = 0
+        self.send_seconds = 0.0  # encoding and sending every step frame (the channel's cost per step)
         self._ready_cv = threading.Condition()
         self._server: socket.socket | None = None
 
@@ -323,6 +325,7 @@ class Leader(_Peer):
         """Send the step to every follower (engine thread); the step watchdog starts."""
         if self.failure is not None:
             raise GroupFailed(self.failure)
+        t0 = time.perf_counter()
         data = frame.encode()
         for pid, conn in self.conns.items():
             try:
@@ -330,6 +333,8 @@ class Leader(_Peer):
             except OSError as e:
                 self.fail(f"process {pid}: the step channel broke ({e})")
                 raise GroupFailed(self.failure or "") from None
+        self.steps_sent += 1
+        self.send_seconds += time.perf_counter() - t0
         self.step_began()
 
     def stop(self) -> None:
@@ -337,6 +342,13 @@ class Leader(_Peer):
         if self.stopping or self.failure is not None:
             return
         self.stopping = True
+        if self.steps_sent:
+            log.info(
+                "step channel: %d steps sent to %d followers, %.3f ms a step (encoding and sending)",
+                self.steps_sent,
+                self.num_followers,
+                1e3 * self.send_seconds / self.steps_sent,
+            )
         for conn in self.conns.values():
             with contextlib.suppress(OSError):
                 conn.send(STOP)
@@ -509,5 +521,9 @@ def follow(chan: Follower, runner: FrameRunner) -> None:
             finally:
                 chan.compiling = False
         chan.step_began()
-        runner.run_frame(frame)
+        try:
+            runner.run_frame(frame)
+        except Exception as e:  # a collective broken by a lost peer: the group's failure, not a crash
+            chan.fail(f"a step failed on process {chan.process_id}: {type(e).__name__}: {e}")
+            raise GroupFailed(chan.failure or str(e)) from None
         chan.step_ended()
