@@ -1,6 +1,6 @@
 """`python -m bench <name> [args]` (also `tl bench ...`).
 
-Names: runner | engine | mixed | http | structured | quant | kernels | soak.
+Names: runner | engine | mixed | http | structured | quant | kernels | soak | multihost.
 """
 
 from __future__ import annotations
@@ -31,8 +31,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from bench.kernels_bench import run
     elif name == "soak":
         from bench.soak import run
+    elif name == "multihost":
+        from bench.multihost_bench import run
     else:
-        names = "runner, engine, mixed, http, structured, quant, kernels or soak"
+        names = "runner, engine, mixed, http, structured, quant, kernels, soak or multihost"
         print(f"unknown benchmark {name!r}; choose {names}", file=sys.stderr)
         return 2
     return run(rest)

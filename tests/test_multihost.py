@@ -20,18 +20,15 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 import numpy as np
 import pytest
-from granian_server import free_port
 
+from bench.multihost_bench import start_group
 from tl.config import EngineConfig
 from tl.multihost import GroupFailed
 
@@ -157,28 +154,6 @@ def test_a_silent_follower_and_a_lost_leader_fail_within_the_bound() -> None:
         list(follower.frames())  # the leader closed every connection when it failed
 
 
-@dataclass
-class Group:
-    procs: list[subprocess.Popen[bytes]]
-    http: str
-    health: list[str]
-    logs: list[Path]
-
-    def log(self, i: int) -> str:
-        return self.logs[i].read_text(errors="replace")[-4000:]
-
-
-def _group_config(path: Path, model_dir: Path, n: int, coordinator: str, step_port: int) -> Path:
-    path.write_text(
-        "[engine]\n"
-        f'model_dir = "{model_dir}"\n'
-        f"tensor_parallel = {n}\nnum_processes = {n}\n"
-        f'coordinator_address = "{coordinator}"\nstep_port = {step_port}\n'
-        "peer_timeout_s = 3.0\ndrain_timeout_s = 20.0\n" + GROUP_ENGINE
-    )
-    return path
-
-
 GROUP_ENGINE = """block_size = 4
 num_kv_blocks = 96
 max_num_seqs = 4
@@ -194,56 +169,11 @@ matmul_kernel = "xla"
 """
 
 
-@contextmanager
-def group(model_dir: Path, tmp: Path, n: int) -> Iterator[Group]:
-    """n processes on localhost (one CPU device each) serving model_dir as one job: process 0
-    through `tl serve`'s granian, the others as followers; all killed at the end."""
-    http, coordinator, steps = free_port(), free_port(), free_port()
-    health = [free_port() for _ in range(n)]
-    config = _group_config(tmp / "group.toml", model_dir, n, f"127.0.0.1:{coordinator}", steps)
-    procs, logs = [], []
-    for i in range(n):
-        env = {
-            **os.environ,
-            "XLA_FLAGS": "--xla_force_host_platform_device_count=1",
-            "JAX_PLATFORMS": "cpu",
-            "TL_ENGINE__PROCESS_ID": str(i),
-            "TL_ENGINE__HTTP_LISTEN": f"127.0.0.1:{http}",
-            "TL_ENGINE__HEALTH_LISTEN": f"127.0.0.1:{health[i]}",
-        }
-        logs.append(tmp / f"process-{i}.log")
-        with logs[-1].open("wb") as out:
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, "-m", "serve", "--config", str(config)],
-                    cwd=ROOT,
-                    env=env,
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
-            )
-    g = Group(procs, f"http://127.0.0.1:{http}", [f"http://127.0.0.1:{p}" for p in health], logs)
-    try:
-        deadline = time.monotonic() + 240
-        for i, url in enumerate(g.health):
-            while not _ready(url):
-                assert procs[i].poll() is None, g.log(i)
-                assert time.monotonic() < deadline, f"process {i} not ready:\n{g.log(i)}"
-                time.sleep(0.1)
-        yield g
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-            p.wait(10)
-
-
-def _ready(url: str) -> bool:
-    try:
-        return httpx.get(url + "/readyz", timeout=1).status_code == 200
-    except httpx.TransportError:
-        return False
+def group(model_dir: Path, tmp: Path, n: int) -> Any:
+    """n processes (one CPU device each) serving the tiny model as one job (bench/multihost_bench.py)."""
+    return start_group(
+        f'model_dir = "{model_dir}"\npeer_timeout_s = 3.0\ndrain_timeout_s = 20.0\n' + GROUP_ENGINE, tmp, n
+    )
 
 
 PROMPTS = ["The tiny model", "abc", "Once upon a time, in a land far", "0123456789"]

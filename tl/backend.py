@@ -105,6 +105,11 @@ def make_mesh(platform: str, n: int) -> Mesh:
     return Mesh(np.array(devices[:n]).reshape(1, n), ("data", "model"))
 
 
+def process_index_count() -> tuple[int, int]:
+    """(this process's index, processes in the job): (0, 1) on one host."""
+    return jax.process_index(), jax.process_count()
+
+
 def init_distributed(cfg: EngineConfig, env: Mapping[str, str]) -> bool:
     """Join the multi-host job before any device is touched; False (nothing done) on one host."""
     args = distributed_args(cfg, env)

@@ -75,20 +75,20 @@ def _leader(cfg: EngineConfig, on_failure: Callable[[str], None] | None) -> Lead
     """Process 0 of a multi-host job: the step channel bound (on the coordinator's host) and
     every follower connected; None on one process. Another process here is a mistake: the
     followers run `run_follower` (serve starts it for a known process_id > 0)."""
-    import jax
-
+    from tl.backend import process_index_count
     from tl.config import ConfigError
     from tl.multihost import Leader, step_address
 
-    if jax.process_count() == 1:
+    index, count = process_index_count()
+    if count == 1:
         return None
-    if jax.process_index() != 0:
+    if index != 0:
         raise ConfigError(
-            f"process {jax.process_index()} of a multi-host job started as the server: set process_id "
+            f"process {index} of a multi-host job started as the server: set process_id "
             "(or JAX_PROCESS_ID) so that processes other than 0 start as followers"
         )
     host, port = step_address(jax_coordinator(cfg), cfg.step_port)
-    leader = Leader(jax.process_count() - 1, cfg.peer_timeout_s, on_failure)
+    leader = Leader(count - 1, cfg.peer_timeout_s, on_failure)
     try:
         bound = leader.listen(host, port)
     except OSError:  # the coordinator's name is not one of this host's addresses (a Service in front)
@@ -123,17 +123,16 @@ def run_follower(cfg: EngineConfig, on_ready: Callable[[Callable[[], bool]], Non
     same runner and compile its start-up variants, call `on_ready(is_ready)` (is_ready: the
     leader still reachable), then run the leader's steps until it stops the group (returns 0).
     A lost leader or a stuck step exits the process with status 3 (tl/multihost.py)."""
-    import jax
-
-    from tl.backend import init_distributed
+    from tl.backend import init_distributed, process_index_count
     from tl.multihost import Follower, GroupFailed, follow, step_address
     from tl.runner import ModelRunner
 
     init_distributed(cfg, os.environ)
-    chan = Follower(jax.process_index(), cfg.peer_timeout_s)
+    index, _ = process_index_count()
+    chan = Follower(index, cfg.peer_timeout_s)
     host, port = step_address(jax_coordinator(cfg), cfg.step_port)
     chan.connect(host, port)
-    log.info("process %d: connected to the leader's step channel at %s:%d", jax.process_index(), host, port)
+    log.info("process %d: connected to the leader's step channel at %s:%d", index, host, port)
     runner = ModelRunner.from_model_dir(cfg)
     chan.busy = lambda: runner.compiler.busy
     runner.warmup(background=True)
@@ -141,7 +140,7 @@ def run_follower(cfg: EngineConfig, on_ready: Callable[[Callable[[], bool]], Non
     gc.freeze()
     chan.announce_ready()
     on_ready(lambda: chan.reachable)
-    log.info("process %d ready: following the leader's steps", jax.process_index())
+    log.info("process %d ready: following the leader's steps", index)
     try:
         follow(chan, runner)
     except GroupFailed:
@@ -149,7 +148,7 @@ def run_follower(cfg: EngineConfig, on_ready: Callable[[Callable[[], bool]], Non
     finally:
         runner.close()
     chan.close()
-    log.info("process %d: stopped by the leader", jax.process_index())
+    log.info("process %d: stopped by the leader", index)
     return 0
 
 
@@ -168,7 +167,9 @@ def build_async_engine(cfg: EngineConfig, warmup: bool = True) -> AsyncEngine:
     log.info("%s", tools.reason)
     built: list[AsyncEngine] = []
     # A multi-host group losing a process: every request fails with 503, then the exit (status 3).
-    engine = build_engine(cfg, warmup=warmup, background=True, on_group_failure=lambda why: built[0].fail(why))
+    engine = build_engine(
+        cfg, warmup=warmup, background=True, on_group_failure=lambda why: built[0].fail(why) if built else None
+    )
     grammars = GrammarCompiler.from_model_dir(
         cfg.model_dir,
         load_model_config(cfg.model_dir).vocab_size,

@@ -96,7 +96,7 @@ class EngineConfig:
     peer_timeout_s: float = 10.0
     """Multi-host: a process of the group silent this long (no step, no heartbeat), or a step whose
     collectives have not returned this long, fails the group: process 0 stops admitting (readyz 503),
-    fails in-flight requests with 503 and every process exits non-zero (status 3)."""
+    fails in-flight requests with 503 and every process exits non-zero."""
     block_size: int = 16
     """Tokens per KV-cache block."""
     num_kv_blocks: int = 2048

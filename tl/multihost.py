@@ -17,7 +17,8 @@ Must not import jax or touch device arrays: the runner packs frames and runs the
 
 Why a socket and not JAX's own broadcast (`multihost_utils.broadcast_one_to_all`): measured on
 two CPU processes on one 2-core AMD EPYC (Zen 3), a 4 KB step frame took 1.87 ms p50 that way
-against 0.05 ms over TCP, 400 KB 2.29 ms against 0.16 ms (docs/multihost.md).
+against 0.05 ms over TCP, 400 KB 2.29 ms against 0.16 ms (docs/multihost-broadcast.txt; the
+README, "Backends and scaling out").
 """
 
 from __future__ import annotations
