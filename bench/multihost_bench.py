@@ -116,8 +116,8 @@ def start_group(
 
 
 @contextmanager
-def start_single(engine_toml: str, tmp: Path, n: int, timeout_s: float = 300) -> Iterator[str]:
-    """The same engine on one process over n CPU devices; yields its API URL."""
+def start_single(engine_toml: str, tmp: Path, n: int, timeout_s: float = 300) -> Iterator[tuple[str, str]]:
+    """The same engine on one process over n CPU devices; yields its API and health URLs."""
     http, health = free_port(), free_port()
     config = tmp / "single.toml"
     config.write_text(f"[engine]\ntensor_parallel = {n}\n" + engine_toml)
@@ -143,7 +143,7 @@ def start_single(engine_toml: str, tmp: Path, n: int, timeout_s: float = 300) ->
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError((tmp / "single.log").read_text(errors="replace")[-3000:])
             time.sleep(0.1)
-        yield f"http://127.0.0.1:{http}"
+        yield f"http://127.0.0.1:{http}", f"http://127.0.0.1:{health}"
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -163,7 +163,19 @@ def _stream(url: str, prompt: str, tokens: int) -> list[float]:
     return times
 
 
-def measure(url: str, streams: Sequence[int], tokens: int) -> list[dict[str, float]]:
+def wait_compiled(health: str, settle_s: float = 10.0) -> None:
+    """Until the server's background compilation is over (tl_engine_compile_pending 0), then
+    settle_s more (a group's followers compile the same variants at about the same pace)."""
+    while True:
+        text = httpx.get(health + "/metrics", timeout=5).text
+        if any(ln.startswith("tl_engine_compile_pending ") and float(ln.split()[1]) == 0 for ln in text.splitlines()):
+            break
+        time.sleep(1)
+    time.sleep(settle_s)
+
+
+def measure(url: str, health: str, streams: Sequence[int], tokens: int) -> list[dict[str, float]]:
+    wait_compiled(health)
     _stream(url, "warm up", 8)
     rows = []
     for n in streams:
@@ -208,10 +220,10 @@ def run(argv: Sequence[str]) -> int:
               "streams": streams, "tokens": args.tokens}  # fmt: skip
     print("config:", json.dumps(config), flush=True)
     results: dict[str, list[dict[str, float]]] = {}
-    with start_single(engine, out, args.processes) as url:
-        results["single"] = measure(url, streams, args.tokens)
+    with start_single(engine, out, args.processes) as (url, health):
+        results["single"] = measure(url, health, streams, args.tokens)
     with start_group(engine, out, args.processes) as g:
-        results["group"] = measure(g.http, streams, args.tokens)
+        results["group"] = measure(g.http, g.health[0], streams, args.tokens)
         g.procs[0].send_signal(signal.SIGTERM)  # the drain logs the channel's cost per step
         g.procs[0].wait(60)
         channel = next((ln for ln in g.log(0).splitlines() if "steps sent" in ln), "")

@@ -41,8 +41,9 @@ class GGUFModel:
             w=w,
         )
 
-    def logits(self, ids: list[int]) -> np.ndarray:
-        """[T, V] float32 logits of a causal forward over `ids` (no cache)."""
+    def logits(self, ids: list[int], last: bool = False) -> np.ndarray:
+        """[T, V] float32 logits of a causal forward over `ids` (no cache); last: the final
+        position's only ([1, V]: the LM head, a fifth of the work, for one row)."""
         x = self.w["token_embd.weight"][np.asarray(ids)].astype(np.float64)
         T, D = x.shape
         hd = D // self.n_head
@@ -63,14 +64,14 @@ class GGUFModel:
             h = _rms(x, self.w[p + "ffn_norm.weight"], self.eps)
             g = h @ self.w[p + "ffn_gate.weight"].T
             x = x + ((g / (1 + np.exp(-g))) * (h @ self.w[p + "ffn_up.weight"].T)) @ self.w[p + "ffn_down.weight"].T
-        x = _rms(x, self.w["output_norm.weight"], self.eps)
+        x = _rms(x[-1:] if last else x, self.w["output_norm.weight"], self.eps)
         head = self.w.get("output.weight", self.w["token_embd.weight"])
         return (x @ head.T).astype(np.float32)
 
     def greedy(self, ids: list[int], n: int) -> list[int]:
         out = list(ids)
         for _ in range(n):
-            out.append(int(np.argmax(self.logits(out)[-1])))
+            out.append(int(np.argmax(self.logits(out, last=True)[-1])))
         return out[len(ids) :]
 
 
