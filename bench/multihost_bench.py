@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -30,13 +29,22 @@ from pathlib import Path
 
 import httpx
 
+from bench.soak import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _serve(config: Path, env: Mapping[str, str], log: Path) -> subprocess.Popen[bytes]:
+    """`tl serve --config config` in its own session, its output to log."""
+    with log.open("wb") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "serve", "--config", str(config)],
+            cwd=ROOT,
+            env=dict(env),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
 
 @dataclass
@@ -86,17 +94,7 @@ def start_group(
             "TL_ENGINE__HEALTH_LISTEN": f"127.0.0.1:{health[i]}",
         }
         logs.append(tmp / f"process-{i}.log")
-        with logs[-1].open("wb") as out:
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, "-m", "serve", "--config", str(config)],
-                    cwd=ROOT,
-                    env=penv,
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
-            )
+        procs.append(_serve(config, penv, logs[-1]))
     g = Group(procs, f"http://127.0.0.1:{http}", [f"http://127.0.0.1:{p}" for p in health], logs)
     try:
         deadline = time.monotonic() + timeout_s
@@ -128,15 +126,7 @@ def start_single(engine_toml: str, tmp: Path, n: int, timeout_s: float = 300) ->
         "TL_ENGINE__HTTP_LISTEN": f"127.0.0.1:{http}",
         "TL_ENGINE__HEALTH_LISTEN": f"127.0.0.1:{health}",
     }
-    log = (tmp / "single.log").open("wb")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "serve", "--config", str(config)],
-        cwd=ROOT,
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    proc = _serve(config, env, tmp / "single.log")
     try:
         deadline = time.monotonic() + timeout_s
         while not _ready(f"http://127.0.0.1:{health}"):
@@ -148,7 +138,6 @@ def start_single(engine_toml: str, tmp: Path, n: int, timeout_s: float = 300) ->
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(10)
-        log.close()
 
 
 def _stream(url: str, prompt: str, tokens: int) -> list[float]:

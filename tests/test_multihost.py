@@ -261,7 +261,10 @@ def test_two_processes_serve_one_model_and_drain_on_sigterm(tiny_dir: Path, tmp_
             streamed = list(pool.map(lambda p: _stream_text(client, g.http, _body(p, True))[0], PROMPTS))
         assert streamed == expected
         models = client.get(g.http + "/v1/models").json()
-        assert models["data"][0]["id"] == "tiny"
+        assert models["data"][0]["id"] == "tiny" and models["data"][0]["backend"]["device_count"] == 2
+        follower = g.health[1]  # its health port only: ready (joined, compiled, leader reachable), no API
+        assert client.get(follower + "/readyz").status_code == 200
+        assert client.get(follower + "/v1/models").status_code == 404
         # SIGTERM mid-stream: the stream finishes (its finish reason is length), new requests 503
         long = _body(PROMPTS[2], True, max_tokens=60)
         with client.stream("POST", g.http + "/v1/completions", json=long, timeout=60) as r:
