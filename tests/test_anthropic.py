@@ -38,8 +38,7 @@ def client(api: str) -> anthropic.Anthropic:
 
 
 def test_text_messages_streamed_and_not(tmp_path: Path) -> None:
-    with server(tmp_path) as srv:
-        c = client(srv.api)
+    with server(tmp_path) as srv, client(srv.api) as c:
         msg = c.messages.create(
             model="succ", max_tokens=3, extra_body=GREEDY, messages=[{"role": "user", "content": "a"}]
         )
@@ -86,8 +85,7 @@ def test_text_messages_streamed_and_not(tmp_path: Path) -> None:
 
 
 def test_errors_have_anthropics_shape(tmp_path: Path) -> None:
-    with server(tmp_path) as srv:
-        c = client(srv.api)
+    with server(tmp_path) as srv, client(srv.api) as c:
         with pytest.raises(anthropic.BadRequestError) as bad:
             c.messages.create(
                 model="succ", max_tokens=3, extra_body={"temperature": 1.5}, messages=[{"role": "user", "content": "a"}]
@@ -111,8 +109,7 @@ def test_errors_have_anthropics_shape(tmp_path: Path) -> None:
 def test_tool_use_and_tool_result(tmp_path: Path) -> None:
     call = '<tool_call>[{"name": "get_weather", "arguments": {"city": "Rome"}}]</tool_call>'
     env = {"FAKE_SCRIPT": "Checking. " + call, "FAKE_SCRIPT_PER_STEP": "4"}
-    with server(tmp_path, "num_kv_blocks = 4096\n", env=env, app="fake_app:script_app") as srv:
-        c = client(srv.api)
+    with server(tmp_path, "num_kv_blocks = 4096\n", env=env, app="fake_app:script_app") as srv, client(srv.api) as c:
         messages: Any = [{"role": "user", "content": "Weather in Rome?"}]
         msg = c.messages.create(model="succ", max_tokens=300, tools=TOOLS, messages=messages)
         assert msg.stop_reason == "tool_use" and [b.type for b in msg.content] == ["text", "tool_use"]

@@ -306,6 +306,10 @@ def test_four_processes_then_a_killed_follower_fails_the_group(tiny_dir: Path, t
             pass  # already gone: the exit follows the failure within FAILURE_GRACE_S
         if refused is not None:
             assert refused.status_code == 503 and refused.json()["error"]["code"] == "engine_unavailable"
+        try:  # the leader stops admitting: not ready for the second before it exits
+            assert client.get(g.health[0] + "/readyz", timeout=5).status_code == 503
+        except httpx.TransportError:
+            pass
         # followers exit with the group's status 3; the leader's granian reports its worker's
         # unexpected exit (status 3) with its own status 1: non-zero either way, so the group restarts
         assert g.procs[0].wait(30) == 1, g.log(0)

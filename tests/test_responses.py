@@ -27,8 +27,7 @@ def client(api: str) -> openai.OpenAI:
 
 
 def test_create_stream_store_and_errors(tmp_path: Path) -> None:
-    with server(tmp_path, "responses_store_size = 2\n") as srv:
-        c = client(srv.api)
+    with server(tmp_path, "responses_store_size = 2\n") as srv, client(srv.api) as c:
         r = c.responses.create(model="succ", input="a", max_output_tokens=3, temperature=0)
         assert r.id.startswith("resp_") and r.object == "response" and r.status == "incomplete"
         assert r.incomplete_details is not None and r.incomplete_details.reason == "max_output_tokens"
@@ -87,8 +86,7 @@ def test_function_calls_and_their_outputs(tmp_path: Path) -> None:
         {"type": "function", "name": "get_weather", "parameters": city},
         {"type": "function", "name": "now", "parameters": {"type": "object", "properties": {}}},
     ]
-    with server(tmp_path, "num_kv_blocks = 4096\n", env=env, app="fake_app:script_app") as srv:
-        c = client(srv.api)
+    with server(tmp_path, "num_kv_blocks = 4096\n", env=env, app="fake_app:script_app") as srv, client(srv.api) as c:
         r = c.responses.create(model="succ", input="weather?", tools=tools, max_output_tokens=300)
         assert [o.type for o in r.output] == ["message", "function_call", "function_call"]
         calls = [o for o in r.output if o.type == "function_call"]

@@ -71,7 +71,10 @@ def server(
 
 
 def test_health_port_tokenize_models_and_openai_client(tmp_path: Path) -> None:
-    with server(tmp_path, 'api_keys = ["sk-test"]\n') as srv:
+    with (
+        server(tmp_path, 'api_keys = ["sk-test"]\n') as srv,
+        openai.OpenAI(base_url=f"{srv.api}/v1", api_key="sk-test", max_retries=0) as client,
+    ):
         assert httpx.get(f"{srv.health}/healthz").status_code == 200
         assert httpx.get(f"{srv.health}/readyz").status_code == 200
         m = httpx.get(f"{srv.health}/metrics")
@@ -79,7 +82,6 @@ def test_health_port_tokenize_models_and_openai_client(tmp_path: Path) -> None:
         assert 'tl_engine_kv_blocks{state="free"}' in m.text and "tl_engine_queue_depth" in m.text
         assert httpx.get(f"{srv.health}/nope").status_code == 404
         assert httpx.get(f"{srv.api}/v1/models").status_code == 401
-        client = openai.OpenAI(base_url=f"{srv.api}/v1", api_key="sk-test", max_retries=0)
         assert [m.id for m in client.models.list().data] == ["succ"]
         r = client.chat.completions.create(
             model="succ", messages=[{"role": "user", "content": "a"}], max_tokens=3, temperature=0
@@ -135,8 +137,10 @@ def test_health_port_tokenize_models_and_openai_client(tmp_path: Path) -> None:
 
 def test_429_disconnect_and_drain(tmp_path: Path) -> None:
     extra = "max_num_seqs = 1\nseq_buckets = [1]\nqueue_capacity = 1\ndrain_timeout_s = 10\n"
-    with server(tmp_path, extra, env={"FAKE_STEP_DELAY_S": "0.01"}) as srv:
-        client = openai.OpenAI(base_url=f"{srv.api}/v1", api_key="x", max_retries=0)
+    with (
+        server(tmp_path, extra, env={"FAKE_STEP_DELAY_S": "0.01"}) as srv,
+        openai.OpenAI(base_url=f"{srv.api}/v1", api_key="x", max_retries=0) as client,
+    ):
         long = {**CHAT, "messages": [{"role": "user", "content": "A"}], "max_tokens": 60, "stream": True}
         with httpx.Client(timeout=10) as h1, httpx.Client(timeout=10) as h2:
             # disconnect mid-stream frees the blocks (seen in /metrics) within 2 s
@@ -215,8 +219,10 @@ def test_openai_client_tool_calls_under_auto_from_a_scripted_model(tmp_path: Pat
         {"type": "function", "function": {"name": "now"}},
     ]
     messages: Any = [{"role": "user", "content": "weather?"}]
-    with server(tmp_path, "num_kv_blocks = 4096\n", env=env, app="fake_app:script_app") as srv:
-        client = openai.OpenAI(base_url=f"{srv.api}/v1", api_key="x", max_retries=0)
+    with (
+        server(tmp_path, "num_kv_blocks = 4096\n", env=env, app="fake_app:script_app") as srv,
+        openai.OpenAI(base_url=f"{srv.api}/v1", api_key="x", max_retries=0) as client,
+    ):
         done = client.chat.completions.create(model="succ", messages=messages, tools=tools, max_tokens=300)
         msg = done.choices[0].message
         assert done.choices[0].finish_reason == "tool_calls" and msg.content == "Checking. "
