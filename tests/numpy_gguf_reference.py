@@ -31,7 +31,8 @@ class GGUFModel:
         def field(name: str) -> float:
             return float(r.fields[name].contents())
 
-        w = {t.name: np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32) for t in r.tensors}
+        # float64 once here (exact): a float32 weight in a float64 product is widened on every call
+        w = {t.name: np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float64) for t in r.tensors}
         return cls(
             n_layer=int(field("llama.block_count")),
             n_head=int(field("llama.attention.head_count")),
@@ -41,23 +42,35 @@ class GGUFModel:
             w=w,
         )
 
-    def logits(self, ids: list[int], last: bool = False) -> np.ndarray:
-        """[T, V] float32 logits of a causal forward over `ids` (no cache); last: the final
-        position's only ([1, V]: the LM head, a fifth of the work, for one row)."""
+    def logits(self, ids: list[int]) -> np.ndarray:
+        """[T, V] float32 logits of a causal forward over `ids` (no cache)."""
+        return self._forward(ids, [], last=False)
+
+    def _forward(self, ids: list[int], cache: list[tuple[np.ndarray, np.ndarray]], last: bool) -> np.ndarray:
+        """Logits of `ids` at the positions after the cached ones (float64 inside). `cache` holds
+        each layer's rotated keys and values so far ([P, n_kv, hd]), extended in place (an empty
+        list: nothing cached yet). last: the final position's logits only ([1, V])."""
         x = self.w["token_embd.weight"][np.asarray(ids)].astype(np.float64)
         T, D = x.shape
         hd = D // self.n_head
+        past = cache[0][0].shape[0] if cache else 0
         for i in range(self.n_layer):
             p = f"blk.{i}."
             h = _rms(x, self.w[p + "attn_norm.weight"], self.eps)
             q = (h @ self.w[p + "attn_q.weight"].T).reshape(T, self.n_head, hd)
             k = (h @ self.w[p + "attn_k.weight"].T).reshape(T, self.n_kv, hd)
             v = (h @ self.w[p + "attn_v.weight"].T).reshape(T, self.n_kv, hd)
-            q, k = _rope_adjacent(q, self.theta), _rope_adjacent(k, self.theta)
+            q, k = _rope_adjacent(q, self.theta, past), _rope_adjacent(k, self.theta, past)
+            if i < len(cache):
+                k, v = np.concatenate([cache[i][0], k]), np.concatenate([cache[i][1], v])
+                cache[i] = (k, v)
+            else:
+                cache.append((k, v))
             rep = self.n_head // self.n_kv
             k, v = np.repeat(k, rep, axis=1), np.repeat(v, rep, axis=1)
             s = np.einsum("thd,shd->hts", q, k) / np.sqrt(hd)
-            s = np.where(np.tril(np.ones((T, T), bool))[None], s, -np.inf)
+            causal = np.arange(past + T)[None, :] <= (past + np.arange(T))[:, None]
+            s = np.where(causal[None], s, -np.inf)
             s = np.exp(s - s.max(-1, keepdims=True))
             a = np.einsum("hts,shd->thd", s / s.sum(-1, keepdims=True), v).reshape(T, D)
             x = x + a @ self.w[p + "attn_output.weight"].T
@@ -69,21 +82,27 @@ class GGUFModel:
         return (x @ head.T).astype(np.float32)
 
     def greedy(self, ids: list[int], n: int) -> list[int]:
-        out = list(ids)
+        """n greedy tokens after ids: the prompt once, then one token a step over the cached
+        keys and values (the same arithmetic as `logits` over the whole sequence)."""
+        cache: list[tuple[np.ndarray, np.ndarray]] = []
+        out: list[int] = []
+        feed = list(ids)
         for _ in range(n):
-            out.append(int(np.argmax(self.logits(out, last=True)[-1])))
-        return out[len(ids) :]
+            out.append(int(np.argmax(self._forward(feed, cache, last=True)[-1])))
+            feed = out[-1:]
+        return out
 
 
 def _rms(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
 
 
-def _rope_adjacent(x: np.ndarray, theta: float) -> np.ndarray:
-    """llama.cpp's normal RoPE: rotate each adjacent pair (2i, 2i+1) by pos * theta^(-2i/hd)."""
+def _rope_adjacent(x: np.ndarray, theta: float, start: int = 0) -> np.ndarray:
+    """llama.cpp's normal RoPE: rotate each adjacent pair (2i, 2i+1) by pos * theta^(-2i/hd),
+    positions start .. start + T - 1."""
     T, _, hd = x.shape
     inv = theta ** (-np.arange(0, hd, 2) / hd)
-    ang = np.arange(T)[:, None] * inv[None, :]
+    ang = (start + np.arange(T))[:, None] * inv[None, :]
     cos, sin = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
     a, b = x[..., 0::2], x[..., 1::2]
     out = np.empty_like(x)

@@ -29,9 +29,9 @@ from tl.request import GenRequest, SamplingParams
 jax = pytest.importorskip("jax")
 # matmul_precision "highest" throughout: identity across TP degrees is a float32 property (at
 # tensor_parallel 1 "high" would run bf16x3 on AMX, under TP XLA's float32 dot).
-CFG = BASE_CFG.replace(
-    token_buckets=(8, 32),
-    seq_buckets=(1, 4),
+CFG = BASE_CFG.replace(  # one step variant (32 tokens x 4 sequences): one compile per runner
+    token_buckets=(32,),
+    seq_buckets=(4,),
     max_logprobs=0,
     compile_cache_dir="",
     speculative="prompt_lookup",
@@ -200,7 +200,7 @@ def _config(model_dir: Path, tmp: Path, n: int, port: int = 0, hport: int = 0) -
     cfg = tmp / f"runtime-{n}.toml"
     cfg.write_text(
         f'[engine]\nmodel_dir = "{model_dir}"\nblock_size = 4\nnum_kv_blocks = 64\nmax_num_seqs = 4\n'
-        f"max_num_batched_tokens = 32\ntoken_buckets = [8, 32]\nseq_buckets = [1, 4]\n"
+        f"max_num_batched_tokens = 32\ntoken_buckets = [32]\nseq_buckets = [4]\n"
         f'compile_cache_dir = ""\nmatmul_precision = "highest"\ntensor_parallel = {n}\n'
         f'http_listen = "127.0.0.1:{port}"\n'
         f'health_listen = "127.0.0.1:{hport}"\n'
