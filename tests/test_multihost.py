@@ -317,3 +317,19 @@ def test_four_processes_then_a_killed_follower_fails_the_group(tiny_dir: Path, t
             assert g.procs[i].wait(30) == 3, (i, g.log(i))
         assert time.monotonic() - t0 < 3.0 + 10, "the group outlived its bound"
         assert "multi-host group failed" in g.log(0) and "multi-host group failed" in g.log(1)
+
+
+def test_a_killed_leader_takes_its_follower_down(tiny_dir: Path, tmp_path: Path) -> None:
+    """The leader SIGKILLed: its follower notices the closed channel and exits non-zero at once
+    (status 3; or JAX's coordination client aborts it first, SIGABRT, when it sees the
+    coordinator gone in the same instant). Nothing waits in a collective."""
+    model = tmp_path / "tiny"
+    shutil.copytree(tiny_dir, model)
+    with group(model, tmp_path, 2) as g:
+        os.killpg(g.procs[0].pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        code = g.procs[1].wait(30)
+        assert code in (3, -signal.SIGABRT), (code, g.log(1))
+        assert time.monotonic() - t0 < 3.0 + 2, "the follower outlived its bound"
+        if code == 3:
+            assert "the leader (process 0) closed the step channel" in g.log(1)

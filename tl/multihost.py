@@ -6,7 +6,9 @@ the token bitmask when the step has them, whether top-logprobs run; hello, ready
 stop), the leader's listening socket and its one connection per follower, a follower's
 connection, liveness and the failure bounds, and what a failure does: `on_failure(reason)` once
 (the leader fails its requests with 503 there), the sockets closed (so every peer notices at
-once), then the process exits with status 3 (`EXIT_GROUP_FAILED`) after `FAILURE_GRACE_S`.
+once), then the process exits with status 3 (`EXIT_GROUP_FAILED`): the leader after
+`FAILURE_GRACE_S` (its 503s reach their clients), a follower at once (it serves no request, and
+once the leader's process is gone JAX's own coordination client aborts the others).
 Bounds, all `peer_timeout_s`: a peer silent that long (each side sends a heartbeat every
 `peer_timeout_s / 5`, from its own thread, whatever its step is doing) is lost; a step whose
 collectives have not returned that long, counted from the last moment any process of the
@@ -191,6 +193,8 @@ class _Conn:
 class _Peer:
     """What both ends share: the bound, the heartbeat interval, the step watchdog, failing once."""
 
+    grace_s = 0.0  # from the failure to the exit
+
     def __init__(self, timeout_s: float, on_failure: Callable[[str], None] | None, exit_on_failure: bool) -> None:
         self.timeout_s = timeout_s
         self.beat_s = timeout_s / 5
@@ -233,20 +237,22 @@ class _Peer:
         self._close_all()
         self._closed.set()
         if self.exit_on_failure:
-            threading.Thread(target=_exit_later, name="tl-group-exit", daemon=True).start()
+            threading.Thread(target=_exit_later, args=(self.grace_s,), name="tl-group-exit", daemon=True).start()
 
     def _close_all(self) -> None:
         raise NotImplementedError
 
 
-def _exit_later() -> None:
-    time.sleep(FAILURE_GRACE_S)
+def _exit_later(grace_s: float) -> None:
+    time.sleep(grace_s)
     logging.shutdown()
     os._exit(EXIT_GROUP_FAILED)
 
 
 class Leader(_Peer):
     """Process 0's end: one connection per follower; `send_step` from the engine thread."""
+
+    grace_s = FAILURE_GRACE_S
 
     def __init__(
         self,
