@@ -21,6 +21,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,7 @@ import httpx
 import numpy as np
 import pytest
 
-from bench.multihost_bench import start_group
+from bench.multihost_bench import Group, start_group
 from tl.config import EngineConfig
 from tl.multihost import GroupFailed
 
@@ -169,7 +170,7 @@ matmul_kernel = "xla"
 """
 
 
-def group(model_dir: Path, tmp: Path, n: int) -> Any:
+def group(model_dir: Path, tmp: Path, n: int) -> AbstractContextManager[Group]:
     """n processes (one CPU device each) serving the tiny model as one job (bench/multihost_bench.py)."""
     return start_group(
         f'model_dir = "{model_dir}"\npeer_timeout_s = 3.0\ndrain_timeout_s = 20.0\n' + GROUP_ENGINE, tmp, n

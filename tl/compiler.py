@@ -101,10 +101,6 @@ class StepCompiler:
             with self._count_lock:
                 self._active -= 1
 
-    def has(self, v: Variant) -> bool:
-        """Variant v is compiled."""
-        return v in self._done
-
     @property
     def compiling(self) -> bool:
         """The background compilation is running."""

@@ -217,7 +217,7 @@ class _Peer:
         since = self._step_since
         if since is None:
             return False
-        if compiling:  # a follower compiling a variant holds the collective up legitimately
+        if compiling:  # a process compiling a variant holds the collective up legitimately
             self._step_since = time.monotonic()
             return False
         return time.monotonic() - since > self.timeout_s
@@ -415,7 +415,6 @@ class Follower(_Peer):
         super().__init__(timeout_s, on_failure, exit_on_failure)
         self.process_id = process_id
         self.conn: _Conn | None = None
-        self.compiling = False  # set by the follow loop around a compile
         self._inbox: queue.SimpleQueue[StepFrame | None] = queue.SimpleQueue()  # None: stop or lost
 
     def connect(self, host: str, port: int, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
@@ -485,7 +484,7 @@ class Follower(_Peer):
             if now - conn.last_seen > self.timeout_s:
                 self.fail(f"the leader (process 0) has been silent for {now - conn.last_seen:.1f} s")
                 return
-            compiling = self.compiling or self.busy()
+            compiling = self.busy()
             if self._step_stuck(compiling):
                 self.fail(f"a step's collectives have not returned in {self.timeout_s:.1f} s")
                 return
@@ -509,24 +508,15 @@ class Follower(_Peer):
 class FrameRunner(Protocol):
     """What the follow loop needs of tl/runner.py's ModelRunner."""
 
-    def has_variant(self, variant: tuple[int, int]) -> bool: ...
-
-    def ensure_variant(self, variant: tuple[int, int]) -> None: ...
-
     def run_frame(self, frame: StepFrame) -> None: ...
 
 
 def follow(chan: Follower, runner: FrameRunner) -> None:
     """A follower's life after start-up: run each of the leader's steps, in order, until it says
-    stop. A variant this process has not compiled yet is compiled first, its heartbeat saying
-    so (the leader's watchdog then waits: its collective is held up legitimately)."""
+    stop. A variant this process has not compiled yet is compiled by run_frame first; `busy`
+    says so in the heartbeats (the leader's watchdog then waits: its collective is held up
+    legitimately)."""
     for frame in chan.frames():
-        if not runner.has_variant(frame.variant):
-            chan.compiling = True
-            try:
-                runner.ensure_variant(frame.variant)
-            finally:
-                chan.compiling = False
         chan.step_began()
         try:
             runner.run_frame(frame)

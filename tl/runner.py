@@ -370,12 +370,6 @@ class ModelRunner:
         tops = variant.top(logits) if frame.top else None
         return out, logits, pooled, tops
 
-    def has_variant(self, variant: tuple[int, int]) -> bool:
-        return self.compiler.has(variant)
-
-    def ensure_variant(self, variant: tuple[int, int]) -> None:
-        self.compiler.ensure(variant)
-
     def run_frame(self, frame: StepFrame) -> None:
         """A multi-host follower's step: the leader's frame run in the same variant (compiled
         now if this process has not compiled it yet), waited for; its outputs are the leader's."""
@@ -393,7 +387,7 @@ class ModelRunner:
         bufs, layout = _to_host_buffers((inp, sb))
         # Shapes only: compiles run on worker threads, and a device_put there would be one more
         # collective in this process's order (in a multi-host job, out of step with the others).
-        pen = pack_penalties([], [], [], [], s_pad, num_rows, max(1, self._spec_tokens), self.model_config.vocab_size)
+        pen = self._zero_penalties_host(s_pad, num_rows)
         mask = np.zeros((num_rows, self._mask_words), np.int32)
         step = self._step.lower(
             _abstract(self._params),
@@ -525,11 +519,11 @@ class ModelRunner:
         """Device-resident all-zero penalties per shape, so penalty-free steps copy nothing."""
         key = (s_pad, num_rows)
         if key not in self._zero_penalties:
-            pen = pack_penalties(
-                [], [], [], [], s_pad, num_rows, max(1, self._spec_tokens), self.model_config.vocab_size
-            )
-            self._zero_penalties[key] = jax.device_put(pen, self._replicated)
+            self._zero_penalties[key] = jax.device_put(self._zero_penalties_host(s_pad, num_rows), self._replicated)
         return self._zero_penalties[key]
+
+    def _zero_penalties_host(self, s_pad: int, num_rows: int) -> Penalties:
+        return pack_penalties([], [], [], [], s_pad, num_rows, max(1, self._spec_tokens), self.model_config.vocab_size)
 
     def _results(
         self,
