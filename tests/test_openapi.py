@@ -65,7 +65,7 @@ def test_schemathesis_finds_nothing(tmp_path: Path) -> None:
             "--request-timeout",
             "20",
             "--workers",
-            "2",
+            "1",  # 2 threads crashed hypothesis in ast.parse on CPython 3.11 ("AST ... recursion depth mismatch")
         ]
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
         assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
