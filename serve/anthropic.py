@@ -18,7 +18,7 @@ import json
 from typing import TYPE_CHECKING, Any
 
 from serve import errors, sse
-from serve.errors import ApiError
+from serve.errors import ApiError, log_server_error
 from serve.params import GenSpec, ModelInfo, chat_spec, render_chat, tool_request
 from serve.wire import (
     AnthropicBlock,
@@ -269,5 +269,7 @@ async def stream(job: Job, out: Sender, ping_s: float) -> None:
         await pump(job, out, ping_s, s.deliver, _event("ping", {"type": "ping"}))
     except ApiError as e:
         job.abort()
+        if e.status >= 500:
+            log_server_error(out, e)
         await out.chunk(error_event(e))
     await out.end()

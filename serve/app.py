@@ -3,10 +3,14 @@
 Owns: lifespan (config from TL_CONFIG + TL_ENGINE__* overrides; the health port started
 first; the engine built in a worker thread, started and warmed before ready; any failure
 becomes lifespan.startup.failed), request dispatch (404/405, X-Request-Id, api keys, body
-limit, 503 while draining, the one catch-all that always finishes a response) and the
-SIGTERM drain (README, "The HTTP API"): readyz 503, new requests 503 with Connection: close,
-in-flight requests finish until drain_timeout_s (then are aborted), then SIGINT hands over
-to granian, whose lifespan shutdown stops the engine thread; exit 0.
+limit, 503 while draining, the one catch-all that always finishes a response, every 5xx
+logged once with its request id and cause) and the stop (README, "Stopping"): a first SIGTERM
+or SIGINT (serve/signals.py decides which is which) during start-up gives the start-up up
+(the engine is built on a daemon thread, which never holds the process); after it, the drain:
+readyz 503, new requests 503 with Connection: close, in-flight requests finish until
+drain_timeout_s (then are aborted, 2 s more for their error events), then granian is told
+to stop, and its lifespan shutdown stops the engine thread (bounded, each step timed); a
+second signal aborts every request at once and stops; exit 0.
 
 The engine comes from the `engine_factory` App is built with: tl.build's
 build_async_engine(cfg) for `app` below, a fake engine's for the tests (which hand granian
@@ -20,11 +24,12 @@ import asyncio
 import hmac
 import logging
 import os
-import signal
+import threading
 import time
 from collections.abc import Callable
+from typing import TypeVar
 
-from serve import errors
+from serve import errors, memwatch
 from serve.asgi import (
     ClientGone,
     DisconnectWatcher,
@@ -35,13 +40,14 @@ from serve.asgi import (
     Sender,
 )
 from serve.config_load import load_config
-from serve.errors import ApiError
+from serve.errors import ApiError, log_server_error
 from serve.generate import PING_INTERVAL_S, Job
 from serve.health import HealthServer
 from serve.metrics import Metrics
 from serve.params import ModelInfo
 from serve.responses import ResponseStore
 from serve.routes import Ctx, match
+from serve.signals import STOP, take_over_granian
 from tl.async_engine import AsyncEngine, EmbedHandle
 from tl.build import build_async_engine
 from tl.config import EngineConfig
@@ -49,6 +55,17 @@ from tl.stats import BackendInfo, EngineStats
 
 log = logging.getLogger("serve")
 EngineFactory = Callable[[EngineConfig], AsyncEngine]
+T = TypeVar("T")
+
+ABORT_GRACE_S = 2.0
+"""After the drain deadline aborts what is left, this long for the error events to go out."""
+STOP_NOW_GRACE_S = 1.0
+"""After a second signal aborts everything, this long for the error events to go out."""
+ENGINE_STOP_S = 5.0
+"""The lifespan shutdown waits this long for the engine thread (it stops between steps)."""
+STOP_BOUND_S = 10.0
+"""A stop takes at most drain_timeout_s plus this: the grace above, the shutdown, margin.
+granian's main process kills a worker still alive then (serve/launch.py)."""
 
 
 def parse_listen(addr: str) -> tuple[str, int]:
@@ -95,6 +112,7 @@ class App:
         self.responses = _response_store(config or EngineConfig())  # again at start-up, from the loaded config
         self.ping_interval_s = PING_INTERVAL_S
         self._drain_task: asyncio.Task[None] | None = None
+        self._stop_heard = asyncio.Event()
 
     def _stats(self) -> EngineStats | None:
         return self.engine.stats() if self.engine is not None else None
@@ -131,16 +149,30 @@ class App:
 
     async def startup(self) -> None:
         setup_logging()
+        memwatch.start(os.environ)
         if self.config is None:
             self.config = load_config()
         cfg = self.config
         self.responses = _response_store(cfg)
+        if self.handle_signals:
+            STOP.on(self._stop_requested, self.stop_now)
         if self.start_health:
             host, port = parse_listen(cfg.health_listen)
             await self.health.start(host, port)
             log.info("health port listening on %s", cfg.health_listen)
-        loop = asyncio.get_running_loop()
-        engine = await loop.run_in_executor(None, self.engine_factory, cfg)
+        # A daemon thread, not the loop's executor: a stop during the build leaves it behind, and
+        # the process's exit never waits for it (an executor's threads are joined at exit).
+        built = _in_daemon_thread("tl-build", self.engine_factory, cfg)
+        stopped = asyncio.ensure_future(self._stop_heard.wait())
+        await asyncio.wait((built, stopped), return_when=asyncio.FIRST_COMPLETED)
+        stopped.cancel()
+        if not built.done():
+            log.info("stop requested during start-up: the model load and compiles are given up")
+            built.add_done_callback(_close_late_engine)
+            self.draining = True
+            self._drain_task = asyncio.get_running_loop().create_task(self._hand_over())
+            return
+        engine = built.result()
         engine.start()
         self.engine = engine
         await engine.warmup()
@@ -156,14 +188,35 @@ class App:
             engine.backend_info,
             engine.tools,
         )
-        if self.handle_signals:
-            loop.add_signal_handler(signal.SIGTERM, self.begin_drain)
+        if self._stop_heard.is_set():  # heard while warming up
+            self.begin_drain()
         log.info("serving %s (context %d) ready", engine.model_id, engine.max_model_len)
 
     async def shutdown(self) -> None:
+        """granian's lifespan shutdown: the engine thread stopped (at most ENGINE_STOP_S), the
+        health port closed; each step timed, a slow one named."""
+        t0 = time.monotonic()
         if self.engine is not None:
-            await asyncio.get_running_loop().run_in_executor(None, self.engine.shutdown, 10.0)
-        await self.health.close()
+            stopping = _in_daemon_thread("tl-engine-stop", self.engine.shutdown, ENGINE_STOP_S)
+            try:
+                await asyncio.wait_for(asyncio.shield(stopping), ENGINE_STOP_S + 1.0)
+            except TimeoutError:
+                log.warning("shutdown: the engine thread did not stop within %.1f s; exiting anyway", ENGINE_STOP_S)
+            else:
+                _timed("shutdown: engine stopped", t0)
+        t1 = time.monotonic()
+        try:
+            await asyncio.wait_for(self.health.close(), 2.0)
+        except TimeoutError:
+            log.warning("shutdown: the health port did not close within 2 s; exiting anyway")
+        _timed("shutdown: health port closed", t1)
+        log.info("shutdown complete in %.1f s", time.monotonic() - t0)
+
+    def _stop_requested(self) -> None:
+        """A first stop signal: give the start-up up, or drain."""
+        self._stop_heard.set()
+        if self.engine is not None and self.engine.ready:
+            self.begin_drain()
 
     # ---- drain -------------------------------------------------------------------------
 
@@ -172,23 +225,45 @@ class App:
             self._drain_task = asyncio.get_running_loop().create_task(self.drain())
 
     async def drain(self) -> None:
-        """readyz 503 and new requests 503 at once; in-flight ones finish or are aborted at the deadline."""
+        """readyz 503 and new requests 503 at once; in-flight ones finish or are aborted at the
+        deadline; then granian is told to stop."""
         self.draining = True
         timeout = self.config.drain_timeout_s if self.config else 30.0
         log.info("draining: %d requests in flight, up to %.1f s", self.inflight, timeout)
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
+        t0 = loop.time()
+        deadline = t0 + timeout
         while self.inflight and loop.time() < deadline:
             await asyncio.sleep(0.01)
         if self.inflight:
             log.warning("drain deadline: aborting %d requests", self.inflight)
-            for job in list(self.jobs):
-                job.abort()
-            grace = loop.time() + 2.0
-            while self.inflight and loop.time() < grace:
-                await asyncio.sleep(0.01)
+            await self._abort_all(ABORT_GRACE_S)
+        log.info("drained in %.1f s", loop.time() - t0)
+        await self._hand_over()
+
+    def stop_now(self) -> None:
+        """A second stop signal: every request aborted (open streams end with an error event and
+        [DONE]), then granian is told to stop."""
+        self.draining = True
+        asyncio.get_running_loop().create_task(self._stop_now())
+
+    async def _stop_now(self) -> None:
+        await self._abort_all(STOP_NOW_GRACE_S)
+        await self._hand_over()
+
+    async def _abort_all(self, grace_s: float) -> None:
+        for job in list(self.jobs):
+            job.abort()
+        loop = asyncio.get_running_loop()
+        until = loop.time() + grace_s
+        while self.inflight and loop.time() < until:
+            await asyncio.sleep(0.01)
+        if self.inflight:
+            log.warning("%d requests still open %.1f s after their abort", self.inflight, grace_s)
+
+    async def _hand_over(self) -> None:
         if self.handle_signals:
-            os.kill(os.getpid(), signal.SIGINT)  # granian's own graceful stop, then lifespan shutdown
+            await STOP.hand_over()
 
     # ---- HTTP --------------------------------------------------------------------------
 
@@ -241,8 +316,8 @@ class App:
         except ApiError as e:
             await self._fail(out, e, route is not None and route[1][0].anthropic)
         except Exception:
-            log.exception("unhandled error in %s %s", req.method, req.path)
-            await self._fail(out, errors.internal())
+            log.exception("request %s: unhandled error in %s %s", req.request_id, req.method, req.path)
+            await self._fail(out, errors.internal(), logged=True)
         finally:
             if watcher is not None:
                 watcher.stop()
@@ -252,7 +327,9 @@ class App:
                 await out.end()
             self.metrics.requests.labels(endpoint, str(out.status or 499)).inc()
 
-    async def _fail(self, out: Sender, err: ApiError, anthropic: bool = False) -> None:
+    async def _fail(self, out: Sender, err: ApiError, anthropic: bool = False, logged: bool = False) -> None:
+        if err.status >= 500 and not logged:
+            log_server_error(out, err)
         if not out.started:
             await out.error(err, anthropic)
         else:
@@ -289,4 +366,43 @@ def _method_not_allowed(allowed: str) -> ApiError:
     )
 
 
+def _in_daemon_thread(name: str, fn: Callable[..., T], *args: object) -> asyncio.Future[T]:
+    """fn(*args) on a new daemon thread, as a future of the running loop."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[T] = loop.create_future()
+
+    def settle(result: T | None, err: BaseException | None) -> None:
+        if fut.done():
+            return
+        if err is not None:
+            fut.set_exception(err)
+        else:
+            fut.set_result(result)  # type: ignore[arg-type]
+
+    def run() -> None:
+        try:
+            result, err = fn(*args), None
+        except BaseException as e:  # noqa: BLE001 -- handed to the awaiting side
+            result, err = None, e
+        try:
+            loop.call_soon_threadsafe(settle, result, err)
+        except RuntimeError:  # the loop closed meanwhile (a stop gave the start-up up)
+            pass
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return fut
+
+
+def _close_late_engine(built: asyncio.Future[AsyncEngine]) -> None:
+    """An engine whose build outlived a stop during start-up: its background compiles stopped."""
+    if not built.cancelled() and built.exception() is None:
+        built.result().shutdown(0.0)
+
+
+def _timed(what: str, t0: float) -> None:
+    took = time.monotonic() - t0
+    (log.warning if took > 1.0 else log.info)("%s in %.1f s", what, took)
+
+
+take_over_granian()  # granian's worker imports this module before it sets up its signals
 app = App()

@@ -9,12 +9,28 @@ Must not touch the engine. Tested through tests/test_serve_app.py.
 
 from __future__ import annotations
 
+import logging
 import re
+from typing import Protocol
 
 import msgspec
 
 from tl.async_engine import EngineError, EngineUnavailable
 from tl.request import ContextLengthError, QueueFullError, RequestError
+
+log = logging.getLogger("serve")
+
+
+class HasRequestId(Protocol):
+    request_id: bytes
+
+
+def log_server_error(out: HasRequestId, err: ApiError) -> None:
+    """The one log line of a 5xx the server sends (as the status, or as a stream's error
+    event): the request id, the status, the code and the cause. A 503 is the server's capacity
+    or its stop speaking (a warning), anything else an error."""
+    level = logging.WARNING if err.status == 503 else logging.ERROR
+    log.log(level, "request %s: %d %s: %s", out.request_id.decode("latin-1"), err.status, err.code, err.message)
 
 
 class ErrorBody(msgspec.Struct, frozen=True):

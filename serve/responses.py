@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from serve import errors, sse
-from serve.errors import ApiError
+from serve.errors import ApiError, log_server_error
 from serve.params import GenSpec, ModelInfo, chat_spec
 from serve.wire import (
     CallFunction,
@@ -428,5 +428,7 @@ async def stream(job: Job, req: ResponsesRequest, out: Sender, ping_s: float, do
             await out.chunk(s.end(done()))
     except ApiError as e:
         job.abort()
+        if e.status >= 500:
+            log_server_error(out, e)
         await out.chunk(s.event("error", code=e.code, message=e.message, param=e.param))
     await out.end()

@@ -11,7 +11,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -19,8 +18,9 @@ from pathlib import Path
 
 import httpx
 
+from serve.launch import granian_command
+
 ROOT = Path(__file__).resolve().parent.parent
-GRANIAN = str(Path(sys.executable).parent / "granian")
 
 
 def free_port() -> int:
@@ -29,22 +29,9 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def granian_argv(port: int, app: str = "serve.app:app") -> list[str]:
-    return [
-        GRANIAN,
-        "--interface",
-        "asgi",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--workers",
-        "1",
-        "--http",
-        "1",
-        "--no-ws",
-        app,
-    ]
+def granian_argv(port: int, app: str = "serve.app:app", kill_timeout: int = 40) -> list[str]:
+    """The granian command line tl serves with (serve/launch.py's), on 127.0.0.1:port."""
+    return granian_command("127.0.0.1", port, app, kill_timeout)
 
 
 @contextmanager

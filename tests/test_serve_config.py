@@ -109,7 +109,7 @@ def test_missing_file_is_named(tmp_path: Path) -> None:
 
 def test_launch_argv_uses_http_listen(tmp_path: Path) -> None:
     p = tmp_path / "rt.toml"
-    p.write_text('[engine]\nhttp_listen = "127.0.0.1:8123"\n')
+    p.write_text('[engine]\nhttp_listen = "127.0.0.1:8123"\ndrain_timeout_s = 7.5\n')
     argv = granian_argv(str(p))
     assert argv[1:] == [
         "--interface",
@@ -123,6 +123,8 @@ def test_launch_argv_uses_http_listen(tmp_path: Path) -> None:
         "--http",
         "1",
         "--no-ws",
+        "--workers-kill-timeout",
+        "18",  # drain_timeout_s + STOP_BOUND_S, rounded up: a wedged worker is killed then
         "serve.app:app",
     ]
     assert granian_argv(str(p), "fake_app:app")[-1] == "fake_app:app"  # the tests' own target

@@ -21,10 +21,11 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import jax
+
+from tl.debug_delays import debug_delay
 
 log = logging.getLogger("tl.compiler")
 
@@ -42,6 +43,39 @@ def enable_compile_cache(path: str) -> None:
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     _compile_cache_dir = path
+
+
+def _run_on_daemon_threads(fn: Callable[[Variant], None], items: Sequence[Variant], threads: int) -> None:
+    """fn over items on up to `threads` daemon threads (not an executor's: those are joined at
+    the process's exit, and a stop during the start-up compiles must not wait for them); the
+    first error is raised here once all are done."""
+    todo = list(items)
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+
+    def work() -> None:
+        while True:
+            with lock:
+                if not todo or errors:
+                    return
+                item = todo.pop(0)
+            try:
+                debug_delay("compile")
+                fn(item)
+            except BaseException as e:  # noqa: BLE001 -- raised on the calling thread
+                with lock:
+                    errors.append(e)
+
+    pool = [
+        threading.Thread(target=work, name="tl-compile-startup", daemon=True)
+        for _ in range(max(1, min(threads, len(todo))))
+    ]
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join()
+    if errors:
+        raise errors[0]
 
 
 class StepCompiler:
@@ -126,8 +160,7 @@ class StepCompiler:
             with self._lock:
                 self._done.setdefault(v, fn)
 
-        with ThreadPoolExecutor(max(1, min(threads, len(todo)))) as pool:
-            list(pool.map(one, todo))
+        _run_on_daemon_threads(one, todo, threads)
         took = time.perf_counter() - t0
         log.info(
             "compiled %d of %d step variants before ready in %.1f s: %s",
@@ -149,6 +182,7 @@ class StepCompiler:
             if v in self._done:
                 continue
             t1 = time.perf_counter()
+            debug_delay("compile")
             self.ensure(v)
             log.info(
                 "compiled step variant %dx%d (%d of %d) in %.1f s",

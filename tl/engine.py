@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 from tl.block_manager import BlockManager
 from tl.config import EngineConfig
+from tl.debug_delays import debug_delay
 from tl.plan import Runner, RunnerOutput
 from tl.request import MAX_SEED, EmbedRequest, GenRequest, SamplingParams, TokenOut, check_capacity, check_context
 from tl.scheduler import Scheduler
@@ -122,6 +123,7 @@ class Engine:
     def step(self) -> list[TokenOut]:
         plan = self.scheduler.schedule()
         if plan.work:
+            debug_delay("step")
             t0 = time.perf_counter()
             output = self.runner.execute(plan)
             self._step_seconds.observe(time.perf_counter() - t0)
