@@ -1,9 +1,13 @@
-"""AsyncEngine: the engine thread, bounded admission, abort, embeddings and surviving a failing step."""
+"""AsyncEngine: the engine thread, bounded admission, abort, embeddings, surviving a failing step
+and slow grammars that starve no other."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
+import threading
+import time
 from collections.abc import Awaitable, Callable
 
 import pytest
@@ -13,13 +17,24 @@ from fake_engine import (
     FakeEngine,
     FakeRunner,
     SuccRunner,
+    byte_grammars,
     fake_embedding,
 )
+from test_grammar import nested_any_of
 
 from tl.async_engine import Abort, Add, AddEmbedding, AsyncEngine, EngineError
 from tl.config import EngineConfig
 from tl.engine import Engine
-from tl.request import ContextLengthError, EmbedRequest, GenRequest, QueueFullError, SamplingParams, TokenOut
+from tl.grammar import GrammarError
+from tl.request import (
+    ConstraintSpec,
+    ContextLengthError,
+    EmbedRequest,
+    GenRequest,
+    QueueFullError,
+    SamplingParams,
+    TokenOut,
+)
 from tl.stats import BackendInfo
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=3)
@@ -179,5 +194,55 @@ def test_submit_refuses_by_the_engines_rules_and_words(build: Callable[..., Asyn
             alone.add_request(GenRequest((97,), long))
         assert str(full.value) == str(direct_full.value)
         eng.shutdown()
+
+    run(body)
+
+
+def many_properties(num: int, value: dict[str, object]) -> dict[str, object]:
+    """An object of num optional properties: llguidance's build time grows with num squared."""
+    return {"type": "object", "properties": {f"p{i}": value for i in range(num)}}
+
+
+SLOW_SCHEMAS = [  # llguidance alone, on an idle 2-core Xeon: 1.3 s, 0.5 s to 1.2 s, 1.2 s
+    many_properties(2000, {"type": "integer"}),
+    nested_any_of(8),
+    many_properties(2500, {"type": "string", "pattern": "[a-z]{1,20}"}),
+]
+
+
+def test_slow_schemas_do_not_starve_a_plain_one() -> None:
+    """Three schemas far slower than a 0.25 s bound, all in flight, then a plain one: the three are
+    refused as too slow (and remembered as refused while they still compile), the plain one
+    compiles at once instead of queueing behind them, and shutdown waits for none of them."""
+    cfg = EngineConfig(block_size=4, grammar_timeout_s=0.25)
+    field = "response_format.json_schema.schema"
+
+    async def body() -> None:
+        eng = AsyncEngine(FakeEngine(FakeRunner(), cfg), ByteTokenizer(), ConcatTemplate(), "succ", byte_grammars(cfg))
+        eng.start()
+        await eng.compile_constraint(ConstraintSpec("regex", "warm", "p"))  # llguidance's tokenizer, built
+        slow = [
+            asyncio.create_task(eng.compile_constraint(ConstraintSpec("json", json.dumps(s), field)))
+            for s in SLOW_SCHEMAS
+        ]
+        await asyncio.sleep(0.01)  # all three compiling
+        t0 = time.perf_counter()
+        plain = await eng.compile_constraint(
+            ConstraintSpec("json", json.dumps(many_properties(2, {"type": "integer"})), field)
+        )
+        assert time.perf_counter() - t0 < cfg.grammar_timeout_s and not plain.cached
+        for task in slow:
+            with pytest.raises(GrammarError) as e:
+                await task
+            assert e.value.param == field and "grammar_timeout_s" in str(e.value)
+        t0 = time.perf_counter()
+        with pytest.raises(GrammarError, match="grammar_timeout_s"):  # from the cache: no fourth compile
+            await eng.compile_constraint(ConstraintSpec("json", json.dumps(SLOW_SCHEMAS[0]), "other.field"))
+        assert time.perf_counter() - t0 < cfg.grammar_timeout_s
+        assert eng._grammar_pool.num_overdue > 0  # still compiling, written off
+        t0 = time.perf_counter()
+        eng.shutdown()
+        assert time.perf_counter() - t0 < 1.0
+        assert all(t.daemon for t in threading.enumerate() if t.name == "tl-grammar")  # exit does not wait
 
     run(body)

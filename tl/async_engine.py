@@ -6,8 +6,9 @@ queues out of it (filled with loop.call_soon_threadsafe, one call per step); emb
 requests are engine work like prompts (EmbedHandle gathers their inputs' vectors). Nothing that
 computes runs on the event loop: the loop only enqueues commands and reads snapshots.
 Commands into the thread are typed records (Add, AddEmbedding, Abort, Call, Stop).
-Structured output's grammars compile on two worker threads of their own (`compile_constraint`,
-time-bounded), so neither the loop nor the engine thread ever waits for one. Admission
+Structured output's grammars compile on worker threads of their own (`compile_constraint`,
+time-bounded; tl/grammar_pool.py writes off a compile that overran, so slow schemas cannot
+starve later ones), so neither the loop nor the engine thread ever waits for one. Admission
 is the engine's (its check_context and check_capacity, which read only fixed limits), applied
 here too so that submit() refuses at once: ContextLengthError, or QueueFullError when requests
 not yet taken by the thread plus the engine's waiting queue reach queue_capacity.
@@ -19,17 +20,19 @@ Must not import jax or serve/. Tested with tests/fake_engine.py by tests/test_as
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
+import functools
 import logging
 import queue
 import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
+from tl.grammar_pool import GrammarPool
 from tl.request import ConstraintSpec, EmbedRequest, GenRequest, RequestError, TokenOut
 from tl.stats import BackendInfo, EngineStats
 
@@ -41,6 +44,21 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("tl.async_engine")
 T = TypeVar("T")
+
+NUM_GRAMMAR_WORKERS = 4
+"""Compiles that run at once: enough that a plain schema is not queued behind a few slow ones
+before the bound writes them off (the cores are shared: a plain compile takes milliseconds)."""
+MAX_OVERDUE_GRAMMARS = 4
+"""Compiles past grammar_timeout_s that may run on, written off (tl/grammar_pool.py): the most
+threads slow schemas can hold beyond NUM_GRAMMAR_WORKERS."""
+
+
+@dataclass(frozen=True, slots=True)
+class InFlight:
+    """One spec's compile in flight: the pool's future (to give up on) and the loop's view of it."""
+
+    source: concurrent.futures.Future[Compiled]
+    job: asyncio.Future[Compiled]
 
 
 class EngineError(RuntimeError):
@@ -237,8 +255,8 @@ class AsyncEngine:
         self.model_id = model_id
         self.grammars = grammars
         self.tools = tools
-        self._grammar_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tl-grammar")
-        self._compiling: dict[tuple[str, str, str], asyncio.Future[Compiled]] = {}  # the loop's only
+        self._grammar_pool = GrammarPool(NUM_GRAMMAR_WORKERS, MAX_OVERDUE_GRAMMARS)
+        self._compiling: dict[tuple[str, str, str], InFlight] = {}  # the loop's only
         self.ready = False
         self._cmds: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._lock = threading.Lock()
@@ -276,33 +294,41 @@ class AsyncEngine:
         """The compiled grammar of spec, from the cache or built on a worker thread (never on the
         loop), within grammars.timeout_s. Concurrent requests for one spec share one compile
         (they count as cached). Raises RequestError naming spec.param: no grammar support, a
-        constraint that does not compile, or one slower than the bound (its compile finishes on
-        the worker and is remembered as refused)."""
+        constraint that does not compile, or one slower than the bound (remembered as refused at
+        once; its compile is written off, see tl/grammar_pool.py, and ends on its own thread)."""
         grammars = self.grammars
         if grammars is None:
             raise RequestError("structured output is not available for this model", param=spec.param)
         from tl.grammar import too_slow
 
         key = (spec.kind, spec.text, spec.param)
-        job = self._compiling.get(key)
-        shared = job is not None
-        if job is None:
-            job = asyncio.ensure_future(
-                asyncio.get_running_loop().run_in_executor(self._grammar_pool, grammars.compile, spec)
-            )
-            self._compiling[key] = job
-
-            def done(f: asyncio.Future[Compiled]) -> None:
-                self._compiling.pop(key, None)
-                if not f.cancelled():
-                    f.exception()  # retrieved: a refusal nobody awaits any more (timed out) is not logged
-
-            job.add_done_callback(done)
-        try:
-            compiled = await asyncio.wait_for(asyncio.shield(job), grammars.timeout_s)
-        except TimeoutError:
-            raise too_slow(spec, grammars.timeout_s) from None
+        shared = key in self._compiling
+        if not shared:
+            self._compiling[key] = self._start_compile(grammars, spec, key)
+        source, job = self._compiling[key].source, self._compiling[key].job
+        # asyncio.wait neither cancels the job when this request is cancelled nor raises when
+        # the job is (a sharer gave up on it while it was queued)
+        await asyncio.wait((job,), timeout=grammars.timeout_s)
+        if not job.done() or job.cancelled():
+            if source.running():  # a compile this slow is refused from now on, not built again
+                grammars.refuse(spec)
+            self._grammar_pool.give_up(source)
+            raise too_slow(spec, grammars.timeout_s)
+        compiled = job.result()
         return dataclasses.replace(compiled, cached=True, seconds=0.0) if shared else compiled
+
+    def _start_compile(self, grammars: GrammarCompiler, spec: ConstraintSpec, key: tuple[str, str, str]) -> InFlight:
+        """Submit spec's compile; it leaves _compiling when it ends."""
+        source = self._grammar_pool.submit(functools.partial(grammars.compile, spec))
+        job = asyncio.wrap_future(source)
+
+        def done(f: asyncio.Future[Compiled]) -> None:
+            self._compiling.pop(key, None)
+            if not f.cancelled():
+                f.exception()  # retrieved: a refusal nobody awaits any more (timed out) is not logged
+
+        job.add_done_callback(done)
+        return InFlight(source, job)
 
     def start(self) -> None:
         """Start the engine thread; call from the event loop that will submit."""
@@ -387,7 +413,8 @@ class AsyncEngine:
         if self._thread is not None and self._thread.is_alive():
             self._command(Stop())
             self._thread.join(timeout)
-        self._grammar_pool.shutdown(wait=False, cancel_futures=True)
+        # waits for no compile: the pool's threads are daemons, so a stuck one cannot hold the exit
+        self._grammar_pool.shutdown()
         self.engine.close()  # the runner's background compilation
 
     def fail(self, reason: str) -> None:

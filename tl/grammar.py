@@ -4,7 +4,8 @@ Owns: turning a ConstraintSpec (tl/request.py) into llguidance grammar text (JSO
 compact whitespace, regex, a choice of strings, Lark), the llguidance tokenizer built from the
 model's tokenizer.json (its vocabulary padded to the model's, so mask columns past the
 tokenizer's tokens stay blocked), compiling with resource limits, the LRU cache of compiled
-grammars keyed by the exact spec (a refusal is cached too), the time bound, Matcher: one
+grammars keyed by the exact spec (a refusal is cached too, a too slow one as soon as its caller
+gives up), the time bound, Matcher: one
 sequence's llguidance matcher behind tl.request's Guide (the scheduler trims drafts and
 consumes tokens through it), and `fill_masks`, a step's bitmask rows filled in parallel. Host code (numpy,
 llguidance): must not import jax. The async time bound is AsyncEngine's (it runs `compile` on
@@ -212,13 +213,22 @@ class GrammarCompiler:
         seconds = time.perf_counter() - t0
         if seconds > self.timeout_s:
             outcome = too_slow(spec, self.timeout_s)
-        with self._lock:
-            self._cache[key] = outcome
-            while len(self._cache) > self.cache_size:
-                self._cache.popitem(last=False)
+        self._remember(spec, outcome)
         if isinstance(outcome, GrammarError):
             raise outcome
         return Compiled(outcome, False, seconds)
+
+    def refuse(self, spec: ConstraintSpec) -> None:
+        """Remember spec as too slow now, while its compile still runs (AsyncEngine gave up on
+        it); that compile's own outcome replaces this when it returns."""
+        self._remember(spec, too_slow(spec, self.timeout_s))
+
+    def _remember(self, spec: ConstraintSpec, outcome: Grammar | GrammarError) -> None:
+        with self._lock:
+            self._cache[(spec.kind, spec.text)] = outcome
+            self._cache.move_to_end((spec.kind, spec.text))
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
 
     def _build(self, spec: ConstraintSpec) -> Grammar:
         text = grammar_text(spec)
