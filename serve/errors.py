@@ -15,7 +15,7 @@ from typing import Protocol
 
 import msgspec
 
-from tl.async_engine import EngineError, EngineUnavailable
+from tl.async_engine import EngineError, EngineUnavailable, NoCapacity
 from tl.request import ContextLengthError, QueueFullError, RequestError
 
 log = logging.getLogger("serve")
@@ -183,9 +183,12 @@ def unavailable(message: str) -> ApiError:
 
 
 def from_engine_error(err: EngineError) -> ApiError:
-    """A failure while the request was live: 503 when the engine is gone for good, else 500."""
+    """A failure while the request was live: 503 when the engine is gone for good or no
+    capacity came in time (both retryable), else 500."""
     if isinstance(err, EngineUnavailable):
         return unavailable(str(err))
+    if isinstance(err, NoCapacity):
+        return no_capacity()
     return internal(str(err))
 
 

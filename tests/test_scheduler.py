@@ -304,3 +304,25 @@ def test_prompt_lookup_prefers_the_longest_then_latest_match() -> None:
     assert p.propose([1, 1], 4) == (1,)
     assert p.propose([1, 2, 1], 0) == ()
     assert PromptLookupProposer(min_n=2, max_n=4).propose([3, 4, 5, 9, 5], 2) == ()
+
+
+def test_an_embeddings_request_under_way_outlives_the_queue_deadline() -> None:
+    """A large embeddings request's inputs run at most max_num_seqs // 2 at a time; the ones
+    waiting for their turn behind their own request's running inputs are not refused at the
+    queue deadline (the cause of a 500 seen while the background compiles slowed every step).
+    A request that never started still is: test_deadline_finishes_a_request_that_never_got_blocks."""
+    s, clock = make(num_blocks=64, max_num_seqs=4, queue_deadline_ms=500)
+    inputs = [Sequence(i, (1, 2, 3), GREEDY, seed=0, priority=0, arrival_s=0.0, pool=True, group=0) for i in range(10)]
+    for seq in inputs:
+        s.add(seq)
+    done: list[TokenOut] = []
+    for _ in range(10):
+        plan = schedule(s)
+        assert 0 < len(plan.work) <= 2  # the embeddings' share of the sequences
+        clock.now_s += 0.4  # every step slower than the deadline
+        done += update(s, plan, *(SeqResult(w.seq_id, (), (), pooled=(1.0, 0.0)) for w in plan.work))
+        if not s.has_work():
+            break
+    assert sorted(o.request_id for o in done) == list(range(10))
+    assert {o.finish_reason for o in done} == {"stop"}
+    assert s._group_left == {} and s._started_groups == set()

@@ -656,3 +656,58 @@ def test_queue_deadline_answers_503_no_capacity(kind: str) -> None:
         assert content(await first) == "".join(chr(98 + i) for i in range(30))
 
     run(make_app(kind, 0.01, max_num_seqs=1, seq_buckets=(1,), queue_deadline_ms=60), body)
+
+
+def test_every_5xx_is_logged_once_with_its_request_id_and_cause(caplog: pytest.LogCaptureFixture) -> None:
+    """A step that raises fails its request with 500 internal_error (non-streamed) and with an
+    error event (streamed); each is logged once, naming the request id and the cause."""
+
+    async def body(app: App) -> None:
+        assert app.engine is not None
+        sync = app.engine.engine
+
+        def broken() -> Any:
+            raise RuntimeError("the device fell over")
+
+        sync.step = broken  # type: ignore[method-assign]
+        r = await call(app, "POST", CHAT, HAND, headers={"x-request-id": "req-500"})
+        assert r.status == 500 and r.json()["error"]["code"] == "internal_error"
+        s = await call(app, "POST", CHAT, chat(stream=True), headers={"x-request-id": "req-stream"})
+        assert s.status == 200 and s.events()[-1] == "[DONE]"
+        assert json.loads(s.events()[-2])["error"]["code"] == "internal_error"
+
+    with caplog.at_level("INFO", logger="serve"):
+        run(make_app("real"), body)
+    for rid in ("req-500", "req-stream"):
+        lines = [r.getMessage() for r in caplog.records if r.name == "serve" and rid in r.getMessage()]
+        assert len(lines) == 1, lines
+        assert "500 internal_error" in lines[0] and "the device fell over" in lines[0], lines
+
+
+def test_an_embeddings_input_out_of_capacity_is_a_retryable_503() -> None:
+    """An embeddings input that finishes no_capacity (queue deadline, no KV blocks) makes the
+    request a 503 no_capacity with Retry-After, as a generation's does, never a 500."""
+
+    def build(cfg: EngineConfig) -> AsyncEngine:  # 12 blocks of 4 tokens
+        engine = Engine(SuccRunner(block_size=4, num_kv_blocks=12, step_delay_s=0.05), cfg)
+        return AsyncEngine(engine, ByteTokenizer(), ConcatTemplate(), "succ")
+
+    async def body(app: App) -> None:
+        ask = chat(messages=[{"role": "user", "content": "a" * 20}], max_tokens=20, stream=True)
+        stream = asyncio.create_task(call(app, "POST", CHAT, ask))
+        await wait_for(lambda: metric(app, "tl_engine_active_sequences") == 1, 5)
+        # the stream holds blocks to the end; a 40-token input needs 10 of the 12 and never starts
+        r = await call(app, "POST", "/v1/embeddings", {"model": "succ", "input": [[5] * 40]})
+        assert r.status == 503, r.json()
+        assert r.json()["error"]["code"] == "no_capacity" and r.headers["retry-after"] == "1"
+        assert (await stream).status == 200
+
+    config = EngineConfig(
+        model_dir="models/succ",
+        block_size=4,
+        queue_deadline_ms=50,
+        max_num_seqs=4,
+        prefill_chunk=0,
+        prompt_tokens_while_decoding=0,
+    )
+    run(App(config, build, handle_signals=False, start_health=False), body)

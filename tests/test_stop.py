@@ -84,7 +84,7 @@ class Served:
 
 
 @contextmanager
-def tl_serve(model_dir: Path, tmp_path: Path, delays: str) -> Iterator[Served]:
+def tl_serve(model_dir: Path, tmp_path: Path, delays: str, extra: str = "") -> Iterator[Served]:
     port, hport = free_port(), free_port()
     cfg = tmp_path / f"stop-{port}.toml"
     cfg.write_text(
@@ -95,7 +95,7 @@ def tl_serve(model_dir: Path, tmp_path: Path, delays: str) -> Iterator[Served]:
         "block_size = 4\nnum_kv_blocks = 256\nmax_num_seqs = 4\nmax_num_batched_tokens = 32\n"
         "prefill_chunk = 32\ntoken_buckets = [1, 8, 32]\nseq_buckets = [1, 4]\n"
         'attention_kernel = "reference"\nmatmul_kernel = "xla"\nweight_pages = "default"\n'
-        'model_id = "tiny"\n'
+        'model_id = "tiny"\n' + extra
     )
     env = {**os.environ, "TL_DEBUG_DELAYS": delays, "PYTHONPATH": f"{ROOT}"}
     argv = [sys.executable, "-c", f"from serve.launch import serve_main; serve_main({str(cfg)!r})"]
@@ -204,3 +204,30 @@ def test_a_second_signal_during_a_drain_stops_at_once(tiny_dir: Path, tmp_path: 
         error = json.loads(long[-2][6:])
         assert error["error"]["code"] == "aborted", long[-3:]
         assert "stopping at once" in srv.log()
+
+
+def test_work_admitted_during_the_background_compiles_is_served(tiny_dir: Path, tmp_path: Path) -> None:
+    """Embeddings (24 inputs, two at a time: their share of max_num_seqs) and a generation sent
+    while the background compiles are pending (forced slow), every step so slow that the whole
+    embeddings request outlasts the queue deadline: both answered, none refused (the 500
+    "embeddings input N refused for lack of KV blocks" seen before). (A request that cannot
+    start within the deadline for lack of sequences or blocks is a 503 no_capacity: not here.)"""
+    with tl_serve(tiny_dir, tmp_path, "compile=3,step=0.03", "queue_deadline_ms = 200\n") as srv:
+        srv.wait_ready(120)
+        metrics = httpx.get(f"{srv.health}/metrics").text
+        pending = next(
+            float(ln.split()[-1]) for ln in metrics.splitlines() if ln.startswith("tl_engine_compile_pending ")
+        )
+        assert pending > 0
+        streams: list[list[str]] = [[]]
+        threads = [_stream(srv.api, 24, out) for out in streams]
+        inputs = [[int(x) % 200 + 1 for x in range(i, i + 12)] for i in range(24)]
+        r = httpx.post(f"{srv.api}/v1/embeddings", json={"model": "tiny", "input": inputs}, timeout=60)
+        assert r.status_code == 200, r.text
+        assert len(r.json()["data"]) == 24
+        for t in threads:
+            t.join(30)
+        for out in streams:
+            assert out[-1] == "data: [DONE]", out[-3:]
+            assert json.loads(out[-2][6:])["choices"][0]["finish_reason"] == "length", out[-3:]
+        assert " 500 " not in srv.log()

@@ -65,6 +65,11 @@ class EngineError(RuntimeError):
     """The engine failed (or stopped) while this request was live."""
 
 
+class NoCapacity(EngineError):
+    """An embeddings request whose input waited past the queue deadline without starting (the
+    generations' finish reason no_capacity): served as a retryable 503."""
+
+
 class EngineUnavailable(EngineError):
     """The engine can run no more steps (a multi-host group lost a process): served as 503."""
 
@@ -188,8 +193,11 @@ class EmbedHandle:
                     self._left -= 1
                 self._vectors[i] = list(o.embedding)
             elif o.finish_reason is not None:
-                reason = "aborted" if o.finish_reason == "abort" else "refused for lack of KV blocks"
-                self._result.set_exception(EngineError(f"embeddings input {self._index[o.request_id]} {reason}"))
+                i = self._index[o.request_id]
+                if o.finish_reason == "no_capacity":
+                    self._result.set_exception(NoCapacity(f"embeddings input {i} found no KV-cache capacity in time"))
+                else:
+                    self._result.set_exception(EngineError(f"embeddings input {i} ended: {o.finish_reason}"))
                 return
         if self._left == 0:
             self._result.set_result([v for v in self._vectors if v is not None])

@@ -1,6 +1,7 @@
 """Debug delays: make a start-up phase slow on purpose, so that a test can stop the server in it.
 
-Owns the TL_DEBUG_DELAYS variable: comma-separated `phase=seconds` pairs, read once. Phases:
+Owns the delays: tl/build.py hands over the TL_DEBUG_DELAYS variable (`configure`), comma-
+separated `phase=seconds` pairs. Phases:
 `load` (before the model is loaded), `compile` (before each step variant is compiled, at
 start-up and in the background) and `step` (before each engine step that computes: streams
 then run slowly enough to be caught open). Unset (always, outside tests): no delay, nothing
@@ -11,19 +12,21 @@ Used by tests/test_stop.py.
 from __future__ import annotations
 
 import logging
-import os
 import time
-from functools import cache
 
 log = logging.getLogger("tl.debug")
 PHASES = ("load", "compile", "step")
 _logged: set[str] = set()
+_delays: dict[str, float] = {}
 
 
-@cache
-def delays() -> dict[str, float]:
-    """The delays TL_DEBUG_DELAYS asks for (ValueError naming the variable if malformed)."""
-    text = os.environ.get("TL_DEBUG_DELAYS", "").strip()
+def configure(text: str) -> None:
+    """Take the delays TL_DEBUG_DELAYS asks for (ValueError naming the variable if malformed)."""
+    _delays.clear()
+    _delays.update(parse(text))
+
+
+def parse(text: str) -> dict[str, float]:
     out: dict[str, float] = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
         phase, sep, seconds = part.partition("=")
@@ -35,7 +38,7 @@ def delays() -> dict[str, float]:
 
 def debug_delay(phase: str) -> None:
     """Sleep as long as TL_DEBUG_DELAYS asks for `phase` (usually not at all)."""
-    seconds = delays().get(phase, 0.0)
+    seconds = _delays.get(phase, 0.0)
     if seconds > 0:
         if phase not in _logged:
             _logged.add(phase)

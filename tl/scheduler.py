@@ -118,10 +118,14 @@ class Scheduler:
         self._preempted_this_step = False
         self._waiting_on_compute = False  # the last admission stopped for the token budget
         self._max_pool_seqs = max(1, config.max_num_seqs // 2)
+        self._group_left: dict[int, int] = {}  # embeddings request -> its inputs still live
+        self._started_groups: set[int] = set()  # embeddings requests one of whose inputs started
 
     # ----- requests in and out
     def add(self, seq: Sequence) -> None:
         self.seqs[seq.seq_id] = seq
+        if seq.pool:
+            self._group_left[seq.group] = self._group_left.get(seq.group, 0) + 1
         bisect.insort(self.waiting, seq, key=Sequence.order_key)
 
     def abort(self, seq_id: int) -> None:
@@ -200,6 +204,8 @@ class Scheduler:
         self.waiting.pop(index)
         self.running.append(seq)
         seq.status, seq.started, seq.num_computed_tokens = SeqStatus.RUNNING, True, num_cached
+        if seq.pool:
+            self._started_groups.add(seq.group)
         self._add_work(seq, num_new, ())
         return True
 
@@ -298,11 +304,18 @@ class Scheduler:
     def _expire_waiting(self) -> None:
         """Requests never started within queue_deadline_ms finish with no_capacity, unless the
         last step's admission stopped for its token budget (the queue is moving, at the rate of
-        compute), not for KV blocks or sequences."""
+        compute), not for KV blocks or sequences. The deadline is a request's: an embeddings
+        input whose request has started (one of its inputs was scheduled) waits for its turn
+        under the request's share of the sequences, however long that takes."""
         if self._waiting_on_compute:
             return
         deadline_s = self.clock() - self.config.queue_deadline_ms / 1000
-        for seq in [s for s in self.waiting if not s.started and s.arrival_s <= deadline_s]:
+        expired = [
+            s
+            for s in self.waiting
+            if not s.started and s.arrival_s <= deadline_s and not (s.pool and s.group in self._started_groups)
+        ]
+        for seq in expired:
             self._finish(seq, "no_capacity")
             self._finished_outs.append(TokenOut(seq.seq_id, -1, finish_reason="no_capacity"))
 
@@ -384,6 +397,12 @@ class Scheduler:
         self.block_manager.free(seq.seq_id)
         seq.status, seq.finish_reason = SeqStatus.FINISHED, reason
         del self.seqs[seq.seq_id]
+        if seq.pool:
+            left = self._group_left.pop(seq.group) - 1
+            if left:
+                self._group_left[seq.group] = left
+            else:
+                self._started_groups.discard(seq.group)
 
 
 def _checked(work: SeqWork, result: SeqResult | None) -> SeqResult:
