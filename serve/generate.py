@@ -411,7 +411,7 @@ async def respond(
 async def _finish(job: Job) -> bool:
     """Every delivery fed in; False if the client left first."""
     while not job.done:
-        choice, item = await job.next(None)
+        choice, item = await job.next(None)  # every choice's handle ends with an item (tl/async_engine.py)
         if item is _GONE:
             return False
         assert choice is not None

@@ -131,6 +131,8 @@ class RequestHandle:
     async def __anext__(self) -> list[TokenOut]:
         if self._done:
             raise StopAsyncIteration
+        # Unbounded by design: the engine thread delivers to every live handle each step, and a
+        # stop, an abort, a failed step or a lost group (fail) ends every open one with an item.
         item = await self._queue.get()
         if isinstance(item, BaseException):
             self._done = True
@@ -178,7 +180,7 @@ class EmbedHandle:
         return self._abort_sent
 
     async def vectors(self) -> list[list[float]]:
-        return await self._result
+        return await self._result  # settled as RequestHandle's items are (see __anext__)
 
     def _put(self, item: list[TokenOut] | BaseException) -> None:
         if self._result.done():
@@ -409,7 +411,7 @@ class AsyncEngine:
                 loop.call_soon_threadsafe(_resolve, fut, result)
 
         self._command(Call(run))
-        return await fut
+        return await fut  # the thread runs commands between steps, and every 0.25 s when idle
 
     def stats(self) -> EngineStats:
         """The snapshot the engine thread took after its last iteration."""

@@ -72,7 +72,7 @@ def _run_on_daemon_threads(fn: Callable[[Variant], None], items: Sequence[Varian
     ]
     for t in pool:
         t.start()
-    for t in pool:
+    for t in pool:  # a compile's own length: start-up needs these, and a stop gives the whole build up
         t.join()
     if errors:
         raise errors[0]
@@ -213,7 +213,8 @@ class StepCompiler:
         self._thread.start()
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Block until the background compilation is over; True when it is."""
+        """Block until the background compilation is over (at most `timeout`; None: the
+        benchmarks and tests that measure after it, never the server); True when it is."""
         if self._thread is None:
             return True
         self._thread.join(timeout)

@@ -375,7 +375,7 @@ class ModelRunner:
         now if this process has not compiled it yet), waited for; its outputs are the leader's."""
         variant = self.compiler.ensure(frame.variant)
         out, _, _, _ = self._run(variant, frame)
-        jax.block_until_ready(out.token)
+        jax.block_until_ready(out.token)  # bounded by the group's step watchdog (peer_timeout_s)
 
     def _compile_variant(self, v: tuple[int, int]) -> _Variant:
         """Variant v of the step (and of the top-logprobs function at its row count) compiled
