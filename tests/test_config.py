@@ -29,6 +29,7 @@ def test_defaults_are_valid_and_complete() -> None:
         ({"max_num_seqs": 1024, "seq_buckets": (1, 1024)}, "max_num_batched_tokens"),
         ({"queue_capacity": 0}, "queue_capacity"),
         ({"max_logprobs": 21}, "max_logprobs"),
+        ({"group_start_timeout_s": 0}, "group_start_timeout_s"),
     ],
 )
 def test_bad_values_name_the_key(changes: dict[str, object], needle: str) -> None:

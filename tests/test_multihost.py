@@ -6,6 +6,9 @@ peer fails within peer_timeout_s. Groups of 2 and 4 processes (one CPU device ea
 collectives) serve the tiny model over HTTP as one job: greedy answers equal one process's,
 concurrent streams equal serial ones, a follower killed mid-stream fails the group (503s, exit
 status 3 everywhere), a killed leader takes its followers down, SIGTERM drains then stops them.
+A group that does not form (tl/group_start.py): the leader names who has not connected or is
+not ready, a lone leader and a lone follower exit within group_start_timeout_s with one line
+naming who is missing, and a leader's start-up error makes its granian exit non-zero.
 """
 
 from __future__ import annotations
@@ -18,7 +21,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
@@ -135,12 +137,10 @@ def test_a_silent_follower_and_a_lost_leader_fail_within_the_bound() -> None:
     leader = Leader(1, 0.5, reasons.append, exit_on_failure=False)
     port = leader.listen("127.0.0.1", 0)
     follower = Follower(1, 0.5, exit_on_failure=False)
-    t = threading.Thread(target=leader.accept, args=(10,))
-    t.start()
     follower.connect("127.0.0.1", port, timeout_s=10)
-    t.join()
+    assert leader.wait_connected(10)
     follower.announce_ready()
-    leader.wait_ready()
+    assert leader.wait_ready(10)
     assert leader.all_ready and follower.reachable
     time.sleep(1.0)  # heartbeats both ways keep both alive
     assert leader.failure is None and follower.failure is None
@@ -153,6 +153,42 @@ def test_a_silent_follower_and_a_lost_leader_fail_within_the_bound() -> None:
     assert 0.5 - 0.1 - 0.05 <= time.monotonic() - t0 < 0.5 + 0.1 + 0.5 and reasons == [leader.failure]
     with pytest.raises(GroupFailed, match="leader"):
         list(follower.frames())  # the leader closed every connection when it failed
+
+
+def test_the_start_up_bound_names_the_missing_followers() -> None:
+    """The channel alone (no jax): a leader of three knows by process id who has not connected
+    and who has not reported ready, and the start-up bound's line says so on expiry."""
+    from tl.group_start import start_deadline
+    from tl.multihost import Follower, Leader
+
+    leader = Leader(2, 5.0, exit_on_failure=False)
+    port = leader.listen("127.0.0.1", 0)
+    followers = [Follower(i, 5.0, exit_on_failure=False) for i in (1, 2)]
+    try:
+        followers[0].connect("127.0.0.1", port, timeout_s=10)
+        lines: list[str] = []
+        t0 = time.monotonic()
+        with start_deadline(0.3, leader.not_connected, on_expiry=lines.append):
+            assert not leader.wait_connected(0.6)
+        assert 0.6 <= time.monotonic() - t0 < 2.0
+        assert lines == ["group start-up: process 2 of 3 did not connect within 0.3 s (group_start_timeout_s)"]
+        followers[1].connect("127.0.0.1", port, timeout_s=10)
+        assert leader.wait_connected(10)
+        assert leader.not_connected().startswith("jax.distributed did not form")
+        followers[1].announce_ready()
+        t0 = time.monotonic()
+        while 2 not in leader.ready and time.monotonic() - t0 < 10:
+            time.sleep(0.01)
+        assert not leader.wait_ready(0.3) and leader.not_ready() == "process 1 of 3 did not report ready"
+        with start_deadline(0.3, leader.not_ready, on_expiry=lines.append):
+            followers[0].announce_ready()
+            assert leader.wait_ready(10)
+        time.sleep(0.5)
+        assert len(lines) == 1, lines  # finished within the bound: nothing said
+    finally:
+        leader.stop()
+        for f in followers:
+            f.close()
 
 
 GROUP_ENGINE = """block_size = 4
@@ -334,3 +370,95 @@ def test_a_killed_leader_takes_its_follower_down(tiny_dir: Path, tmp_path: Path)
         assert time.monotonic() - t0 < 3.0 + 2, "the follower outlived its bound"
         if code == 3:
             assert "the leader (process 0) closed the step channel" in g.log(1)
+
+
+# ---- a group that does not form: group_start_timeout_s (tl/group_start.py) ---------------------
+
+
+def _alone(model_dir: Path, tmp: Path, process_id: int, engine: str) -> tuple[subprocess.Popen[bytes], Path]:
+    """One process of a 2-process group started alone by `tl serve` (its own session, one CPU
+    device), with `engine` lines added to its config; the process and its log."""
+    from bench.soak import free_port
+
+    config, log = tmp / f"alone-{process_id}.toml", tmp / f"alone-{process_id}.log"
+    config.write_text(
+        f'[engine]\nmodel_dir = "{model_dir}"\ntensor_parallel = 2\nprocess_id = {process_id}\n'
+        f'coordinator_address = "127.0.0.1:{free_port()}"\nstep_port = {free_port()}\n'
+        f'http_listen = "127.0.0.1:{free_port()}"\nhealth_listen = "127.0.0.1:{free_port()}"\n' + engine + GROUP_ENGINE
+    )
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu"}
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "serve", "--config", str(config)],
+            cwd=ROOT,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    return proc, log
+
+
+def _wait_alone(proc: subprocess.Popen[bytes], log: Path, timeout_s: float) -> tuple[int, str]:
+    """The exit status and log of a process from _alone; killed (with its session) if it outlives timeout_s."""
+    try:
+        return proc.wait(timeout_s), log.read_text(errors="replace")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
+def _seconds_between(text: str, first: str, then: str) -> float:
+    """Seconds between the log lines holding `first` and `then` (setup_logging's asctime, ms)."""
+
+    def at(needle: str) -> float:
+        line = next(x for x in text.splitlines() if needle in x)
+        stamp = time.strptime(line[:19], "%Y-%m-%d %H:%M:%S")
+        return time.mktime(stamp) + int(line[20:23]) / 1000
+
+    return at(then) - at(first)
+
+
+BOUND = 3.0
+SLACK_S = 40.0  # python, granian and jax imports before the bound starts, on 2 shared cores
+
+
+def test_a_leader_without_its_follower_exits_naming_it(tiny_dir: Path, tmp_path: Path) -> None:
+    """Process 0 of 2, alone: within group_start_timeout_s of opening its step channel it logs one
+    ERROR line naming process 1, and exits (status 4 in its granian worker, whose granian then
+    exits 1) before jax.distributed's own deadline aborts it."""
+    proc, log = _alone(tiny_dir, tmp_path, 0, f"num_processes = 2\ngroup_start_timeout_s = {BOUND}\n")
+    code, text = _wait_alone(proc, log, BOUND + SLACK_S)
+    assert code == 1, text[-3000:]
+    errors = [x for x in text.splitlines() if " ERROR tl.group_start: " in x]
+    assert len(errors) == 1, text[-3000:]
+    assert errors[0].endswith(
+        "group start-up: process 1 of 2 did not connect within 3.0 s (group_start_timeout_s); exiting with status 4"
+    )
+    assert BOUND <= _seconds_between(text, "step channel listening", "group start-up:") < BOUND + 1.5
+    assert "Unexpected exit from worker-1" in text and "Terminating process" not in text  # not JAX's abort
+
+
+def test_a_follower_without_its_leader_exits_naming_it(tiny_dir: Path, tmp_path: Path) -> None:
+    """Process 1 of 2, alone: within group_start_timeout_s of trying the leader's step channel it
+    logs one ERROR line naming the leader (process 0) and exits with status 4."""
+    proc, log = _alone(tiny_dir, tmp_path, 1, f"group_start_timeout_s = {BOUND}\n")
+    code, text = _wait_alone(proc, log, BOUND + SLACK_S)
+    assert code == 4, text[-3000:]
+    errors = [x for x in text.splitlines() if " ERROR " in x]
+    assert len(errors) == 1 and "group start-up: process 1: the leader (process 0) did not answer" in errors[0], text
+    assert errors[0].endswith("within 3.0 s (group_start_timeout_s); exiting with status 4")
+    assert BOUND <= _seconds_between(text, "connecting to the leader's step channel", "group start-up:") < BOUND + 1.5
+
+
+def test_a_leader_failing_start_up_under_granian_exits_non_zero(tiny_dir: Path, tmp_path: Path) -> None:
+    """An exception in the leader's start-up (here: num_processes unknown, so it cannot name its
+    followers) becomes lifespan.startup.failed; granian then exits non-zero instead of serving
+    without a lifespan."""
+    proc, log = _alone(tiny_dir, tmp_path, 0, "")
+    code, text = _wait_alone(proc, log, SLACK_S)
+    assert code == 1, text[-3000:]  # granian's status on its worker's exit
+    assert "ConfigError: the server of a multi-host job is process 0 and needs" in text, text[-3000:]
+    assert "got process_id 0 and num_processes unknown" in text
+    assert "ASGI lifespan startup failed" in text and "continuing without Lifespan" not in text

@@ -20,6 +20,7 @@ replicated too; an FFN width that does not divide is refused.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -36,6 +37,7 @@ log = logging.getLogger("tl.backend")
 PLATFORMS = ("tpu", "gpu", "cpu")  # "auto" takes the first present
 KV_SHARDED = P(None, None, "model", None, None)  # stored K [L, NB, Hk, hd, bs] and V [L, NB, Hk, bs, hd]
 KV_REPLICATED = P()
+JAX_INIT_MARGIN_S = 5  # jax.distributed's own start-up bound runs this much past group_start_timeout_s
 
 
 def available_platforms() -> list[str]:
@@ -111,11 +113,19 @@ def process_index_count() -> tuple[int, int]:
 
 
 def init_distributed(cfg: EngineConfig, env: Mapping[str, str]) -> bool:
-    """Join the multi-host job before any device is touched; False (nothing done) on one host."""
+    """Join the multi-host job before any device is touched; False (nothing done) on one host.
+
+    This waits for every process of the job. JAX's own bound on that wait is
+    group_start_timeout_s plus JAX_INIT_MARGIN_S: on expiry JAX aborts the process naming no one,
+    so tl/group_start.py's watchdog (the bound itself) must speak first."""
     args = distributed_args(cfg, env)
     if args is None:
         return False
     if not jax.distributed.is_initialized():
+        args["initialization_timeout"] = math.ceil(cfg.group_start_timeout_s) + JAX_INIT_MARGIN_S
+        # JAX's preemption service would take SIGTERM over (its notifier's handler replaces the
+        # server's drain and a follower's log-and-wait); tl never asks it for a sync point.
+        jax.config.update("jax_enable_preemption_service", False)
         log.info("jax.distributed.initialize(%s)", ", ".join(f"{k}={v!r}" for k, v in args.items()))
         jax.distributed.initialize(**args)
     log.info(

@@ -1,10 +1,12 @@
 """Assembly: turn an EngineConfig into a ready Engine (and, for serve/, an AsyncEngine).
 
-Owns: the order of start-up (jax.distributed on multi-host -> model dir -> runner -> engine ->
-warm-up -> freezing start-up's objects out of the garbage collector's passes), the start-up
-log of backend, devices, attention kernel and weight pages, and the multi-host roles: process 0
-binds the step channel, waits for its followers and hands the channel to its runner; a
-follower (`run_follower`) builds the same runner and follows (tl/multihost.py).
+Owns: the order of start-up (multi-host: the step channel, then jax.distributed -> model dir ->
+runner -> engine -> warm-up -> freezing start-up's objects out of the garbage collector's
+passes), the start-up log of backend, devices, attention kernel and weight pages, and the
+multi-host roles: process 0 binds the step channel, waits for its followers to connect and
+then to be ready, and hands the channel to its runner; a follower (`run_follower`) connects,
+builds the same runner and follows (tl/multihost.py). Each of those waits is bounded by
+group_start_timeout_s (tl/group_start.py: one ERROR line naming who is missing, exit status 4).
 Must not hold state. Tested through tests/test_cli.py, the server tests and tests/test_multihost.py.
 """
 
@@ -42,11 +44,11 @@ def build_engine(
     is process 0: it waits for every follower, and `on_group_failure(reason)` runs when one is
     lost (then the process exits, status 3).
     """
-    from tl.backend import init_distributed
     from tl.engine import Engine
+    from tl.group_start import start_deadline
     from tl.runner import ModelRunner
 
-    leader = _leader(cfg, on_group_failure) if init_distributed(cfg, os.environ) else None
+    leader = _leader(cfg, on_group_failure)
     t0 = time.perf_counter()
     runner = ModelRunner.from_model_dir(cfg)
     kv_mib = sum(x.nbytes for x in runner.kv_cache) >> 20
@@ -65,27 +67,34 @@ def build_engine(
         gc.freeze()
     if leader is not None:
         log.info("waiting for the %d followers' start-up", leader.num_followers)
-        leader.wait_ready()
+        with start_deadline(cfg.group_start_timeout_s, leader.not_ready):
+            leader.wait_ready()
         leader.busy = lambda: runner.compiler.busy
         runner.peers = leader
     return Engine(runner, cfg)
 
 
 def _leader(cfg: EngineConfig, on_failure: Callable[[str], None] | None) -> Leader | None:
-    """Process 0 of a multi-host job: the step channel bound (on the coordinator's host) and
-    every follower connected; None on one process. Another process here is a mistake: the
-    followers run `run_follower` (serve starts it for a known process_id > 0)."""
-    from tl.backend import process_index_count
+    """Process 0 of a multi-host job: the step channel bound (on the coordinator's host), then,
+    within group_start_timeout_s, the job joined and every follower connected; None on one
+    process (jax.distributed joined all the same when configured). Another process here is a
+    mistake: the followers run `run_follower` (serve starts it for a known process_id > 0)."""
+    from tl.backend import init_distributed
     from tl.config import ConfigError
-    from tl.multihost import Leader, step_address
+    from tl.group_start import start_deadline
+    from tl.multihost import Leader, distributed_args, step_address
 
-    index, count = process_index_count()
-    if count == 1:
+    args = distributed_args(cfg, os.environ)
+    count, index = (args or {}).get("num_processes", 0), (args or {}).get("process_id", -1)
+    if args is None or count == 1:
+        init_distributed(cfg, os.environ)
         return None
-    if index != 0:
+    if count == 0 or index != 0:  # the leader names its followers before jax.distributed forms
         raise ConfigError(
-            f"process {index} of a multi-host job started as the server: set process_id "
-            "(or JAX_PROCESS_ID) so that processes other than 0 start as followers"
+            "the server of a multi-host job is process 0 and needs process_id and num_processes known at "
+            f"start (config or JAX_PROCESS_ID, JAX_NUM_PROCESSES), got process_id "
+            f"{index if index >= 0 else 'unknown'} and num_processes {count or 'unknown'}; "
+            "processes other than 0 start as followers"
         )
     host, port = step_address(jax_coordinator(cfg), cfg.step_port)
     leader = Leader(count - 1, cfg.peer_timeout_s, on_failure)
@@ -95,7 +104,9 @@ def _leader(cfg: EngineConfig, on_failure: Callable[[str], None] | None) -> Lead
         bound = leader.listen("", port)
         host = "all interfaces"
     log.info("step channel listening on %s:%d for %d followers", host, bound, leader.num_followers)
-    leader.accept()
+    with start_deadline(cfg.group_start_timeout_s, leader.not_connected):
+        init_distributed(cfg, os.environ)
+        leader.wait_connected()
     return leader
 
 
@@ -122,17 +133,29 @@ def run_follower(cfg: EngineConfig, on_ready: Callable[[Callable[[], bool]], Non
     """A follower's whole life: join the job, connect to the leader's step channel, build the
     same runner and compile its start-up variants, call `on_ready(is_ready)` (is_ready: the
     leader still reachable), then run the leader's steps until it stops the group (returns 0).
-    A lost leader or a stuck step exits the process with status 3 (tl/multihost.py)."""
-    from tl.backend import init_distributed, process_index_count
-    from tl.multihost import Follower, GroupFailed, follow, step_address
+    A lost leader or a stuck step exits the process with status 3 (tl/multihost.py); a leader
+    not reached or a job not formed within group_start_timeout_s, with status 4
+    (tl/group_start.py). It connects before it joins jax.distributed: the leader then knows it."""
+    from tl.backend import init_distributed
+    from tl.group_start import start_deadline
+    from tl.multihost import Follower, GroupFailed, distributed_args, follow, step_address
     from tl.runner import ModelRunner
 
-    init_distributed(cfg, os.environ)
-    index, _ = process_index_count()
+    index = int((distributed_args(cfg, os.environ) or {}).get("process_id", -1))
+    assert index > 0, "a follower's process id is known (is_follower)"
     chan = Follower(index, cfg.peer_timeout_s)
     host, port = step_address(jax_coordinator(cfg), cfg.step_port)
-    chan.connect(host, port)
-    log.info("process %d: connected to the leader's step channel at %s:%d", index, host, port)
+
+    def missing() -> str:
+        if chan.conn is None:
+            return f"process {index}: the leader (process 0) did not answer on its step channel at {host}:{port}"
+        return f"process {index}: jax.distributed did not form (the leader is connected: another process is missing)"
+
+    log.info("process %d: connecting to the leader's step channel at %s:%d", index, host, port)
+    with start_deadline(cfg.group_start_timeout_s, missing):
+        chan.connect(host, port)
+        log.info("process %d: connected to the leader's step channel at %s:%d", index, host, port)
+        init_distributed(cfg, os.environ)
     runner = ModelRunner.from_model_dir(cfg)
     chan.busy = lambda: runner.compiler.busy
     runner.warmup(background=True)

@@ -97,6 +97,12 @@ class EngineConfig:
     """Multi-host: a process of the group silent this long (no step, no heartbeat), or a step whose
     collectives have not returned this long, fails the group: process 0 stops admitting (readyz 503),
     fails in-flight requests with 503 and every process exits non-zero."""
+    group_start_timeout_s: float = 300.0
+    """Multi-host: how long start-up waits for the rest of the group (followers compile at start-up
+    too): the leader for every follower to connect and jax.distributed to form, then, once its own
+    model is compiled, for every follower to report ready; a follower for the leader's step channel
+    and jax.distributed. On expiry one ERROR line names the missing process ids and the process
+    exits with status 4 (the leader's granian then with 1)."""
     block_size: int = 16
     """Tokens per KV-cache block."""
     num_kv_blocks: int = 2048
@@ -200,6 +206,7 @@ class EngineConfig:
         _check(self.process_id >= -1, f"process_id must be >= -1, got {self.process_id}")
         _check(0 <= self.step_port < 65536, f"step_port must be in 0..65535, got {self.step_port}")
         _check(self.peer_timeout_s > 0, f"peer_timeout_s must be > 0, got {self.peer_timeout_s}")
+        _check(self.group_start_timeout_s > 0, f"group_start_timeout_s must be > 0, got {self.group_start_timeout_s}")
         _check(
             self.block_size in (1, 2, 4, 8, 16, 32, 64, 128),
             f"block_size must be a power of two <= 128, got {self.block_size}",

@@ -14,6 +14,9 @@ Bounds, all `peer_timeout_s`: a peer silent that long (each side sends a heartbe
 collectives have not returned that long, counted from the last moment any process of the
 group was compiling (a compile slows the steps beside it by seconds on a small CPU; the
 heartbeats say who compiles), is stuck.
+Start-up: the leader accepts, beats and reads each follower from its hello on, and a follower
+connects before it joins jax.distributed, so the leader knows by process id who is missing
+(`not_connected`, `not_ready`); the waits themselves are bounded by tl/group_start.py.
 Must not import jax or touch device arrays: the runner packs frames and runs them
 (tl/runner.py); tl/build.py wires both ends. Tested by tests/test_multihost.py.
 
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import queue
 import socket
@@ -40,12 +44,12 @@ from typing import Any, Protocol
 import numpy as np
 
 from tl.config import EngineConfig
+from tl.group_start import processes
 
 log = logging.getLogger("tl.multihost")
 
 EXIT_GROUP_FAILED = 3
 FAILURE_GRACE_S = 1.0  # after on_failure: time for the 503s to reach their clients
-CONNECT_TIMEOUT_S = 120.0  # followers connecting at start-up (every process has joined jax.distributed by then)
 
 HELLO, READY, BEAT, STEP, STOP = 1, 2, 3, 4, 5
 _HEAD = struct.Struct("<BI")  # kind, payload bytes
@@ -268,34 +272,30 @@ class Leader(_Peer):
         self.compiling: dict[int, bool] = {}
         self.steps_sent = 0
         self.send_seconds = 0.0  # encoding and sending every step frame (the channel's cost per step)
-        self._ready_cv = threading.Condition()
+        self._cv = threading.Condition()  # a follower connected or ready
         self._server: socket.socket | None = None
 
     def listen(self, host: str, port: int) -> int:
-        """Bind the step channel (all interfaces when host is empty); the port bound."""
+        """Bind the step channel (all interfaces when host is empty) and accept the followers from
+        now on, each beaten and read from its hello (a follower connects before it joins
+        jax.distributed, so that a missing one can be named); the port bound."""
         srv = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
         srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         srv.bind((host, port))
         srv.listen(self.num_followers + 4)
         self._server = srv
+        threading.Thread(target=self._accept, args=(srv,), name="tl-group-accept", daemon=True).start()
+        threading.Thread(target=self._monitor, name="tl-group-monitor", daemon=True).start()
         return int(srv.getsockname()[1])
 
-    def accept(self, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
-        """Wait for every follower's hello, then start the readers and the monitor."""
-        srv = self._server
-        assert srv is not None, "listen() first"
-        deadline = time.monotonic() + timeout_s
+    def _accept(self, srv: socket.socket) -> None:
+        """Every follower's hello (its process id), until all have connected or the channel closed."""
         while len(self.conns) < self.num_followers:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                missing = sorted(set(range(1, self.num_followers + 1)) - set(self.conns))
-                raise GroupFailed(f"processes {missing} did not connect to the step channel in {timeout_s:.0f} s")
-            srv.settimeout(left)
             try:
                 sock, addr = srv.accept()
-            except TimeoutError:
-                continue
-            sock.settimeout(left)
+                sock.settimeout(self.timeout_s)  # a peer that connects but never says hello
+            except OSError:
+                return  # closed: the group failed or stopped
             conn = _Conn(sock)
             try:
                 kind, payload = conn.recv()
@@ -308,21 +308,46 @@ class Leader(_Peer):
                 conn.close()
                 continue
             sock.settimeout(None)
-            self.conns[pid] = conn
-            self.compiling[pid] = False
+            with self._cv:
+                self.compiling[pid] = False
+                self.conns[pid] = conn
+                self._cv.notify_all()
             log.info("step channel: process %d connected from %s", pid, addr[0])
-        srv.close()
-        for pid, conn in self.conns.items():
             threading.Thread(target=self._read, args=(pid, conn), name=f"tl-group-read-{pid}", daemon=True).start()
-        threading.Thread(target=self._monitor, name="tl-group-monitor", daemon=True).start()
+        with contextlib.suppress(OSError):
+            srv.close()
 
-    def wait_ready(self) -> None:
-        """Block until every follower has compiled its start-up variants (or the group failed)."""
-        with self._ready_cv:
-            while len(self.ready) < self.num_followers and self.failure is None:
-                self._ready_cv.wait(0.5)
+    def _wait(self, done: Callable[[], bool], timeout_s: float | None) -> bool:
+        deadline = time.monotonic() + (math.inf if timeout_s is None else timeout_s)
+        with self._cv:
+            while not done() and self.failure is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cv.wait(min(0.5, left))  # (a failure does not notify: polled)
         if self.failure is not None:
             raise GroupFailed(self.failure)
+        return True
+
+    def wait_connected(self, timeout_s: float | None = None) -> bool:
+        """Block until every follower has said hello (False: timeout_s passed first; a failed
+        group raises GroupFailed). tl/build.py bounds it with tl/group_start.py's deadline."""
+        return self._wait(lambda: len(self.conns) == self.num_followers, timeout_s)
+
+    def wait_ready(self, timeout_s: float | None = None) -> bool:
+        """Block until every follower has compiled its start-up variants; as wait_connected."""
+        return self._wait(lambda: len(self.ready) == self.num_followers, timeout_s)
+
+    def not_connected(self) -> str:
+        """What the connecting stage still waits for, for the start-up bound's log line."""
+        ids = [p for p in range(1, self.num_followers + 1) if p not in self.conns]
+        if ids:
+            return f"{processes(ids, self.num_followers + 1)} did not connect"
+        return "jax.distributed did not form (every follower connected to the step channel)"
+
+    def not_ready(self) -> str:
+        ids = [p for p in range(1, self.num_followers + 1) if p not in self.ready]
+        return f"{processes(ids, self.num_followers + 1)} did not report ready"
 
     @property
     def all_ready(self) -> bool:
@@ -363,9 +388,11 @@ class Leader(_Peer):
         self._closed.set()
 
     def _close_all(self) -> None:
-        for conn in self.conns.values():
+        for conn in list(self.conns.values()):
             conn.close()
         if self._server is not None:
+            with contextlib.suppress(OSError):
+                self._server.shutdown(socket.SHUT_RDWR)  # wakes the accepting thread (close alone does not)
             with contextlib.suppress(OSError):
                 self._server.close()
 
@@ -379,15 +406,15 @@ class Leader(_Peer):
             if kind == BEAT:
                 self.compiling[pid] = payload == b"\x01"
             elif kind == READY:
-                with self._ready_cv:
+                with self._cv:
                     self.ready.add(pid)
-                    self._ready_cv.notify_all()
+                    self._cv.notify_all()
                 log.info("step channel: process %d ready (%d of %d)", pid, len(self.ready), self.num_followers)
 
     def _monitor(self) -> None:
         while not self._closed.wait(self.beat_s):
             now = time.monotonic()
-            for pid, conn in self.conns.items():
+            for pid, conn in list(self.conns.items()):  # (followers still connecting)
                 if now - conn.last_seen > self.timeout_s:
                     self.fail(f"process {pid} has been silent for {now - conn.last_seen:.1f} s")
                     return
@@ -397,7 +424,7 @@ class Leader(_Peer):
                     except OSError as e:
                         self.fail(f"process {pid}: the step channel broke ({e})")
                         return
-            if self._step_stuck(self.busy() or any(self.compiling.values())):
+            if self._step_stuck(self.busy() or any(list(self.compiling.values()))):
                 self.fail(f"a step's collectives have not returned in {self.timeout_s:.1f} s")
                 return
 
@@ -417,8 +444,9 @@ class Follower(_Peer):
         self.conn: _Conn | None = None
         self._inbox: queue.SimpleQueue[StepFrame | None] = queue.SimpleQueue()  # None: stop or lost
 
-    def connect(self, host: str, port: int, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
-        """Connect (retrying while the leader starts), say hello, start the heartbeat."""
+    def connect(self, host: str, port: int, timeout_s: float = math.inf) -> None:
+        """Connect (retrying while the leader starts; tl/build.py bounds it with tl/group_start.py's
+        deadline), say hello, start the heartbeat."""
         deadline = time.monotonic() + timeout_s
         while True:
             try:
