@@ -40,7 +40,6 @@ from bench.load import SSEParser, percentile
 
 ROOT = Path(__file__).resolve().parent.parent
 USED = 'tl_engine_kv_blocks{state="used"}'
-GRANIAN = str(Path(sys.executable).parent / "granian")
 
 
 def free_port() -> int:
@@ -107,7 +106,7 @@ async def serve(
     ready_timeout_s: float = 900.0,
     log_dir: Path | None = None,
 ) -> AsyncIterator[Server]:
-    """Start granian over serve.app:app with TL_CONFIG=config and `TL_ENGINE__<KEY>` overrides
+    """Start `tl serve --config config` (granian over serve.app:app) with `TL_ENGINE__<KEY>` overrides
     (keys lower-case as in runtime.toml); wait until /readyz answers 200 and every step variant
     is compiled (tl_engine_compile_pending 0); kill it at the end."""
     port, hport = free_port(), free_port()
@@ -120,21 +119,7 @@ async def serve(
     }
     for k, v in (overrides or {}).items():
         full[f"TL_ENGINE__{k.upper()}"] = v
-    argv = [
-        GRANIAN,
-        "--interface",
-        "asgi",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--workers",
-        "1",
-        "--http",
-        "1",
-        "--no-ws",
-        "serve.app:app",
-    ]
+    argv = [sys.executable, "-m", "serve", "--config", config]  # what `tl serve` runs: granian, as users get it
     log_path = (log_dir or Path("/tmp")) / f"tl-soak-{port}.log"
     log = open(log_path, "wb")  # noqa: SIM115 - closed below
     proc = subprocess.Popen(argv, cwd=ROOT, env=full, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

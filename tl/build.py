@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from tl import debug_delays
 from tl.config import EngineConfig
 
 if TYPE_CHECKING:
@@ -48,7 +49,9 @@ def build_engine(
     from tl.group_start import start_deadline
     from tl.runner import ModelRunner
 
+    debug_delays.configure(os.environ.get("TL_DEBUG_DELAYS", ""))  # tests only: tl/debug_delays.py
     leader = _leader(cfg, on_group_failure)
+    debug_delays.debug_delay("load")
     t0 = time.perf_counter()
     runner = ModelRunner.from_model_dir(cfg)
     kv_mib = sum(x.nbytes for x in runner.kv_cache) >> 20
