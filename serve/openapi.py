@@ -3,9 +3,10 @@
 Owns: `document()`, served at GET /openapi.json: every route of serve/routes.py's ROUTES plus
 /healthz, each operation's request body and 200 document as JSON Schema made by msgspec from
 the very Structs the server decodes and encodes (never written by hand), `text/event-stream`
-where a request may stream, and the error statuses the server answers in OpenAI's shape
-(serve/errors.py's ErrorDoc). Tested by tests/test_openapi.py (openapi-spec-validator, the
-route set, and schemathesis against a running server).
+where a request may stream, the error statuses the server answers in OpenAI's shape
+(serve/errors.py's ErrorDoc), and the links from a created response to the operations its id
+feeds (GET, DELETE, previous_response_id). Tested by tests/test_openapi.py (openapi-spec-validator,
+the route set, the links, and schemathesis against the real server on a tiny model).
 """
 
 from __future__ import annotations
@@ -70,6 +71,29 @@ def _operation(path: str, r: Route, ref: dict[type, Any]) -> dict[str, Any]:
     return op
 
 
+def _links() -> dict[str, Any]:
+    """The links of POST /v1/responses's 200: its `id` names the stored response to GET or DELETE
+    and the one another POST continues (`previous_response_id`). Clients may follow them, and
+    schemathesis's stateful phase chains these calls by them."""
+    rid = "$response.body#/id"
+    one = "/v1/responses/{id}"
+    return {
+        "GetResponse": {"operationId": _operation_id("GET", one), "parameters": {"path.id": rid}},
+        "DeleteResponse": {"operationId": _operation_id("DELETE", one), "parameters": {"path.id": rid}},
+        "ContinueResponse": {
+            "operationId": _operation_id("POST", "/v1/responses"),
+            "requestBody": {"previous_response_id": rid},
+        },
+    }
+
+
+def _served(model: dict[str, Any], model_id: str) -> dict[str, Any]:
+    """A `model` property narrowed to the served id; where it may be null (tokenize and
+    detokenize take no model), null stays allowed: the server accepts it."""
+    named = {"type": "string", "enum": [model_id]}
+    return {**model, "anyOf": [named, {"type": "null"}]} if {"type": "null"} in model.get("anyOf", []) else named
+
+
 @cache
 def document(model_id: str | None = None) -> dict[str, Any]:
     """The OpenAPI 3.1 document (built once per model id: the routes and Structs are fixed).
@@ -95,10 +119,11 @@ def document(model_id: str | None = None) -> dict[str, Any]:
     for path, ops in routes.items():
         for r in ops:
             paths.setdefault(path, {})[r.method.lower()] = _operation(path, r, ref)
+    paths["/v1/responses"]["post"]["responses"]["200"]["links"] = _links()
     if model_id is not None:
         for schema in components.values():
             if "model" in schema.get("properties", {}):
-                schema["properties"]["model"] = {"type": "string", "enum": [model_id]}
+                schema["properties"]["model"] = _served(schema["properties"]["model"], model_id)
         paths["/v1/models/{id}"]["get"]["parameters"][0]["schema"] = {"type": "string", "enum": [model_id]}
     return {
         "openapi": "3.1.0",
