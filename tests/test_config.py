@@ -43,3 +43,19 @@ def test_readme_documents_every_engine_key() -> None:
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     missing = [k for k in engine_keys() if f"| `{k}` |" not in readme]
     assert not missing, f"README lacks [engine] keys {missing}"
+
+
+def test_every_literal_key_refuses_other_values_naming_its_choices() -> None:
+    """The choices are read from each key's Literal type (one place), so a new choice or key is
+    checked without another list to update."""
+    import typing
+
+    hints = typing.get_type_hints(EngineConfig)
+    literal = {k: typing.get_args(t) for k, t in hints.items() if typing.get_origin(t) is typing.Literal}
+    assert {"dtype", "backend", "attention_kernel", "native_target", "prefix_cache", "tool_parser"} <= set(literal)
+    for key, choices in literal.items():
+        for ok in choices:
+            EngineConfig(**{key: ok})  # type: ignore[arg-type]  # every choice is accepted as far as this key goes
+        with pytest.raises(ConfigError) as e:
+            EngineConfig(**{key: "no-such-choice"})  # type: ignore[arg-type]
+        assert str(e.value).startswith(f"{key} must be") and all(c in str(e.value) for c in choices)

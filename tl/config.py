@@ -11,6 +11,8 @@ Must not import jax. Tested by tests/test_config.py.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import typing
 from dataclasses import dataclass
 from typing import Literal
 
@@ -165,43 +167,10 @@ class EngineConfig:
     """JAX persistent compilation cache; empty disables it."""
 
     def __post_init__(self) -> None:
-        _check(
-            self.dtype in ("auto", "float32", "bfloat16"),
-            f"dtype must be auto, float32 or bfloat16, got {self.dtype!r}",
-        )
-        _check(
-            self.weight_dtype in ("float32", "int8"), f"weight_dtype must be float32 or int8, got {self.weight_dtype!r}"
-        )
-        _check(
-            self.kv_cache_dtype in ("auto", "bfloat16"),
-            f"kv_cache_dtype must be auto or bfloat16, got {self.kv_cache_dtype!r}",
-        )
-        _check(
-            self.matmul_precision in ("highest", "high"),
-            f"matmul_precision must be highest or high, got {self.matmul_precision!r}",
-        )
-        _check(
-            self.weight_pages in ("huge", "default"), f"weight_pages must be huge or default, got {self.weight_pages!r}"
-        )
-        _check(
-            self.backend in ("auto", "cpu", "gpu", "tpu"),
-            f"backend must be auto, cpu, gpu or tpu, got {self.backend!r}",
-        )
+        for name, choices in _literal_choices().items():  # every Literal-typed key, from its type
+            value = getattr(self, name)
+            _check(value in choices, f"{name} must be {_either(choices)}, got {value!r}")
         _check(self.tensor_parallel >= 1, f"tensor_parallel must be >= 1, got {self.tensor_parallel}")
-        _check(
-            self.attention_kernel in ("auto", "reference", "cpu_native", "pallas_tpu", "pallas_gpu"),
-            "attention_kernel must be auto, reference, cpu_native, pallas_tpu or pallas_gpu, "
-            f"got {self.attention_kernel!r}",
-        )
-        _check(
-            self.matmul_kernel in ("auto", "xla", "cpu_native"),
-            f"matmul_kernel must be auto, xla or cpu_native, got {self.matmul_kernel!r}",
-        )
-        targets = ("auto", "x86-64", "x86-64-v3", "x86-64-v4", "sapphirerapids", "aarch64")
-        _check(
-            self.native_target in targets,
-            f"native_target must be one of {', '.join(targets)}, got {self.native_target!r}",
-        )
         _check(self.num_processes >= 0, f"num_processes must be >= 0, got {self.num_processes}")
         _check(self.process_id >= -1, f"process_id must be >= -1, got {self.process_id}")
         _check(0 <= self.step_port < 65536, f"step_port must be in 0..65535, got {self.step_port}")
@@ -243,13 +212,6 @@ class EngineConfig:
             f" x (1 + {self.spec_tokens} draft tokens)",
         )
         _check(
-            self.prefix_cache in ("none", "radix"), f"prefix_cache must be 'none' or 'radix', got {self.prefix_cache!r}"
-        )
-        _check(
-            self.speculative in ("none", "prompt_lookup"),
-            f"speculative must be 'none' or 'prompt_lookup', got {self.speculative!r}",
-        )
-        _check(
             1 <= self.num_speculative_tokens <= 16,
             f"num_speculative_tokens must be in 1..16, got {self.num_speculative_tokens}",
         )
@@ -258,10 +220,6 @@ class EngineConfig:
             f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {self.prompt_lookup_min}, {self.prompt_lookup_max}",
         )
         _check(0 <= self.max_logprobs <= 20, f"max_logprobs must be in 0..20, got {self.max_logprobs}")
-        _check(
-            self.tool_parser in ("auto", "hermes", "smollm2"),
-            f"tool_parser must be auto, hermes or smollm2, got {self.tool_parser!r}",
-        )
         _check(self.grammar_timeout_s > 0, f"grammar_timeout_s must be > 0, got {self.grammar_timeout_s}")
         _check(self.grammar_cache_size >= 1, f"grammar_cache_size must be >= 1, got {self.grammar_cache_size}")
         _check(self.responses_store_size >= 1, f"responses_store_size must be >= 1, got {self.responses_store_size}")
@@ -283,6 +241,17 @@ class EngineConfig:
 
     def replace(self, **changes: object) -> EngineConfig:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]  # keys and types checked by __post_init__
+
+
+@functools.cache
+def _literal_choices() -> dict[str, tuple[str, ...]]:
+    """The allowed values of each Literal-typed key, read from its annotation."""
+    hints = typing.get_type_hints(EngineConfig)
+    return {name: typing.get_args(t) for name, t in hints.items() if typing.get_origin(t) is Literal}
+
+
+def _either(choices: tuple[str, ...]) -> str:
+    return ", ".join(choices[:-1]) + " or " + choices[-1] if len(choices) > 1 else choices[0]
 
 
 def engine_keys() -> dict[str, dataclasses.Field[object]]:
