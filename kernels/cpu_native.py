@@ -109,8 +109,6 @@ class NativeLib:
     def _call(self, base: str, out: Any) -> Any:
         return jax.ffi.ffi_call(self.ffi_names[base], out)
 
-    # ---- matmuls and argmax ----
-
     def matmul_bf16x3(self, x: jax.Array, packed: jax.Array, out: tuple[int, ...]) -> jax.Array:
         """x [N,K] float32 times the weights `pack_bf16x3` packed -> [N,*out] at "high" precision."""
         y = jax.ShapeDtypeStruct((x.shape[0], math.prod(out)), jnp.float32)
@@ -147,8 +145,6 @@ class NativeLib:
         logits x [R,V]: jnp.argmax and jax.nn.logsumexp in one native pass (finite logits)."""
         out = (jax.ShapeDtypeStruct(x.shape[:1], jnp.int32), jax.ShapeDtypeStruct(x.shape[:1], jnp.float32))
         return self._call("tl_argmax_lse", out)(x.astype(jnp.float32))
-
-    # ---- attention ----
 
     def _cache_target(self, base: str, qg: jax.Array, k_cache: jax.Array, v_cache: jax.Array) -> str:
         """The FFI target for these caches: float32, or uint16 (bf16 bits) where `bf16_supported`.

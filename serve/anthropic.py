@@ -131,9 +131,6 @@ def count_tokens(req: CountTokensRequest, info: ModelInfo) -> int:
     return len(render_chat(chat.messages, info, tools=tools.dicts))
 
 
-# ---- the answer ---------------------------------------------------------------------------
-
-
 def _stop(c: Choice) -> tuple[str | None, str | None]:
     """(stop_reason, stop_sequence) of a finished choice."""
     if c.stream.matched is not None:

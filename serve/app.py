@@ -129,8 +129,6 @@ class App:
         elif scope["type"] == "http":
             await self._http(scope, receive, send)
 
-    # ---- lifespan ----------------------------------------------------------------------
-
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:
             msg = await receive()
@@ -218,8 +216,6 @@ class App:
         if self.engine is not None and self.engine.ready:
             self.begin_drain()
 
-    # ---- drain -------------------------------------------------------------------------
-
     def begin_drain(self) -> None:
         if self._drain_task is None:
             self._drain_task = asyncio.get_running_loop().create_task(self.drain())
@@ -264,8 +260,6 @@ class App:
     async def _hand_over(self) -> None:
         if self.handle_signals:
             await STOP.hand_over()
-
-    # ---- HTTP --------------------------------------------------------------------------
 
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
         req = Request(scope, receive)

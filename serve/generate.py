@@ -251,8 +251,6 @@ class Job:
             if c.num_tokens > 1:
                 self.metrics.tpot.observe((now - c.first_token_at) / (c.num_tokens - 1))
 
-    # ---- documents ---------------------------------------------------------------------
-
     def token_str(self, token_id: int) -> tuple[str, list[int]]:
         b = self.engine.tokenizer.token_bytes(token_id)
         return b.decode("utf-8", errors="replace"), list(b)

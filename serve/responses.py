@@ -96,9 +96,6 @@ class ResponseStore:
             self._items.popitem(last=False)
 
 
-# ---- the request ----------------------------------------------------------------------------
-
-
 def _turns(req: ResponsesRequest) -> list[ChatMessage]:
     items = [ResponsesItem(role="user", content=req.input)] if isinstance(req.input, str) else req.input
     out: list[ChatMessage] = []
@@ -179,9 +176,6 @@ def responses_spec(req: ResponsesRequest, info: ModelInfo, turns: list[ChatMessa
         **_tools(req),
     )
     return dataclasses.replace(chat_spec(chat, info), kind="responses")
-
-
-# ---- the answer -----------------------------------------------------------------------------
 
 
 def _message_id(job: Job) -> str:

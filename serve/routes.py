@@ -285,9 +285,6 @@ async def model(ctx: Ctx) -> None:
     await ctx.out.whole(200, encoder.encode(_card(ctx)))
 
 
-# ---- the Responses API ----------------------------------------------------------------------
-
-
 @dataclass(frozen=True, slots=True)
 class _ResponsesPresenter:
     req: ResponsesRequest

@@ -25,8 +25,6 @@ NumChoices = Annotated[int, Meta(ge=1, le=16)]
 TopLogprobs = Annotated[int, Meta(ge=0, le=20)]
 Stop = str | Annotated[list[str], Meta(max_length=4)]
 
-# ---- requests -------------------------------------------------------------------------
-
 
 class ContentPart(Struct):
     type: str
@@ -170,9 +168,6 @@ class TokenizeRequest(Struct, kw_only=True):
 class DetokenizeRequest(Struct, kw_only=True):
     model: str | None = None
     tokens: list[TokenId]
-
-
-# ---- responses ------------------------------------------------------------------------
 
 
 class Usage(Struct, frozen=True):
@@ -356,9 +351,6 @@ class DetokenizeResponse(Struct, frozen=True):
 encoder = msgspec.json.Encoder()
 
 
-# ---- Anthropic's Messages API (/v1/messages) ------------------------------------------
-
-
 class AnthropicBlock(Struct, kw_only=True):
     """A content block: text, tool_use (an assistant's call), tool_result (a call's answer);
     any other type is refused with 422 naming it."""
@@ -452,9 +444,6 @@ class AnthropicEvent(Struct, frozen=True, omit_defaults=True):
     delta: dict[str, Any] | None = None
     usage: dict[str, Any] | None = None
     error: dict[str, Any] | None = None
-
-
-# ---- OpenAI's Responses API (/v1/responses) -------------------------------------------
 
 
 class ResponsesPart(Struct, kw_only=True):

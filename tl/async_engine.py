@@ -279,8 +279,6 @@ class AsyncEngine:
         self._open: weakref.WeakSet[Handle] = weakref.WeakSet()  # submitted handles (the loop's only)
         self.failure: EngineUnavailable | None = None
 
-    # ---- event-loop side -------------------------------------------------------------
-
     @property
     def max_model_len(self) -> int:
         """The engine's context length (prompt + output)."""
@@ -447,8 +445,6 @@ class AsyncEngine:
 
     def _command(self, cmd: Command) -> None:
         self._cmds.put(cmd)
-
-    # ---- engine thread ---------------------------------------------------------------
 
     def _run(self) -> None:
         while True:

@@ -315,8 +315,6 @@ class ModelRunner:
     def _count(self) -> None:
         self._num_compilations += 1
 
-    # ---- one step ----
-
     def num_rows(self, t_pad: int, s_pad: int) -> int:
         return min(s_pad * (1 + self._spec_tokens), t_pad)
 
@@ -573,8 +571,6 @@ class ModelRunner:
                 for w, s in rows.pools
             ]
         return RunnerOutput(tuple(results), *masked)
-
-    # ---- warm-up and close ----
 
     def close(self) -> None:
         """Stop the background compilation (after the variant in progress; not waiting for it);

@@ -98,9 +98,6 @@ def tool_template() -> str:
     return (TEMPLATES / "tools_json_array.jinja").read_text(encoding="utf-8")
 
 
-# ---- the constraint -------------------------------------------------------------------------
-
-
 def _parameters(tool: ToolSpec) -> object:
     if not tool.parameters:
         return {"type": "object", "properties": {}, "additionalProperties": False}  # no parameters: {}
@@ -142,9 +139,6 @@ def tool_grammar(fmt: ToolFormat, tools: Sequence[ToolSpec], mode: ChoiceMode, p
     else:
         head = f"start: {start} calls"
     return f"%llguidance {{}}\n{head}\n{calls}\n"
-
-
-# ---- the parser -----------------------------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
@@ -336,11 +330,3 @@ def _args(out: list[Event], index: int, text: str) -> None:
         out[-1] = CallArgs(index, last.text + text)
     else:
         out.append(CallArgs(index, text))
-
-
-def _marker_prefix(text: str, marker: str) -> int:
-    """Length of the longest suffix of text that is a proper prefix of marker."""
-    for n in range(min(len(text), len(marker) - 1), 0, -1):
-        if marker.startswith(text[-n:]):
-            return n
-    return 0

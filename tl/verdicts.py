@@ -106,9 +106,6 @@ class Verdicts:
         return f"{native_name}+{other}"
 
 
-# ---- timing ----
-
-
 def _fastest_s(fns: Timed, min_s: float = 0.02, min_reps: int = 5) -> dict[str, float]:
     """The fastest seconds of each fn, timed in turn after one untimed call each (the compile),
     for at least min_reps rounds and until each has run min_s in all. The fastest, not the
@@ -236,9 +233,6 @@ def attention_timed(
     }
 
 
-# ---- the classes, the cache ----
-
-
 def attention_classes(token_buckets: Sequence[int], max_num_seqs: int, max_tokens: int) -> list[tuple[int, bool]]:
     """(tokens, decode) per attention class: decodes up to 16 and up to max_num_seqs sequences,
     then one prompt chunk at the largest token bucket a step can fill."""
@@ -314,9 +308,6 @@ def stream_layers(layers: Sequence[Layer]) -> list[Layer]:
         if nbytes >= STREAM_BYTES:
             break
     return out
-
-
-# ---- one runner's verdicts ----
 
 
 def measure_runner(plan: ExecutionPlan, kernels: Kernels, cfg: ModelConfig, params: Any, kv: Any) -> Verdicts:
