@@ -101,12 +101,17 @@ class Sender:
 
 
 class DisconnectWatcher:
-    """Awaits receive() in a task; `gone` is set when the client disconnects. Stop it when done."""
+    """Awaits receive() in a task; `gone` is set when the client disconnects. Stop it when done.
+
+    The task's coroutine is a plain function of the event and the callbacks, never of the
+    watcher: a cancelled task keeps its CancelledError, whose traceback keeps the coroutine's
+    frame, so a `self` there would make watcher -> task -> frame -> watcher a reference cycle
+    holding the callbacks' request (a Job, every token) until a full collection."""
 
     def __init__(self, receive: Receive) -> None:
         self.gone = asyncio.Event()
         self._callbacks: list[Callable[[], None]] = []
-        self._task = asyncio.create_task(self._watch(receive))
+        self._task = asyncio.create_task(_watch(receive, self.gone, self._callbacks))
 
     def on_gone(self, fn: Callable[[], None]) -> None:
         if self.gone.is_set():
@@ -114,14 +119,16 @@ class DisconnectWatcher:
         else:
             self._callbacks.append(fn)
 
-    async def _watch(self, receive: Receive) -> None:
-        while True:
-            msg = await receive()
-            if msg["type"] == "http.disconnect":
-                self.gone.set()
-                for fn in self._callbacks:
-                    fn()
-                return
-
     def stop(self) -> None:
+        self._callbacks.clear()
         self._task.cancel()
+
+
+async def _watch(receive: Receive, gone: asyncio.Event, callbacks: list[Callable[[], None]]) -> None:
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            gone.set()
+            for fn in callbacks:
+                fn()
+            return

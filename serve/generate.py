@@ -43,7 +43,7 @@ from serve.wire import (
     Usage,
     encoder,
 )
-from tl.async_engine import AsyncEngine, EngineError, RequestHandle
+from tl.async_engine import AsyncEngine, EngineError, RequestHandle, settled
 from tl.request import Constraint, GenRequest, RequestError, TokenOut
 from tl.tools import CallArgs, CallStart, Event, ToolCallParser
 
@@ -122,6 +122,16 @@ class Choice:
         return AssistantMessage("assistant", text or None, calls)
 
 
+async def _pump(choice: Choice, queue: asyncio.Queue[tuple[Choice | None, object]]) -> None:
+    """One choice's deliveries into its Job's queue; an engine failure or refusal too, without
+    its traceback (whose frame holds the queue it would sit in: a cycle if nobody reads it)."""
+    try:
+        async for outs in choice.handle:
+            queue.put_nowait((choice, outs))
+    except Exception as e:  # noqa: BLE001 - EngineError or an admission refusal, answered by the route
+        queue.put_nowait((choice, e.with_traceback(None)))
+
+
 class Job:
     """One HTTP generation request: its choices, merged deliveries and cleanup."""
 
@@ -148,7 +158,10 @@ class Job:
         )
         self.queue: asyncio.Queue[tuple[Choice | None, object]] = asyncio.Queue()
         self.choices = self._submit(priority)
-        self._pumps = [asyncio.create_task(self._pump(c)) for c in self.choices]
+        # _pump is a function of the queue, not of the Job: a pump cancelled by close() keeps its
+        # CancelledError and with it its frame, and a Job there would be a reference cycle
+        # (Job -> task -> frame -> Job) holding every token until a full collection.
+        self._pumps = [asyncio.create_task(_pump(c, self.queue)) for c in self.choices]
 
     def _submit(self, priority: int) -> list[Choice]:
         stop_ids = frozenset(self.engine.eos_token_ids)
@@ -184,18 +197,11 @@ class Job:
             raise errors.from_engine_error(e) from None
         return choices
 
-    async def _pump(self, choice: Choice) -> None:
-        try:
-            async for outs in choice.handle:
-                self.queue.put_nowait((choice, outs))
-        except Exception as e:  # noqa: BLE001 - EngineError or an admission refusal, answered by the route
-            self.queue.put_nowait((choice, e))
-
     async def admitted(self) -> None:
         """Wait until the engine thread took every choice; its refusal becomes an ApiError."""
         for c in self.choices:
             try:
-                await c.handle.admitted
+                await settled(c.handle.admitted)
             except RequestError as e:
                 raise errors.from_request_error(e, self.spec.context_param) from None
             except EngineError as e:

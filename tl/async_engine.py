@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import copy
 import dataclasses
 import functools
 import logging
@@ -136,7 +137,7 @@ class RequestHandle:
         item = await self._queue.get()
         if isinstance(item, BaseException):
             self._done = True
-            raise item
+            raise detached(item) from None
         if any(o.finish_reason is not None for o in item):
             self._done = True
         return item
@@ -180,7 +181,7 @@ class EmbedHandle:
         return self._abort_sent
 
     async def vectors(self) -> list[list[float]]:
-        return await self._result  # settled as RequestHandle's items are (see __anext__)
+        return await settled(self._result)  # settled as RequestHandle's items are (see __anext__)
 
     def _put(self, item: list[TokenOut] | BaseException) -> None:
         if self._result.done():
@@ -591,17 +592,38 @@ def _resolve(fut: asyncio.Future[T], result: T) -> None:
         fut.set_result(result)
 
 
+def detached(err: BaseException) -> BaseException:
+    """A copy of err to raise, err itself left without a traceback. An exception kept where the
+    frames it is raised through can reach it (a handle's future or queue: handle -> future ->
+    exception -> traceback -> frame -> handle) makes a reference cycle that holds the whole
+    request until a full collection; the copy holds only its own frames."""
+    err.__traceback__ = None
+    return copy.copy(err)
+
+
+async def settled(fut: asyncio.Future[T]) -> T:
+    """fut's result; its exception raised `detached` (the future keeps the original)."""
+    try:
+        return await fut
+    except Exception as e:
+        raise detached(e) from None
+
+
 def _fail(fut: asyncio.Future[T], err: BaseException) -> None:
     if not fut.done():
         fut.set_exception(err)
 
 
 def _dispatch(events: list[Event]) -> None:
-    """On the loop: admission results settle `admitted`; lists and errors go to the handle's queue."""
+    """On the loop: admission results settle `admitted`; lists and errors go to the handle's queue.
+    An error raised on the engine thread comes without its traceback (its frames hold the handle
+    it is kept in: a reference cycle)."""
     for handle, item in events:
         if item is None:
             _resolve(handle.admitted, None)
             continue
+        if isinstance(item, BaseException):
+            item.__traceback__ = None
         if isinstance(item, BaseException) and not handle.admitted.done():
             handle.admitted.set_exception(item)
             handle.admitted.exception()  # mark retrieved: iteration raises it again
