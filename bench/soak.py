@@ -416,10 +416,22 @@ async def mixed(
         "itl_max_ms": max(gaps, default=0.0) * 1e3,
         "samples": len(samples),
         "rss_mib_first_last": [samples[0]["rss"] / 2**20, samples[-1]["rss"] / 2**20] if samples else [],
+        "rss_mib_per_minute": _per_minute(samples),
     }
     if out_dir is not None and samples:
         rep.figures["plot"] = str(_plot(samples, streams, t0, out_dir / "soak-mixed.png"))
     return rep
+
+
+def _per_minute(samples: Sequence[dict[str, float]]) -> list[float]:
+    """The median RSS (MiB) of each whole minute's samples: the curve without the spikes of a
+    large step's transient buffers."""
+    out = []
+    for m in range(int(max((s["t"] for s in samples), default=0) // 60)):
+        rss = sorted(s["rss"] for s in samples if m * 60 <= s["t"] < (m + 1) * 60)
+        if rss:
+            out.append(round(rss[len(rss) // 2] / 2**20, 1))
+    return out
 
 
 def _plot(samples: Sequence[dict[str, float]], streams: Sequence[Outcome], t0: float, path: Path) -> Path:
