@@ -151,7 +151,10 @@ def test_a_stop_signal_stops_the_server_at_every_moment(
         status, took = srv.exited_within(sent, QUICK_S)
         assert status == 0, srv.log()
         text = srv.log()
-        assert "Unexpected exit" not in text and "Killing worker" not in text, text
+        # No "Killing worker" check: granian's main can log it spuriously when its watcher thread
+        # reaps the worker first (a waitpid race); QUICK_S, far below the kill timeout
+        # (drain_timeout_s + STOP_BOUND_S), already shows the worker stopped by itself.
+        assert "Unexpected exit" not in text, text
         if moment == "background compiles":
             assert "draining: 0 requests in flight" in text, text
 
