@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import yaml
 
+from serve.app import STOP_BOUND_S
 from tl.config import EngineConfig, engine_keys
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,7 +47,8 @@ def test_manifest_wiring(path: Path) -> None:
                 unknown = [n for n in env if n.startswith("TL_ENGINE__") and n[11:].lower() not in keys]
                 assert not unknown, unknown
                 drain = float(env.get("TL_ENGINE__DRAIN_TIMEOUT_S", EngineConfig.drain_timeout_s))
-                assert spec["terminationGracePeriodSeconds"] > drain
+                # the longest stop (README, "Stopping") ends before Kubernetes' SIGKILL
+                assert spec["terminationGracePeriodSeconds"] > drain + STOP_BOUND_S
                 ports = {p["name"]: p["containerPort"] for p in c["ports"]}
                 assert ports["health"] == int(env["TL_ENGINE__HEALTH_LISTEN"].rsplit(":", 1)[1])
                 assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "health"}
