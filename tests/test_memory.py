@@ -28,10 +28,18 @@ from tl.engine import Engine
 REQUEST_TYPES = (Job, Choice, RequestHandle, EmbedHandle, DisconnectWatcher)
 
 
-def _alive() -> dict[str, int]:
+def _instances() -> list[object]:
+    """Every live object of exactly the request types (by type, not name: kernels have a
+    Choice too), whoever made it: earlier tests may leave some (pytest keeps what it captured)."""
     with memwatch.quiet():  # the engine thread may be building tuples: see memwatch.quiet
-        counts = memwatch.type_counts()
-    return {t.__qualname__: counts[t.__qualname__] for t in REQUEST_TYPES if counts[t.__qualname__]}
+        return [o for o in gc.get_objects() if type(o) in REQUEST_TYPES]
+
+
+def _new_alive(before: list[object]) -> dict[str, int]:
+    """The request-type objects alive now that were not in `before` (held, so no id is reused)."""
+    old = {id(o) for o in before}
+    new = [type(o).__qualname__ for o in _instances() if id(o) not in old]
+    return {name: new.count(name) for name in sorted(set(new))}
 
 
 def _holders() -> str:
@@ -87,8 +95,9 @@ def test_a_finished_request_leaves_no_reference_cycle(kind: str) -> None:
             await _every_kind(app)  # first uses build what is cached for good (the metrics' label sets)
             gc.collect()
             gc.disable()
+            before = _instances()
             await _every_kind(app)
-            assert _alive() == {}, _holders()
+            assert _new_alive(before) == {}, _holders()
         finally:
             gc.enable()
             logging.disable(logging.NOTSET)
