@@ -266,7 +266,6 @@ async def stream(job: Job, out: Sender, ping_s: float) -> None:
         await pump(job, out, ping_s, s.deliver, _event("ping", {"type": "ping"}))
     except ApiError as e:
         job.abort()
-        if e.status >= 500:
-            log_server_error(out, e)
+        log_server_error(out, e)
         await out.chunk(error_event(e))
     await out.end()

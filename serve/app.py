@@ -322,7 +322,7 @@ class App:
             self.metrics.requests.labels(endpoint, str(out.status or 499)).inc()
 
     async def _fail(self, out: Sender, err: ApiError, anthropic: bool = False, logged: bool = False) -> None:
-        if err.status >= 500 and not logged:
+        if not logged:
             log_server_error(out, err)
         if not out.started:
             await out.error(err, anthropic)

@@ -27,8 +27,10 @@ class HasRequestId(Protocol):
 
 def log_server_error(out: HasRequestId, err: ApiError) -> None:
     """The one log line of a 5xx the server sends (as the status, or as a stream's error
-    event): the request id, the status, the code and the cause. A 503 is the server's capacity
-    or its stop speaking (a warning), anything else an error."""
+    event): the request id, the status, the code and the cause; nothing for a 4xx. A 503 is the
+    server's capacity or its stop speaking (a warning), anything else an error."""
+    if err.status < 500:
+        return
     level = logging.WARNING if err.status == 503 else logging.ERROR
     log.log(level, "request %s: %d %s: %s", out.request_id.decode("latin-1"), err.status, err.code, err.message)
 

@@ -457,8 +457,7 @@ async def _stream(job: Job, out: Sender, ping_s: float) -> None:
             await out.chunk(job.usage_chunk())
     except ApiError as e:
         job.abort()
-        if e.status >= 500:
-            errors.log_server_error(out, e)
+        errors.log_server_error(out, e)
         await out.chunk(sse.event(encoder.encode(e.doc())))
     await out.chunk(sse.DONE)
     await out.end()

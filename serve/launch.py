@@ -1,8 +1,9 @@
 """`tl serve --config runtime.toml`: this process becomes granian's main process on the
 config's http_listen.
 
-Owns granian's command line and settings (one place: `granian_command`, which the tests and
-the soak use too), the worker kill timeout (drain_timeout_s + STOP_BOUND_S: a wedged worker
+Owns granian's settings in their two forms: the bare `granian` command line
+(`granian_command`, which the tests use) and `serve_main`'s in-process main process (one worker,
+HTTP/1, no websockets in both), the worker kill timeout (drain_timeout_s + STOP_BOUND_S: a wedged worker
 cannot hold the main process longer), and `serve_main`: it validates the config first (so a
 bad key or value stops start-up here with its message), sets TL_CONFIG for the worker, and
 runs granian's main process in this one (`GranianMain`: granian's own, except that a second

@@ -422,7 +422,6 @@ async def stream(job: Job, req: ResponsesRequest, out: Sender, ping_s: float, do
             await out.chunk(s.end(done()))
     except ApiError as e:
         job.abort()
-        if e.status >= 500:
-            log_server_error(out, e)
+        log_server_error(out, e)
         await out.chunk(s.event("error", code=e.code, message=e.message, param=e.param))
     await out.end()
