@@ -234,3 +234,12 @@ def test_work_admitted_during_the_background_compiles_is_served(tiny_dir: Path, 
             assert out[-1] == "data: [DONE]", out[-3:]
             assert json.loads(out[-2][6:])["choices"][0]["finish_reason"] == "length", out[-3:]
         assert " 500 " not in srv.log()
+
+
+def test_debug_delays_refuse_what_they_cannot_read() -> None:
+    from tl.debug_delays import parse
+
+    assert parse("") == {} and parse("load=1, step=0.05") == {"load": 1.0, "step": 0.05}
+    for bad in ("load=x", "loading=1", "compile", "step=-1"):
+        with pytest.raises(ValueError, match="TL_DEBUG_DELAYS"):
+            parse(bad)

@@ -30,9 +30,13 @@ def parse(text: str) -> dict[str, float]:
     out: dict[str, float] = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
         phase, sep, seconds = part.partition("=")
-        if not sep or phase not in PHASES:
+        try:
+            value = float(seconds) if sep and phase in PHASES else -1.0
+        except ValueError:
+            value = -1.0
+        if not value >= 0:
             raise ValueError(f"TL_DEBUG_DELAYS: {part!r} is not phase=seconds with a phase of {', '.join(PHASES)}")
-        out[phase] = float(seconds)
+        out[phase] = value
     return out
 
 
