@@ -18,8 +18,8 @@ import time
 from collections.abc import Sequence
 
 from bench.report import print_table
-from tl.config import EngineConfig
-from tl.request import GenRequest, SamplingParams
+from tl.core.config import EngineConfig
+from tl.core.request import GenRequest, SamplingParams
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -60,7 +60,7 @@ def _workload(name: str, n: int, vocab: int, rng: random.Random) -> list[GenRequ
 
 
 def run_workload(engine: object, reqs: list[GenRequest]) -> dict[str, object]:
-    from tl.engine import Engine
+    from tl.core.engine import Engine
 
     assert isinstance(engine, Engine)
     before = engine.stats()
@@ -108,7 +108,7 @@ def run(argv: Sequence[str]) -> int:
     args = ap.parse_args(argv)
     print("config:", json.dumps(vars(args)))
 
-    from tl.build import build_engine
+    from tl.ops.build import build_engine
 
     rows = []
     for name in args.workloads.split(","):

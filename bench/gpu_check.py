@@ -20,9 +20,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from tl.config import EngineConfig
+from tl.core.config import EngineConfig
+from tl.core.request import GenRequest, SamplingParams
 from tl.model.config import ModelConfig
-from tl.request import GenRequest, SamplingParams
 
 PROMPTS = [
     "What is the capital of France?",
@@ -67,10 +67,10 @@ def make_smol_shaped(path: Path) -> Path:
 
 
 def _greedy(cfg: EngineConfig, max_tokens: int) -> tuple[list[list[int]], str]:
-    from tl.chat_template import ChatTemplate
-    from tl.engine import Engine
-    from tl.runner import ModelRunner
-    from tl.tokenizer import Tokenizer
+    from tl.core.engine import Engine
+    from tl.runtime.runner import ModelRunner
+    from tl.text.chat_template import ChatTemplate
+    from tl.text.tokenizer import Tokenizer
 
     tok, tpl = Tokenizer.load(cfg.model_dir), ChatTemplate.from_model_dir(cfg.model_dir)
     runner = ModelRunner.from_model_dir(cfg)

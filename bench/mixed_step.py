@@ -17,9 +17,9 @@ import time
 from collections.abc import Callable, Sequence
 
 from bench.report import print_table
-from tl.config import EngineConfig
-from tl.plan import SchedulerOutput, SeqWork
-from tl.request import SamplingParams
+from tl.core.config import EngineConfig
+from tl.core.plan import SchedulerOutput, SeqWork
+from tl.core.request import SamplingParams
 
 
 def _plan(decodes: int, context: int, prompt: int, block_size: int) -> SchedulerOutput:
@@ -47,7 +47,7 @@ def run(argv: Sequence[str]) -> int:
     args = ap.parse_args(argv)
     print("config:", json.dumps(vars(args)))
 
-    from tl.runner import ModelRunner
+    from tl.runtime.runner import ModelRunner
 
     bs, tokens = 16, args.decodes + args.prompt
     blocks = args.decodes * (args.context // bs + 2) + args.prompt // bs + 8

@@ -224,7 +224,7 @@ def run(argv: Sequence[str]) -> int:
             f"{s['itl_p50_ms']:.1f} | {g_['itl_p50_ms']:.1f} |"
         )
     lines.append("")
-    lines.append(channel.split("tl.multihost: ", 1)[-1])
+    lines.append(channel.split("tl.ops.multihost: ", 1)[-1])
     md = "\n".join(lines)
     (out / "report.md").write_text(md + "\n")
     (out / "results.json").write_text(json.dumps({"config": config, **results, "channel": channel}))

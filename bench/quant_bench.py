@@ -59,12 +59,12 @@ def run(argv: Sequence[str]) -> int:
     import numpy as np
 
     from bench.runner_bench import _decode_plan
-    from tl.config import EngineConfig
+    from tl.core.config import EngineConfig
+    from tl.core.plan import SchedulerOutput, SeqWork
+    from tl.core.request import SamplingParams
     from tl.model import llama
-    from tl.plan import SchedulerOutput, SeqWork
-    from tl.request import SamplingParams
-    from tl.runner import ModelRunner
-    from tl.tokenizer import Tokenizer
+    from tl.runtime.runner import ModelRunner
+    from tl.text.tokenizer import Tokenizer
 
     bs = 16
     blocks = max(batches) * ((args.context + bs) // bs + 1) + 64
@@ -166,7 +166,7 @@ def _step(ids: list[int], i: int, sw: type, sp: type) -> object:
 
 def _greedy(runner: object, prompt: list[int], n: int, so: type, sw: type, sp: type) -> list[int]:
     """n greedy tokens through the runner (one prefill step, then one decode step per token)."""
-    from tl.runner import ModelRunner
+    from tl.runtime.runner import ModelRunner
 
     assert isinstance(runner, ModelRunner)
     table = tuple(range((len(prompt) + n + 15) // 16))

@@ -17,9 +17,9 @@ import time
 from collections.abc import Sequence
 
 from bench.report import print_table
-from tl.config import EngineConfig
-from tl.plan import SchedulerOutput, SeqWork
-from tl.request import SamplingParams
+from tl.core.config import EngineConfig
+from tl.core.plan import SchedulerOutput, SeqWork
+from tl.core.request import SamplingParams
 
 
 def _timed(fn: object, repeat: int) -> list[float]:
@@ -87,7 +87,7 @@ def run(argv: Sequence[str]) -> int:
     args = ap.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
 
-    from tl.runner import ModelRunner
+    from tl.runtime.runner import ModelRunner
 
     bs = 16
     blocks = max(b for b in batches) * ((args.context + bs) // bs + 1) + 64

@@ -9,7 +9,7 @@ load, only unconstrained. With
 response_format) runs the same cases in turn. Reports per server and level: output tok/s of
 both loads and their ratio, mean output tokens per request, and the share of constrained
 answers that finished with "stop" and validate (the `jsonschema` package). Then, in this
-process, over tl/grammar.py (the server's own compiler and matcher, the same tokenizer): the
+process, over tl/text/grammar.py (the server's own compiler and matcher, the same tokenizer): the
 bitmask time per token (p50/p99) replaying the constrained answers, and the compile time per
 schema, cold (a fresh schema each time) and cached. Owns orchestration and the figures; the
 client is bench/load.py.
@@ -162,14 +162,14 @@ async def measure(
 
 def mask_times(texts: Sequence[str], model_dir: str) -> dict[str, float]:
     """Bitmask fill time per token over the constrained answers, re-tokenized and replayed
-    through the server's matcher (tl/grammar.py), in this process."""
+    through the server's matcher (tl/text/grammar.py), in this process."""
     import numpy as np
 
-    from tl.grammar import GrammarCompiler
+    from tl.core.request import ConstraintSpec
     from tl.model.config import load_model_config
     from tl.model.files import eos_token_ids
-    from tl.request import ConstraintSpec
-    from tl.tokenizer import Tokenizer
+    from tl.text.grammar import GrammarCompiler
+    from tl.text.tokenizer import Tokenizer
 
     cfg = load_model_config(model_dir)
     g = GrammarCompiler.from_model_dir(model_dir, cfg.vocab_size, eos_token_ids(model_dir), 4, 60.0)
@@ -195,11 +195,11 @@ def mask_times(texts: Sequence[str], model_dir: str) -> dict[str, float]:
 
 def compile_times(model_dir: str, n: int = 5) -> dict[str, float]:
     """Compile time of the bench schema: cold (each time a schema never seen: its description
-    differs) and cached (the same text again), through tl/grammar.py's compiler."""
-    from tl.grammar import GrammarCompiler
+    differs) and cached (the same text again), through tl/text/grammar.py's compiler."""
+    from tl.core.request import ConstraintSpec
     from tl.model.config import load_model_config
     from tl.model.files import eos_token_ids
-    from tl.request import ConstraintSpec
+    from tl.text.grammar import GrammarCompiler
 
     cfg = load_model_config(model_dir)
     g = GrammarCompiler.from_model_dir(model_dir, cfg.vocab_size, eos_token_ids(model_dir), 64, 60.0)

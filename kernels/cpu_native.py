@@ -10,7 +10,7 @@ HIGH_MIN_ROWS rows on any count, three bf16 products on AMX over weights `pack_b
 load; None otherwise, and the caller's own dot runs) and `argmax_lse` (the sampler's greedy
 token and logsumexp of each logits row in one pass).
 Must not: write the cache, know about requests, decide when a kernel is worth calling
-(tl/verdicts.py measures that). Tested by tests/test_cpu_native.py against the jnp
+(tl/runtime/verdicts.py measures that). Tested by tests/test_cpu_native.py against the jnp
 reference, float64 products, XLA's int8 dot and jnp's argmax/logsumexp, once per build.
 
 Why the cached part: on XLA:CPU it is a gather of every block into a copy, element by element,

@@ -52,7 +52,7 @@ class AttnMetadata:
     """Per-step layout of the token axis (a pytree; `chunk_blocks` is static).
 
     Each sequence's tokens are contiguous on the axis and in position order, padding last
-    (tl/runner.py packs them so; the TPU kernel relies on it).
+    (tl/runtime/runner.py packs them so; the TPU kernel relies on it).
     """
 
     seq_idx: Operand  # [T] int32: sequence of each token, -1 for padding

@@ -7,7 +7,7 @@ from `[engine].attention_kernel` and the platform, the shard_map that runs a ker
 under tensor parallelism (a Pallas or FFI call is opaque to XLA's partitioner), a trial trace at
 the real shapes so that a kernel that refuses them falls back to the reference with the
 kernel's own message as the reason; the layers' matmul from `[engine].matmul_kernel`; and the
-per-shape dispatch (`per_shape`) that runs, at each step shape, the implementation tl/verdicts.py
+per-shape dispatch (`per_shape`) that runs, at each step shape, the implementation tl/runtime/verdicts.py
 measured faster there.
 Must not: write the cache, measure anything. Tested by tests/test_pallas_attention.py,
 tests/test_cpu_native.py and tests/test_verdicts.py.

@@ -12,7 +12,7 @@ drain_timeout_s (then are aborted, 2 s more for their error events), then grania
 to stop, and its lifespan shutdown stops the engine thread (bounded, each step timed); a
 second signal aborts every request at once and stops; exit 0.
 
-The engine comes from the `engine_factory` App is built with: tl.build's
+The engine comes from the `engine_factory` App is built with: tl.ops.build's
 build_async_engine(cfg) for `app` below, a fake engine's for the tests (which hand granian
 their own target, tests/fake_app.py). Nothing here imports jax.
 Tested in memory by tests/test_serve_app.py and over HTTP by tests/test_serve_http.py.
@@ -48,10 +48,10 @@ from serve.params import ModelInfo
 from serve.responses import ResponseStore
 from serve.routes import Ctx, match
 from serve.signals import STOP, take_over_granian
-from tl.async_engine import AsyncEngine, EmbedHandle
-from tl.build import build_async_engine
-from tl.config import EngineConfig
-from tl.stats import BackendInfo, EngineStats
+from tl.core.async_engine import AsyncEngine, EmbedHandle
+from tl.core.config import EngineConfig
+from tl.core.stats import BackendInfo, EngineStats
+from tl.ops.build import build_async_engine
 
 log = logging.getLogger("serve")
 EngineFactory = Callable[[EngineConfig], AsyncEngine]

@@ -16,7 +16,7 @@ import typing
 from collections.abc import Mapping
 from typing import get_args, get_origin
 
-from tl.config import ConfigError, EngineConfig, engine_keys
+from tl.core.config import ConfigError, EngineConfig, engine_keys
 
 ENV_PREFIX = "TL_ENGINE__"
 DEFAULT_CONFIG_PATH = "configs/runtime.toml"

@@ -1,6 +1,6 @@
 """ApiError: every error the API answers, in OpenAI's shape.
 
-Owns the mapping from failures (msgspec validation; the engine's typed refusals, tl.request's
+Owns the mapping from failures (msgspec validation; the engine's typed refusals, tl.core.request's
 RequestError family, all in `from_request_error`) to status, type, param and code, and the
 JSON body `{"error": {"message", "type", "param", "code"}}`. The engine decides whether a
 request fits (its context, its queue); this module only says so in OpenAI's words.
@@ -15,8 +15,8 @@ from typing import Protocol
 
 import msgspec
 
-from tl.async_engine import EngineError, EngineUnavailable, NoCapacity
-from tl.request import ContextLengthError, QueueFullError, RequestError
+from tl.core.async_engine import EngineError, EngineUnavailable, NoCapacity
+from tl.core.request import ContextLengthError, QueueFullError, RequestError
 
 log = logging.getLogger("serve")
 
@@ -215,7 +215,7 @@ def from_decode_error(err: msgspec.DecodeError) -> ApiError:
 
 
 def from_request_error(err: RequestError, context_param: str | None = None) -> ApiError:
-    """Errors tl.request and the engine raise at admission: a full queue is 429, the rest 400.
+    """Errors tl.core.request and the engine raise at admission: a full queue is 429, the rest 400.
     context_param: the wire field a context-length refusal names (the engine's is its own
     field, max_tokens or input; a chat request without max_tokens names its messages)."""
     if isinstance(err, QueueFullError):

@@ -3,9 +3,9 @@
 Owns the follower's process: the health port (GET /healthz always; /readyz 200 once the runner
 is built, its start-up variants compiled and the leader reachable; /metrics), no API, and the
 exit status: 0 when the leader stops the group (the end of its drain), 3 when the group failed
-(tl/multihost.py). SIGTERM alone does not stop a follower: the leader is draining on the same
+(tl/ops/multihost.py). SIGTERM alone does not stop a follower: the leader is draining on the same
 signal and still needs it for the requests in flight; the leader's stop (or its loss) ends it.
-Must not touch the engine's internals: tl.build's run_follower does the work.
+Must not touch the engine's internals: tl.ops.build's run_follower does the work.
 Tested by tests/test_multihost.py.
 """
 
@@ -21,8 +21,8 @@ from collections.abc import Callable
 from serve.app import parse_listen, setup_logging
 from serve.health import HealthServer
 from serve.metrics import Metrics
-from tl.build import run_follower
-from tl.config import EngineConfig
+from tl.core.config import EngineConfig
+from tl.ops.build import run_follower
 
 log = logging.getLogger("serve.follower")
 

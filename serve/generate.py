@@ -43,9 +43,9 @@ from serve.wire import (
     Usage,
     encoder,
 )
-from tl.async_engine import AsyncEngine, EngineError, RequestHandle, settled
-from tl.request import Constraint, GenRequest, RequestError, TokenOut
-from tl.tools import CallArgs, CallStart, Event, ToolCallParser
+from tl.core.async_engine import AsyncEngine, EngineError, RequestHandle, settled
+from tl.core.request import Constraint, GenRequest, RequestError, TokenOut
+from tl.text.tools import CallArgs, CallStart, Event, ToolCallParser
 
 PING_INTERVAL_S = 15.0
 _GONE = object()
@@ -415,7 +415,7 @@ async def respond(
 async def _finish(job: Job) -> bool:
     """Every delivery fed in; False if the client left first."""
     while not job.done:
-        choice, item = await job.next(None)  # every choice's handle ends with an item (tl/async_engine.py)
+        choice, item = await job.next(None)  # every choice's handle ends with an item (tl/core/async_engine.py)
         if item is _GONE:
             return False
         assert choice is not None

@@ -28,9 +28,9 @@ from serve.wire import (
     PromptItem,
     SamplingFields,
 )
-from tl.request import MAX_SEED, ConstraintSpec, RequestError, SamplingParams
-from tl.stats import BackendInfo
-from tl.tools import ToolFormat, ToolSetup, ToolSpec, tool_grammar
+from tl.core.request import MAX_SEED, ConstraintSpec, RequestError, SamplingParams
+from tl.core.stats import BackendInfo
+from tl.text.tools import ToolFormat, ToolSetup, ToolSpec, tool_grammar
 
 Kind = Literal["chat", "completion", "messages", "responses"]
 
@@ -105,7 +105,7 @@ ANY_OBJECT = '{"type":"object"}'
 def constraint(req: SamplingFields) -> ConstraintSpec | None:
     """The request's structured-output constraint: OpenAI's response_format (json_object,
     json_schema) or vLLM's structured_outputs (json, regex, choice, grammar, json_object), at
-    most one of them; None for text. Compiled later (tl/grammar.py), off the event loop."""
+    most one of them; None for text. Compiled later (tl/text/grammar.py), off the event loop."""
     specs = []
     rf = req.response_format
     if rf is not None and rf.type == "json_object":

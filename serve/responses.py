@@ -44,7 +44,7 @@ from serve.wire import (
     ToolCall,
     encoder,
 )
-from tl.tools import CallArgs, CallStart, Event
+from tl.text.tools import CallArgs, CallStart, Event
 
 if TYPE_CHECKING:
     from serve.asgi import Sender

@@ -64,8 +64,8 @@ from serve.wire import (
     TokenizeResponse,
     encoder,
 )
-from tl.async_engine import AsyncEngine, EmbedHandle, EngineError
-from tl.request import MAX_EMBED_INPUTS, Constraint, ConstraintSpec, EmbedRequest, RequestError
+from tl.core.async_engine import AsyncEngine, EmbedHandle, EngineError
+from tl.core.request import MAX_EMBED_INPUTS, Constraint, ConstraintSpec, EmbedRequest, RequestError
 
 S = TypeVar("S")
 STARTED_AT = int(time.time())

@@ -305,7 +305,7 @@ class EmbeddingList(Struct, frozen=True):
 
 
 class BackendCard(Struct, frozen=True):
-    """tl's extension of the model card: where the engine runs (tl.stats.BackendInfo)."""
+    """tl's extension of the model card: where the engine runs (tl.core.stats.BackendInfo)."""
 
     platform: str
     device_kind: str

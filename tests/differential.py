@@ -1,7 +1,7 @@
 """Differential helpers: run requests through an Engine, concurrently or alone, with any runner.
 
 A RunnerFactory builds a Runner from an EngineConfig: FakeRunner.from_config here, and
-ModelRunner.from_model_dir (tl/runner.py) for the tiny-model runs, so the same checks
+ModelRunner.from_model_dir (tl/runtime/runner.py) for the tiny-model runs, so the same checks
 (concurrent == alone, speculative == plain, cached == uncached) run on both.
 """
 
@@ -10,10 +10,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from tl.config import EngineConfig
-from tl.engine import Engine
-from tl.plan import Runner
-from tl.request import GenRequest, TokenOut
+from tl.core.config import EngineConfig
+from tl.core.engine import Engine
+from tl.core.plan import Runner
+from tl.core.request import GenRequest, TokenOut
 
 RunnerFactory = Callable[[EngineConfig], Runner]
 EngineCheck = Callable[[Engine], None]

@@ -1,6 +1,6 @@
 """The granian target of the server tests: serve.app's App over an engine that needs no JAX.
 
-`fake_app:app` (tests/ on PYTHONPATH) is the real tl.engine.Engine over the succ runner of
+`fake_app:app` (tests/ on PYTHONPATH) is the real tl.core.engine.Engine over the succ runner of
 tests/fake_engine.py (`make_real_async_engine`; FAKE_STEP_DELAY_S and FAKE_MAX_LEN tune it),
 handed to the App as its engine factory: the server's engine is an explicit argument, never
 an import path from the environment. Used by tests/test_serve_http.py.

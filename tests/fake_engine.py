@@ -1,4 +1,4 @@
-"""A pure-Python stand-in for tl.engine.Engine with hand-checkable outputs, for server tests.
+"""A pure-Python stand-in for tl.core.engine.Engine with hand-checkable outputs, for server tests.
 
 The "succ" rule over a byte tokenizer: greedy next token = (last token + 1) % 256, so "a"
 continues "bcd...". Under a structured-output constraint the successor is taken when the
@@ -8,8 +8,8 @@ request reserves ceil((prompt + max_tokens) / block_size) blocks when admitted a
 them when it finishes or is aborted, so /metrics can be checked exactly. `step_delay_s`
 slows steps down for disconnect and drain tests; `fail_next_step` makes the next step raise.
 
-FakeEngine has the members tl.async_engine.SyncEngine names, as tl.engine.Engine does, and
-admits by the same rules (tl/request.py check_context and check_capacity).
+FakeEngine has the members tl.core.async_engine.SyncEngine names, as tl.core.engine.Engine does, and
+admits by the same rules (tl/core/request.py check_context and check_capacity).
 
 Also: ByteTokenizer, ConcatTemplate (the seed's `{% for m in messages %}{{ m.content }}`),
 `make_async_engine(cfg)` and `make_real_async_engine(cfg)`, engine factories for serve.app's
@@ -31,14 +31,14 @@ import numpy as np
 from fake_runner import pick_allowed
 from models import BYTE_VOCAB_SIZE, IM_END_ID, byte_tokenizer_json
 
-from tl.async_engine import AsyncEngine
-from tl.chat_template import ChatTemplate
-from tl.config import EngineConfig
-from tl.grammar import GrammarCompiler
-from tl.plan import RunnerOutput, SchedulerOutput, SeqResult
-from tl.request import EmbedRequest, GenRequest, Guide, TokenOut, check_capacity, check_context
-from tl.stats import BackendInfo, EngineStats
-from tl.tools import FORMATS, ToolSetup, tool_template
+from tl.core.async_engine import AsyncEngine
+from tl.core.config import EngineConfig
+from tl.core.plan import RunnerOutput, SchedulerOutput, SeqResult
+from tl.core.request import EmbedRequest, GenRequest, Guide, TokenOut, check_capacity, check_context
+from tl.core.stats import BackendInfo, EngineStats
+from tl.text.chat_template import ChatTemplate
+from tl.text.grammar import GrammarCompiler
+from tl.text.tools import FORMATS, ToolSetup, tool_template
 
 EMBED_DIM = 8
 
@@ -300,7 +300,7 @@ def make_async_engine(cfg: EngineConfig) -> AsyncEngine:
 
 
 class SuccRunner:
-    """A Runner (tl/plan.py) with the pure succ rule, for the real tl.engine.Engine behind the server."""
+    """A Runner (tl/core/plan.py) with the pure succ rule, for the real tl.core.engine.Engine behind the server."""
 
     def __init__(
         self, block_size: int = 4, num_kv_blocks: int = 256, max_model_len: int = 512, step_delay_s: float = 0.0
@@ -343,8 +343,9 @@ class SuccRunner:
 
 
 def make_real_async_engine(cfg: EngineConfig) -> AsyncEngine:
-    """An App's engine factory: the real tl.engine.Engine over SuccRunner (FAKE_STEP_DELAY_S and FAKE_MAX_LEN apply)."""
-    from tl.engine import Engine
+    """An App's engine factory: the real tl.core.engine.Engine over SuccRunner (FAKE_STEP_DELAY_S
+    and FAKE_MAX_LEN apply)."""
+    from tl.core.engine import Engine
 
     runner = SuccRunner(
         block_size=cfg.block_size,

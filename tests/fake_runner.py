@@ -9,7 +9,7 @@ here first).
 Rule: next = (last + 1 + [mix(context) % 5 == 0]) % vocab, where mix weighs every token by
 its position: mostly the "succ" successor (so prompt lookup finds matching drafts) but
 dependent on the whole context. Sampled requests (temperature > 0) add a pseudo-random
-offset from (seed, num_generated + row), the key rule of tl/plan.py, so their output also
+offset from (seed, num_generated + row), the key rule of tl/core/plan.py, so their output also
 must not depend on batch neighbours, chunking or preemption. A draft is accepted while it
 equals the rule's token at its row. Under a constraint (SeqWork.guide) the rule's token is
 taken where the row's bitmask allows it, else the smallest allowed id (`pick_allowed`).
@@ -21,9 +21,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from tl.config import EngineConfig
-from tl.plan import RunnerOutput, SchedulerOutput, SeqResult, SeqWork
-from tl.stats import BackendInfo
+from tl.core.config import EngineConfig
+from tl.core.plan import RunnerOutput, SchedulerOutput, SeqResult, SeqWork
+from tl.core.stats import BackendInfo
 
 
 def mix(context: Sequence[int]) -> int:

@@ -4,7 +4,7 @@ Owns: writing complete Hugging Face style model directories (config.json,
 model.safetensors or 2 shards + index, tokenizer.json, tokenizer_config.json,
 generation_config.json) for tests. Must not import jax; uses only ModelConfig and
 the byte-level alphabet of tl. Each builder runs in well under a second. Tested by
-tests/test_model_files.py (the dirs load through tl.model.files and tl.tokenizer).
+tests/test_model_files.py (the dirs load through tl.model.files and tl.text.tokenizer).
 
 Byte tokenizer (both builders): a ByteLevel BPE whose vocab is the 256 byte-level
 characters with id == byte value, no merges, plus specials
@@ -30,7 +30,7 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from tl.model.config import ModelConfig
-from tl.tokenizer import byte_level_alphabet
+from tl.text.tokenizer import byte_level_alphabet
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 ENDOFTEXT_ID, IM_START_ID, IM_END_ID = 256, 257, 258

@@ -22,11 +22,10 @@ from fake_engine import (
 )
 from test_grammar import nested_any_of
 
-from tl.async_engine import Abort, Add, AddEmbedding, AsyncEngine, EngineError
-from tl.config import EngineConfig
-from tl.engine import Engine
-from tl.grammar import GrammarError
-from tl.request import (
+from tl.core.async_engine import Abort, Add, AddEmbedding, AsyncEngine, EngineError
+from tl.core.config import EngineConfig
+from tl.core.engine import Engine
+from tl.core.request import (
     ConstraintSpec,
     ContextLengthError,
     EmbedRequest,
@@ -35,7 +34,8 @@ from tl.request import (
     SamplingParams,
     TokenOut,
 )
-from tl.stats import BackendInfo
+from tl.core.stats import BackendInfo
+from tl.text.grammar import GrammarError
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=3)
 

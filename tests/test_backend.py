@@ -1,4 +1,4 @@
-"""tl/backend.py on one CPU device: platform and dtype resolution, the tensor-parallel checks."""
+"""tl/runtime/backend.py on one CPU device: platform and dtype resolution, the tensor-parallel checks."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from tests.models import tiny_config
-from tl import backend
-from tl.config import ConfigError
+from tl.core.config import ConfigError
 from tl.model.config import ModelConfig
+from tl.runtime import backend
 
 
 def test_platform_and_dtype() -> None:

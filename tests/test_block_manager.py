@@ -7,7 +7,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from tl.block_manager import BlockManager
+from tl.core.block_manager import BlockManager
 
 BS = 4
 

@@ -1,4 +1,4 @@
-"""tl.chat_template: SmolLM2's real template byte for byte, the jinja features chat
+"""tl.text.chat_template: SmolLM2's real template byte for byte, the jinja features chat
 templates use, errors at construction and at render, template discovery in a model
 dir, and a differential check against transformers' own renderer
 (transformers.utils.chat_template_utils.render_jinja_template) over several templates."""
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from models import make_tiny_llama
 
-from tl.chat_template import DEFAULT_TEMPLATE, ChatTemplate, TemplateError
+from tl.text.chat_template import DEFAULT_TEMPLATE, ChatTemplate, TemplateError
 
 SMOLLM2_TEMPLATE = (
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"

@@ -1,4 +1,4 @@
-"""tl/compiler.py: which compiled variant runs a step, start-up then background compilation,
+"""tl/runtime/compiler.py: which compiled variant runs a step, start-up then background compilation,
 and (on the tiny model) that a step run in a larger variant than its own gives the same tokens
 and compiles nothing."""
 
@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from test_runner import ENGINE, Driver, Seq, make_runner
 
-from tl.compiler import StepCompiler
-from tl.execution import startup_variants, step_variants
-from tl.request import SamplingParams
+from tl.core.request import SamplingParams
+from tl.runtime.compiler import StepCompiler
+from tl.runtime.execution import startup_variants, step_variants
 
 VARIANTS = [(1, 1), (4, 1), (4, 4), (8, 1), (8, 4), (16, 4)]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tl.config import ConfigError, EngineConfig, engine_keys
+from tl.core.config import ConfigError, EngineConfig, engine_keys
 
 
 def test_defaults_are_valid_and_complete() -> None:

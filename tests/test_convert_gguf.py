@@ -1,4 +1,4 @@
-"""tl.convert_gguf and tl.pull: dequantization per tensor type, the q/k un-permutation,
+"""tl.model.convert_gguf and tl.ops.pull: dequantization per tensor type, the q/k un-permutation,
 whole-model conversion of small GGUFs written here with gguf.GGUFWriter, errors, and
 the real SmolLM2 directory (slow).
 
@@ -16,14 +16,14 @@ import numpy as np
 import pytest
 from models import SPECIAL_TOKENS, make_tiny_llama, tiny_config, tiny_tensors
 
-from tl.convert_gguf import (
+from tl.model.config import ModelConfig, load_model_config
+from tl.model.convert_gguf import (
     GGUFError,
     convert_gguf,
     dequantize_tensor,
     permute_qk,
     unpermute_qk,
 )
-from tl.model.config import ModelConfig, load_model_config
 from tl.model.files import (
     check_shapes,
     eos_token_ids,
@@ -31,7 +31,7 @@ from tl.model.files import (
     load_tokenizer_config,
     read_tensors,
 )
-from tl.tokenizer import Tokenizer, byte_level_alphabet
+from tl.text.tokenizer import Tokenizer, byte_level_alphabet
 
 Q = gguf.GGMLQuantizationType
 
@@ -299,7 +299,7 @@ def test_real_smollm2_dir(smol_dir: Path) -> None:
 def test_pull_converts_into_place_and_never_leaves_half_a_model(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import tl.pull as pull_mod
+    import tl.ops.pull as pull_mod
 
     cfg = tiny_config()
     src = tiny_gguf(tmp_path / "src.gguf", cfg, tiny_tensors(cfg), "llama")

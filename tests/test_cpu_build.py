@@ -164,10 +164,10 @@ def test_server_without_a_compiler_answers_on_the_reference(tmp_path: Path, tiny
     """TL_ENGINE__NATIVE_CXX=/bin/false and an empty build cache: the server starts, its backend card says
     reference and XLA, and greedy completions equal an in-process engine's on the reference
     kernels."""
-    from tl.build import build_engine
-    from tl.config import EngineConfig
-    from tl.request import GenRequest, SamplingParams
-    from tl.tokenizer import Tokenizer
+    from tl.core.config import EngineConfig
+    from tl.core.request import GenRequest, SamplingParams
+    from tl.ops.build import build_engine
+    from tl.text.tokenizer import Tokenizer
 
     port, hport = free_port(), free_port()
     engine_toml = (

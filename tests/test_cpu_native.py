@@ -457,11 +457,11 @@ def test_argmax_lse_matches_float64(lib: cpu_native.NativeLib, rows: int, vocab:
 
 
 def test_sample_with_the_native_argmax_lse_is_the_jnp_sample(lib: cpu_native.NativeLib) -> None:
-    """tl.sampler.sample with the native one-pass argmax/logsumexp: same tokens and acceptances
+    """tl.runtime.sampler.sample with the native one-pass argmax/logsumexp: same tokens and acceptances
     as with jnp's, logprobs within both logsumexps' bounds, greedy and sampled rows, drafts,
     penalties on and off."""
-    from tl.request import SamplingParams
-    from tl.sampler import pack_penalties, pack_rows, sample
+    from tl.core.request import SamplingParams
+    from tl.runtime.sampler import pack_penalties, pack_rows, sample
 
     rng = np.random.default_rng(3)
     R, V = 6, 300

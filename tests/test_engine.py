@@ -19,10 +19,10 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from tests.differential import Arrival, RunnerFactory, assert_concurrent_equals_alone, drive, finish_reason, token_ids
 from tests.fake_runner import FakeRunner, next_token, pooled_embedding
-from tl.config import EngineConfig
-from tl.engine import Engine
-from tl.request import ContextLengthError, EmbedRequest, GenRequest, QueueFullError, SamplingParams, TokenOut
-from tl.sequence import SeqStatus
+from tl.core.config import EngineConfig
+from tl.core.engine import Engine
+from tl.core.request import ContextLengthError, EmbedRequest, GenRequest, QueueFullError, SamplingParams, TokenOut
+from tl.core.sequence import SeqStatus
 
 BASE_CFG = EngineConfig(
     block_size=4,

@@ -15,8 +15,8 @@ import pytest
 
 from tests.differential import assert_concurrent_equals_alone
 from tests.test_engine import BASE_CFG, check_engine, workload
-from tl.config import EngineConfig
-from tl.plan import Runner
+from tl.core.config import EngineConfig
+from tl.core.plan import Runner
 
 jax = pytest.importorskip("jax")
 
@@ -40,7 +40,7 @@ def runners() -> dict[str, Any]:
 
     from tests.models import tiny_config
     from tl.model import llama
-    from tl.runner import ModelRunner
+    from tl.runtime.runner import ModelRunner
 
     cfg = tiny_config()
     params = jax.tree.map(np.asarray, llama.init_params(cfg, jax.random.key(0)))
@@ -82,8 +82,8 @@ def test_constraints_in_the_compiled_step(runners: dict[str, Any]) -> None:
 
     from tests.differential import Arrival, drive
     from tests.fake_engine import byte_grammars
-    from tl.engine import Engine
-    from tl.request import ConstraintSpec, GenRequest, SamplingParams
+    from tl.core.engine import Engine
+    from tl.core.request import ConstraintSpec, GenRequest, SamplingParams
 
     grammars = byte_grammars(CFG)
     schema = {
@@ -137,7 +137,7 @@ def test_constrained_logprobs_are_the_constrained_distributions(runners: dict[st
 
     from tests.differential import run_alone
     from tests.fake_engine import byte_grammars
-    from tl.request import ConstraintSpec, GenRequest, SamplingParams
+    from tl.core.request import ConstraintSpec, GenRequest, SamplingParams
 
     g = byte_grammars(CFG).compile(ConstraintSpec("choice", '["yes", "no"]', "p")).grammar
     params = SamplingParams(temperature=0.0, max_tokens=5, logprobs=True, top_logprobs=5)

@@ -1,4 +1,4 @@
-"""tl/execution.py: the execution plan decides every backend choice, once, with its reason, and
+"""tl/runtime/execution.py: the execution plan decides every backend choice, once, with its reason, and
 is what the runner, the start-up log and the backend card read."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from test_runner import ENGINE, make_runner, tiny_cfg
 
-from tl import backend
-from tl.config import EngineConfig
-from tl.execution import Decision, ExecutionPlan, plan_execution
+from tl.core.config import EngineConfig
+from tl.runtime import backend
+from tl.runtime.execution import Decision, ExecutionPlan, plan_execution
 
 ROOT = Path(__file__).resolve().parents[1]
 BACKEND_KEYS = (
@@ -92,12 +92,12 @@ def _config_reads(source: str) -> list[tuple[int, str]]:
 
 
 def test_only_the_plan_reads_the_backend_keys() -> None:
-    """One place decides: no module but tl/execution.py (and the config that defines and checks
+    """One place decides: no module but tl/runtime/execution.py (and the config that defines and checks
     them) reads the backend choices of an EngineConfig."""
     readers = []
     for path in sorted([*ROOT.glob("tl/**/*.py"), *ROOT.glob("serve/*.py"), *ROOT.glob("kernels/*.py")]):
         rel = str(path.relative_to(ROOT))
-        if rel not in ("tl/config.py", "tl/execution.py"):
+        if rel not in ("tl/core/config.py", "tl/runtime/execution.py"):
             readers += [f"{rel}:{line}: {key}" for line, key in _config_reads(path.read_text())]
     assert readers == []
     assert _config_reads("def f(ec):\n    return ec.attention_kernel\n") == [(2, "attention_kernel")]

@@ -1,4 +1,4 @@
-"""tl/grammar.py over the byte tokenizer of tests/models.py: compiling each kind of constraint, the
+"""tl/text/grammar.py over the byte tokenizer of tests/models.py: compiling each kind of constraint, the
 errors (each naming its field), the cache and its bound, the time bound, and the matcher's
 bitmask rows (drafts included, state restored), checked against llguidance's own answers and
 by hand."""
@@ -14,9 +14,9 @@ import pytest
 from fake_engine import byte_grammars
 from models import BYTE_VOCAB_SIZE, IM_END_ID, byte_tokenizer_json
 
-from tl.config import EngineConfig
-from tl.grammar import GrammarCompiler, GrammarError, Matcher
-from tl.request import ConstraintSpec
+from tl.core.config import EngineConfig
+from tl.core.request import ConstraintSpec
+from tl.text.grammar import GrammarCompiler, GrammarError, Matcher
 
 CFG = EngineConfig(model_dir="unused")
 
@@ -205,7 +205,7 @@ def test_compiles_run_without_the_gil() -> None:
 def test_fill_masks_in_parallel_equals_row_by_row() -> None:
     """A step's rows filled together (llguidance's executor, drafts included) equal each
     matcher's own fill, and leave every matcher where it was."""
-    from tl.grammar import fill_masks
+    from tl.text.grammar import fill_masks
 
     g = compiler()
     specs = [ConstraintSpec("regex", r, "p") for r in ("(ab|ac)d+", "[0-9]{2,5}", "x|y|zz")]

@@ -1,4 +1,4 @@
-"""tl/grammar_pool.py with plain Python jobs held on events: a given-up job's place goes to the
+"""tl/core/grammar_pool.py with plain Python jobs held on events: a given-up job's place goes to the
 next job at once, its thread drops to nice 19, at most max_overdue are written off, queued jobs
 given up on (or left at shutdown) are cancelled, and shutdown waits for nothing."""
 
@@ -13,7 +13,7 @@ from concurrent.futures import CancelledError, Future
 
 import pytest
 
-from tl.grammar_pool import LOWEST_PRIORITY, GrammarPool
+from tl.core.grammar_pool import LOWEST_PRIORITY, GrammarPool
 
 
 def held(release: threading.Event, value: str) -> Callable[[], tuple[str, int]]:

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 from tests.test_runner import ENGINE, GREEDY, dense_greedy, tiny_cfg
+from tl.core.plan import SchedulerOutput, SeqWork
 from tl.model import llama
 from tl.model.weights import Int8
-from tl.plan import SchedulerOutput, SeqWork
-from tl.runner import ModelRunner
+from tl.runtime.runner import ModelRunner
 
 _dense = jax.jit(llama.forward_dense, static_argnums=1)
 

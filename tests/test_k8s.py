@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from serve.app import STOP_BOUND_S
-from tl.config import EngineConfig, engine_keys
+from tl.core.config import EngineConfig, engine_keys
 
 ROOT = Path(__file__).resolve().parents[1]
 MANIFESTS = sorted((ROOT / "configs" / "k8s").glob("*.yaml"))

@@ -17,7 +17,7 @@ import pytest
 from test_runner import ENGINE, Seq, generate, make_runner
 
 from kernels import cpu_native
-from tl.config import ConfigError, EngineConfig
+from tl.core.config import ConfigError, EngineConfig
 from tl.model.weights import Bf16x3, Dense
 
 AMX_TARGET = "sapphirerapids"  # the build with AMX-BF16 (kernels/cpu_build.py)

@@ -22,8 +22,8 @@ from serve import memwatch
 from serve.app import App
 from serve.asgi import DisconnectWatcher
 from serve.generate import Choice, Job
-from tl.async_engine import EmbedHandle, RequestHandle
-from tl.engine import Engine
+from tl.core.async_engine import EmbedHandle, RequestHandle
+from tl.core.engine import Engine
 
 REQUEST_TYPES = (Job, Choice, RequestHandle, EmbedHandle, DisconnectWatcher)
 

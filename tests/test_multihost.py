@@ -1,12 +1,12 @@
 """Multi-host as far as one machine allows. Two processes join one jax.distributed job through
-tl.backend.init_distributed (coordinator on localhost, 2 CPU devices each) and see one 4-device
+tl.runtime.backend.init_distributed (coordinator on localhost, 2 CPU devices each) and see one 4-device
 job from which make_mesh builds the tensor-parallel mesh; the keywords come from config, then
-the standard JAX_* variables. The step channel (tl/multihost.py): frames round-trip, a silent
+the standard JAX_* variables. The step channel (tl/ops/multihost.py): frames round-trip, a silent
 peer fails within peer_timeout_s. Groups of 2 and 4 processes (one CPU device each, JAX's CPU
 collectives) serve the tiny model over HTTP as one job: greedy answers equal one process's,
 concurrent streams equal serial ones, a follower killed mid-stream fails the group (503s, exit
 status 3 everywhere), a killed leader takes its followers down, SIGTERM drains then stops them.
-A group that does not form (tl/group_start.py): the leader names who has not connected or is
+A group that does not form (tl/ops/group_start.py): the leader names who has not connected or is
 not ready, a lone leader and a lone follower exit within group_start_timeout_s with one line
 naming who is missing, and a leader's start-up error makes its granian exit non-zero.
 """
@@ -32,14 +32,14 @@ import numpy as np
 import pytest
 
 from bench.multihost_bench import Group, start_group
-from tl.config import EngineConfig
-from tl.multihost import GroupFailed
+from tl.core.config import EngineConfig
+from tl.ops.multihost import GroupFailed
 
 ROOT = Path(__file__).resolve().parent.parent
 CHILD = """
 import sys
-from tl.backend import init_distributed, make_mesh
-from tl.config import EngineConfig
+from tl.runtime.backend import init_distributed, make_mesh
+from tl.core.config import EngineConfig
 import jax
 cfg = EngineConfig(coordinator_address=sys.argv[1], num_processes=2, process_id=int(sys.argv[2]))
 assert init_distributed(cfg, {})
@@ -75,7 +75,7 @@ def test_two_processes_form_one_job() -> None:
 
 
 def test_distributed_args_from_config_then_environment() -> None:
-    from tl.multihost import distributed_args
+    from tl.core.config import distributed_args
 
     assert distributed_args(EngineConfig(), {}) is None
     env = {"JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234", "JAX_NUM_PROCESSES": "4", "JAX_PROCESS_ID": "2"}
@@ -89,11 +89,11 @@ def test_distributed_args_from_config_then_environment() -> None:
     assert distributed_args(EngineConfig(num_processes=8), {}) == {"num_processes": 8}  # the rest auto-detected
 
 
-# ---- serving one model from a group of processes (tl/multihost.py, serve/follower.py) ----------
+# ---- serving one model from a group of processes (tl/ops/multihost.py, serve/follower.py) ----------
 
 
 def test_step_frames_round_trip() -> None:
-    from tl.multihost import StepFrame
+    from tl.ops.multihost import StepFrame
 
     bufs = (np.arange(7, dtype=np.int32), np.linspace(0, 1, 5, dtype=np.float32))
     pen = (np.array(True), np.ones((2, 3), np.float32), np.zeros((4, 2), np.int32))
@@ -117,7 +117,7 @@ def test_step_frames_round_trip() -> None:
 
 
 def test_step_address_and_roles() -> None:
-    from tl.multihost import is_follower, step_address
+    from tl.ops.multihost import is_follower, step_address
 
     assert step_address("10.0.0.1:8476", 0) == ("10.0.0.1", 8477)
     assert step_address("leader.tl:8476", 9000) == ("leader.tl", 9000)
@@ -131,7 +131,7 @@ def test_step_address_and_roles() -> None:
 def test_a_silent_follower_and_a_lost_leader_fail_within_the_bound() -> None:
     """The channel alone (no jax): a follower that stops beating is lost after peer_timeout_s,
     on_failure runs once with the reason, and the follower then sees its leader gone."""
-    from tl.multihost import Follower, Leader
+    from tl.ops.multihost import Follower, Leader
 
     reasons: list[str] = []
     leader = Leader(1, 0.5, reasons.append, exit_on_failure=False)
@@ -164,8 +164,8 @@ def test_a_silent_follower_and_a_lost_leader_fail_within_the_bound() -> None:
 def test_the_start_up_bound_names_the_missing_followers() -> None:
     """The channel alone (no jax): a leader of three knows by process id who has not connected
     and who has not reported ready, and the start-up bound's line says so on expiry."""
-    from tl.group_start import start_deadline
-    from tl.multihost import Follower, Leader
+    from tl.ops.group_start import start_deadline
+    from tl.ops.multihost import Follower, Leader
 
     leader = Leader(2, 5.0, exit_on_failure=False)
     port = leader.listen("127.0.0.1", 0)
@@ -378,7 +378,7 @@ def test_a_killed_leader_takes_its_follower_down(tiny_dir: Path, tmp_path: Path)
             assert "the leader (process 0) closed the step channel" in g.log(1)
 
 
-# ---- a group that does not form: group_start_timeout_s (tl/group_start.py) ---------------------
+# ---- a group that does not form: group_start_timeout_s (tl/ops/group_start.py) ---------------------
 
 
 def _alone(model_dir: Path, tmp: Path, process_id: int, engine: str) -> tuple[subprocess.Popen[bytes], Path]:
@@ -437,7 +437,7 @@ def test_a_leader_without_its_follower_exits_naming_it(tiny_dir: Path, tmp_path:
     proc, log = _alone(tiny_dir, tmp_path, 0, f"num_processes = 2\ngroup_start_timeout_s = {BOUND}\n")
     code, text = _wait_alone(proc, log, BOUND + SLACK_S)
     assert code == 1, text[-3000:]
-    errors = [x for x in text.splitlines() if " ERROR tl.group_start: " in x]
+    errors = [x for x in text.splitlines() if " ERROR tl.ops.group_start: " in x]
     assert len(errors) == 1, text[-3000:]
     assert errors[0].endswith(
         "group start-up: process 1 of 2 did not connect within 3.0 s (group_start_timeout_s); exiting with status 4"

@@ -96,7 +96,7 @@ def _probe(c: dict) -> tuple:
 
 
 def test_selection_rules() -> None:
-    from tl.backend import make_mesh
+    from tl.runtime.backend import make_mesh
 
     c = build_case(np.random.default_rng(0), MIXED, 3)
     mesh, probe = make_mesh("cpu", 1), _probe(c)
@@ -114,10 +114,10 @@ def test_selection_rules() -> None:
 
 def test_runner_step_with_gpu_kernel(tiny_dir) -> None:  # type: ignore[no-untyped-def]
     """Greedy steps through the compiled program: the interpreted GPU kernel == the reference."""
-    from tl.config import EngineConfig
-    from tl.plan import SchedulerOutput, SeqWork
-    from tl.request import SamplingParams
-    from tl.runner import ModelRunner
+    from tl.core.config import EngineConfig
+    from tl.core.plan import SchedulerOutput, SeqWork
+    from tl.core.request import SamplingParams
+    from tl.runtime.runner import ModelRunner
 
     base = EngineConfig(
         model_dir=str(tiny_dir),

@@ -1,4 +1,4 @@
-"""tl/runner.py on tiny random models: the paged, batched, bucketed step against the dense
+"""tl/runtime/runner.py on tiny random models: the paged, batched, bucketed step against the dense
 no-cache forward; donation; a flat compile count after warm-up; drafts; seeds; embeddings;
 loading from a model directory.
 
@@ -16,13 +16,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tl.config import EngineConfig
-from tl.embedding import dense_embedding
+from tl.core.config import EngineConfig
+from tl.core.plan import SchedulerOutput, SeqWork
+from tl.core.request import SamplingParams
 from tl.model import llama
 from tl.model.config import ModelConfig
-from tl.plan import SchedulerOutput, SeqWork
-from tl.request import SamplingParams
-from tl.runner import ModelRunner
+from tl.model.embedding import dense_embedding
+from tl.runtime.runner import ModelRunner
 
 GREEDY = SamplingParams(temperature=0.0)
 # few buckets: every step variant costs seconds of XLA compile on a 2-core CPU
@@ -214,7 +214,7 @@ def test_greedy_drafts_match_plain_greedy() -> None:
 
 
 def dense_embed(runner: ModelRunner, ids: list[int]) -> list[float]:
-    """The dense no-cache reference (tl/embedding.py) over the runner's placed weights."""
+    """The dense no-cache reference (tl/model/embedding.py) over the runner's placed weights."""
     return dense_embedding(runner.params, runner.model_config, ids, runner.plan.token_buckets, runner.max_model_len)
 
 
@@ -297,8 +297,8 @@ def test_embed_is_padding_invariant_mean(runner_and_params: tuple[ModelRunner, d
 def test_scheduled_embeddings_equal_embed_alone(runner_and_params: tuple[ModelRunner, dict]) -> None:
     """Embeddings inputs pooled by the step, in chunks of 8 beside a decoding stream and each
     other, equal ModelRunner.embed's (dense, no cache) vectors: cosine >= 0.99999."""
-    from tl.engine import Engine
-    from tl.request import EmbedRequest, GenRequest
+    from tl.core.engine import Engine
+    from tl.core.request import EmbedRequest, GenRequest
 
     runner, _ = runner_and_params
     engine = Engine(runner, ENGINE.replace(prefill_chunk=8, prompt_tokens_while_decoding=12))

@@ -1,4 +1,4 @@
-"""tl/sampler.py: support restriction, frequencies, seeds, draft verification, penalties, logprobs.
+"""tl/runtime/sampler.py: support restriction, frequencies, seeds, draft verification, penalties, logprobs.
 
 Statistical checks draw thousands of independent rows in one call (same logits, steps 0..N-1)
 with fixed seeds, so they are deterministic; thresholds are chi-square at p ~ 1e-4.
@@ -10,8 +10,8 @@ import jax
 import numpy as np
 import pytest
 
-from tl.request import SamplingParams
-from tl.sampler import allowed, apply_mask, pack_penalties, pack_rows, sample, top_logprobs
+from tl.core.request import SamplingParams
+from tl.runtime.sampler import allowed, apply_mask, pack_penalties, pack_rows, sample, top_logprobs
 
 CHI2_CRIT = {4: 23.5, 5: 25.7, 9: 33.7}  # chi-square 0.9999 quantiles by degrees of freedom
 _sample = jax.jit(sample)

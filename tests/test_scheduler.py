@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from tl.block_manager import BlockManager
-from tl.config import EngineConfig
-from tl.plan import RunnerOutput, SchedulerOutput, SeqResult, SeqWork
-from tl.request import SamplingParams, TokenOut
-from tl.scheduler import Scheduler
-from tl.sequence import SeqStatus, Sequence
-from tl.spec_decode import PromptLookupProposer
+from tl.core.block_manager import BlockManager
+from tl.core.config import EngineConfig
+from tl.core.plan import RunnerOutput, SchedulerOutput, SeqResult, SeqWork
+from tl.core.request import SamplingParams, TokenOut
+from tl.core.scheduler import Scheduler
+from tl.core.sequence import SeqStatus, Sequence
+from tl.core.spec_decode import PromptLookupProposer
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 EOS_ENDS = SamplingParams(temperature=0.0, max_tokens=8)

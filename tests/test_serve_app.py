@@ -1,4 +1,4 @@
-"""The ASGI app in memory, over the fake engine and the real tl.engine.Engine with the succ runner.
+"""The ASGI app in memory, over the fake engine and the real tl.core.engine.Engine with the succ runner.
 
 Covers the seed's table where no real socket is needed: the hand example, SSE framing,
 stream == non-stream, seeds, stop strings, the error table, completions, templated usage,
@@ -30,11 +30,11 @@ from fake_engine import (
 
 from serve.app import App
 from serve.config_load import parse_runtime_toml
-from tl.async_engine import AsyncEngine
-from tl.build import build_async_engine
-from tl.config import EngineConfig
-from tl.engine import Engine
-from tl.request import ContextLengthError, EmbedRequest, GenRequest, SamplingParams
+from tl.core.async_engine import AsyncEngine
+from tl.core.config import EngineConfig
+from tl.core.engine import Engine
+from tl.core.request import ContextLengthError, EmbedRequest, GenRequest, SamplingParams
+from tl.ops.build import build_async_engine
 
 CHAT = "/v1/chat/completions"
 HAND = {"model": "succ", "messages": [{"role": "user", "content": "a"}], "max_tokens": 3, "temperature": 0}

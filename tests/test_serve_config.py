@@ -9,7 +9,7 @@ import pytest
 from serve.app import parse_listen
 from serve.config_load import load_config, parse_runtime_toml
 from serve.launch import granian_argv
-from tl.config import ConfigError, EngineConfig
+from tl.core.config import ConfigError, EngineConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -1,4 +1,4 @@
-"""The server over the real runner (tl.build) on the tiny test models, in memory.
+"""The server over the real runner (tl.ops.build) on the tiny test models, in memory.
 
 One app per model (compiling is the cost): one step bucket (32 tokens x 4 sequences), so
 each model compiles once. succ: the hand example, stop strings and framing on real
@@ -17,8 +17,8 @@ from pathlib import Path
 from asgi_client import Reply, call, served
 
 from serve.app import App
-from tl.build import build_async_engine
-from tl.config import EngineConfig
+from tl.core.config import EngineConfig
+from tl.ops.build import build_async_engine
 
 CHAT = "/v1/chat/completions"
 

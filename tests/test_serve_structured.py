@@ -21,11 +21,11 @@ from test_serve_app import CHAT, chat, content, make_app, metric, run
 from test_structured import SCHEMA, Failing
 
 from serve.app import App
-from tl.async_engine import AsyncEngine
-from tl.config import EngineConfig
-from tl.engine import Engine
-from tl.grammar import Compiled, GrammarCompiler
-from tl.request import ConstraintSpec
+from tl.core.async_engine import AsyncEngine
+from tl.core.config import EngineConfig
+from tl.core.engine import Engine
+from tl.core.request import ConstraintSpec
+from tl.text.grammar import Compiled, GrammarCompiler
 
 COMPLETIONS = "/v1/completions"
 

@@ -18,10 +18,10 @@ from fake_engine import ByteTokenizer, ConcatTemplate, ScriptEngine, SuccRunner,
 from test_serve_app import CHAT, run
 
 from serve.app import App
-from tl.async_engine import AsyncEngine
-from tl.config import EngineConfig
-from tl.engine import Engine
-from tl.tools import ToolSetup, setup
+from tl.core.async_engine import AsyncEngine
+from tl.core.config import EngineConfig
+from tl.core.engine import Engine
+from tl.text.tools import ToolSetup, setup
 
 CITY = {
     "type": "object",
@@ -145,7 +145,7 @@ def test_the_hermes_form_end_to_end() -> None:
     """A model whose template writes Hermes blocks: one block per call, parsed and forced alike."""
     from test_tools import HERMES_TEMPLATE
 
-    from tl.chat_template import ChatTemplate
+    from tl.text.chat_template import ChatTemplate
 
     hermes = setup("auto", ChatTemplate(HERMES_TEMPLATE))
     script = 'On it.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'

@@ -26,8 +26,8 @@ def reference(smol_gguf: Path) -> GGUFModel:
 
 @pytest.fixture(scope="session")
 def prompt_ids(smol_dir: Path) -> list[int]:
-    from tl.chat_template import ChatTemplate
-    from tl.tokenizer import Tokenizer
+    from tl.text.chat_template import ChatTemplate
+    from tl.text.tokenizer import Tokenizer
 
     text = ChatTemplate.from_model_dir(smol_dir).render([{"role": "user", "content": QUESTION}])
     ids = Tokenizer.load(smol_dir).encode(text)
@@ -55,10 +55,10 @@ def test_dense_forward_matches_numpy_reference(smol_dir: Path, reference: GGUFMo
 def test_engine_greedy_matches_reference_and_answers(
     smol_dir: Path, reference: GGUFModel, prompt_ids: list[int]
 ) -> None:
-    from tl.build import build_engine
-    from tl.config import EngineConfig
-    from tl.request import GenRequest, SamplingParams
-    from tl.tokenizer import Tokenizer
+    from tl.core.config import EngineConfig
+    from tl.core.request import GenRequest, SamplingParams
+    from tl.ops.build import build_engine
+    from tl.text.tokenizer import Tokenizer
 
     cfg = EngineConfig(
         model_dir=str(smol_dir),

@@ -17,9 +17,9 @@ from differential import Arrival, assert_concurrent_equals_alone
 from test_engine import check_engine
 from test_engine_runner import NarrowKV
 
-from tl.config import EngineConfig
-from tl.plan import Runner
-from tl.request import GenRequest, SamplingParams
+from tl.core.config import EngineConfig
+from tl.core.plan import Runner
+from tl.core.request import GenRequest, SamplingParams
 
 pytestmark = pytest.mark.slow
 
@@ -46,7 +46,7 @@ QUESTIONS = [
 
 @pytest.fixture(scope="module")
 def smol_runner(smol_dir: Path) -> Any:
-    from tl.runner import ModelRunner
+    from tl.runtime.runner import ModelRunner
 
     runner = ModelRunner.from_model_dir(BASE.replace(model_dir=str(smol_dir), speculative="prompt_lookup"))
     runner.warmup()
@@ -55,8 +55,8 @@ def smol_runner(smol_dir: Path) -> Any:
 
 @pytest.fixture(scope="module")
 def arrivals(smol_dir: Path) -> list[Arrival]:
-    from tl.chat_template import ChatTemplate
-    from tl.tokenizer import Tokenizer
+    from tl.text.chat_template import ChatTemplate
+    from tl.text.tokenizer import Tokenizer
 
     tok, tpl = Tokenizer.load(smol_dir), ChatTemplate.from_model_dir(smol_dir)
     out = []

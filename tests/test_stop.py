@@ -2,7 +2,7 @@
 worker) on the tiny JAX model, stopped at each moment of its life by SIGTERM or SIGINT,
 delivered to the main process alone or to the whole process group.
 
-The moments are forced, not hit by luck: TL_DEBUG_DELAYS (tl/debug_delays.py) makes the
+The moments are forced, not hit by luck: TL_DEBUG_DELAYS (tl/core/debug_delays.py) makes the
 model load or each step variant's compile sleep and logs it, and the test signals once that
 line appears (or once /readyz is 200 while the background compiles are still sleeping). Each
 case asserts the exit status (0) and the time from the signal to the exit: within the worker's
@@ -237,7 +237,7 @@ def test_work_admitted_during_the_background_compiles_is_served(tiny_dir: Path, 
 
 
 def test_debug_delays_refuse_what_they_cannot_read() -> None:
-    from tl.debug_delays import parse
+    from tl.core.debug_delays import parse
 
     assert parse("") == {} and parse("load=1, step=0.05") == {"load": 1.0, "step": 0.05}
     for bad in ("load=x", "loading=1", "compile", "step=-1"):

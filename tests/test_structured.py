@@ -18,10 +18,10 @@ from fake_engine import byte_grammars
 from fake_runner import FakeRunner
 from models import BYTE_VOCAB_SIZE, IM_END_ID
 
-from tl.config import EngineConfig
-from tl.engine import Engine
-from tl.grammar import Grammar
-from tl.request import ConstraintSpec, GenRequest, Guide, SamplingParams
+from tl.core.config import EngineConfig
+from tl.core.engine import Engine
+from tl.core.request import ConstraintSpec, GenRequest, Guide, SamplingParams
+from tl.text.grammar import Grammar
 
 CFG = EngineConfig(
     model_dir="unused",

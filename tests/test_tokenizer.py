@@ -1,4 +1,4 @@
-"""tl.tokenizer: the byte tokenizer (one token per byte), token bytes vs decode,
+"""tl.text.tokenizer: the byte tokenizer (one token per byte), token bytes vs decode,
 incremental UTF-8, eos id resolution, load errors, and SmolLM2's tokenizer against an
 independent reference (slow).
 
@@ -19,10 +19,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from models import ENDOFTEXT_ID, IM_END_ID, IM_START_ID, make_tiny_llama
 
-from tl.chat_template import ChatTemplate
 from tl.model.config import ModelDirError
 from tl.model.files import eos_token_ids
-from tl.tokenizer import Tokenizer
+from tl.text.chat_template import ChatTemplate
+from tl.text.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")

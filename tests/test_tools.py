@@ -1,4 +1,4 @@
-"""tl/tools.py: the streaming tool-call parser over scripted texts cut at every boundary (as
+"""tl/text/tools.py: the streaming tool-call parser over scripted texts cut at every boundary (as
 tests/test_textstream.py tests stop strings), the grammars each tool_choice compiles to (checked
 by feeding texts through llguidance's matcher over the byte tokenizer), format detection, and
 tl's tool template rendered byte for byte as transformers renders it."""
@@ -13,10 +13,10 @@ import pytest
 from fake_engine import byte_grammars
 from models import IM_END_ID
 
-from tl.chat_template import ChatTemplate
-from tl.config import EngineConfig
-from tl.request import ConstraintSpec
-from tl.tools import (
+from tl.core.config import EngineConfig
+from tl.core.request import ConstraintSpec
+from tl.text.chat_template import ChatTemplate
+from tl.text.tools import (
     FORMATS,
     CallArgs,
     CallStart,

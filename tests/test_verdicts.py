@@ -1,4 +1,4 @@
-"""tl/verdicts.py and the per-shape dispatch: each step shape runs the kernel measured faster there.
+"""tl/runtime/verdicts.py and the per-shape dispatch: each step shape runs the kernel measured faster there.
 
 The lookup by class, the measurement cached beside the library and reused, a runner whose
 compiled steps call the native kernels exactly at the shapes its verdicts give them (checked in
@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 from test_runner import ENGINE, make_runner
 
-from tl import runner as runner_mod
-from tl import verdicts
-from tl.verdicts import Verdict, Verdicts
+from tl.runtime import runner as runner_mod
+from tl.runtime import verdicts
+from tl.runtime.verdicts import Verdict, Verdicts
 
 V = Verdicts(
     (

@@ -1,4 +1,4 @@
-"""weight_pages "huge": the CPU weights in one mapping advised for huge pages (tl/weight_pages.py).
+"""weight_pages "huge": the CPU weights in one mapping advised for huge pages (tl/runtime/weight_pages.py).
 
 Placement keeps every value and dtype, aliases the mapping (each leaf inside one region,
 cache-line aligned, no copy), advises it (the kernel's own THPeligible flag for the region),
@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 from test_runner import ENGINE, Seq, generate, make_runner
 
-from tl import weight_pages
-from tl.config import ConfigError, EngineConfig
+from tl.core.config import ConfigError, EngineConfig
+from tl.runtime import weight_pages
 
 needs_thp = pytest.mark.skipif(bool(weight_pages.unavailable_reason()), reason=weight_pages.unavailable_reason())
 

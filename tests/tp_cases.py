@@ -22,9 +22,9 @@ from granian_server import ROOT, free_port, granian_argv, running
 from test_engine import BASE_CFG, check_engine, workload
 from test_engine_runner import NarrowKV
 
-from tl.config import ConfigError, EngineConfig
-from tl.engine import Engine
-from tl.request import GenRequest, SamplingParams
+from tl.core.config import ConfigError, EngineConfig
+from tl.core.engine import Engine
+from tl.core.request import GenRequest, SamplingParams
 
 jax = pytest.importorskip("jax")
 # matmul_precision "highest" throughout: identity across TP degrees is a float32 property (at
@@ -108,7 +108,7 @@ def test_tiny_engine_identical_for_tp_1_2_4() -> None:
 
     from tests.models import tiny_config
     from tl.model import llama
-    from tl.runner import ModelRunner
+    from tl.runtime.runner import ModelRunner
 
     cfg = tiny_config(vocab_size=264)
     params = llama.init_params(cfg, jax.random.key(0))
@@ -131,7 +131,7 @@ def test_tiny_int8_identical_for_tp_1_2_4() -> None:
 
     from tests.models import tiny_config
     from tl.model import llama
-    from tl.runner import ModelRunner
+    from tl.runtime.runner import ModelRunner
 
     cfg = tiny_config(vocab_size=264)
     params = llama.init_params(cfg, jax.random.key(1))
@@ -165,9 +165,9 @@ SMOL = EngineConfig(  # one step variant (64 tokens x 4 sequences): one compile 
 
 
 def test_smol_identical_for_tp_1_3_and_2_refused(smol_dir: Path) -> None:
-    from tl.chat_template import ChatTemplate
-    from tl.runner import ModelRunner
-    from tl.tokenizer import Tokenizer
+    from tl.runtime.runner import ModelRunner
+    from tl.text.chat_template import ChatTemplate
+    from tl.text.tokenizer import Tokenizer
 
     smol = smol_dir
     with pytest.raises(ConfigError, match="tensor_parallel=2 does not divide the model's 9 attention heads"):

@@ -6,7 +6,7 @@ tensor-parallel axes), loading Hugging Face tensors straight into that layout, r
 for tests (`init_params`: Hugging Face tensors), RMSNorm, rotate-half RoPE, GQA projections,
 the SwiGLU MLP, the paged forward the runner compiles (layers unrolled, KV cache written in
 place) and a dense no-cache forward for embeddings and tests.
-Must not: create device arrays outside a traced function (tl/placement.py places data), know
+Must not: create device arrays outside a traced function (tl/runtime/placement.py places data), know
 about buckets, requests or sampling. Attention over the paged cache lives in
 kernels/paged_attention.py behind one interface.
 Tested by tests/test_llama_reference.py (against an independent numpy forward over the same

@@ -9,7 +9,7 @@ arithmetic for its encoding) and one `rows` (embedding lookup); a native kernel 
 the type (kernels/cpu_native.py). `axes` names, per array axis, the mesh axis it is split over
 ("model") or None: declared where the parameter is built (tl/model/llama.py `load_weights`),
 and `partition_specs` reads them, so no other module parses parameter names or paths.
-Must not: place arrays on devices (tl/placement.py does), know about the model's layers.
+Must not: place arrays on devices (tl/runtime/placement.py does), know about the model's layers.
 Tested by tests/test_llama_reference.py, tests/test_int8.py and tests/test_backend.py.
 """
 

@@ -1,0 +1,282 @@
+"""Engine configuration: the `[engine]` table of runtime.toml as one frozen dataclass.
+
+Owns: every tunable of the runner, scheduler and server, its default and its bounds.
+Reads no environment variables and no files itself: serve/config_load.py `load_config`
+turns TOML plus `TL_ENGINE__*` overrides into keyword arguments for `EngineConfig`, and
+what the library needs from the machine (the native build cache, its compiler) comes in
+as keys here, never from the environment deep in the library.
+Must not import jax. Tested by tests/test_config.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+PrefixCache = Literal["none", "radix"]
+Speculative = Literal["none", "prompt_lookup"]
+DType = Literal["auto", "float32", "bfloat16"]
+WeightDType = Literal["float32", "int8"]
+KVCacheDType = Literal["auto", "bfloat16"]
+MatmulPrecision = Literal["highest", "high"]
+WeightPages = Literal["huge", "default"]
+Backend = Literal["auto", "cpu", "gpu", "tpu"]
+ToolParser = Literal["auto", "hermes", "smollm2"]
+AttentionKernel = Literal["auto", "reference", "cpu_native", "pallas_tpu", "pallas_gpu"]
+MatmulKernel = Literal["auto", "xla", "cpu_native"]
+NativeTarget = Literal["auto", "x86-64", "x86-64-v3", "x86-64-v4", "sapphirerapids", "aarch64"]
+
+
+class ConfigError(ValueError):
+    """A configuration value is out of range or unknown; the message names it."""
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Every `[engine]` key. Field docstrings are the README's reference."""
+
+    model_dir: str = "artifacts/models/smol-135m"
+    """Hugging Face style model directory (config.json, safetensors, tokenizer.json)."""
+    model_id: str = ""
+    """Name served in /v1/models and accepted in `model`; empty means the directory name."""
+    backend: Backend = "auto"
+    """JAX platform: "auto" picks the best present (tpu, then gpu, then cpu)."""
+    dtype: DType = "auto"
+    """Weight and activation dtype; "auto" is float32 on CPU (bf16 is far slower there), bfloat16 on GPU/TPU."""
+    weight_dtype: WeightDType = "float32"
+    """Linear and embedding weights: as `dtype`, or "int8" (per-output-channel scales, int8 dots)."""
+    kv_cache_dtype: KVCacheDType = "auto"
+    """KV cache storage: "auto" is `dtype`; "bfloat16" halves the cache of a float32 model (twice the
+    blocks in the same memory, half the bytes attention reads; keys and values rounded to bf16)."""
+    matmul_precision: MatmulPrecision = "high"
+    """Float32 matmuls on CPU: "high" splits each operand into two bf16 and sums three bf16 products
+    in float32 on AMX (JAX's bfloat16_3x, PyTorch's "high"; ~1e-5 relative error a product) where
+    the CPU has AMX-BF16, else runs as "highest": float32 multiply-adds throughout."""
+    weight_pages: WeightPages = "huge"
+    """CPU backend, one device: "huge" puts the weights in one host mapping advised for transparent
+    huge pages (madvise), read by XLA without a copy; a one-row decode step streams every weight,
+    and 2 MiB pages spare it a page walk every 4 KiB (+3-5% one-stream decode here). "default":
+    XLA's own buffers. Ignored where THP is "never", on GPU/TPU and under tensor parallelism."""
+    tensor_parallel: int = 1
+    """Devices the model is sharded over (Megatron layout on the mesh's "model" axis)."""
+    attention_kernel: AttentionKernel = "auto"
+    """Paged attention: "auto" picks the Pallas kernel on TPU/GPU; on CPU the native kernel where it
+    measured faster than the jnp reference at each step shape (timed at start-up, cached per CPU);
+    "cpu_native" forces the native kernel at every shape, "reference" the jnp one."""
+    matmul_kernel: MatmulKernel = "auto"
+    """CPU matmuls of up to 64 rows (and the sampler's argmax): "auto" takes the native kernel at
+    each row count where it measured faster than XLA's dot (timed at start-up, cached per CPU);
+    "cpu_native" forces it, "xla" never uses it."""
+    native_target: NativeTarget = "auto"
+    """Which build of the native CPU kernels: "auto" is the most capable this CPU runs
+    (sapphirerapids with AMX, x86-64-v4 with AVX-512, x86-64-v3 with AVX2+FMA, x86-64 with SSE2,
+    aarch64 with NEON); naming one this CPU runs forces it (e.g. AVX2 code on an AVX-512 machine)."""
+    native_cache_dir: str = ""
+    """Where the native CPU kernels are built and cached, one library per target and source
+    version; empty means ~/.cache/tl/native."""
+    native_cxx: str = ""
+    """The C++ compiler that builds the native CPU kernels; empty means g++, else c++. One that
+    is missing or fails leaves the jnp reference and XLA's dots, the start-up log says why."""
+    coordinator_address: str = ""
+    """Multi-host: jax.distributed coordinator host:port; empty means JAX_COORDINATOR_ADDRESS or single host."""
+    num_processes: int = 0
+    """Multi-host: processes in the job; 0 means JAX_NUM_PROCESSES or auto-detection."""
+    process_id: int = -1
+    """Multi-host: this process's index; -1 means JAX_PROCESS_ID or auto-detection. Serving needs it
+    known before start-up (config or JAX_PROCESS_ID): process 0 serves the API, the others follow."""
+    step_port: int = 0
+    """Multi-host: the TCP port process 0 sends each step's inputs on (followers connect to the
+    coordinator's host); 0 means the coordinator's port + 1."""
+    peer_timeout_s: float = 10.0
+    """Multi-host: a process of the group silent this long (no step, no heartbeat), or a step whose
+    collectives have not returned this long, fails the group: process 0 stops admitting (readyz 503),
+    fails in-flight requests with 503 and every process exits non-zero."""
+    group_start_timeout_s: float = 300.0
+    """Multi-host: how long start-up waits for the rest of the group (followers compile at start-up
+    too): the leader for every follower to connect and jax.distributed to form, then, once its own
+    model is compiled, for every follower to report ready; a follower for the leader's step channel
+    and jax.distributed. On expiry one ERROR line names the missing process ids and the process
+    exits with status 4 (the leader's granian then with 1)."""
+    block_size: int = 16
+    """Tokens per KV-cache block."""
+    num_kv_blocks: int = 2048
+    """KV-cache blocks preallocated on the device (SmolLM2: 736 KiB per block in float32, 368 KiB in bf16)."""
+    max_model_len: int = 0
+    """Context length (prompt + output); 0 means the model's max_position_embeddings."""
+    max_num_seqs: int = 64
+    """Most sequences in one step."""
+    max_num_batched_tokens: int = 512
+    """Token budget of one step (prefill chunks + decodes + drafts)."""
+    prefill_chunk: int = 512
+    """Longest piece of one prompt computed in one step; 0 disables chunking."""
+    prompt_tokens_while_decoding: int = 128
+    """Most prompt tokens (prefill chunks, embeddings inputs) a step carries beside decodes, so that
+    every running stream keeps its cadence; 0: only max_num_batched_tokens bounds them."""
+    token_buckets: tuple[int, ...] = (1, 4, 8, 16, 32, 64, 128, 256, 512)
+    """Padded token counts of the compiled step, ascending; the last >= max_num_batched_tokens."""
+    seq_buckets: tuple[int, ...] = (1, 4, 16, 64)
+    """Padded sequence counts of the compiled step, ascending; the last >= max_num_seqs."""
+    prefix_cache: PrefixCache = "radix"
+    """Reuse cached full KV blocks of earlier prompts ("radix") or not ("none")."""
+    speculative: Speculative = "none"
+    """Speculative decoding: "prompt_lookup" drafts from n-gram matches in the request."""
+    num_speculative_tokens: int = 4
+    """Most draft tokens verified per sequence per step."""
+    prompt_lookup_min: int = 2
+    """Shortest n-gram that prompt lookup matches."""
+    prompt_lookup_max: int = 4
+    """Longest n-gram that prompt lookup tries first."""
+    max_logprobs: int = 20
+    """Most `top_logprobs` a request may ask for."""
+    tool_parser: ToolParser = "auto"
+    """How tool calls are written and parsed: "auto" detects it from the chat template (Hermes
+    blocks where the template writes <tool_call>; else SmolLM2's JSON array with tl's own tool
+    template), or "hermes" / "smollm2"."""
+    grammar_timeout_s: float = 5.0
+    """Longest a structured-output constraint may take to compile; a slower one is a 400."""
+    grammar_cache_size: int = 128
+    """Compiled constraints kept (LRU, by the exact schema, regex or grammar text)."""
+    responses_store_size: int = 1000
+    """Responses (/v1/responses with store) kept per replica for previous_response_id and GET;
+    the least recently used goes first."""
+    responses_store_ttl_s: float = 3600.0
+    """Longest a stored response is kept."""
+    queue_capacity: int = 256
+    """Requests waiting for admission; one more is refused (HTTP 429)."""
+    queue_deadline_ms: int = 30_000
+    """A request still waiting for KV blocks this long finishes with no_capacity (HTTP 503)."""
+    http_listen: str = "127.0.0.1:8000"
+    """API address host:port."""
+    health_listen: str = "127.0.0.1:9464"
+    """Health and metrics address host:port."""
+    drain_timeout_s: float = 30.0
+    """On SIGTERM, how long in-flight requests may run before they are aborted."""
+    api_keys: tuple[str, ...] = ()
+    """If not empty, /v1/* needs `Authorization: Bearer <key>` with one of these."""
+    max_body_bytes: int = 4 * 1024 * 1024
+    """Largest request body accepted (HTTP 413 above)."""
+    compile_cache_dir: str = "artifacts/jax-cache"
+    """JAX persistent compilation cache; empty disables it."""
+
+    def __post_init__(self) -> None:
+        for name, choices in _literal_choices().items():  # every Literal-typed key, from its type
+            value = getattr(self, name)
+            _check(value in choices, f"{name} must be {_either(choices)}, got {value!r}")
+        _check(self.tensor_parallel >= 1, f"tensor_parallel must be >= 1, got {self.tensor_parallel}")
+        _check(self.num_processes >= 0, f"num_processes must be >= 0, got {self.num_processes}")
+        _check(self.process_id >= -1, f"process_id must be >= -1, got {self.process_id}")
+        _check(0 <= self.step_port < 65536, f"step_port must be in 0..65535, got {self.step_port}")
+        _check(self.peer_timeout_s > 0, f"peer_timeout_s must be > 0, got {self.peer_timeout_s}")
+        _check(self.group_start_timeout_s > 0, f"group_start_timeout_s must be > 0, got {self.group_start_timeout_s}")
+        _check(
+            self.block_size in (1, 2, 4, 8, 16, 32, 64, 128),
+            f"block_size must be a power of two <= 128, got {self.block_size}",
+        )
+        _check(self.num_kv_blocks >= 2, f"num_kv_blocks must be >= 2, got {self.num_kv_blocks}")
+        _check(self.max_model_len >= 0, f"max_model_len must be >= 0, got {self.max_model_len}")
+        _check(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        _check(
+            self.max_num_batched_tokens >= 1, f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+        )
+        _check(self.prefill_chunk >= 0, f"prefill_chunk must be >= 0, got {self.prefill_chunk}")
+        _check(
+            self.prompt_tokens_while_decoding >= 0,
+            f"prompt_tokens_while_decoding must be >= 0, got {self.prompt_tokens_while_decoding}",
+        )
+        for name in ("token_buckets", "seq_buckets"):
+            b = getattr(self, name)
+            _check(
+                len(b) > 0 and all(isinstance(x, int) and x > 0 for x in b),
+                f"{name} must be positive integers, got {b!r}",
+            )
+            _check(list(b) == sorted(set(b)), f"{name} must be strictly ascending, got {b!r}")
+        _check(
+            self.token_buckets[-1] >= self.max_num_batched_tokens,
+            f"largest token bucket {self.token_buckets[-1]} < max_num_batched_tokens {self.max_num_batched_tokens}",
+        )
+        _check(
+            self.seq_buckets[-1] >= self.max_num_seqs,
+            f"largest seq bucket {self.seq_buckets[-1]} < max_num_seqs {self.max_num_seqs}",
+        )
+        _check(
+            self.max_num_batched_tokens >= self.max_num_seqs * (1 + self.spec_tokens),
+            f"max_num_batched_tokens {self.max_num_batched_tokens} must cover max_num_seqs {self.max_num_seqs}"
+            f" x (1 + {self.spec_tokens} draft tokens)",
+        )
+        _check(
+            1 <= self.num_speculative_tokens <= 16,
+            f"num_speculative_tokens must be in 1..16, got {self.num_speculative_tokens}",
+        )
+        _check(
+            1 <= self.prompt_lookup_min <= self.prompt_lookup_max,
+            f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {self.prompt_lookup_min}, {self.prompt_lookup_max}",
+        )
+        _check(0 <= self.max_logprobs <= 20, f"max_logprobs must be in 0..20, got {self.max_logprobs}")
+        _check(self.grammar_timeout_s > 0, f"grammar_timeout_s must be > 0, got {self.grammar_timeout_s}")
+        _check(self.grammar_cache_size >= 1, f"grammar_cache_size must be >= 1, got {self.grammar_cache_size}")
+        _check(self.responses_store_size >= 1, f"responses_store_size must be >= 1, got {self.responses_store_size}")
+        _check(self.responses_store_ttl_s > 0, f"responses_store_ttl_s must be > 0, got {self.responses_store_ttl_s}")
+        _check(self.queue_capacity >= 1, f"queue_capacity must be >= 1, got {self.queue_capacity}")
+        _check(self.queue_deadline_ms >= 1, f"queue_deadline_ms must be >= 1, got {self.queue_deadline_ms}")
+        _check(self.drain_timeout_s >= 0, f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+        _check(self.max_body_bytes >= 1024, f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+
+    @property
+    def spec_tokens(self) -> int:
+        """Draft tokens per sequence per step: 0 when speculative decoding is off."""
+        return 0 if self.speculative == "none" else self.num_speculative_tokens
+
+    def served_model_id(self) -> str:
+        import os.path
+
+        return self.model_id or os.path.basename(os.path.normpath(self.model_dir))
+
+    def replace(self, **changes: object) -> EngineConfig:
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]  # keys and types checked by __post_init__
+
+
+@functools.cache
+def _literal_choices() -> dict[str, tuple[str, ...]]:
+    """The allowed values of each Literal-typed key, read from its annotation."""
+    hints = typing.get_type_hints(EngineConfig)
+    return {name: typing.get_args(t) for name, t in hints.items() if typing.get_origin(t) is Literal}
+
+
+def _either(choices: tuple[str, ...]) -> str:
+    return ", ".join(choices[:-1]) + " or " + choices[-1] if len(choices) > 1 else choices[0]
+
+
+def engine_keys() -> dict[str, dataclasses.Field[object]]:
+    """The `[engine]` keys a config file may set, by name."""
+    return {f.name: f for f in dataclasses.fields(EngineConfig)}
+
+
+def distributed_args(cfg: EngineConfig, env: Mapping[str, str]) -> dict[str, Any] | None:
+    """jax.distributed.initialize keywords from config, then JAX_* variables; None for one host.
+
+    Multi-host is on when a coordinator address is known or num_processes > 1 (config or
+    JAX_NUM_PROCESSES). Unset values are left to jax's cluster auto-detection (TPU pods,
+    SLURM, Open MPI, Kubernetes), which is how TPU pods and GPU clusters usually start.
+    """
+    address = cfg.coordinator_address or env.get("JAX_COORDINATOR_ADDRESS", "")
+    num = cfg.num_processes or int(env.get("JAX_NUM_PROCESSES", "0") or 0)
+    pid = cfg.process_id if cfg.process_id >= 0 else int(env.get("JAX_PROCESS_ID", "-1") or -1)
+    if not address and num <= 1:
+        return None
+    args: dict[str, Any] = {}
+    if address:
+        args["coordinator_address"] = address
+    if num:
+        args["num_processes"] = num
+    if pid >= 0:
+        args["process_id"] = pid
+    return args

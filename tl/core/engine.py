@@ -1,0 +1,170 @@
+"""Engine: the synchronous core behind every front end (CLI, AsyncEngine, bench).
+
+Owns: request ids and seeds, admission (the one authority on it: tl/core/request.py's context and
+queue rules applied with this engine's limits, `check_context` and `check_capacity`, which
+AsyncEngine also calls to refuse at once), the context length (`max_model_len`), the ids that
+end generation (`eos_token_ids`), embeddings requests turned into pooled sequences, the step
+loop (schedule -> runner.execute -> update), the step-time and prompt-tokens histograms, and
+EngineStats. The scheduler owns request state, the block manager owns KV blocks, the runner
+owns the device; the engine only wires them. Not thread-safe: one thread calls it
+(tl/core/async_engine.py). Pure Python, no jax/numpy. Tested by tests/test_engine.py with
+tests/fake_runner.py, whose differential helpers also accept the real ModelRunner.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+
+from tl.core.block_manager import BlockManager
+from tl.core.config import EngineConfig
+from tl.core.debug_delays import debug_delay
+from tl.core.plan import Runner, RunnerOutput
+from tl.core.request import MAX_SEED, EmbedRequest, GenRequest, SamplingParams, TokenOut, check_capacity, check_context
+from tl.core.scheduler import Scheduler
+from tl.core.sequence import Sequence
+from tl.core.stats import (
+    MASK_SECONDS_BUCKETS,
+    PROMPT_TOKENS_BUCKETS,
+    STEP_SECONDS_BUCKETS,
+    BackendInfo,
+    EngineStats,
+    Histogram,
+)
+
+_POOL_PARAMS = SamplingParams(temperature=0.0, max_tokens=1)  # an embeddings input samples nothing
+
+
+class Engine:
+    def __init__(
+        self,
+        runner: Runner,
+        config: EngineConfig,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        seed: int | None = None,
+    ) -> None:
+        """clock (seconds) drives the queue deadline; seed fixes the seeds drawn for seedless requests."""
+        self.runner = runner
+        self.config = config
+        self.max_model_len = _context_limit(runner, config)
+        """Context length (prompt + output): what admission, the scheduler and serve/ go by."""
+        self.eos_token_ids: tuple[int, ...] = tuple(runner.eos_token_ids)
+        """Ids that end a generation (unless ignore_eos): what the scheduler stops on and serve/ hides."""
+        self.block_manager = BlockManager(runner.num_kv_blocks, runner.block_size, config.prefix_cache == "radix")
+        self.scheduler = Scheduler(
+            config,
+            self.block_manager,
+            eos_token_ids=self.eos_token_ids,
+            max_model_len=self.max_model_len,
+            clock=clock,
+        )
+        self._clock = clock
+        self._rng = random.Random(seed)
+        self._next_id = 0
+        self._num_steps = 0
+        self._batch_tokens = 0
+        self._step_seconds = Histogram(STEP_SECONDS_BUCKETS)
+        self._prompt_tokens = Histogram(PROMPT_TOKENS_BUCKETS)
+        self._mask_seconds = Histogram(MASK_SECONDS_BUCKETS)
+
+    @property
+    def backend_info(self) -> BackendInfo | None:
+        """Where the runner runs (None for a fake runner)."""
+        return self.runner.backend_info
+
+    def check_context(self, req: GenRequest | EmbedRequest) -> None:
+        """Raise ContextLengthError if `req` does not fit max_model_len. Reads only what is fixed
+        at construction, so any thread may call it."""
+        check_context(req, self.max_model_len)
+
+    def check_capacity(self, num_waiting: int) -> None:
+        """Raise QueueFullError if one more request may not join `num_waiting` waiting ones (the
+        engine's own count, or AsyncEngine's, which adds those its thread has not taken yet).
+        Reads only the config, so any thread may call it."""
+        check_capacity(num_waiting, self.config.queue_capacity)
+
+    def add_request(self, req: GenRequest) -> int:
+        """Queue a request; its id. Raises ContextLengthError or QueueFullError, changing nothing."""
+        self.check_context(req)
+        self.check_capacity(self.scheduler.num_waiting_requests())
+        seed = req.params.seed if req.params.seed is not None else self._rng.randint(0, MAX_SEED)
+        seq_id, self._next_id = self._next_id, self._next_id + 1
+        guide = req.constraint.matcher() if req.constraint is not None else None
+        seq = Sequence(seq_id, req.prompt_ids, req.params, seed, req.priority, self._clock(), guide=guide)
+        self.scheduler.add(seq)
+        return seq_id
+
+    def add_embedding(self, req: EmbedRequest) -> list[int]:
+        """Queue an embeddings request's inputs, one sequence each; their ids in input order. Each
+        finishes with a TokenOut carrying its vector. Raises ContextLengthError or QueueFullError,
+        changing nothing."""
+        self.check_context(req)
+        self.check_capacity(self.scheduler.num_waiting_requests())
+        first, self._next_id = self._next_id, self._next_id + len(req.inputs)
+        now = self._clock()
+        for i, ids in enumerate(req.inputs):
+            self.scheduler.add(Sequence(first + i, ids, _POOL_PARAMS, 0, req.priority, now, pool=True, group=first))
+        return list(range(first, first + len(req.inputs)))
+
+    def abort(self, request_id: int) -> None:
+        """Finish a live request; its blocks are free at once, its "abort" TokenOut comes from the next step."""
+        self.scheduler.abort(request_id)
+
+    def close(self) -> None:
+        """Stop the runner's background work (the engine is not stepped after this)."""
+        self.runner.close()
+
+    def abort_all(self) -> None:
+        for request_id in list(self.scheduler.seqs):
+            self.scheduler.abort(request_id)
+
+    def step(self) -> list[TokenOut]:
+        plan = self.scheduler.schedule()
+        if plan.work:
+            debug_delay("step")
+            t0 = time.perf_counter()
+            output = self.runner.execute(plan)
+            self._step_seconds.observe(time.perf_counter() - t0)
+            self._prompt_tokens.observe(plan.num_prompt_tokens)
+            if output.mask_rows:  # the rows were filled together: each its share of the time
+                self._mask_seconds.observe(output.mask_seconds / output.mask_rows, output.mask_rows)
+        else:
+            output = RunnerOutput(())
+        self._batch_tokens = plan.num_tokens
+        self._num_steps += bool(plan.work)
+        return self.scheduler.update(plan, output)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def stats(self) -> EngineStats:
+        bm, c = self.block_manager, self.scheduler.counters
+        return EngineStats(
+            kv_blocks_free=bm.num_free,
+            kv_blocks_used=bm.num_used,
+            kv_blocks_cached=bm.num_cached,
+            queue_depth=self.scheduler.num_waiting_requests(),
+            running=len(self.scheduler.running),
+            batch_tokens=self._batch_tokens,
+            prefix_cache_queries=c.prefix_cache_queries,
+            prefix_cache_hits=c.prefix_cache_hits,
+            preemptions=c.preemptions,
+            evictions=bm.num_evictions,
+            spec_drafts_proposed=c.spec_drafts_proposed,
+            spec_drafts_accepted=c.spec_drafts_accepted,
+            steps=self._num_steps,
+            compilations=self.runner.num_compilations,
+            compile_pending=self.runner.num_pending_compiles,
+            capped_steps=c.capped_steps,
+            step_seconds=self._step_seconds.snapshot(),
+            prompt_tokens_per_step=self._prompt_tokens.snapshot(),
+            mask_seconds=self._mask_seconds.snapshot(),
+        )
+
+
+def _context_limit(runner: Runner, config: EngineConfig) -> int:
+    """config.max_model_len (0: the runner's), never above the runner's nor the whole KV cache."""
+    limit = min(config.max_model_len or runner.max_model_len, runner.max_model_len)
+    return min(limit, runner.num_kv_blocks * runner.block_size)

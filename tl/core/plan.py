@@ -1,0 +1,112 @@
+"""The two records of one engine step: what the scheduler asks the runner to compute
+(SchedulerOutput) and what comes back (RunnerOutput).
+
+Owns: SeqWork, SchedulerOutput, SeqResult, RunnerOutput and the Runner protocol. Pure host data (tuples, ints,
+floats): must not import jax or numpy, so the scheduler stays free of both.
+
+Semantics of one SeqWork (the vLLM v1 rule: computed tokens catch up with known tokens):
+- `token_ids` are fed at positions start_pos .. start_pos+len-1. `start_pos` equals the
+  sequence's num_computed_tokens; KV for positions < start_pos is already in the cache.
+- `block_table` covers at least positions 0 .. start_pos+len-1.
+- `draft_ids` are the last len(draft_ids) entries of token_ids (speculative drafts).
+- If `sample` is True the runner samples at the last 1+len(draft_ids) positions: row j < k
+  verifies draft j, the last row is the bonus token. The result holds the accepted drafts
+  followed by exactly one sampled token (correction or bonus). If `sample` is False (a
+  prompt chunk that does not reach the prompt's end) nothing is sampled.
+- `num_generated` counts output tokens produced before this step; the per-row random key
+  is fold_in(key(seed), num_generated + j), so a request's samples do not depend on its
+  batch neighbours.
+- `output_ids` are the request's generated tokens so far (for penalties only; empty when
+  the request has no penalties).
+- `guide` (a constrained sampled work): the runner fills its sample rows' token bitmask from
+  it (row j: after drafts 0..j-1, which the scheduler trimmed to what the grammar allows);
+  every other row allows every token.
+- `pool` (an embeddings input; never sampled): the runner returns the sum over this work's
+  tokens of their final-normed hidden states as `SeqResult.pooled` (no tokens); the
+  scheduler adds the chunks' sums up and divides by the input's length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from tl.core.request import Guide, SamplingParams
+from tl.core.stats import BackendInfo
+
+
+@dataclass(frozen=True, slots=True)
+class SeqWork:
+    seq_id: int
+    token_ids: tuple[int, ...]
+    start_pos: int
+    block_table: tuple[int, ...]
+    sample: bool
+    params: SamplingParams
+    seed: int
+    num_generated: int
+    draft_ids: tuple[int, ...] = ()
+    output_ids: tuple[int, ...] = ()
+    pool: bool = False
+    guide: Guide | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerOutput:
+    work: tuple[SeqWork, ...]
+    num_prompt_tokens: int = 0  # tokens of prompt work (everything but decodes and their drafts)
+    capped: bool = False  # prompt_tokens_while_decoding cut this step's prompt work
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(w.token_ids) for w in self.work)
+
+
+@dataclass(frozen=True, slots=True)
+class SeqResult:
+    """Tokens produced for one sampled SeqWork (accepted drafts then one sampled token), or
+    the summed final-normed hidden states of a pooled one (`pooled`, no tokens)."""
+
+    seq_id: int
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()
+    num_accepted: int = 0
+    pooled: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class RunnerOutput:
+    results: tuple[SeqResult, ...]
+    mask_rows: int = 0  # constrained sample rows whose bitmask the host filled
+    mask_seconds: float = 0.0  # the host time filling them (together)
+
+
+class Runner(Protocol):
+    """What the engine needs from a model runner (tl/runtime/runner.py, or a fake in tests)."""
+
+    block_size: int
+    num_kv_blocks: int
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+
+    @property
+    def backend_info(self) -> BackendInfo | None:
+        """Where it runs (tl/core/stats.py), for the start-up log, /v1/models and /metrics; None: a fake."""
+        ...
+
+    @property
+    def num_compilations(self) -> int:
+        """Compiled step variants so far (EngineStats.compilations)."""
+        ...
+
+    @property
+    def num_pending_compiles(self) -> int:
+        """Step variants still compiling in the background (EngineStats.compile_pending)."""
+        ...
+
+    def execute(self, plan: SchedulerOutput) -> RunnerOutput: ...
+
+    def close(self) -> None:
+        """Stop what the runner runs besides steps (tl/runtime/compiler.py's background compilation)."""
+        ...

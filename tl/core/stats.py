@@ -1,0 +1,118 @@
+"""EngineStats: the engine's counters and gauges at one instant, as /metrics and bench read them.
+
+Owns the records, and the engine thread's Histogram behind EngineStats' histograms. Pure
+data: must not import jax. EngineStats is filled by tl/core/engine.py, BackendInfo by tl/runtime/backend.py.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+STEP_SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+PROMPT_TOKENS_BUCKETS = (0, 1, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+MASK_SECONDS_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1)
+
+
+@dataclass(frozen=True, slots=True)
+class HistogramSnapshot:
+    """Counts per bucket (observations <= bounds[i] and > bounds[i-1]; the last entry: above
+    every bound), their sum and count: what a Prometheus histogram exports."""
+
+    bounds: tuple[float, ...] = ()
+    counts: tuple[int, ...] = ()
+    total: float = 0.0
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+    def cumulative(self) -> list[tuple[str, int]]:
+        """(le, cumulative count) pairs, ending with +Inf."""
+        out, acc = [], 0
+        for bound, n in zip((*map(str, self.bounds), "+Inf"), self.counts, strict=True):
+            acc += n
+            out.append((bound, acc))
+        return out
+
+
+class Histogram:
+    """An engine-thread histogram (no lock: one writer; readers take snapshots)."""
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.total = 0.0
+
+    def observe(self, value: float, count: int = 1) -> None:
+        """`count` observations of `value`."""
+        self.counts[bisect.bisect_left(self.bounds, value)] += count
+        self.total += value * count
+
+    def snapshot(self) -> HistogramSnapshot:
+        return HistogramSnapshot(self.bounds, tuple(self.counts), self.total)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    kv_blocks_free: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_cached: int = 0  # unreferenced blocks kept for prefix reuse (evictable)
+    queue_depth: int = 0  # requests waiting (not yet running; an embeddings request counts once)
+    running: int = 0  # sequences holding KV blocks
+    batch_tokens: int = 0  # tokens computed by the last step
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of those, tokens found cached
+    preemptions: int = 0
+    evictions: int = 0  # cached blocks evicted to make room
+    spec_drafts_proposed: int = 0  # draft tokens proposed
+    spec_drafts_accepted: int = 0  # of those, accepted
+    steps: int = 0
+    compilations: int = 0  # compiled step variants so far (flat once the background compilation is done)
+    compile_pending: int = 0  # step variants not compiled yet (tl/runtime/compiler.py compiles them in the background)
+    capped_steps: int = 0  # steps whose prompt work prompt_tokens_while_decoding cut
+    step_seconds: HistogramSnapshot = HistogramSnapshot()  # runner time of each step
+    prompt_tokens_per_step: HistogramSnapshot = HistogramSnapshot()  # prompt-work tokens of each step
+    mask_seconds: HistogramSnapshot = HistogramSnapshot()  # host time per constrained token's bitmask
+
+    @property
+    def prefix_cache_hit_ratio(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class BackendInfo:
+    """Where the engine runs: logged at start, shown in /v1/models and as tl_engine_backend_info."""
+
+    platform: str = "cpu"  # the JAX platform: cpu, gpu or tpu
+    device_kind: str = ""  # e.g. "cpu", "NVIDIA H100 80GB HBM3", "TPU v5 lite"
+    device_count: int = 1  # devices in the engine's mesh
+    tensor_parallel: int = 1
+    process_count: int = 1  # jax.distributed processes (hosts) in the job
+    dtype: str = "float32"
+    kv_cache_dtype: str = "float32"  # what the KV cache holds: the dtype, or bfloat16 (kv_cache_dtype)
+    attention_kernel: str = "reference"  # "cpu_native+reference": each step shape takes the one measured faster
+    matmul_precision: str = "highest"  # float32 matmuls as run: "highest", or "high" (bf16x3 on AMX)
+    matmul_kernel: str = "xla"  # "xla", "cpu_native", or "cpu_native+xla" (by row count, as measured)
+    native_target: str = ""  # the native CPU library's build (kernels/cpu_build.py), "" where none is used
+    kernel_choices: tuple[str, ...] = ()  # each measured class: its pick and the native kernel's ratio to XLA
+    kv_heads: str = "sharded"  # "sharded" over the model axis, or "replicated" when they do not divide
+    weight_pages: str = "default"  # "huge": the weights in one mapping advised MADV_HUGEPAGE
+    reasons: tuple[str, ...] = ()  # the execution plan's decisions, each with its reason (tl/runtime/execution.py)
+
+    def labels(self) -> dict[str, str]:
+        return {
+            "platform": self.platform,
+            "device_kind": self.device_kind,
+            "device_count": str(self.device_count),
+            "tensor_parallel": str(self.tensor_parallel),
+            "process_count": str(self.process_count),
+            "dtype": self.dtype,
+            "kv_cache_dtype": self.kv_cache_dtype,
+            "attention_kernel": self.attention_kernel,
+            "matmul_precision": self.matmul_precision,
+            "matmul_kernel": self.matmul_kernel,
+            "native_target": self.native_target,
+            "kv_heads": self.kv_heads,
+            "weight_pages": self.weight_pages,
+        }

@@ -1,0 +1,208 @@
+"""Assembly: turn an EngineConfig into a ready Engine (and, for serve/, an AsyncEngine).
+
+Owns: the order of start-up (multi-host: the step channel, then jax.distributed -> model dir ->
+runner -> engine -> warm-up -> freezing start-up's objects out of the garbage collector's
+passes), the start-up log of backend, devices, attention kernel and weight pages, and the
+multi-host roles: process 0 binds the step channel, waits for its followers to connect and
+then to be ready, and hands the channel to its runner; a follower (`run_follower`) connects,
+builds the same runner and follows (tl/ops/multihost.py). Each of those waits is bounded by
+group_start_timeout_s (tl/ops/group_start.py: one ERROR line naming who is missing, exit status 4).
+Must not hold state. Tested through tests/test_cli.py, the server tests and tests/test_multihost.py.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from tl.core import debug_delays
+from tl.core.config import EngineConfig
+
+if TYPE_CHECKING:
+    from tl.core.async_engine import AsyncEngine
+    from tl.core.engine import Engine
+    from tl.ops.multihost import Leader
+
+log = logging.getLogger("tl.ops.build")
+
+
+def build_engine(
+    cfg: EngineConfig,
+    warmup: bool = True,
+    background: bool = False,
+    on_group_failure: Callable[[str], None] | None = None,
+) -> Engine:
+    """Load the model named by cfg.model_dir and wrap it in an Engine.
+
+    With warmup, the plan's start-up step variants are compiled before this returns and the
+    rest then (background False: serving never compiles) or on a background thread while the
+    engine serves (tl/runtime/compiler.py: a step meanwhile runs in a larger compiled variant); without
+    it (the CLI's one-shot generate) variants compile on first use. In a multi-host job this
+    is process 0: it waits for every follower, and `on_group_failure(reason)` runs when one is
+    lost (then the process exits, status 3).
+    """
+    from tl.core.engine import Engine
+    from tl.ops.group_start import start_deadline
+    from tl.runtime.runner import ModelRunner
+
+    debug_delays.configure(os.environ.get("TL_DEBUG_DELAYS", ""))  # tests only: tl/core/debug_delays.py
+    leader = _leader(cfg, on_group_failure)
+    debug_delays.debug_delay("load")
+    t0 = time.perf_counter()
+    runner = ModelRunner.from_model_dir(cfg)
+    kv_mib = sum(x.nbytes for x in runner.kv_cache) >> 20
+    parts = ", ".join(f"{k.replace('_', ' ')} {v:.1f} s" for k, v in runner.startup_seconds.items())
+    log.info("loaded %s in %.1f s (%s; KV cache %d MiB)", cfg.model_dir, time.perf_counter() - t0, parts, kv_mib)
+    for line in runner.plan.lines():
+        log.info("%s", line)
+    if warmup:
+        t0 = time.perf_counter()
+        runner.warmup(background=background)
+        if not background:
+            log.info("compiled %d step variants in %.1f s", runner.compiler.num_compiled, time.perf_counter() - t0)
+        # Start-up leaves ~100k long-lived objects (JAX, the tokenizer, compiled steps); frozen,
+        # the collector's full passes skip them: one mid-stream took 97 ms, four decode steps.
+        gc.collect()
+        gc.freeze()
+    if leader is not None:
+        log.info("waiting for the %d followers' start-up", leader.num_followers)
+        with start_deadline(cfg.group_start_timeout_s, leader.not_ready):
+            leader.wait_ready()
+        leader.busy = lambda: runner.compiler.busy
+        runner.peers = leader
+    return Engine(runner, cfg)
+
+
+def _leader(cfg: EngineConfig, on_failure: Callable[[str], None] | None) -> Leader | None:
+    """Process 0 of a multi-host job: the step channel bound (on the coordinator's host), then,
+    within group_start_timeout_s, the job joined and every follower connected; None on one
+    process (jax.distributed joined all the same when configured). Another process here is a
+    mistake: the followers run `run_follower` (serve starts it for a known process_id > 0)."""
+    from tl.core.config import ConfigError, distributed_args
+    from tl.ops.group_start import start_deadline
+    from tl.ops.multihost import Leader, step_address
+    from tl.runtime.backend import init_distributed
+
+    args = distributed_args(cfg, os.environ)
+    count, index = (args or {}).get("num_processes", 0), (args or {}).get("process_id", -1)
+    if args is None or count == 1:
+        init_distributed(cfg, os.environ)
+        return None
+    if count == 0 or index != 0:  # the leader names its followers before jax.distributed forms
+        raise ConfigError(
+            "the server of a multi-host job is process 0 and needs process_id and num_processes known at "
+            f"start (config or JAX_PROCESS_ID, JAX_NUM_PROCESSES), got process_id "
+            f"{index if index >= 0 else 'unknown'} and num_processes {count or 'unknown'}; "
+            "processes other than 0 start as followers"
+        )
+    host, port = step_address(jax_coordinator(cfg), cfg.step_port)
+    leader = Leader(count - 1, cfg.peer_timeout_s, on_failure)
+    try:
+        bound = leader.listen(host, port)
+    except OSError:  # the coordinator's name is not one of this host's addresses (a Service in front)
+        bound = leader.listen("", port)
+        host = "all interfaces"
+    log.info("step channel listening on %s:%d for %d followers", host, bound, leader.num_followers)
+    with start_deadline(cfg.group_start_timeout_s, leader.not_connected):
+        init_distributed(cfg, os.environ)
+        leader.wait_connected()
+    return leader
+
+
+def jax_coordinator(cfg: EngineConfig) -> str:
+    """The coordinator address the job was started with (config, JAX_COORDINATOR_ADDRESS)."""
+    from tl.core.config import distributed_args
+
+    args = distributed_args(cfg, os.environ) or {}
+    address = args.get("coordinator_address", "")
+    if not address:
+        raise ValueError("a multi-host job needs coordinator_address (or JAX_COORDINATOR_ADDRESS) to serve")
+    return str(address)
+
+
+def is_follower(cfg: EngineConfig) -> bool:
+    """This process follows a multi-host job (a known process id other than 0): it runs
+    `run_follower`, not the server."""
+    from tl.ops.multihost import is_follower as follower
+
+    return follower(cfg, os.environ)
+
+
+def run_follower(cfg: EngineConfig, on_ready: Callable[[Callable[[], bool]], None]) -> int:
+    """A follower's whole life: join the job, connect to the leader's step channel, build the
+    same runner and compile its start-up variants, call `on_ready(is_ready)` (is_ready: the
+    leader still reachable), then run the leader's steps until it stops the group (returns 0).
+    A lost leader or a stuck step exits the process with status 3 (tl/ops/multihost.py); a leader
+    not reached or a job not formed within group_start_timeout_s, with status 4
+    (tl/ops/group_start.py). It connects before it joins jax.distributed: the leader then knows it."""
+    from tl.core.config import distributed_args
+    from tl.ops.group_start import start_deadline
+    from tl.ops.multihost import Follower, GroupFailed, follow, step_address
+    from tl.runtime.backend import init_distributed
+    from tl.runtime.runner import ModelRunner
+
+    index = int((distributed_args(cfg, os.environ) or {}).get("process_id", -1))
+    assert index > 0, "a follower's process id is known (is_follower)"
+    chan = Follower(index, cfg.peer_timeout_s)
+    host, port = step_address(jax_coordinator(cfg), cfg.step_port)
+
+    def missing() -> str:
+        if chan.conn is None:
+            return f"process {index}: the leader (process 0) did not answer on its step channel at {host}:{port}"
+        return f"process {index}: jax.distributed did not form (the leader is connected: another process is missing)"
+
+    log.info("process %d: connecting to the leader's step channel at %s:%d", index, host, port)
+    with start_deadline(cfg.group_start_timeout_s, missing):
+        chan.connect(host, port)
+        log.info("process %d: connected to the leader's step channel at %s:%d", index, host, port)
+        init_distributed(cfg, os.environ)
+    runner = ModelRunner.from_model_dir(cfg)
+    chan.busy = lambda: runner.compiler.busy
+    runner.warmup(background=True)
+    gc.collect()
+    gc.freeze()
+    chan.announce_ready()
+    on_ready(lambda: chan.reachable)
+    log.info("process %d ready: following the leader's steps", index)
+    try:
+        follow(chan, runner)
+    except GroupFailed:
+        return 3  # the exit is on its way (tl/ops/multihost.py), status 3
+    finally:
+        runner.close()
+    chan.close()
+    log.info("process %d: stopped by the leader", index)
+    return 0
+
+
+def build_async_engine(cfg: EngineConfig, warmup: bool = True) -> AsyncEngine:
+    """The serving form: an Engine plus tokenizer and chat template behind the engine thread."""
+    from tl.core.async_engine import AsyncEngine
+    from tl.model.config import load_model_config
+    from tl.text.chat_template import ChatTemplate
+    from tl.text.grammar import GrammarCompiler
+    from tl.text.tokenizer import Tokenizer
+    from tl.text.tools import setup
+
+    tokenizer = Tokenizer.load(cfg.model_dir)
+    template = ChatTemplate.from_model_dir(cfg.model_dir)
+    tools = setup(cfg.tool_parser, template)
+    log.info("%s", tools.reason)
+    built: list[AsyncEngine] = []
+    # A multi-host group losing a process: every request fails with 503, then the exit (status 3).
+    engine = build_engine(
+        cfg, warmup=warmup, background=True, on_group_failure=lambda why: built[0].fail(why) if built else None
+    )
+    grammars = GrammarCompiler.from_model_dir(
+        cfg.model_dir,
+        load_model_config(cfg.model_dir).vocab_size,
+        engine.eos_token_ids,
+        cfg.grammar_cache_size,
+        cfg.grammar_timeout_s,
+    )
+    built.append(AsyncEngine(engine, tokenizer, template, cfg.served_model_id(), grammars, tools))
+    return built[0]

@@ -1,0 +1,227 @@
+"""Compilation of the step's variants: ahead of time, the first few before ready, the rest behind.
+
+Owns: JAX's persistent compilation cache (`enable_compile_cache`), the table of compiled step
+variants (one per (token bucket, seq bucket)), compiling a variant ahead of time (the runner's
+`lower` function: trace and lower over abstract arguments, then XLA compiles off the GIL), the
+plan's start-up variants compiled before the runner is ready (two threads: XLA compiles one
+module on one core), the rest on one background thread (one sequence's variants first, by
+tokens: a lone request's prefill and decode steps, what a fresh server meets first; then each
+larger sequence bucket's), progress log lines with counts, and `pick`. While the background
+compilation runs, a step whose own variant is not compiled yet runs in the smallest compiled
+one that holds it (padding only: the same tokens, written to the same slots), so no request
+waits on a compile once the start-up variants are in; with no warm-up asked for (the CLI's
+one-shot generate, `bench runner`, tests), a step's own variant is compiled then and there.
+Must not: decide the variants (tl/runtime/execution.py does), pack inputs, touch the KV cache.
+Tested by tests/test_compiler.py and tests/test_runner.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+
+from tl.core.debug_delays import debug_delay
+
+log = logging.getLogger("tl.runtime.compiler")
+
+Variant = tuple[int, int]
+"""(token bucket, seq bucket) of one compiled step."""
+
+_compile_cache_dir: str | None = None
+
+
+def enable_compile_cache(path: str) -> None:
+    """Turn on JAX's persistent compilation cache (process-wide; the first directory wins)."""
+    global _compile_cache_dir
+    if not path or _compile_cache_dir is not None:
+        return
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    _compile_cache_dir = path
+
+
+def _run_on_daemon_threads(fn: Callable[[Variant], None], items: Sequence[Variant], threads: int) -> None:
+    """fn over items on up to `threads` daemon threads (not an executor's: those are joined at
+    the process's exit, and a stop during the start-up compiles must not wait for them); the
+    first error is raised here once all are done."""
+    todo = list(items)
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+
+    def work() -> None:
+        while True:
+            with lock:
+                if not todo or errors:
+                    return
+                item = todo.pop(0)
+            try:
+                debug_delay("compile")
+                fn(item)
+            except BaseException as e:  # noqa: BLE001 -- raised on the calling thread
+                with lock:
+                    errors.append(e)
+
+    pool = [
+        threading.Thread(target=work, name="tl-compile-startup", daemon=True)
+        for _ in range(max(1, min(threads, len(todo))))
+    ]
+    for t in pool:
+        t.start()
+    for t in pool:  # a compile's own length: start-up needs these, and a stop gives the whole build up
+        t.join()
+    if errors:
+        raise errors[0]
+
+
+class StepCompiler:
+    """The compiled variants of one runner's step. `compile(variant)` returns what the runner
+    calls for it (any callable; its own type is the runner's business)."""
+
+    def __init__(self, compile: Callable[[Variant], Any], variants: Sequence[Variant]) -> None:
+        self._compile = compile
+        self.variants = tuple(sorted(variants))
+        self._done: dict[Variant, Any] = {}
+        self._lock = threading.Lock()  # one compile of a variant at a time, never two of the same
+        self._count_lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self.background_error: BaseException | None = None
+        self.borrowing = False  # steps may run in a larger compiled variant than their own
+        self._active = 0  # compiles in progress (any thread)
+
+    @property
+    def num_compiled(self) -> int:
+        return len(self._done)
+
+    @property
+    def compiled(self) -> tuple[Variant, ...]:
+        return tuple(sorted(self._done))
+
+    def pick(self, tokens: int, seqs: int) -> tuple[Variant, Any]:
+        """The variant that runs a step of tokens x seqs (both already bucketed): its own where
+        compiled; when `borrowing` (a background compilation was started: it is under way, or
+        stopped on an error), the compiled variant with the fewest tokens (then sequences) that
+        holds it; else (no warm-up: the CLI, benchmarks timing each variant) its own, compiled
+        now."""
+        own = (tokens, seqs)
+        fn = self._done.get(own)
+        if fn is not None:
+            return own, fn
+        if self.borrowing:
+            best = None
+            for v in list(self._done):
+                if v[0] >= tokens and v[1] >= seqs and (best is None or v < best):
+                    best = v
+            if best is not None:
+                return best, self._done[best]
+        return own, self.ensure(own)
+
+    @property
+    def busy(self) -> bool:
+        """A variant is being compiled now (start-up, background or on demand)."""
+        return self._active > 0
+
+    def _compiled(self, v: Variant) -> Any:
+        with self._count_lock:
+            self._active += 1
+        try:
+            return self._compile(v)
+        finally:
+            with self._count_lock:
+                self._active -= 1
+
+    @property
+    def compiling(self) -> bool:
+        """The background compilation is running."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def ensure(self, v: Variant) -> Any:
+        """Variant v's compiled step, compiling it now if needed."""
+        fn = self._done.get(v)
+        if fn is not None:
+            return fn
+        with self._lock:
+            if v not in self._done:
+                self._done[v] = self._compiled(v)
+            return self._done[v]
+
+    def compile_startup(self, startup: Sequence[Variant], threads: int = 2) -> float:
+        """Compile the start-up variants (in parallel); seconds taken."""
+        t0 = time.perf_counter()
+        todo = [v for v in startup if v not in self._done]
+
+        def one(v: Variant) -> None:
+            fn = self._compiled(v)
+            with self._lock:
+                self._done.setdefault(v, fn)
+
+        _run_on_daemon_threads(one, todo, threads)
+        took = time.perf_counter() - t0
+        log.info(
+            "compiled %d of %d step variants before ready in %.1f s: %s",
+            self.num_compiled,
+            len(self.variants),
+            took,
+            ", ".join(f"{t}x{s}" for t, s in sorted(todo)),
+        )
+        return took
+
+    def compile_rest(self) -> None:
+        """Compile every variant not compiled yet, here (blocking): one sequence's variants first,
+        by tokens (a lone request's prefill chunks and decodes: what a fresh server meets
+        first), then each larger sequence bucket's."""
+        t0 = time.perf_counter()
+        for v in sorted(self.variants, key=lambda v: (v[1], v[0])):
+            if self._stop.is_set():
+                return
+            if v in self._done:
+                continue
+            t1 = time.perf_counter()
+            debug_delay("compile")
+            self.ensure(v)
+            log.info(
+                "compiled step variant %dx%d (%d of %d) in %.1f s",
+                v[0],
+                v[1],
+                self.num_compiled,
+                len(self.variants),
+                time.perf_counter() - t1,
+            )
+        if self.num_compiled == len(self.variants):
+            log.info("all %d step variants compiled (%.1f s)", len(self.variants), time.perf_counter() - t0)
+
+    def start_background(self) -> None:
+        """compile_rest on a daemon thread; an error there is logged and kept (steps then run in
+        what compiled)."""
+        if self._thread is not None:
+            return
+        self.borrowing = True
+
+        def run() -> None:
+            try:
+                self.compile_rest()
+            except BaseException as e:  # noqa: BLE001 -- serving goes on in the compiled variants
+                self.background_error = e
+                log.exception("background compilation stopped")
+
+        self._thread = threading.Thread(target=run, name="tl-compile", daemon=True)
+        self._thread.start()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the background compilation is over (at most `timeout`; None: the
+        benchmarks and tests that measure after it, never the server); True when it is."""
+        if self._thread is None:
+            return True
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def stop(self, wait: bool = True) -> None:
+        """Stop the background compilation after the variant in progress (waiting for it, or not)."""
+        self._stop.set()
+        if wait:
+            self.wait()

@@ -1,0 +1,94 @@
+"""Placement: the model's weights and the KV cache as device arrays on the runner's mesh.
+
+Owns: converting host weights (Hugging Face tensors) into the step layout (`llama.load_weights`,
+straight from the tensors), their NamedShardings from the axes each parameter declares
+(tl/model/weights.py `partition_specs`), putting
+them on the devices (on one CPU device: into one huge-page mapping, tl/runtime/weight_pages.py, with
+XLA's own buffers as the fallback and its reason), and allocating the paged KV cache zeroed in
+its storage dtype. What to place how is decided by tl/runtime/execution.py; this module only does it.
+Must not: decide kernels or precision, compile steps. Tested by tests/test_runner.py and
+tests/test_weight_pages.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from kernels import paged_attention
+from tl.model import llama, weights
+from tl.model.config import ModelConfig
+from tl.runtime import backend, weight_pages
+
+
+@dataclass(frozen=True, slots=True)
+class PlacedWeights:
+    """The step-layout weights on the devices, and where their memory came from."""
+
+    params: llama.Weights
+    pages: str  # "huge" or "default"
+    reason: str  # what came of it (the mapping's size, or why it failed); "" for default pages
+
+
+def place_weights(
+    tensors: Mapping[str, np.ndarray],
+    cfg: ModelConfig,
+    mesh: Mesh,
+    layout: backend.TPLayout,
+    dtype: Any,
+    weight_dtype: str,
+    *,
+    pack_bf16x3: bool,
+    huge_pages: bool,
+) -> PlacedWeights:
+    """tensors: Hugging Face names -> host arrays (memory-mapped where the file allows).
+    pack_bf16x3: keep each float matrix's packed bf16x3 copy beside it (matmul_precision
+    "high"). huge_pages: as the plan says; where the mapping then fails, XLA's buffers, and the
+    reason is the failure."""
+    pack = None
+    if pack_bf16x3:
+        from kernels import cpu_native
+
+        pack = cpu_native.pack_bf16x3
+    step = llama.load_weights(
+        tensors,
+        cfg,
+        dtype,
+        weight_dtype,
+        kv_sharded=layout.kv_sharded,
+        vocab_sharded=layout.vocab_sharded,
+        pack=pack,
+    )
+    shardings = jax.tree.map(
+        lambda s: NamedSharding(mesh, s), weights.partition_specs(step), is_leaf=lambda x: isinstance(x, P)
+    )
+    if not huge_pages:
+        return PlacedWeights(jax.device_put(step, shardings), "default", "")
+    try:
+        params, nbytes = weight_pages.place(step, shardings)
+    except OSError as e:
+        return PlacedWeights(jax.device_put(step, shardings), "default", f"huge configured; default pages: {e}")
+    return PlacedWeights(params, "huge", f"{nbytes >> 20} MiB advised MADV_HUGEPAGE")
+
+
+def alloc_kv(
+    cfg: ModelConfig, mesh: Mesh, spec: P, num_blocks: int, block_size: int, dtype: Any
+) -> tuple[jax.Array, jax.Array]:
+    """The zeroed (k, v) cache of num_blocks blocks (the runner adds the scratch block) in the
+    stored layout of kernels/paged_attention.py, sharded by spec."""
+    dims = (cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+    sh = NamedSharding(mesh, spec)
+
+    def alloc(kind: str) -> jax.Array:
+        shape = paged_attention.cache_shape(kind, *dims)
+        out: jax.Array = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sh)()
+        return out
+
+    return alloc("k"), alloc("v")

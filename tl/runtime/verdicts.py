@@ -1,0 +1,364 @@
+"""Kernel verdicts: at which step shapes the native CPU kernels beat XLA's own, measured here.
+
+Owns: timing each native kernel (kernels/cpu_native.py) against what XLA would run in its place
+(the jnp reference attention, XLA's dot, jnp's argmax and logsumexp) at the model's real
+shapes, one measurement per step-shape class, at start-up; the cache of those verdicts beside
+the built library (one JSON file per library build, CPU model and model shape, so a later start
+measures nothing); and `Verdicts`, the record the step's dispatch (kernels/select.py
+per_shape) reads when it traces each step shape.
+Must not: build the library, trace the runner's step, keep request state. Tested by
+tests/test_verdicts.py.
+
+Classes (`MATMUL_ROWS`, `attention_classes`): a row count or a step's token count belongs to
+the smallest class at or above it.
+- matmuls by rows: 1, 4, 16, 64 (the native kernel takes at most 64 rows; with
+  matmul_precision "high" its AMX kernel takes any count, and the largest token bucket is a
+  class too). Each is timed on a chain of the model's own layer matmuls and its LM head, as a
+  step runs them, over enough layers that the weights stream from memory as in a real step.
+  The sampler's argmax/logsumexp goes with the matmul's verdict at its row count (it is its
+  own class only in name: measured together, it is a few percent of the LM head's time).
+- attention by step tokens: up to the one-call kernel's 16 (decodes of up to 16 sequences
+  at context 256), up to max_num_seqs (a batch of decodes), and the largest token bucket
+  (one fresh prompt chunk of that many tokens).
+A class is native when its native time is below XLA's: never slower than XLA, as measured.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kernels import cpu_build
+from kernels.paged_attention import AttnMetadata
+from tl.model.weights import matrix
+
+if TYPE_CHECKING:
+    from tl.model.config import ModelConfig
+    from tl.model.llama import Layer
+    from tl.runtime.execution import ExecutionPlan, Kernels
+
+log = logging.getLogger("tl.runtime.verdicts")
+
+MATMUL_ROWS = (1, 4, 16, 64)
+DECODE_CONTEXT = 256  # tokens of context of each decoding sequence in the attention classes
+STREAM_BYTES = 96 << 20  # the matmul chain's weights: past the last-level cache, as a step's are
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    kernel: str  # "matmul" (layers, LM head and argmax at that row count) or "attention"
+    rows: int  # the class: the most rows (tokens, for attention) it covers
+    native_ms: float
+    xla_ms: float
+
+    @property
+    def native(self) -> bool:
+        return self.native_ms < self.xla_ms
+
+    @property
+    def speedup(self) -> float:
+        """XLA's time over the native kernel's (>1: native is faster)."""
+        return self.xla_ms / self.native_ms if self.native_ms > 0 else float("inf")
+
+    def line(self) -> str:
+        unit = "tokens" if self.kernel == "attention" else "rows"
+        pick = "cpu_native" if self.native else "xla"
+        return (
+            f"{self.kernel} <= {self.rows} {unit}: {pick} (native {self.speedup:.2f}x XLA: "
+            f"{self.native_ms:.2f} vs {self.xla_ms:.2f} ms)"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Verdicts:
+    """Every class's verdict, and where they came from ("measured in 1.2 s", "cached: PATH")."""
+
+    verdicts: tuple[Verdict, ...] = ()
+    source: str = "none"
+
+    def native(self, kernel: str, rows: int) -> bool:
+        """Whether `rows` (tokens, for attention) of `kernel` run natively: the verdict of the
+        smallest class at or above rows; False past the largest (or with none)."""
+        classes = sorted((v for v in self.verdicts if v.kernel == kernel), key=lambda v: v.rows)
+        return next((v.native for v in classes if v.rows >= rows), False)
+
+    def of(self, kernel: str) -> tuple[Verdict, ...]:
+        return tuple(sorted((v for v in self.verdicts if v.kernel == kernel), key=lambda v: v.rows))
+
+    def summary(self, kernel: str, native_name: str, other: str) -> str:
+        """`native_name` if every class of kernel runs natively, `other` if none, else both joined by '+'."""
+        picks = {v.native for v in self.of(kernel)}
+        if picks == {True}:
+            return native_name
+        if picks == {False}:
+            return other
+        return f"{native_name}+{other}"
+
+
+def _fastest_s(fns: Timed, min_s: float = 0.02, min_reps: int = 5) -> dict[str, float]:
+    """The fastest seconds of each fn, timed in turn after one untimed call each (the compile),
+    for at least min_reps rounds and until each has run min_s in all. The fastest, not the
+    median: on a shared machine a neighbour's burst only ever slows a run down, so the fastest
+    of alternated runs is the least disturbed reading of each."""
+    for fn in fns.values():
+        jax.block_until_ready(fn())
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    while min(len(t) for t in times.values()) < min_reps or min(sum(t) for t in times.values()) < min_s:
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn())
+            times[k].append(time.perf_counter() - t0)
+        if len(times[next(iter(fns))]) >= 50:
+            break
+    return {k: min(v) for k, v in times.items()}
+
+
+Timed = dict[str, Callable[[], Any]]
+"""{"native", "xla"}: a compiled call each, ready to time."""
+
+
+def _compiled(fn: Callable[..., Any], *args: Any) -> Callable[[], Any]:
+    exe = jax.jit(fn).lower(*args).compile()
+    return lambda: exe(*args)
+
+
+def matmul_case(
+    layers: Sequence[Layer],
+    head: Any,
+    matmul: Callable[..., Any],
+    rows: int,
+    linear: Callable[..., jax.Array],
+    argmax_lse: Callable[..., Any],
+) -> Timed:
+    """{"native", "xla"} compiled calls of a chain of these layers' matmuls (the step layout's wqkv, wo,
+    w_gate_up, w_down) then the LM head (as llama.linear takes it, [V,D]) and the argmax and
+    logsumexp of its logits, at `rows` rows: with matmul/argmax_lse, and with XLA's and jnp's."""
+    q_width = matrix(layers[0].wo).shape[-1]
+
+    def chain(mm: Callable[..., Any] | None, am: Callable[..., Any] | None) -> Callable[..., Any]:
+        def run(ws: Sequence[Layer], hd: Any, x: jax.Array) -> Any:
+            for lp in ws:
+                qkv = linear(x, lp.wqkv, mm).reshape(x.shape[0], -1)
+                x = x + 1e-3 * linear(qkv[:, :q_width], lp.wo, mm)
+                gu = linear(x, lp.w_gate_up, mm)
+                x = x + 1e-3 * linear(jax.nn.silu(gu[..., 0]) * gu[..., 1], lp.w_down, mm)
+            return (am or _jnp_argmax_lse)(linear(x, hd, mm).astype(jnp.float32))
+
+        return run
+
+    d = matrix(head).shape[-1]
+    dtype = head.dtype
+    x = jnp.asarray(np.random.default_rng(rows).standard_normal((rows, d), dtype=np.float32)).astype(dtype)
+    return {
+        "native": _compiled(chain(matmul, argmax_lse), layers, head, x),
+        "xla": _compiled(chain(None, None), layers, head, x),
+    }
+
+
+def _jnp_argmax_lse(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    return jnp.argmax(x, axis=1).astype(jnp.int32), jax.nn.logsumexp(x, axis=1)
+
+
+def attention_case(
+    tokens: int,
+    decode: bool,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    k_cache: jax.Array,
+    chunk_blocks: int,
+    max_blocks: int,
+    dtype: Any,
+) -> tuple[Any, ...]:
+    """One step's attention inputs over (a view of) the runner's cache: `tokens` decoding
+    sequences at DECODE_CONTEXT (decode), or one fresh prompt of `tokens` tokens."""
+    bs, nb = k_cache.shape[-1], k_cache.shape[1]
+    rng = np.random.default_rng(tokens)
+    seqs = tokens if decode else 1
+    ctx = min(DECODE_CONTEXT, bs * (max_blocks - 1)) if decode else 0
+    per_seq = -(-(ctx + (1 if decode else tokens)) // bs)
+    blocks = rng.choice(nb - 1, size=(seqs, per_seq), replace=seqs * per_seq > nb - 1).astype(np.int32)
+    tables = np.full((seqs, max_blocks), nb - 1, np.int32)
+    tables[:, :per_seq] = blocks
+    if decode:
+        seq_idx, positions, starts = np.arange(seqs), np.full(seqs, ctx), np.full(seqs, ctx)
+    else:
+        seq_idx, positions, starts = np.zeros(tokens, np.int64), np.arange(tokens), np.zeros(1, np.int64)
+    meta = AttnMetadata(
+        seq_idx=jnp.asarray(seq_idx, jnp.int32),
+        positions=jnp.asarray(positions, jnp.int32),
+        start_pos=jnp.asarray(starts, jnp.int32),
+        block_tables=jnp.asarray(tables),
+        chunk_blocks=chunk_blocks,
+    )
+    q = jnp.asarray(rng.standard_normal((tokens, num_heads, head_dim), dtype=np.float32)).astype(dtype)
+    kv = jnp.asarray(rng.standard_normal((tokens, num_kv_heads, head_dim), dtype=np.float32)).astype(dtype)
+    return q, kv, meta
+
+
+def attention_timed(
+    native: Callable[..., Any],
+    reference: Callable[..., Any],
+    case: tuple[Any, ...],
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    layers: int,
+) -> Timed:
+    """{"native", "xla"} compiled calls of `layers` dependent attention calls over the cache's layers."""
+    q, kv, meta = case
+    n = min(layers, k_cache.shape[0])
+
+    def chain(fn: Callable[..., Any]) -> Callable[..., Any]:
+        def run(q: jax.Array, kv: jax.Array, k: jax.Array, v: jax.Array, meta: AttnMetadata) -> jax.Array:
+            for layer in range(n):  # each layer's query depends on the last layer's output
+                q = q + 1e-3 * fn(q, kv, kv, k, v, jnp.int32(layer), meta)
+            return q
+
+        return run
+
+    return {
+        "native": _compiled(chain(native), q, kv, k_cache, v_cache, meta),
+        "xla": _compiled(chain(reference), q, kv, k_cache, v_cache, meta),
+    }
+
+
+def attention_classes(token_buckets: Sequence[int], max_num_seqs: int, max_tokens: int) -> list[tuple[int, bool]]:
+    """(tokens, decode) per attention class: decodes up to 16 and up to max_num_seqs sequences,
+    then one prompt chunk at the largest token bucket a step can fill."""
+    top = max(t for t in token_buckets if t <= max(max_tokens, token_buckets[0])) if token_buckets else max_tokens
+    out = [(min(16, max_num_seqs), True)]
+    if max_num_seqs > 16:
+        out.append((max_num_seqs, True))
+    if top > out[-1][0]:
+        out.append((top, False))
+    return out
+
+
+def cache_path(library: Path, shape_key: dict[str, Any]) -> Path:
+    """The verdict file for this library build, this CPU (model name and flags) and these shapes."""
+    h = hashlib.sha256()
+    h.update(library.name.encode())
+    h.update(cpu_build.cpu_model().encode())
+    h.update(" ".join(sorted(cpu_build.cpu_flags())).encode())
+    h.update(json.dumps(shape_key, sort_keys=True).encode())
+    return library.parent / f"verdicts-{library.stem}-{h.hexdigest()[:12]}.json"
+
+
+def load(path: Path) -> Verdicts | None:
+    try:
+        data = json.loads(path.read_text())
+        return Verdicts(tuple(Verdict(**v) for v in data["verdicts"]), f"cached: {path}")
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def save(path: Path, verdicts: Verdicts, shape_key: dict[str, Any]) -> None:
+    tmp = path.with_suffix(f".tmp{time.monotonic_ns()}")
+    tmp.write_text(
+        json.dumps(
+            {"cpu": cpu_build.cpu_model(), "shapes": shape_key, "verdicts": [asdict(v) for v in verdicts.verdicts]},
+            indent=1,
+        )
+    )
+    tmp.replace(path)
+
+
+def measure(
+    path: Path, shape_key: dict[str, Any], classes: Sequence[tuple[str, int]], prepare: Callable[[str, int], Timed]
+) -> Verdicts:
+    """The cached verdicts at path, or each class prepared (compiled) by prepare(kernel, rows),
+    two at a time (XLA compiles off the GIL), then timed one by one, and saved."""
+    cached = load(path)
+    want = sorted(classes)
+    if cached is not None and sorted((v.kernel, v.rows) for v in cached.verdicts) == want:
+        return cached
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(2) as pool:
+        prepared = list(pool.map(lambda c: prepare(*c), want))
+    out = []
+    for (kernel, rows), fns in zip(want, prepared, strict=True):
+        t = _fastest_s(fns)
+        out.append(Verdict(kernel, rows, round(t["native"] * 1e3, 3), round(t["xla"] * 1e3, 3)))
+    verdicts = Verdicts(tuple(out), f"measured in {time.perf_counter() - t0:.1f} s, saved to {path}")
+    try:
+        save(path, verdicts, shape_key)
+    except OSError as e:
+        log.warning("kernel verdicts not saved (%s): the next start measures again", e)
+    return verdicts
+
+
+def stream_layers(layers: Sequence[Layer]) -> list[Layer]:
+    """The first layers whose weights together pass STREAM_BYTES (all, if fewer): a one-row chain
+    over them reads from memory, as a step does, not from the last-level cache."""
+    out, nbytes = [], 0
+    for lp in layers:
+        out.append(lp)
+        nbytes += sum(leaf.nbytes for leaf in jax.tree.leaves(lp))
+        if nbytes >= STREAM_BYTES:
+            break
+    return out
+
+
+def measure_runner(plan: ExecutionPlan, kernels: Kernels, cfg: ModelConfig, params: Any, kv: Any) -> Verdicts:
+    """The verdicts of each class `plan.measure_classes()` names, from the cache beside the
+    library or timed now at this model's shapes over its own placed weights and KV cache."""
+    from kernels import paged_attention
+    from tl.model import llama
+
+    classes = plan.measure_classes()
+    if not classes:
+        return Verdicts()
+    native = kernels.native
+    assert native is not None
+    layers = stream_layers(params.layers)
+    head = params.head()
+    attn = dict(plan.attention_classes)
+
+    def prepare(kernel: str, rows: int) -> Timed:
+        if kernel == "matmul":
+            # One row streams the weights (a chain past the cache); more rows are compute-bound.
+            mm = kernels.matmul
+            assert mm.fn is not None and mm.argmax_lse is not None  # measured: the native matmul
+            return matmul_case(layers if rows == 1 else layers[:1], head, mm.fn, rows, llama.linear, mm.argmax_lse)
+        case = attention_case(
+            rows,
+            attn[rows],
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            kv[0],
+            plan.chunk_blocks,
+            plan.max_blocks,
+            plan.compute_dtype,
+        )
+        return attention_timed(kernels.attention.fn, paged_attention.paged_attention, case, kv[0], kv[1], layers=2)
+
+    key = {
+        "model": [
+            cfg.hidden_size,
+            cfg.intermediate_size,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            cfg.vocab_size,
+        ],
+        "dtype": plan.dtype.value,
+        "weight_dtype": plan.weight_dtype,
+        "kv": str(jnp.dtype(plan.kv_dtype)),
+        "precision": plan.precision.value,
+        "block_size": plan.block_size,
+        "tp": plan.tensor_parallel,
+        "classes": sorted(classes),
+    }
+    return measure(cache_path(native.path, key), key, classes, prepare)
