@@ -156,9 +156,6 @@ async def serve(
         log.close()
 
 
-# ---- one request of each kind ----------------------------------------------------------
-
-
 @dataclass
 class Outcome:
     kind: str
@@ -295,9 +292,6 @@ async def one_mixed(
     )
     path = "/v1/embeddings" if "input" in bad else "/v1/chat/completions"
     return await post(client, srv, path, bad, "bad")
-
-
-# ---- the scenarios ---------------------------------------------------------------------
 
 
 @dataclass
@@ -553,9 +547,6 @@ async def kv_exhaustion(srv: Server, requests: int = 24, max_out: int = 48, seed
     rep.check("no KV block used once idle", m.get(USED, 1) == 0, f"{idle_s:.2f} s")
     rep.figures = {"requests": requests, "preemptions": pre}
     return rep
-
-
-# ---- CLI -------------------------------------------------------------------------------
 
 
 def _print(rep: Report) -> None:

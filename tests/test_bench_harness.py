@@ -42,9 +42,6 @@ SMOL = {
 }
 
 
-# ---- fake server -------------------------------------------------------------------------------
-
-
 class FakeServer:
     """Streams max_tokens deltas 'tok{i} ' (first after first_s, then every gap_s), then usage, [DONE]."""
 
@@ -164,9 +161,6 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return d
 
 
-# ---- pure parts --------------------------------------------------------------------------------
-
-
 def test_sse_parser() -> None:
     lines = [
         ": keep-alive",
@@ -275,9 +269,6 @@ def test_roofline_counts_and_fractions() -> None:
     assert "roofline: fp32 GEMM 300.0 GFLOP/s" in roofline_line(m, cost, "smol")
     quick = measure_machine(gemm_n=128, mem_bytes=4 << 20, repeat=1)
     assert quick.gemm_flops_per_s > 1e8 and quick.mem_read_bytes_per_s > 1e8
-
-
-# ---- against the fake server -------------------------------------------------------------------
 
 
 def test_stream_request_and_body(server: FakeServer) -> None:

@@ -66,9 +66,6 @@ def random_hf(cfg: ModelConfig, seed: int) -> dict[str, np.ndarray]:
     return t
 
 
-# ---- independent numpy reference (float64) ----
-
-
 def np_rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     return x / np.sqrt((x**2).mean(-1, keepdims=True) + eps) * w
 

@@ -89,9 +89,6 @@ def test_distributed_args_from_config_then_environment() -> None:
     assert distributed_args(EngineConfig(num_processes=8), {}) == {"num_processes": 8}  # the rest auto-detected
 
 
-# ---- serving one model from a group of processes (tl/ops/multihost.py, serve/follower.py) ----------
-
-
 def test_step_frames_round_trip() -> None:
     from tl.ops.multihost import StepFrame
 
@@ -376,9 +373,6 @@ def test_a_killed_leader_takes_its_follower_down(tiny_dir: Path, tmp_path: Path)
         assert time.monotonic() - t0 < 3.0 + 2, "the follower outlived its bound"
         if code == 3:
             assert "the leader (process 0) closed the step channel" in g.log(1)
-
-
-# ---- a group that does not form: group_start_timeout_s (tl/ops/group_start.py) ---------------------
 
 
 def _alone(model_dir: Path, tmp: Path, process_id: int, engine: str) -> tuple[subprocess.Popen[bytes], Path]:

@@ -43,7 +43,6 @@ class BlockManager:
         self._chains: dict[int, list[int]] = {}  # seq id -> chain hashes of its leading computed full blocks
         self.num_evictions = 0
 
-    # ----- reading
     @property
     def num_free(self) -> int:
         """Blank blocks (not counting evictable cached ones)."""
@@ -83,7 +82,6 @@ class BlockManager:
             parent = hash(key)
         return blocks
 
-    # ----- changing
     def allocate(self, seq_id: int, num_tokens: int, prefix_blocks: Sequence[int] = ()) -> bool:
         """Grow seq's table to cover positions 0..num_tokens-1, all or nothing.
 
@@ -144,7 +142,6 @@ class BlockManager:
         self.ref_counts[block] = 1
         return block
 
-    # ----- checking
     def check_invariants(self) -> None:
         """Raise AssertionError unless every block is in exactly one state and counts match tables."""
         counts = [0] * self.num_blocks

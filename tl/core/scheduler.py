@@ -121,7 +121,6 @@ class Scheduler:
         self._group_left: dict[int, int] = {}  # embeddings request -> its inputs still live
         self._started_groups: set[int] = set()  # embeddings requests one of whose inputs started
 
-    # ----- requests in and out
     def add(self, seq: Sequence) -> None:
         self.seqs[seq.seq_id] = seq
         if seq.pool:
@@ -142,7 +141,6 @@ class Scheduler:
         """Requests with a sequence waiting: an embeddings request's inputs count once."""
         return len({seq.request_key for seq in self.waiting})
 
-    # ----- stage 1: schedule
     def schedule(self) -> SchedulerOutput:
         self._expire_waiting()
         self._scheduled, self._num_scheduled_tokens, self._preempted_this_step = {}, 0, False
@@ -319,7 +317,6 @@ class Scheduler:
             self._finish(seq, "no_capacity")
             self._finished_outs.append(TokenOut(seq.seq_id, -1, finish_reason="no_capacity"))
 
-    # ----- stage 2: update
     def update(self, plan: SchedulerOutput, output: RunnerOutput) -> list[TokenOut]:
         """Fold one step's results in: advance computed tokens, append sampled ones, stop, free."""
         outs, self._finished_outs = self._finished_outs, []
