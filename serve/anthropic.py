@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from serve import errors, sse
 from serve.errors import ApiError, log_server_error
-from serve.params import GenSpec, ModelInfo, chat_spec, render_chat, tool_request
+from serve.params import GenSpec, chat_spec, render_chat, tool_request
 from serve.wire import (
     AnthropicBlock,
     AnthropicMessage,
@@ -41,6 +41,7 @@ from serve.wire import (
     ToolCall,
     encoder,
 )
+from tl.ops.served import ServedModel
 from tl.text.tools import CallArgs, CallStart, Event
 
 if TYPE_CHECKING:
@@ -105,7 +106,7 @@ def _tools(tools: list[AnthropicTool] | None, choice: AnthropicToolChoice | None
     return kw
 
 
-def messages_spec(req: MessagesRequest, info: ModelInfo) -> GenSpec:
+def messages_spec(req: MessagesRequest, info: ServedModel) -> GenSpec:
     """The chat request a Messages request means, as a GenSpec of kind "messages"."""
     if req.top_k == 0:
         raise errors.bad_request("top_k must be >= 1", "top_k")
@@ -124,7 +125,7 @@ def messages_spec(req: MessagesRequest, info: ModelInfo) -> GenSpec:
     return dataclasses.replace(spec, kind="messages", stream=bool(req.stream))
 
 
-def count_tokens(req: CountTokensRequest, info: ModelInfo) -> int:
+def count_tokens(req: CountTokensRequest, info: ServedModel) -> int:
     """Input tokens of the request as it would be rendered (tools included)."""
     chat = ChatRequest(model=req.model, messages=_messages(req.system, req.messages), **_tools(req.tools, None))
     tools = tool_request(chat, info)
@@ -148,7 +149,7 @@ def document(job: Job) -> bytes:
         content.append(AnthropicToolUseOut(_tool_use_id(call_id), call.name, _input(call.arguments_text)))
     reason, sequence = _stop(c)
     usage = AnthropicUsage(c.prompt_len, c.num_tokens)
-    doc = AnthropicMessageDoc(job.id, "message", "assistant", job.model_id, content, reason, sequence, usage)  # type: ignore[arg-type]
+    doc = AnthropicMessageDoc(job.id, "message", "assistant", job.model.model_id, content, reason, sequence, usage)  # type: ignore[arg-type]
     return encoder.encode(doc)
 
 
@@ -180,7 +181,7 @@ class Stream:
             "id": self.job.id,
             "type": "message",
             "role": "assistant",
-            "model": self.job.model_id,
+            "model": self.job.model.model_id,
             "content": [],
             "stop_reason": None,
             "stop_sequence": None,

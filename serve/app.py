@@ -12,7 +12,8 @@ drain_timeout_s (then are aborted, 2 s more for their error events), then grania
 to stop, and its lifespan shutdown stops the engine thread (bounded, each step timed); a
 second signal aborts every request at once and stops; exit 0.
 
-The engine comes from the `engine_factory` App is built with: tl.ops.build's
+The engine and the record of the model it serves (tl/ops/served.py's ServedModel: all serve/
+knows of the model) come from the `engine_factory` App is built with: tl.ops.build's
 build_async_engine(cfg) for `app` below, a fake engine's for the tests (which hand granian
 their own target, tests/fake_app.py). Nothing here imports jax.
 Tested in memory by tests/test_serve_app.py and over HTTP by tests/test_serve_http.py.
@@ -44,7 +45,6 @@ from serve.errors import ApiError, log_server_error
 from serve.generate import PING_INTERVAL_S, Job
 from serve.health import HealthServer
 from serve.metrics import Metrics
-from serve.params import ModelInfo
 from serve.responses import ResponseStore
 from serve.routes import Ctx, match
 from serve.signals import STOP, take_over_granian
@@ -52,9 +52,10 @@ from tl.core.async_engine import AsyncEngine, EmbedHandle
 from tl.core.config import EngineConfig
 from tl.core.stats import BackendInfo, EngineStats
 from tl.ops.build import build_async_engine
+from tl.ops.served import ServedModel
 
 log = logging.getLogger("serve")
-EngineFactory = Callable[[EngineConfig], AsyncEngine]
+EngineFactory = Callable[[EngineConfig], tuple[AsyncEngine, ServedModel]]
 T = TypeVar("T")
 
 ABORT_GRACE_S = 2.0
@@ -103,7 +104,7 @@ class App:
         self.handle_signals = handle_signals
         self.start_health = start_health
         self.engine: AsyncEngine | None = None
-        self.info: ModelInfo | None = None
+        self.info: ServedModel | None = None
         self.metrics = Metrics(self._stats, self._backend)
         self.health = HealthServer(self.metrics, self.is_ready)
         self.draining = False
@@ -118,7 +119,7 @@ class App:
         return self.engine.stats() if self.engine is not None else None
 
     def _backend(self) -> BackendInfo | None:
-        return self.info.backend if self.info is not None else None
+        return self.engine.backend_info if self.engine is not None and self.info is not None else None
 
     def is_ready(self) -> bool:
         return self.engine is not None and self.engine.ready and not self.draining
@@ -170,25 +171,14 @@ class App:
             self.draining = True
             self._drain_task = asyncio.get_running_loop().create_task(self._hand_over())
             return
-        engine = built.result()
+        engine, model = built.result()
         engine.start()
         self.engine = engine
         await engine.warmup()
-        tok = engine.tokenizer
-        vocab_size = int(getattr(tok, "vocab_size", 2**31 - 1))
-        self.info = ModelInfo(
-            engine.model_id,
-            engine.max_model_len,
-            cfg.max_logprobs,
-            vocab_size,
-            tok,
-            engine.chat_template,
-            engine.backend_info,
-            engine.tools,
-        )
+        self.info = model
         if self._stop_heard.is_set():  # heard while warming up
             self.begin_drain()
-        log.info("serving %s (context %d) ready", engine.model_id, engine.max_model_len)
+        log.info("serving %s (context %d) ready", model.model_id, model.max_model_len)
 
     async def shutdown(self) -> None:
         """granian's lifespan shutdown: the engine thread stopped (at most ENGINE_STOP_S), the
@@ -387,10 +377,10 @@ def _in_daemon_thread(name: str, fn: Callable[..., T], *args: object) -> asyncio
     return fut
 
 
-def _close_late_engine(built: asyncio.Future[AsyncEngine]) -> None:
+def _close_late_engine(built: asyncio.Future[tuple[AsyncEngine, ServedModel]]) -> None:
     """An engine whose build outlived a stop during start-up: its background compiles stopped."""
     if not built.cancelled() and built.exception() is None:
-        built.result().shutdown(0.0)
+        built.result()[0].shutdown(0.0)
 
 
 def _timed(what: str, t0: float) -> None:

@@ -21,7 +21,7 @@ from serve import errors, sse
 from serve.asgi import DisconnectWatcher, Sender
 from serve.errors import ApiError
 from serve.metrics import Metrics
-from serve.params import GenSpec, TokenizerLike
+from serve.params import GenSpec
 from serve.textstream import TextStream
 from serve.wire import (
     AssistantMessage,
@@ -45,6 +45,7 @@ from serve.wire import (
 )
 from tl.core.async_engine import AsyncEngine, EngineError, RequestHandle, settled
 from tl.core.request import Constraint, GenRequest, RequestError, TokenOut
+from tl.ops.served import ServedModel, TextTokenizer
 from tl.text.tools import CallArgs, CallStart, Event, ToolCallParser
 
 PING_INTERVAL_S = 15.0
@@ -68,7 +69,7 @@ class Choice:
     logprobs: list[TokenOut] = field(default_factory=list)  # every token, for the non-streamed answer
     first_token_at: float | None = None
 
-    def feed(self, outs: list[TokenOut], tok: TokenizerLike) -> list[Event]:
+    def feed(self, outs: list[TokenOut], tok: TextTokenizer) -> list[Event]:
         """Consume one delivery; return what may be sent now: content text and, with tools, call
         events. Raises ApiError on abort, no_capacity or a constraint's failure."""
         pieces = []
@@ -139,7 +140,7 @@ class Job:
         self,
         spec: GenSpec,
         engine: AsyncEngine,
-        model_id: str,
+        model: ServedModel,
         priority: int,
         metrics: Metrics,
         arrived: float,
@@ -148,7 +149,7 @@ class Job:
         self.spec = spec
         self.constraint = constraint
         self.engine = engine
-        self.model_id = model_id
+        self.model = model
         self.metrics = metrics
         self.arrived = arrived
         self.created = int(time.time())
@@ -165,11 +166,11 @@ class Job:
 
     def _submit(self, priority: int) -> list[Choice]:
         stop_ids = frozenset(self.engine.eos_token_ids)
-        hidden_ids = frozenset(getattr(self.engine.tokenizer, "special_token_ids", ()))
+        tok = self.model.tokenizer
+        hidden_ids = tok.special_token_ids
         fmt = self.spec.tool_format
         if fmt is not None:  # a marker that is a special token (Qwen's <tool_call>) must reach the parser
-            to_id = getattr(self.engine.tokenizer, "token_to_id", lambda _: None)
-            hidden_ids -= {to_id(fmt.start), to_id(fmt.end)}
+            hidden_ids -= {tok.token_to_id(fmt.start), tok.token_to_id(fmt.end)}
         choices: list[Choice] = []
         try:
             for p_idx, prompt in enumerate(self.spec.prompts):
@@ -233,7 +234,7 @@ class Job:
             raise errors.from_engine_error(item)
         if isinstance(item, BaseException):
             raise errors.internal(f"engine failure: {item}")
-        events = choice.feed(cast(list[TokenOut], item), self.engine.tokenizer)  # the engine's batch of outputs
+        events = choice.feed(cast(list[TokenOut], item), self.model.tokenizer)  # the engine's batch of outputs
         if choice.finish is not None:
             self._observe(choice)
         return events
@@ -258,7 +259,7 @@ class Job:
                 self.metrics.tpot.observe((now - c.first_token_at) / (c.num_tokens - 1))
 
     def token_str(self, token_id: int) -> tuple[str, list[int]]:
-        b = self.engine.tokenizer.token_bytes(token_id)
+        b = self.model.tokenizer.token_bytes(token_id)
         return b.decode("utf-8", errors="replace"), list(b)
 
     def chat_logprobs(self, outs: list[TokenOut]) -> ChatLogprobs | None:
@@ -294,7 +295,7 @@ class Job:
                     self.id,
                     "chat.completion",
                     self.created,
-                    self.model_id,
+                    self.model.model_id,
                     [
                         ChatChoice(c.index, c.message(), self.chat_logprobs(c.logprobs), c.finish or "stop")
                         for c in self.choices
@@ -307,7 +308,7 @@ class Job:
                 self.id,
                 "text_completion",
                 self.created,
-                self.model_id,
+                self.model.model_id,
                 [
                     CompletionChoice(
                         c.index, "".join(c.text), self.completion_logprobs(c.logprobs, 0), c.finish or "stop"
@@ -350,7 +351,7 @@ class Job:
                 self.id,
                 "chat.completion.chunk",
                 self.created,
-                self.model_id,
+                self.model.model_id,
                 [
                     ChunkChoice(
                         c.index, delta, None if first else self.chat_logprobs(outs), c.finish if finish else None
@@ -363,7 +364,7 @@ class Job:
                 self.id,
                 "text_completion",
                 self.created,
-                self.model_id,
+                self.model.model_id,
                 [CompletionChoice(c.index, piece, self.completion_logprobs(outs, offset), c.finish)],
             )
         return sse.event(encoder.encode(doc))
@@ -371,10 +372,10 @@ class Job:
     def usage_chunk(self) -> bytes:
         if self.spec.kind == "chat":
             doc: object = ChatCompletionChunk(
-                self.id, "chat.completion.chunk", self.created, self.model_id, [], self.usage()
+                self.id, "chat.completion.chunk", self.created, self.model.model_id, [], self.usage()
             )
         else:
-            doc = Completion(self.id, "text_completion", self.created, self.model_id, [], self.usage())
+            doc = Completion(self.id, "text_completion", self.created, self.model.model_id, [], self.usage())
         return sse.event(encoder.encode(doc))
 
 

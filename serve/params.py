@@ -13,9 +13,8 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 import msgspec
 
@@ -29,39 +28,10 @@ from serve.wire import (
     SamplingFields,
 )
 from tl.core.request import MAX_SEED, ConstraintSpec, RequestError, SamplingParams
-from tl.core.stats import BackendInfo
-from tl.text.tools import ToolFormat, ToolSetup, ToolSpec, tool_grammar
+from tl.ops.served import ServedModel
+from tl.text.tools import ToolFormat, ToolSpec, tool_grammar
 
 Kind = Literal["chat", "completion", "messages", "responses"]
-
-
-class TokenizerLike(Protocol):
-    def encode(self, text: str) -> list[int]: ...
-    def decode(self, ids: list[int]) -> str: ...
-    def token_bytes(self, token_id: int) -> bytes: ...
-
-
-class TemplateLike(Protocol):
-    def render(
-        self,
-        messages: Sequence[Mapping[str, Any]],
-        add_generation_prompt: bool = True,
-        tools: list[dict[str, Any]] | None = None,
-    ) -> str: ...
-
-
-@dataclass(frozen=True, slots=True)
-class ModelInfo:
-    """What validation needs to know about the served model."""
-
-    model_id: str
-    max_model_len: int
-    max_logprobs: int
-    vocab_size: int
-    tokenizer: TokenizerLike
-    template: TemplateLike
-    backend: BackendInfo | None = None  # where the engine runs (None for fake engines)
-    tools: ToolSetup | None = None  # the model's tool-call format and tool template (None: no tools)
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,7 +53,7 @@ class GenSpec:
         return len(self.params)
 
 
-def check_model(model: str | None, info: ModelInfo) -> None:
+def check_model(model: str | None, info: ServedModel) -> None:
     if model is not None and model != info.model_id:
         raise errors.model_not_found(model)
 
@@ -194,7 +164,7 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
 
 def render_chat(
     messages: list[ChatMessage],
-    info: ModelInfo,
+    info: ServedModel,
     add_generation_prompt: bool = True,
     tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
@@ -202,7 +172,7 @@ def render_chat(
     model's tool template renders it (its own, or tl's for a model whose template has none)."""
     dicts = message_dicts(messages)
     tooled = tools is not None or any("tool_calls" in d or d["role"] == "tool" for d in dicts)
-    template = info.tools.template if tooled and info.tools is not None else info.template
+    template = info.tools.template if tooled and info.tools is not None else info.chat_template
     try:
         text = template.render(dicts, add_generation_prompt=add_generation_prompt, tools=tools)
     except Exception as e:  # noqa: BLE001 - TemplateError, or raise_exception() inside any template
@@ -220,7 +190,7 @@ class ToolRequest:
     format: ToolFormat | None  # parse answers for calls (None: tool_choice "none" or no tools)
 
 
-def tool_request(req: ChatRequest, info: ModelInfo) -> ToolRequest:
+def tool_request(req: ChatRequest, info: ServedModel) -> ToolRequest:
     """Validate tools / tool_choice / parallel_tool_calls: 400s name the field. "none" renders
     no tools and never parses calls; "auto" (the default with tools) lets the model answer or
     call, "required" and a named tool force calls; all calls follow their tool's schema."""
@@ -262,7 +232,7 @@ def tool_request(req: ChatRequest, info: ModelInfo) -> ToolRequest:
     return ToolRequest(dicts, ConstraintSpec("grammar", grammar, "tools"), checks, info.tools.format)
 
 
-def prompt_token_lists(prompt: str | list[PromptItem], info: ModelInfo, param: str) -> list[list[int]]:
+def prompt_token_lists(prompt: str | list[PromptItem], info: ServedModel, param: str) -> list[list[int]]:
     """A string, a list of strings, a list of token ids, or a list of token-id lists."""
     if isinstance(prompt, str):
         return [info.tokenizer.encode(prompt)]
@@ -278,7 +248,7 @@ def prompt_token_lists(prompt: str | list[PromptItem], info: ModelInfo, param: s
     )
 
 
-def _check_tokens(ids: list[int], info: ModelInfo, param: str) -> None:
+def _check_tokens(ids: list[int], info: ServedModel, param: str) -> None:
     if not ids:
         raise errors.bad_request(f"{param} must contain at least one token", param)
     bad = next((t for t in ids if t >= info.vocab_size), None)
@@ -286,7 +256,7 @@ def _check_tokens(ids: list[int], info: ModelInfo, param: str) -> None:
         raise errors.bad_request(f"token id {bad} is outside the vocabulary (size {info.vocab_size})", param)
 
 
-def _logit_bias(raw: dict[str, float] | None, info: ModelInfo) -> tuple[tuple[int, float], ...]:
+def _logit_bias(raw: dict[str, float] | None, info: ServedModel) -> tuple[tuple[int, float], ...]:
     if not raw:
         return ()
     out = []
@@ -298,7 +268,7 @@ def _logit_bias(raw: dict[str, float] | None, info: ModelInfo) -> tuple[tuple[in
 
 
 def _sampling(
-    req: SamplingFields, max_tokens: int, logprobs: bool, top_logprobs: int, info: ModelInfo, n: int
+    req: SamplingFields, max_tokens: int, logprobs: bool, top_logprobs: int, info: ServedModel, n: int
 ) -> tuple[SamplingParams, ...]:
     if top_logprobs > info.max_logprobs:
         raise errors.bad_request(
@@ -341,7 +311,7 @@ def _stops(stop: str | list[str] | None) -> tuple[str, ...]:
     return stops
 
 
-def chat_spec(req: ChatRequest, info: ModelInfo) -> GenSpec:
+def chat_spec(req: ChatRequest, info: ServedModel) -> GenSpec:
     check_model(req.model, info)
     _refuse_unsupported(req)
     if req.top_logprobs and not req.logprobs:
@@ -376,7 +346,7 @@ def chat_spec(req: ChatRequest, info: ModelInfo) -> GenSpec:
     )
 
 
-def completion_spec(req: CompletionRequest, info: ModelInfo) -> GenSpec:
+def completion_spec(req: CompletionRequest, info: ServedModel) -> GenSpec:
     check_model(req.model, info)
     _refuse_unsupported(req)
     if req.echo:

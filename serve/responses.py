@@ -27,7 +27,7 @@ import msgspec
 
 from serve import errors, sse
 from serve.errors import ApiError, log_server_error
-from serve.params import GenSpec, ModelInfo, chat_spec
+from serve.params import GenSpec, chat_spec
 from serve.wire import (
     CallFunction,
     ChatMessage,
@@ -44,6 +44,7 @@ from serve.wire import (
     ToolCall,
     encoder,
 )
+from tl.ops.served import ServedModel
 from tl.text.tools import CallArgs, CallStart, Event
 
 if TYPE_CHECKING:
@@ -165,7 +166,7 @@ def conversation(req: ResponsesRequest, store: ResponseStore) -> list[ChatMessag
     return system + [m for m in prior if m.role != "system"] + _turns(req)
 
 
-def responses_spec(req: ResponsesRequest, info: ModelInfo, turns: list[ChatMessage]) -> GenSpec:
+def responses_spec(req: ResponsesRequest, info: ServedModel, turns: list[ChatMessage]) -> GenSpec:
     chat = ChatRequest(
         model=req.model,
         messages=turns,
@@ -239,7 +240,7 @@ def response_doc(
         created_at=job.created,
         status=status,
         incomplete_details=incomplete,
-        model=job.model_id,
+        model=job.model.model_id,
         output=output,
         usage=usage,
         instructions=req.instructions,

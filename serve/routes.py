@@ -26,7 +26,6 @@ from serve.generate import Job, Presenter, respond
 from serve.metrics import Metrics
 from serve.params import (
     GenSpec,
-    ModelInfo,
     chat_spec,
     check_model,
     completion_spec,
@@ -66,6 +65,7 @@ from serve.wire import (
 )
 from tl.core.async_engine import AsyncEngine, EmbedHandle, EngineError
 from tl.core.request import MAX_EMBED_INPUTS, Constraint, ConstraintSpec, EmbedRequest, RequestError
+from tl.ops.served import ServedModel
 
 S = TypeVar("S")
 STARTED_AT = int(time.time())
@@ -74,7 +74,7 @@ STARTED_AT = int(time.time())
 @dataclass
 class Ctx:
     engine: AsyncEngine
-    info: ModelInfo
+    info: ServedModel
     metrics: Metrics
     request: Request
     out: Sender
@@ -135,7 +135,7 @@ async def _generate(ctx: Ctx, spec_fn: Callable[[], GenSpec], present: Presenter
     for check in spec.checks:  # a tool's parameters alone first: its error names its own field
         await _compile(ctx, check, count=False)
     grammar = await _compile(ctx, spec.constraint) if spec.constraint is not None else None
-    job = Job(spec, ctx.engine, ctx.info.model_id, prio, ctx.metrics, ctx.arrived, grammar)
+    job = Job(spec, ctx.engine, ctx.info, prio, ctx.metrics, ctx.arrived, grammar)
     ctx.jobs.add(job)
     try:
         assert ctx.watcher is not None
@@ -250,7 +250,7 @@ async def detokenize(ctx: Ctx) -> None:
 
 
 def _card(ctx: Ctx) -> ModelCard:
-    b = ctx.info.backend
+    b = ctx.engine.backend_info
     card = (
         None
         if b is None

@@ -12,8 +12,9 @@ FakeEngine has the members tl.core.async_engine.SyncEngine names, as tl.core.eng
 admits by the same rules (tl/core/request.py check_context and check_capacity).
 
 Also: ByteTokenizer, ConcatTemplate (the seed's `{% for m in messages %}{{ m.content }}`),
-`make_async_engine(cfg)` and `make_real_async_engine(cfg)`, engine factories for serve.app's
-App (tests/fake_app.py hands the latter to granian's App).
+`byte_model` (the ServedModel of tl/ops/served.py over them), `make_async_engine(cfg)` and
+`make_real_async_engine(cfg)`, engine factories for serve.app's App (the AsyncEngine and its
+ServedModel; tests/fake_app.py hands the latter to granian's App).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from tl.core.config import EngineConfig
 from tl.core.plan import RunnerOutput, SchedulerOutput, SeqResult
 from tl.core.request import EmbedRequest, GenRequest, Guide, TokenOut, check_capacity, check_context
 from tl.core.stats import BackendInfo, EngineStats
+from tl.ops.served import ChatRenderer, ServedModel
 from tl.text.chat_template import ChatTemplate
 from tl.text.grammar import GrammarCompiler
 from tl.text.tools import FORMATS, ToolSetup, tool_template
@@ -66,6 +68,10 @@ def constrained(guide: Guide, preferred: int) -> int:
 
 class ByteTokenizer:
     vocab_size = 256
+    special_token_ids: frozenset[int] = frozenset()
+
+    def token_to_id(self, token: str) -> int | None:
+        return None
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -94,6 +100,26 @@ class RoleTemplate:
     ) -> str:
         text = "".join(f"<|{m['role']}|>\n{m.get('content') or ''}\n" for m in messages)
         return text + ("<|assistant|>\n" if add_generation_prompt else "")
+
+
+def byte_model(
+    cfg: EngineConfig,
+    max_model_len: int,
+    template: ChatRenderer | None = None,
+    tools: ToolSetup | None = None,
+    model_id: str | None = None,
+) -> ServedModel:
+    """What the fake engines serve: ByteTokenizer (its 256 ids the vocabulary), `template`
+    (ConcatTemplate by default), `tools`, cfg's model id (or `model_id`) and max_logprobs."""
+    return ServedModel(
+        cfg.served_model_id() if model_id is None else model_id,
+        max_model_len,
+        ByteTokenizer.vocab_size,
+        cfg.max_logprobs,
+        ByteTokenizer(),
+        template or ConcatTemplate(),
+        tools,
+    )
 
 
 def fake_hidden(token_id: int, pos: int) -> list[float]:
@@ -290,13 +316,13 @@ class FakeEngine:
         )
 
 
-def make_async_engine(cfg: EngineConfig) -> AsyncEngine:
+def make_async_engine(cfg: EngineConfig) -> tuple[AsyncEngine, ServedModel]:
     """An App's engine factory: FakeEngine. FAKE_STEP_DELAY_S, FAKE_TEMPLATE=concat|role and FAKE_MAX_LEN tune it."""
     runner = FakeRunner(max_model_len=int(os.environ.get("FAKE_MAX_LEN", "512")))
     engine = FakeEngine(runner, cfg, step_delay_s=float(os.environ.get("FAKE_STEP_DELAY_S", "0")))
     runner.warmup()
     template = RoleTemplate() if os.environ.get("FAKE_TEMPLATE") == "role" else ConcatTemplate()
-    return AsyncEngine(engine, ByteTokenizer(), template, cfg.served_model_id(), byte_grammars(cfg), byte_tools())
+    return AsyncEngine(engine, byte_grammars(cfg)), byte_model(cfg, engine.max_model_len, template, byte_tools())
 
 
 class SuccRunner:
@@ -342,7 +368,7 @@ class SuccRunner:
         return fake_embedding(token_ids)
 
 
-def make_real_async_engine(cfg: EngineConfig) -> AsyncEngine:
+def make_real_async_engine(cfg: EngineConfig) -> tuple[AsyncEngine, ServedModel]:
     """An App's engine factory: the real tl.core.engine.Engine over SuccRunner (FAKE_STEP_DELAY_S
     and FAKE_MAX_LEN apply)."""
     from tl.core.engine import Engine
@@ -354,9 +380,7 @@ def make_real_async_engine(cfg: EngineConfig) -> AsyncEngine:
         step_delay_s=float(os.environ.get("FAKE_STEP_DELAY_S", "0")),
     )
     engine = Engine(runner, cfg)
-    return AsyncEngine(
-        engine, ByteTokenizer(), ConcatTemplate(), cfg.served_model_id(), byte_grammars(cfg), byte_tools()
-    )
+    return AsyncEngine(engine, byte_grammars(cfg)), byte_model(cfg, engine.max_model_len, tools=byte_tools())
 
 
 class ScriptEngine(FakeEngine):
@@ -401,10 +425,8 @@ class ScriptEngine(FakeEngine):
         return TokenOut(s.rid, tok, 0.0, (), finish)  # type: ignore[arg-type]
 
 
-def make_script_async_engine(cfg: EngineConfig) -> AsyncEngine:
+def make_script_async_engine(cfg: EngineConfig) -> tuple[AsyncEngine, ServedModel]:
     """An App's engine factory: ScriptEngine answering FAKE_SCRIPT, FAKE_SCRIPT_PER_STEP tokens a step."""
     script = os.environ.get("FAKE_SCRIPT", "").encode()
     engine = ScriptEngine(cfg, script, int(os.environ.get("FAKE_SCRIPT_PER_STEP", "1")))
-    return AsyncEngine(
-        engine, ByteTokenizer(), ConcatTemplate(), cfg.served_model_id(), byte_grammars(cfg), byte_tools()
-    )
+    return AsyncEngine(engine, byte_grammars(cfg)), byte_model(cfg, engine.max_model_len, tools=byte_tools())

@@ -12,8 +12,6 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 from fake_engine import (
-    ByteTokenizer,
-    ConcatTemplate,
     FakeEngine,
     FakeRunner,
     SuccRunner,
@@ -41,12 +39,12 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=3)
 
 
 def fake(cfg: EngineConfig, delay: float = 0.0) -> AsyncEngine:
-    return AsyncEngine(FakeEngine(FakeRunner(), cfg, delay), ByteTokenizer(), ConcatTemplate(), "succ")
+    return AsyncEngine(FakeEngine(FakeRunner(), cfg, delay))
 
 
 def real(cfg: EngineConfig, delay: float = 0.0) -> AsyncEngine:
     runner = SuccRunner(block_size=cfg.block_size, num_kv_blocks=64, step_delay_s=delay)
-    return AsyncEngine(Engine(runner, cfg), ByteTokenizer(), ConcatTemplate(), "succ")
+    return AsyncEngine(Engine(runner, cfg))
 
 
 BUILDERS = [fake, real]
@@ -158,10 +156,10 @@ def test_what_serve_reads_comes_from_the_engines_own_members() -> None:
     engine = FakeEngine(FakeRunner(max_model_len=64), EngineConfig(block_size=4))
     engine.eos_token_ids = (9,)
     engine.backend_info = BackendInfo(platform="tpu")
-    eng = AsyncEngine(engine, ByteTokenizer(), ConcatTemplate(), "succ")
+    eng = AsyncEngine(engine)
     assert (eng.max_model_len, eng.eos_token_ids, eng.backend_info) == (64, (9,), BackendInfo(platform="tpu"))
     real = Engine(SuccRunner(block_size=4), EngineConfig(block_size=4, max_model_len=40))
-    assert AsyncEngine(real, ByteTokenizer(), ConcatTemplate(), "succ").max_model_len == real.max_model_len == 40
+    assert AsyncEngine(real).max_model_len == real.max_model_len == 40
 
 
 @pytest.mark.parametrize("build", BUILDERS)
@@ -218,7 +216,7 @@ def test_slow_schemas_do_not_starve_a_plain_one() -> None:
     field = "response_format.json_schema.schema"
 
     async def body() -> None:
-        eng = AsyncEngine(FakeEngine(FakeRunner(), cfg), ByteTokenizer(), ConcatTemplate(), "succ", byte_grammars(cfg))
+        eng = AsyncEngine(FakeEngine(FakeRunner(), cfg), byte_grammars(cfg))
         eng.start()
         await eng.compile_constraint(ConstraintSpec("regex", "warm", "p"))  # llguidance's tokenizer, built
         slow = [

@@ -40,10 +40,6 @@ LAYERS = {
 }
 """Each subpackage of tl/ and the layers it may import (tl/__init__.py says what each owns)."""
 PENDING: set[tuple[str, str]] = {
-    ("tl/core/async_engine.py", "tl.text.chat_template"),
-    ("tl/core/async_engine.py", "tl.text.grammar"),
-    ("tl/core/async_engine.py", "tl.text.tokenizer"),
-    ("tl/core/async_engine.py", "tl.text.tools"),
     ("tl/runtime/runner.py", "tl.ops.multihost"),
     ("tl/runtime/runner.py", "tl.text.grammar"),
     ("kernels/cpu_native.py", "tl.model.weights"),
@@ -78,11 +74,13 @@ SERVE_API = (
     "tl.core.async_engine",
     "tl.core.stats",
     "tl.ops.build",
+    "tl.ops.served",
     "tl.text.tools",
 )
 """What serve/ may import of tl: configuration, the request records and their errors, the
-AsyncEngine, the stats records, the one function that builds the engine, and the tool-call
-formats with their parser."""
+AsyncEngine, the stats records, the one function that builds the engine, the record of the
+served model it builds beside it (tl.ops.served: tokenizer and template behind protocols), and
+the tool-call formats with their parser."""
 ENV_READERS = {"tl/ops/build.py"}
 PACKAGES = ("tl", "serve", "kernels")
 

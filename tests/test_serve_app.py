@@ -17,13 +17,13 @@ from typing import Any
 import pytest
 from asgi_client import Reply, call, served
 from fake_engine import (
-    ByteTokenizer,
     ConcatTemplate,
     FakeEngine,
     FakeRunner,
     RoleTemplate,
     SuccRunner,
     byte_grammars,
+    byte_model,
     byte_tools,
     fake_embedding,
 )
@@ -35,19 +35,24 @@ from tl.core.config import EngineConfig
 from tl.core.engine import Engine
 from tl.core.request import ContextLengthError, EmbedRequest, GenRequest, SamplingParams
 from tl.ops.build import build_async_engine
+from tl.ops.served import ServedModel
 
 CHAT = "/v1/chat/completions"
 HAND = {"model": "succ", "messages": [{"role": "user", "content": "a"}], "max_tokens": 3, "temperature": 0}
 
 
-def factory(kind: str, delay: float = 0.0, template: object = None) -> Callable[[EngineConfig], AsyncEngine]:
-    def build(cfg: EngineConfig) -> AsyncEngine:
+def factory(
+    kind: str, delay: float = 0.0, template: Any = None
+) -> Callable[[EngineConfig], tuple[AsyncEngine, ServedModel]]:
+    def build(cfg: EngineConfig) -> tuple[AsyncEngine, ServedModel]:
         tmpl = template or ConcatTemplate()
         if kind == "fake":
             engine: Any = FakeEngine(FakeRunner(), cfg, delay)
         else:
             engine = Engine(SuccRunner(block_size=cfg.block_size, num_kv_blocks=256, step_delay_s=delay), cfg)
-        return AsyncEngine(engine, ByteTokenizer(), tmpl, "succ", byte_grammars(cfg), byte_tools())
+        return AsyncEngine(engine, byte_grammars(cfg)), byte_model(
+            cfg, engine.max_model_len, tmpl, byte_tools(), "succ"
+        )
 
     return build
 
@@ -688,9 +693,9 @@ def test_an_embeddings_input_out_of_capacity_is_a_retryable_503() -> None:
     """An embeddings input that finishes no_capacity (queue deadline, no KV blocks) makes the
     request a 503 no_capacity with Retry-After, as a generation's does, never a 500."""
 
-    def build(cfg: EngineConfig) -> AsyncEngine:  # 12 blocks of 4 tokens
+    def build(cfg: EngineConfig) -> tuple[AsyncEngine, ServedModel]:  # 12 blocks of 4 tokens
         engine = Engine(SuccRunner(block_size=4, num_kv_blocks=12, step_delay_s=0.05), cfg)
-        return AsyncEngine(engine, ByteTokenizer(), ConcatTemplate(), "succ")
+        return AsyncEngine(engine), byte_model(cfg, engine.max_model_len, model_id="succ")
 
     async def body(app: App) -> None:
         ask = chat(messages=[{"role": "user", "content": "a" * 20}], max_tokens=20, stream=True)

@@ -15,7 +15,7 @@ from typing import Any
 import jsonschema
 import pytest
 from asgi_client import call
-from fake_engine import ByteTokenizer, ConcatTemplate, SuccRunner
+from fake_engine import SuccRunner, byte_model
 from test_grammar import nested_any_of
 from test_serve_app import CHAT, chat, content, make_app, metric, run
 from test_structured import SCHEMA, Failing
@@ -25,6 +25,7 @@ from tl.core.async_engine import AsyncEngine
 from tl.core.config import EngineConfig
 from tl.core.engine import Engine
 from tl.core.request import ConstraintSpec
+from tl.ops.served import ServedModel
 from tl.text.grammar import Compiled, GrammarCompiler
 
 COMPLETIONS = "/v1/completions"
@@ -183,10 +184,10 @@ class FailingCompiler(GrammarCompiler):
 
 
 def test_a_matcher_failing_mid_way_is_an_error_never_stop() -> None:
-    def build(cfg: EngineConfig) -> AsyncEngine:
+    def build(cfg: EngineConfig) -> tuple[AsyncEngine, ServedModel]:
         grammars = FailingCompiler("{}", 1, (), 1, 5.0)
         engine = Engine(SuccRunner(block_size=cfg.block_size), cfg)
-        return AsyncEngine(engine, ByteTokenizer(), ConcatTemplate(), "succ", grammars)
+        return AsyncEngine(engine, grammars), byte_model(cfg, engine.max_model_len, model_id="succ")
 
     async def body(app: App) -> None:
         req = chat(structured_outputs={"regex": "[a-z]*"}, max_tokens=10)

@@ -14,13 +14,14 @@ from typing import Any
 import jsonschema
 import pytest
 from asgi_client import Reply, call
-from fake_engine import ByteTokenizer, ConcatTemplate, ScriptEngine, SuccRunner, byte_grammars, byte_tools
+from fake_engine import ScriptEngine, SuccRunner, byte_grammars, byte_model, byte_tools
 from test_serve_app import CHAT, run
 
 from serve.app import App
 from tl.core.async_engine import AsyncEngine
 from tl.core.config import EngineConfig
 from tl.core.engine import Engine
+from tl.ops.served import ServedModel
 from tl.text.tools import ToolSetup, setup
 
 CITY = {
@@ -37,20 +38,22 @@ CONFIG = EngineConfig(model_dir="models/succ", block_size=4, num_kv_blocks=2048)
 
 
 def succ_app() -> App:
-    def build(cfg: EngineConfig) -> AsyncEngine:
-        runner = SuccRunner(block_size=4, num_kv_blocks=2048, max_model_len=4096)
-        return AsyncEngine(
-            Engine(runner, cfg), ByteTokenizer(), ConcatTemplate(), "succ", byte_grammars(cfg), byte_tools()
+    def build(cfg: EngineConfig) -> tuple[AsyncEngine, ServedModel]:
+        engine = Engine(SuccRunner(block_size=4, num_kv_blocks=2048, max_model_len=4096), cfg)
+        return AsyncEngine(engine, byte_grammars(cfg)), byte_model(
+            cfg, engine.max_model_len, tools=byte_tools(), model_id="succ"
         )
 
     return App(CONFIG, build, handle_signals=False, start_health=False)
 
 
 def script_app(script: str, per_step: int = 1, tools: ToolSetup | None = None) -> App:
-    def build(cfg: EngineConfig) -> AsyncEngine:
+    def build(cfg: EngineConfig) -> tuple[AsyncEngine, ServedModel]:
         engine = ScriptEngine(cfg, script.encode(), per_step)
         setup = tools or byte_tools()
-        return AsyncEngine(engine, ByteTokenizer(), ConcatTemplate(), "succ", byte_grammars(cfg), setup)
+        return AsyncEngine(engine, byte_grammars(cfg)), byte_model(
+            cfg, engine.max_model_len, tools=setup, model_id="succ"
+        )
 
     return App(CONFIG, build, handle_signals=False, start_health=False)
 

@@ -7,11 +7,12 @@ requests are engine work like prompts (EmbedHandle gathers their inputs' vectors
 computes runs on the event loop: the loop only enqueues commands and reads snapshots.
 Commands into the thread are typed records (Add, AddEmbedding, Abort, Call, Stop).
 Structured output's grammars compile on worker threads of their own (`compile_constraint`,
-time-bounded; tl/core/grammar_pool.py writes off a compile that overran, so slow schemas cannot
-starve later ones), so neither the loop nor the engine thread ever waits for one. Admission
-is the engine's (its check_context and check_capacity, which read only fixed limits), applied
-here too so that submit() refuses at once: ContextLengthError, or QueueFullError when requests
-not yet taken by the thread plus the engine's waiting queue reach queue_capacity.
+through tl.core.request's ConstraintCompiler, time-bounded; tl/core/grammar_pool.py writes off a
+compile that overran, so slow schemas cannot starve later ones), so neither the loop nor the
+engine thread ever waits for one. Admission is the engine's (its check_context and
+check_capacity, which read only fixed limits), applied here too so that submit() refuses at
+once: ContextLengthError, or QueueFullError when requests not yet taken by the thread plus the
+engine's waiting queue reach queue_capacity.
 The thread survives a failing step: every live request fails with EngineError and is
 aborted in the engine (its blocks freed), and the loop keeps serving.
 Must not import jax or serve/. Tested with tests/fake_engine.py by tests/test_async_engine.py.
@@ -31,17 +32,19 @@ import time
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, TypeVar
+from typing import Protocol, TypeVar
 
 from tl.core.grammar_pool import GrammarPool
-from tl.core.request import ConstraintSpec, EmbedRequest, GenRequest, RequestError, TokenOut
+from tl.core.request import (
+    Compiled,
+    ConstraintCompiler,
+    ConstraintSpec,
+    EmbedRequest,
+    GenRequest,
+    RequestError,
+    TokenOut,
+)
 from tl.core.stats import BackendInfo, EngineStats
-
-if TYPE_CHECKING:
-    from tl.text.chat_template import ChatTemplate
-    from tl.text.grammar import Compiled, GrammarCompiler
-    from tl.text.tokenizer import Tokenizer
-    from tl.text.tools import ToolSetup
 
 log = logging.getLogger("tl.core.async_engine")
 T = TypeVar("T")
@@ -249,23 +252,11 @@ Command = Add | AddEmbedding | Abort | Call | Stop
 
 
 class AsyncEngine:
-    def __init__(
-        self,
-        engine: SyncEngine,
-        tokenizer: Tokenizer,
-        chat_template: ChatTemplate,
-        model_id: str,
-        grammars: GrammarCompiler | None = None,
-        tools: ToolSetup | None = None,
-    ) -> None:
-        """grammars: compiles the constraints of structured output (None: such requests are
-        refused); tools: how the model calls tools (None: requests with tools are refused)."""
+    def __init__(self, engine: SyncEngine, grammars: ConstraintCompiler | None = None) -> None:
+        """grammars: compiles the constraints of structured output (tl/text/grammar.py's; None:
+        such requests are refused)."""
         self.engine = engine
-        self.tokenizer = tokenizer
-        self.chat_template = chat_template
-        self.model_id = model_id
         self.grammars = grammars
-        self.tools = tools
         self._grammar_pool = GrammarPool(NUM_GRAMMAR_WORKERS, MAX_OVERDUE_GRAMMARS)
         self._compiling: dict[tuple[str, str, str], InFlight] = {}  # the loop's only
         self.ready = False
@@ -308,8 +299,6 @@ class AsyncEngine:
         grammars = self.grammars
         if grammars is None:
             raise RequestError("structured output is not available for this model", param=spec.param)
-        from tl.text.grammar import too_slow
-
         key = (spec.kind, spec.text, spec.param)
         shared = key in self._compiling
         if not shared:
@@ -322,11 +311,11 @@ class AsyncEngine:
             if source.running():  # a compile this slow is refused from now on, not built again
                 grammars.refuse(spec)
             self._grammar_pool.give_up(source)
-            raise too_slow(spec, grammars.timeout_s)
+            raise grammars.too_slow(spec)
         compiled = job.result()
         return dataclasses.replace(compiled, cached=True, seconds=0.0) if shared else compiled
 
-    def _start_compile(self, grammars: GrammarCompiler, spec: ConstraintSpec, key: tuple[str, str, str]) -> InFlight:
+    def _start_compile(self, grammars: ConstraintCompiler, spec: ConstraintSpec, key: tuple[str, str, str]) -> InFlight:
         """Submit spec's compile; it leaves _compiling when it ends."""
         source = self._grammar_pool.submit(functools.partial(grammars.compile, spec))
         job = asyncio.wrap_future(source)

@@ -1,10 +1,12 @@
 """Request records that cross the engine's public seam: what a caller submits and what a step returns.
 
 Owns: SamplingParams (validated per-request sampling settings), GenRequest, EmbedRequest, TokenOut,
-FinishReason, ConstraintSpec (a structured-output constraint as the wire gave it) and the two
+FinishReason, ConstraintSpec (a structured-output constraint as the wire gave it), the two
 protocols a compiled one is used through (Constraint, Guide: tl/text/grammar.py implements them,
-the scheduler and runner call them), the typed admission errors and the two admission rules (`check_context`,
-`check_capacity`) with their messages; the engine applies them with its own limits
+the scheduler and runner call them), the compiler AsyncEngine compiles one with
+(ConstraintCompiler, its result Compiled; tl/text/grammar.py implements it), the typed
+admission errors and the two admission rules (`check_context`, `check_capacity`) with their
+messages; the engine applies them with its own limits
 (tl/core/engine.py), serve/ turns the errors into HTTP answers (serve/errors.py). Pure data: must
 not import jax, the runner or the scheduler. The mutable per-request state the scheduler
 keeps lives in tl/core/sequence.py, not here. Tested through tests/test_engine.py,
@@ -148,6 +150,39 @@ class Constraint(Protocol):
     """A compiled constraint (tl.text.grammar.Grammar): a fresh matcher per sequence."""
 
     def matcher(self) -> Guide: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Compiled:
+    """What one compile request got: the constraint, whether the cache had it, and the seconds spent."""
+
+    grammar: Constraint
+    cached: bool
+    seconds: float
+
+
+class ConstraintCompiler(Protocol):
+    """What compiles structured output's constraints (tl.text.grammar.GrammarCompiler): thread-safe,
+    AsyncEngine runs it on worker threads and bounds each compile by timeout_s."""
+
+    @property
+    def timeout_s(self) -> float: ...
+
+    def compile(self, spec: ConstraintSpec) -> Compiled:
+        """spec compiled (or from the cache); raises RequestError naming spec.param when it does not."""
+        ...
+
+    def refuse(self, spec: ConstraintSpec) -> None:
+        """Remember spec as too slow while its compile still runs (AsyncEngine gave up on it)."""
+        ...
+
+    def too_slow(self, spec: ConstraintSpec) -> RequestError:
+        """The refusal of a constraint whose compile overran timeout_s."""
+        ...
+
+    def tokenizer(self) -> object:
+        """Build what compiling needs of the tokenizer (once; AsyncEngine.start warms it)."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)

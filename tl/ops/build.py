@@ -1,4 +1,5 @@
-"""Assembly: turn an EngineConfig into a ready Engine (and, for serve/, an AsyncEngine).
+"""Assembly: turn an EngineConfig into a ready Engine (and, for serve/, an AsyncEngine with the
+ServedModel record of tl/ops/served.py).
 
 Owns: the order of start-up (multi-host: the step channel, then jax.distributed -> model dir ->
 runner -> engine -> warm-up -> freezing start-up's objects out of the garbage collector's
@@ -26,6 +27,8 @@ if TYPE_CHECKING:
     from tl.core.async_engine import AsyncEngine
     from tl.core.engine import Engine
     from tl.ops.multihost import Leader
+    from tl.ops.served import ServedModel
+    from tl.runtime.runner import ModelRunner
 
 log = logging.getLogger("tl.ops.build")
 
@@ -45,6 +48,13 @@ def build_engine(
     is process 0: it waits for every follower, and `on_group_failure(reason)` runs when one is
     lost (then the process exits, status 3).
     """
+    return _runner_and_engine(cfg, warmup, background, on_group_failure)[1]
+
+
+def _runner_and_engine(
+    cfg: EngineConfig, warmup: bool, background: bool, on_group_failure: Callable[[str], None] | None
+) -> tuple[ModelRunner, Engine]:
+    """build_engine's work; the runner too, for what serving reads of the model (its config)."""
     from tl.core.engine import Engine
     from tl.ops.group_start import start_deadline
     from tl.runtime.runner import ModelRunner
@@ -74,7 +84,7 @@ def build_engine(
             leader.wait_ready()
         leader.busy = lambda: runner.compiler.busy
         runner.peers = leader
-    return Engine(runner, cfg)
+    return runner, Engine(runner, cfg)
 
 
 def _leader(cfg: EngineConfig, on_failure: Callable[[str], None] | None) -> Leader | None:
@@ -179,10 +189,12 @@ def run_follower(cfg: EngineConfig, on_ready: Callable[[Callable[[], bool]], Non
     return 0
 
 
-def build_async_engine(cfg: EngineConfig, warmup: bool = True) -> AsyncEngine:
-    """The serving form: an Engine plus tokenizer and chat template behind the engine thread."""
+def build_async_engine(cfg: EngineConfig, warmup: bool = True) -> tuple[AsyncEngine, ServedModel]:
+    """The serving form: an Engine behind the engine thread (with the grammar compiler of
+    structured output), and the record of the model it serves (tokenizer, chat template, tool
+    calling, limits; the vocabulary size from the model's config as the runner loaded it)."""
     from tl.core.async_engine import AsyncEngine
-    from tl.model.config import load_model_config
+    from tl.ops.served import ServedModel
     from tl.text.chat_template import ChatTemplate
     from tl.text.grammar import GrammarCompiler
     from tl.text.tokenizer import Tokenizer
@@ -194,15 +206,15 @@ def build_async_engine(cfg: EngineConfig, warmup: bool = True) -> AsyncEngine:
     log.info("%s", tools.reason)
     built: list[AsyncEngine] = []
     # A multi-host group losing a process: every request fails with 503, then the exit (status 3).
-    engine = build_engine(
+    runner, engine = _runner_and_engine(
         cfg, warmup=warmup, background=True, on_group_failure=lambda why: built[0].fail(why) if built else None
     )
+    vocab_size = runner.model_config.vocab_size
     grammars = GrammarCompiler.from_model_dir(
-        cfg.model_dir,
-        load_model_config(cfg.model_dir).vocab_size,
-        engine.eos_token_ids,
-        cfg.grammar_cache_size,
-        cfg.grammar_timeout_s,
+        cfg.model_dir, vocab_size, engine.eos_token_ids, cfg.grammar_cache_size, cfg.grammar_timeout_s
     )
-    built.append(AsyncEngine(engine, tokenizer, template, cfg.served_model_id(), grammars, tools))
-    return built[0]
+    built.append(AsyncEngine(engine, grammars))
+    model = ServedModel(
+        cfg.served_model_id(), engine.max_model_len, vocab_size, cfg.max_logprobs, tokenizer, template, tools
+    )
+    return built[0], model

@@ -27,7 +27,7 @@ from pathlib import Path
 import llguidance
 import numpy as np
 
-from tl.core.request import ConstraintSpec, Guide, RequestError
+from tl.core.request import Compiled, ConstraintSpec, Guide, RequestError
 
 JSON_OPTIONS: dict[str, str | bool] = {
     "whitespace_flexible": False,  # compact: "," and ":" only, so no runaway newlines until max_tokens
@@ -144,18 +144,10 @@ class Grammar:
         return Matcher(self._proto.deep_copy())
 
 
-@dataclass(frozen=True, slots=True)
-class Compiled:
-    """What one compile request got: the grammar, whether the cache had it, and the seconds spent."""
-
-    grammar: Grammar
-    cached: bool
-    seconds: float
-
-
 class GrammarCompiler:
-    """Compiles ConstraintSpecs against one model's tokenizer; thread-safe (AsyncEngine runs it on
-    worker threads; llguidance drops the GIL while it builds a grammar)."""
+    """Compiles ConstraintSpecs against one model's tokenizer (tl.core.request.ConstraintCompiler);
+    thread-safe (AsyncEngine runs it on worker threads; llguidance drops the GIL while it builds
+    a grammar)."""
 
     def __init__(
         self, tokenizer_json: str, vocab_size: int, eos_token_ids: Sequence[int], cache_size: int, timeout_s: float
@@ -217,6 +209,10 @@ class GrammarCompiler:
         if isinstance(outcome, GrammarError):
             raise outcome
         return Compiled(outcome, False, seconds)
+
+    def too_slow(self, spec: ConstraintSpec) -> GrammarError:
+        """The refusal of spec when its compile overran timeout_s (AsyncEngine's bound)."""
+        return too_slow(spec, self.timeout_s)
 
     def refuse(self, spec: ConstraintSpec) -> None:
         """Remember spec as too slow now, while its compile still runs (AsyncEngine gave up on
