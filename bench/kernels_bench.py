@@ -92,7 +92,7 @@ def _weights(int8: bool, seed: int) -> list[dict[str, Any]]:
     import jax.numpy as jnp
     import numpy as np
 
-    from tl.model import llama
+    from tl.model.encodings.int8 import quantize_int8
     from tl.model.weights import Dense, Int8
 
     rng = np.random.default_rng(seed)
@@ -101,7 +101,7 @@ def _weights(int8: bool, seed: int) -> list[dict[str, Any]]:
         x = rng.standard_normal((o, i), dtype=np.float32) / np.sqrt(i)  # [out, in], as llama.linear takes it
         if not int8:
             return Dense(jnp.asarray(x))
-        q, scale = llama.quantize_int8(x)
+        q, scale = quantize_int8(x)
         return Int8(jnp.asarray(q), jnp.asarray(scale))
 
     return [{"qkv": w(D, (HQ + 2 * HK) * HD), "o": w(HQ * HD, D), "gu": w(D, 2 * F), "d": w(F, D)} for _ in range(L)]

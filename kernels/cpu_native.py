@@ -4,14 +4,16 @@ Owns: loading one built target's library (kernels/cpu_build.py builds it) and re
 FFI targets under names that carry the target, so that several builds live in one process (the
 tests run every build this CPU runs); and, per library (`NativeLib`), the calls with their
 contracts: `paged_attention` with the reference's contract (one call for small steps; else
-native local and cached parts, merged by log-sum-exp), `matmul` (x [N,K] @ w: native for
-N <= max_rows() float32 rows, one row for int8 weights; with matmul_precision "high", from
-HIGH_MIN_ROWS rows on any count, three bf16 products on AMX over weights `pack_bf16x3` packed at
-load; None otherwise, and the caller's own dot runs) and `argmax_lse` (the sampler's greedy
-token and logsumexp of each logits row in one pass).
-Must not: write the cache, know about requests, decide when a kernel is worth calling
-(tl/runtime/verdicts.py measures that). Tested by tests/test_cpu_native.py against the jnp
-reference, float64 products, XLA's int8 dot and jnp's argmax/logsumexp, once per build.
+native local and cached parts, merged by log-sum-exp), the matmuls over arrays, each saying
+by None what it does not take (`gemv`: float32, up to max_rows() rows; `gemv_int8`: one row of
+W8A8; `matmul_bf16x3`: three bf16 products on AMX over weights `pack_bf16x3` packed at load,
+matmul_precision "high", worth it from HIGH_MIN_ROWS rows), `matmul` (a weight that says which
+of them runs it, `NativeLinear`; None: the caller's own dot) and `argmax_lse` (the sampler's
+greedy token and logsumexp of each logits row in one pass).
+Must not: write the cache, know about requests or the model's weight types (kernels/ imports
+nothing from tl), decide when a kernel is worth calling (tl/runtime/verdicts.py measures that).
+Tested by tests/test_cpu_native.py against the jnp reference, float64 products, XLA's int8 dot
+and jnp's argmax/logsumexp, once per build.
 
 Why the cached part: on XLA:CPU it is a gather of every block into a copy, element by element,
 then tiny batched dots; it was half of a decode step at 64 sequences. The native part reads
@@ -45,7 +47,7 @@ from __future__ import annotations
 
 import ctypes
 import math
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -56,7 +58,15 @@ from kernels import cpu_build
 from kernels.cpu_build import NativeUnavailable
 from kernels.paged_attention import AttnMetadata, local_state
 
-__all__ = ["NativeLib", "NativeUnavailable", "library", "amx_available", "pack_bf16x3", "bf16_supported"]
+__all__ = [
+    "NativeLib",
+    "NativeLinear",
+    "NativeUnavailable",
+    "library",
+    "amx_available",
+    "pack_bf16x3",
+    "bf16_supported",
+]
 
 HIGH_MIN_ROWS = 17  # "high" precision: from this many rows the AMX kernel, below it the float32 few-row one
 SMALL_MAX_TOKENS = 16  # steps of at most this many tokens take both parts in one call
@@ -72,6 +82,13 @@ HANDLERS = {  # FFI target base name -> the library's handler symbol
     "tl_gemm_bf16x3": "TlGemmBf16x3",
     "tl_argmax_lse": "TlArgmaxLse",
 }
+
+
+class NativeLinear(Protocol):
+    """A linear weight that says which of a library's kernels runs it (each encoding of
+    tl/model/encodings/ does): x [N,K] float32 -> [N,*out], or None for the caller's own dot."""
+
+    def native(self, lib: NativeLib, x: jax.Array, /) -> jax.Array | None: ...
 
 
 class NativeLib:
@@ -114,31 +131,30 @@ class NativeLib:
         y = jax.ShapeDtypeStruct((x.shape[0], math.prod(out)), jnp.float32)
         return self._call("tl_gemm_bf16x3", y)(x.astype(jnp.float32), packed).reshape(x.shape[0], *out)
 
-    def matmul(self, x: jax.Array, w: Any) -> jax.Array | None:
-        """x [N,K] times w -> [N,*out] by the native kernels, else None (the caller's own matmul).
-        w a tl/model/weights.py linear, dispatched on its type: `Dense` float32 [*out,K] takes the
-        few-row kernel up to max_rows() rows; `Int8` one row (with its W8A8 arithmetic bit for
-        bit); `Bf16x3`: HIGH_MIN_ROWS rows or more the AMX kernel on its packing, fewer the
-        float32 kernels on its float32 matrix."""
-        from tl.model.weights import Bf16x3, Dense, Int8
+    def gemv(self, x: jax.Array, w: jax.Array) -> jax.Array | None:
+        """float32 x [N,K] times float32 w [*out,K] -> [N,*out] by the few-row kernel; None where it
+        does not take them (more than max_rows() rows, another dtype)."""
+        if x.dtype != jnp.float32 or w.dtype != jnp.float32 or x.shape[0] > self.max_rows():
+            return None
+        out = jax.ShapeDtypeStruct((x.shape[0], *w.shape[:-1]), jnp.float32)
+        return self._call("tl_gemv", out)(x, w)
 
+    def gemv_int8(self, x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array | None:
+        """float32 x [1,K] times int8 q [*out,K] with float32 scale [*out] per output -> [1,*out],
+        XLA's W8A8 arithmetic bit for bit; None for more rows or other dtypes (one row only:
+        XLA's int8 dot pads to 4 rows and is faster from 2 rows on)."""
+        if x.dtype != jnp.float32 or x.shape[0] > 1 or q.dtype != jnp.int8 or scale.dtype != jnp.float32:
+            return None
+        out = jax.ShapeDtypeStruct((x.shape[0], *q.shape[:-1]), jnp.float32)
+        return self._call("tl_gemv_int8", out)(x, q, scale)
+
+    def matmul(self, x: jax.Array, w: NativeLinear) -> jax.Array | None:
+        """x [N,K] times the linear w -> [N,*out] by the native kernels, else None (the caller's own
+        matmul). Which kernel runs an encoding, and on which rows, is the encoding's own `native`
+        (tl/model/encodings/): float32 x only."""
         if x.dtype != jnp.float32:
             return None
-        if isinstance(w, Bf16x3):
-            if x.shape[0] >= HIGH_MIN_ROWS:
-                return self.matmul_bf16x3(x, w.packed, w.out_shape)
-            w = w.dense
-        if x.shape[0] > self.max_rows():
-            return None
-        if isinstance(w, Int8):
-            if x.shape[0] > 1 or w.q.dtype != jnp.int8 or w.scale.dtype != jnp.float32:
-                return None  # one row only: XLA's int8 dot pads to 4 rows and is faster from 2 rows on
-            out = jax.ShapeDtypeStruct((x.shape[0], *w.out_shape), jnp.float32)
-            return self._call("tl_gemv_int8", out)(x, w.q, w.scale)
-        if not isinstance(w, Dense) or w.w.dtype != jnp.float32:
-            return None
-        out = jax.ShapeDtypeStruct((x.shape[0], *w.out_shape), jnp.float32)
-        return self._call("tl_gemv", out)(x, w.w)
+        return w.native(self, x)
 
     def argmax_lse(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         """(first index of each row's max [R] int32, log-sum-exp of each row [R] f32) of float32

@@ -415,9 +415,10 @@ def test_matmul_int8_is_bitwise_xla_w8a8(lib: cpu_native.NativeLib, rows: int, s
 
     rng = np.random.default_rng(rows)
     w = rng.standard_normal((shape[0], int(np.prod(shape[1:]))), dtype=np.float32)  # [in, out]
+    from tl.model.encodings.int8 import quantize_int8
     from tl.model.weights import Int8
 
-    q, scale = llama.quantize_int8(w.T)
+    q, scale = quantize_int8(w.T)
     wq = Int8(jnp.asarray(q.reshape(*shape[1:], shape[0])), jnp.asarray(scale.reshape(shape[1:])))
     x = jnp.asarray(rng.standard_normal((rows, shape[0]), dtype=np.float32)) * 3
     if rows > 1:

@@ -14,15 +14,17 @@ import pytest
 from tests.test_runner import ENGINE, GREEDY, dense_greedy, tiny_cfg
 from tl.core.plan import SchedulerOutput, SeqWork
 from tl.model import llama
+from tl.model.encodings.int8 import quantize_int8
 from tl.model.weights import Int8
 from tl.runtime.runner import ModelRunner
+from tl.runtime.startup import start
 
 _dense = jax.jit(llama.forward_dense, static_argnums=1)
 
 
 def test_quantize_int8_per_output_channel() -> None:
     w = np.random.default_rng(0).standard_normal((24, 40)).astype(np.float32) * np.linspace(0.1, 3, 24)[:, None]
-    q, scale = llama.quantize_int8(w)
+    q, scale = quantize_int8(w)
     assert q.dtype == np.int8 and q.shape == (24, 40) and scale.shape == (24,)
     assert np.abs(q).max(axis=1).tolist() == [127] * 24  # each row uses the full range
     err = np.abs(q * scale[:, None] - w)
@@ -34,7 +36,7 @@ def test_linear_int8_matches_float_within_quantization_error() -> None:
     w = rng.standard_normal((64, 48)).astype(np.float32) / 8  # [in, out]
     for rows in (1, 3, 16):
         x = rng.standard_normal((rows, 64)).astype(np.float32)
-        got = np.asarray(llama.linear(jnp.asarray(x), Int8(*llama.quantize_int8(w.T))))
+        got = np.asarray(llama.linear(jnp.asarray(x), Int8(*quantize_int8(w.T))))
         want = x @ w
         assert got.shape == want.shape and np.abs(got - want).max() <= 0.02 * np.abs(want).max()
 
@@ -59,7 +61,7 @@ def test_int8_forward_quality_against_float32(tied: bool, bias: bool) -> None:
 def test_int8_runner_paged_matches_dense_int8() -> None:
     engine = ENGINE.replace(weight_dtype="int8")
     cfg = tiny_cfg()
-    runner = ModelRunner(cfg, llama.init_params(cfg, jax.random.key(5)), engine)
+    runner = ModelRunner(start(cfg, llama.init_params(cfg, jax.random.key(5)), engine))
     assert isinstance(runner.params.layers[0].wqkv, Int8) and isinstance(runner.params.embed, Int8)
     prompt = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38]
     want, _ = dense_greedy(runner.params, cfg, prompt, 6)

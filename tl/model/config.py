@@ -1,8 +1,9 @@
 """ModelConfig: the architecture read from a Hugging Face `config.json`.
 
 Owns: parsing and validating config.json for the Llama family (LlamaForCausalLM, which
-covers SmolLM2, and Qwen2ForCausalLM with q/k/v biases). Errors name the file and the
-key. Must not import jax. Tested by tests/test_model_files.py.
+covers SmolLM2, and Qwen2ForCausalLM with q/k/v biases), and the shape of every Hugging Face
+tensor a config implies (`hf_shapes`, described once). Errors name the file and the key.
+Must not import jax. Tested by tests/test_model_files.py.
 """
 
 from __future__ import annotations
@@ -120,6 +121,33 @@ class ModelConfig:
             "eos_token_id": list(self.eos_token_ids) if len(self.eos_token_ids) != 1 else self.eos_token_ids[0],
             "torch_dtype": "float32",
         }
+
+
+def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Hugging Face name -> shape of every tensor the model needs, in one fixed order (random
+    test weights are drawn in it): the one description that loading (tl/model/llama.py) and the
+    checks of a model directory (tl/model/files.py) read."""
+    d, f, v, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.q_size, cfg.kv_size
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, d), "model.norm.weight": (d,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (v, d)
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "input_layernorm.weight": (d,),
+            p + "post_attention_layernorm.weight": (d,),
+            p + "self_attn.q_proj.weight": (q, d),
+            p + "self_attn.k_proj.weight": (kv, d),
+            p + "self_attn.v_proj.weight": (kv, d),
+            p + "self_attn.o_proj.weight": (d, q),
+            p + "mlp.gate_proj.weight": (f, d),
+            p + "mlp.up_proj.weight": (f, d),
+            p + "mlp.down_proj.weight": (d, f),
+        }
+        if cfg.attention_bias:
+            shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,)}
+            shapes |= {p + "self_attn.v_proj.bias": (kv,)}
+    return shapes
 
 
 def read_json(path: Path, required: bool = True) -> dict[str, Any]:

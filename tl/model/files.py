@@ -2,11 +2,11 @@
 
 Owns: parsing safetensors (model.safetensors, or shards listed by
 model.safetensors.index.json) into float32 numpy arrays under Hugging Face names;
-checking them against a ModelConfig (`check_shapes`); reading generation_config.json
-and tokenizer_config.json into frozen records; the one rule for which ids end generation
-(`eos_token_ids`). The safetensors parser is our own (a
-header and offsets) so every defect becomes a ModelDirError naming the file and what
-is wrong, never a library traceback. Must not import jax and must not know the
+checking them against a ModelConfig (`check_shapes`: the shapes tl/model/config.py
+`hf_shapes` describes); reading generation_config.json and tokenizer_config.json into frozen
+records; the one rule for which ids end generation (`eos_token_ids`). The safetensors parser
+is our own (a header and offsets) so every defect becomes a ModelDirError naming the file and
+what is wrong, never a library traceback. Must not import jax and must not know the
 runner's parameter layout. Tested by tests/test_model_files.py.
 """
 
@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from tl.model.config import ModelConfig, ModelDirError, read_json
+from tl.model.config import ModelConfig, ModelDirError, hf_shapes, read_json
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -146,38 +146,10 @@ def read_tensors(model_dir: str | Path) -> dict[str, np.ndarray]:
     raise ModelDirError(f"{d}: no weights ({SINGLE_FILE} or {INDEX_FILE} not found)")
 
 
-def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """HF name -> shape of every tensor the config requires."""
-    d, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, d), "model.norm.weight": (d,)}
-    if not cfg.tie_word_embeddings:
-        shapes["lm_head.weight"] = (v, d)
-    for i in range(cfg.num_hidden_layers):
-        p = f"model.layers.{i}."
-        shapes |= {
-            p + "input_layernorm.weight": (d,),
-            p + "post_attention_layernorm.weight": (d,),
-            p + "self_attn.q_proj.weight": (cfg.q_size, d),
-            p + "self_attn.k_proj.weight": (cfg.kv_size, d),
-            p + "self_attn.v_proj.weight": (cfg.kv_size, d),
-            p + "self_attn.o_proj.weight": (d, cfg.q_size),
-            p + "mlp.gate_proj.weight": (f, d),
-            p + "mlp.up_proj.weight": (f, d),
-            p + "mlp.down_proj.weight": (d, f),
-        }
-        if cfg.attention_bias:
-            shapes |= {
-                p + "self_attn.q_proj.bias": (cfg.q_size,),
-                p + "self_attn.k_proj.bias": (cfg.kv_size,),
-                p + "self_attn.v_proj.bias": (cfg.kv_size,),
-            }
-    return shapes
-
-
 def check_shapes(tensors: dict[str, np.ndarray], cfg: ModelConfig, source: str = "weights") -> None:
     """Raise ModelDirError naming the first missing tensor or the expected vs actual shape.
     Extra tensors (e.g. a tied model's stored lm_head) are allowed."""
-    for name, shape in expected_shapes(cfg).items():
+    for name, shape in hf_shapes(cfg).items():
         if name not in tensors:
             raise ModelDirError(f"{source}: tensor {name!r} is missing (expected shape {list(shape)})")
         if tuple(tensors[name].shape) != shape:

@@ -49,9 +49,9 @@ from flax import struct
 from jax import lax
 
 from kernels.paged_attention import AttnMetadata, paged_attention, write_kv
-from tl.model.config import ModelConfig, ModelDirError
+from tl.model.config import ModelConfig, ModelDirError, hf_shapes
 from tl.model.files import read_tensors
-from tl.model.weights import Bf16x3, Dense, Int8, Linear, Tensor
+from tl.model.weights import ENCODINGS, Bf16x3, Dense, Int8, Linear, Tensor
 
 Attend = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
 """(q [T,Hq,hd], k [T,Hk,hd], v [T,Hk,hd]) -> [T,Hq,hd] for one layer."""
@@ -59,7 +59,9 @@ Matmul = Callable[[jax.Array, Any], "jax.Array | None"]
 """(x [N,in], a weights.Linear) -> [N,*out], or None where it does not apply: a backend's matmul
 (kernels/select.py; the native CPU kernels for few rows)."""
 WeightDType = str
-""""float32" (weights as stored) or "int8" (per-output-channel symmetric quantization)."""
+"""The linears' encoding, by its name in tl/model/weights.py ENCODINGS: "float32" (weights as
+stored), "int8" (per-output-channel symmetric quantization) or "bf16x3" (float32 with its AMX
+packing: matmul_precision "high")."""
 
 
 @struct.dataclass
@@ -91,38 +93,13 @@ class Weights:
         """The LM head as `linear` takes it: lm_head or the tied embedding, with its packing."""
         w = self.embed if self.lm_head is None else self.lm_head
         if self.head_packed is not None and isinstance(w, Dense):
-            return Bf16x3(w.w, self.head_packed.value, w.axes)
+            return Bf16x3.of(w, self.head_packed.value)
         return w
 
     @property
     def act_dtype(self) -> Any:
         """Activation dtype: the norms' dtype (int8 weights keep float norms)."""
         return self.final_norm.value.dtype
-
-
-def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Hugging Face name -> shape of every tensor the model needs."""
-    d, f, v, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.q_size, cfg.kv_size
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, d), "model.norm.weight": (d,)}
-    if not cfg.tie_word_embeddings:
-        shapes["lm_head.weight"] = (v, d)
-    for i in range(cfg.num_hidden_layers):
-        p = f"model.layers.{i}."
-        shapes |= {
-            p + "input_layernorm.weight": (d,),
-            p + "post_attention_layernorm.weight": (d,),
-            p + "self_attn.q_proj.weight": (q, d),
-            p + "self_attn.k_proj.weight": (kv, d),
-            p + "self_attn.v_proj.weight": (kv, d),
-            p + "self_attn.o_proj.weight": (d, q),
-            p + "mlp.gate_proj.weight": (f, d),
-            p + "mlp.up_proj.weight": (f, d),
-            p + "mlp.down_proj.weight": (d, f),
-        }
-        if cfg.attention_bias:
-            shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,)}
-            shapes |= {p + "self_attn.v_proj.bias": (kv,)}
-    return shapes
 
 
 def init_params(cfg: ModelConfig, key: jax.Array, dtype: Any = jnp.float32) -> dict[str, np.ndarray]:
@@ -150,14 +127,6 @@ def _normal(key: jax.Array, n: int) -> jax.Array:
     return jax.random.normal(key, (n,))
 
 
-def quantize_int8(w_out_in: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """[out,in] float -> (int8 q [out,in], f32 scale [out]): w ~= q * scale[:, None]."""
-    w = np.asarray(w_out_in, np.float32)
-    scale = np.maximum(np.abs(w).max(axis=1), 1e-12) / 127.0
-    q = np.clip(np.rint(w / scale[:, None]), -127, 127).astype(np.int8)
-    return q, scale.astype(np.float32)
-
-
 def fuse_qkv(wq: Any, wk: Any, wv: Any, cfg: ModelConfig) -> Any:
     """[Hq*hd, ...], [Hk*hd, ...] x2 -> [Hk, G+2, hd, ...] grouped by KV head (numpy).
 
@@ -178,21 +147,19 @@ def load_weights(
     *,
     kv_sharded: bool = True,
     vocab_sharded: bool = True,
-    pack: Callable[[np.ndarray], np.ndarray] | None = None,
 ) -> Weights:
     """Hugging Face tensors ([out, in] linears) -> the step layout on the host (numpy; a matrix
     that needs no fusing or conversion is the tensor itself, not a copy).
 
+    weight_dtype: every linear's encoding (`WeightDType`), which also says how the embedding
+    and LM head are kept (its `table`) and what the LM head needs beside them (`head_packing`:
+    bf16x3's packing as `head_packed`; embed and lm_head then stay float32).
     kv_sharded False (tensor parallel over more devices than divide the KV heads): wq/wk/wv
-    kept apart, k/v whole. vocab_sharded False: embed and lm_head whole. pack (float32 weights;
-    kernels/cpu_native.pack_bf16x3 for matmul_precision "high"): every linear is `Bf16x3`, and
-    the LM head's packing is `head_packed` (beside embed or lm_head, which stay float32).
+    kept apart, k/v whole. vocab_sharded False: embed and lm_head whole.
     """
-    if weight_dtype not in ("float32", "int8"):
-        raise ValueError(f"weight_dtype must be float32 or int8, got {weight_dtype!r}")
-    int8 = weight_dtype == "int8"
-    if int8 and pack is not None:
-        raise ValueError("int8 weights have no bf16x3 packing")
+    if weight_dtype not in ENCODINGS:
+        raise ValueError(f"weight_dtype must be one of {', '.join(ENCODINGS)}, got {weight_dtype!r}")
+    encoding = ENCODINGS[weight_dtype]
     want = hf_shapes(cfg)
 
     def get(name: str) -> np.ndarray:
@@ -203,13 +170,7 @@ def load_weights(
             raise ModelDirError(f"weights: tensor {name!r} has shape {x.shape}, expected {want[name]}")
         return x if x.dtype == dtype else x.astype(dtype)
 
-    def lin(w: np.ndarray, axes: tuple[str | None, ...]) -> Linear:
-        if int8:
-            q, scale = quantize_int8(w.reshape(-1, w.shape[-1]))
-            return Int8(q.reshape(w.shape), scale.reshape(w.shape[:-1]), axes)
-        w = np.ascontiguousarray(w)
-        return Dense(w, axes) if pack is None else Bf16x3(w, pack(w), axes)
-
+    lin = encoding.encode
     col = "model"
     layers = []
     for i in range(cfg.num_hidden_layers):
@@ -237,18 +198,9 @@ def load_weights(
                 lp |= {n: Tensor(get(a + f"{n[1]}_proj.bias"), (None,)) for n in ("bk", "bv")}
         layers.append(Layer(**lp))
     vocab = (col if vocab_sharded else None, None)
-
-    def table(name: str) -> Dense | Int8:
-        w = get(name)
-        if int8:
-            q, scale = quantize_int8(w)
-            return Int8(q, scale, vocab)
-        return Dense(np.ascontiguousarray(w), vocab)
-
-    embed = table("model.embed_tokens.weight")
-    lm_head = None if cfg.tie_word_embeddings else table("lm_head.weight")
-    head = embed if lm_head is None else lm_head
-    packed = Tensor(pack(head.w), ()) if pack is not None and isinstance(head, Dense) else None
+    embed = encoding.table(get("model.embed_tokens.weight"), vocab)
+    lm_head = None if cfg.tie_word_embeddings else encoding.table(get("lm_head.weight"), vocab)
+    packed = encoding.head_packing(embed if lm_head is None else lm_head)
     return Weights(embed, tuple(layers), Tensor(get("model.norm.weight"), (None,)), lm_head, packed)
 
 

@@ -1,0 +1,93 @@
+"""Linear-weight encodings: one module per encoding, each a Flax struct with the same hooks.
+
+Owns: what every encoding provides (`Encoding`), and the pieces they share (`Axes`,
+`flat_dot`). Each encoding module owns, for its one encoding, everything that depends on it:
+turning a float Hugging Face matrix into it at load (`encode`, `table` for an embedding or LM
+head, `head_packing`), XLA's arithmetic for it (`dot`, `logits`, `rows`), which native CPU
+kernel runs it and on which rows (`native`: a kernels/cpu_native.py call over its arrays, or
+None for XLA's `dot`), and its sharding (`specs`, from the `axes` declared where it is built).
+The encodings: tl/model/encodings/dense.py (float [*out, in]), tl/model/encodings/int8.py
+(int8 per output channel, W8A8 dots) and tl/model/encodings/bf16x3.py (float32 with its AMX
+packing, matmul_precision "high"); tl/model/weights.py registers them (`ENCODINGS`), so a new
+encoding is one module here and one line there.
+Must not: place arrays on devices, know about the model's layers. Tested by
+tests/test_llama_reference.py, tests/test_int8.py, tests/test_matmul_high.py and
+tests/test_cpu_native.py.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol, Self, TypeAlias
+
+import jax
+import numpy as np
+from jax import lax
+
+if TYPE_CHECKING:
+    from kernels.cpu_native import NativeLib
+    from tl.model.encodings.dense import Dense
+    from tl.model.encodings.int8 import Int8
+    from tl.model.weights import Tensor
+
+Axes: TypeAlias = tuple[str | None, ...]
+"""Per array axis of a parameter, the mesh axis it is split over ("model") or None."""
+
+
+class Encoding(Protocol):
+    """The hooks of a linear weight's encoding (a flax.struct dataclass, arrays as leaves)."""
+
+    axes: Axes
+
+    @classmethod
+    def encode(cls, w: np.ndarray, axes: Axes) -> Self:
+        """A float host matrix [*out, in] (Hugging Face's layout) in this encoding."""
+        ...
+
+    @classmethod
+    def table(cls, w: np.ndarray, axes: Axes) -> Dense | Int8:
+        """An embedding / LM head [V, D] as this encoding keeps it (it is also looked up by rows)."""
+        ...
+
+    @classmethod
+    def head_packing(cls, head: Dense | Int8) -> Tensor | None:
+        """What the LM head needs beside its table (bf16x3's packing), or None."""
+        ...
+
+    @property
+    def out_shape(self) -> tuple[int, ...]: ...
+
+    @property
+    def dtype(self) -> Any: ...
+
+    @property
+    def matrix(self) -> Any:
+        """The [*out, in] array (int8's q)."""
+        ...
+
+    def dot(self, x: jax.Array) -> jax.Array:
+        """x [N, in] -> [N, *out]: XLA's arithmetic for this encoding."""
+        ...
+
+    def logits(self, h: jax.Array) -> jax.Array:
+        """float32 [N, V] of an LM head."""
+        ...
+
+    def rows(self, ids: jax.Array) -> jax.Array:
+        """Embedding lookup: rows `ids` as float."""
+        ...
+
+    def native(self, lib: NativeLib, x: jax.Array) -> jax.Array | None:
+        """x [N, in] float32 -> [N, *out] by `lib`'s kernel for this encoding, or None where none
+        takes these rows (the caller then runs `dot`)."""
+        ...
+
+    def specs(self) -> Self:
+        """The same struct with each array replaced by its PartitionSpec."""
+        ...
+
+
+def flat_dot(x: jax.Array, w: jax.Array, preferred: Any = None) -> jax.Array:
+    """x [N, in] . w [*out, in] -> [N, *out], the out axes flattened for the dot (XLA:CPU's dot
+    ran 2.5x slower on [2,F,D] than on [2F,D])."""
+    y = lax.dot_general(x, w.reshape(-1, w.shape[-1]), (((1,), (1,)), ((), ())), preferred_element_type=preferred)
+    return y.reshape(x.shape[0], *w.shape[:-1])
