@@ -22,8 +22,11 @@ from serve.errors import ApiError, log_server_error
 from serve.params import GenSpec, chat_spec, render_chat, tool_request
 from serve.wire import (
     AnthropicBlock,
+    AnthropicDelta,
+    AnthropicEvent,
     AnthropicMessage,
     AnthropicMessageDoc,
+    AnthropicOutputUsage,
     AnthropicTextOut,
     AnthropicTool,
     AnthropicToolChoice,
@@ -37,6 +40,7 @@ from serve.wire import (
     MessagesRequest,
     NamedFunction,
     NamedToolChoice,
+    StopReason,
     Tool,
     ToolCall,
     encoder,
@@ -48,7 +52,7 @@ if TYPE_CHECKING:
     from serve.asgi import Sender
     from serve.generate import Choice, Job
 
-STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
+STOP_REASONS: dict[str, StopReason] = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 
 
 def _text(blocks: str | list[AnthropicBlock] | None, param: str) -> str:
@@ -132,7 +136,7 @@ def count_tokens(req: CountTokensRequest, info: ServedModel) -> int:
     return len(render_chat(chat.messages, info, tools=tools.dicts))
 
 
-def _stop(c: Choice) -> tuple[str | None, str | None]:
+def _stop(c: Choice) -> tuple[StopReason, str | None]:
     """(stop_reason, stop_sequence) of a finished choice."""
     if c.stream.matched is not None:
         return "stop_sequence", c.stream.matched
@@ -149,7 +153,7 @@ def document(job: Job) -> bytes:
         content.append(AnthropicToolUseOut(_tool_use_id(call_id), call.name, _input(call.arguments_text)))
     reason, sequence = _stop(c)
     usage = AnthropicUsage(c.prompt_len, c.num_tokens)
-    doc = AnthropicMessageDoc(job.id, "message", "assistant", job.model.model_id, content, reason, sequence, usage)  # type: ignore[arg-type]
+    doc = AnthropicMessageDoc(job.id, "message", "assistant", job.model.model_id, content, reason, sequence, usage)
     return encoder.encode(doc)
 
 
@@ -177,17 +181,11 @@ class Stream:
 
     def start(self) -> bytes:
         c = self.job.choices[0]
-        message: dict[str, Any] = {
-            "id": self.job.id,
-            "type": "message",
-            "role": "assistant",
-            "model": self.job.model.model_id,
-            "content": [],
-            "stop_reason": None,
-            "stop_sequence": None,
-            "usage": {"input_tokens": c.prompt_len, "output_tokens": 0},
-        }
-        return _event("message_start", {"type": "message_start", "message": message})
+        usage = AnthropicUsage(c.prompt_len, 0)
+        message = AnthropicMessageDoc(
+            self.job.id, "message", "assistant", self.job.model.model_id, [], None, None, usage
+        )
+        return _event(AnthropicEvent(type="message_start", message=message))
 
     def deliver(self, c: Choice, events: list[Event]) -> list[bytes]:
         out: list[bytes] = []
@@ -196,50 +194,40 @@ class Stream:
                 if not e:
                     continue
                 if self.kind != "text":
-                    out += self._open({"type": "text", "text": ""}, "text")
-                out.append(self._delta({"type": "text_delta", "text": e}))
+                    out += self._open(AnthropicTextOut(""), "text")
+                out.append(self._delta(AnthropicDelta(type="text_delta", text=e)))
             elif isinstance(e, CallStart):
-                block = {
-                    "type": "tool_use",
-                    "id": _tool_use_id(c.call_ids[e.index]),
-                    "name": e.name,
-                    "input": {},
-                }
-                out += self._open(block, "tool_use")
+                out += self._open(AnthropicToolUseOut(_tool_use_id(c.call_ids[e.index]), e.name, {}), "tool_use")
             elif isinstance(e, CallArgs):
-                out.append(self._delta({"type": "input_json_delta", "partial_json": e.text}))
+                out.append(self._delta(AnthropicDelta(type="input_json_delta", partial_json=e.text)))
         if c.finish is not None:
             out += self._close()
             reason, sequence = _stop(c)
-            delta = {"stop_reason": reason, "stop_sequence": sequence}
+            delta = AnthropicDelta(stop_reason=reason, stop_sequence=sequence)
             out.append(
-                _event(
-                    "message_delta", {"type": "message_delta", "delta": delta, "usage": {"output_tokens": c.num_tokens}}
-                )
+                _event(AnthropicEvent(type="message_delta", delta=delta, usage=AnthropicOutputUsage(c.num_tokens)))
             )
-            out.append(_event("message_stop", {"type": "message_stop"}))
+            out.append(_event(AnthropicEvent(type="message_stop")))
         return out
 
-    def _open(self, block: dict[str, Any], kind: str) -> list[bytes]:
+    def _open(self, block: AnthropicTextOut | AnthropicToolUseOut, kind: str) -> list[bytes]:
         out = self._close()
         self.block, self.kind = self.block + 1, kind
-        out.append(
-            _event("content_block_start", {"type": "content_block_start", "index": self.block, "content_block": block})
-        )
+        out.append(_event(AnthropicEvent(type="content_block_start", index=self.block, content_block=block)))
         return out
 
     def _close(self) -> list[bytes]:
         if not self.kind:
             return []
         self.kind = ""
-        return [_event("content_block_stop", {"type": "content_block_stop", "index": self.block})]
+        return [_event(AnthropicEvent(type="content_block_stop", index=self.block))]
 
-    def _delta(self, delta: dict[str, Any]) -> bytes:
-        return _event("content_block_delta", {"type": "content_block_delta", "index": self.block, "delta": delta})
+    def _delta(self, delta: AnthropicDelta) -> bytes:
+        return _event(AnthropicEvent(type="content_block_delta", index=self.block, delta=delta))
 
 
-def _event(name: str, doc: dict[str, Any]) -> bytes:
-    return sse.event(encoder.encode(doc), name)
+def _event(event: AnthropicEvent) -> bytes:
+    return sse.event(encoder.encode(event), event.type)
 
 
 def error_event(e: ApiError) -> bytes:
@@ -248,6 +236,8 @@ def error_event(e: ApiError) -> bytes:
 
 class Presenter:
     """The Messages API's shapes for a Job (serve/generate.py's Presenter)."""
+
+    id_prefix = "msg_"
 
     def document(self, job: Job) -> bytes:
         return document(job)
@@ -264,7 +254,7 @@ async def stream(job: Job, out: Sender, ping_s: float) -> None:
     await out.start(200, b"text/event-stream", ((b"cache-control", b"no-cache"),))
     await out.chunk(s.start())
     try:
-        await pump(job, out, ping_s, s.deliver, _event("ping", {"type": "ping"}))
+        await pump(job, out, ping_s, s.deliver, _event(AnthropicEvent(type="ping")))
     except ApiError as e:
         job.abort()
         log_server_error(out, e)

@@ -22,6 +22,7 @@ from serve import errors
 from serve.anthropic import Presenter as AnthropicPresenter
 from serve.anthropic import count_tokens, messages_spec
 from serve.asgi import DisconnectWatcher, Request, Sender
+from serve.chat import ChatPresenter, CompletionPresenter
 from serve.generate import Job, Presenter, respond
 from serve.metrics import Metrics
 from serve.params import (
@@ -121,7 +122,7 @@ def priority(ctx: Ctx) -> int:
     return value
 
 
-async def _generate(ctx: Ctx, spec_fn: Callable[[], GenSpec], present: Presenter | None = None) -> None:
+async def _generate(ctx: Ctx, spec_fn: Callable[[], GenSpec], present: Presenter) -> None:
     if "x-tl-kv-handle" in ctx.request.headers:
         raise errors.ApiError(
             404,
@@ -135,7 +136,7 @@ async def _generate(ctx: Ctx, spec_fn: Callable[[], GenSpec], present: Presenter
     for check in spec.checks:  # a tool's parameters alone first: its error names its own field
         await _compile(ctx, check, count=False)
     grammar = await _compile(ctx, spec.constraint) if spec.constraint is not None else None
-    job = Job(spec, ctx.engine, ctx.info, prio, ctx.metrics, ctx.arrived, grammar)
+    job = Job(spec, ctx.engine, ctx.info, prio, ctx.metrics, ctx.arrived, grammar, present.id_prefix)
     ctx.jobs.add(job)
     try:
         assert ctx.watcher is not None
@@ -163,12 +164,12 @@ async def _compile(ctx: Ctx, spec: ConstraintSpec, count: bool = True) -> Constr
 
 async def chat(ctx: Ctx) -> None:
     req = decode(ctx.body, ChatRequest)
-    await _generate(ctx, lambda: chat_spec(req, ctx.info))
+    await _generate(ctx, lambda: chat_spec(req, ctx.info), ChatPresenter())
 
 
 async def completions(ctx: Ctx) -> None:
     req = decode(ctx.body, CompletionRequest)
-    await _generate(ctx, lambda: completion_spec(req, ctx.info))
+    await _generate(ctx, lambda: completion_spec(req, ctx.info), CompletionPresenter())
 
 
 def _pack(vec: list[float], fmt: str | None) -> list[float] | str:
@@ -287,6 +288,7 @@ async def model(ctx: Ctx) -> None:
 
 @dataclass(frozen=True, slots=True)
 class _ResponsesPresenter:
+    id_prefix = "resp_"
     req: ResponsesRequest
     store: ResponseStore
     turns: list[ChatMessage]

@@ -3,6 +3,8 @@
 Owns: request bodies (unknown fields ignored; ranges declared with Meta so a bad value is a
 400 whose `param` msgspec's error path names) and frozen response documents. Fields the
 server refuses (tools, echo, ...) are declared so routes can answer 422 naming them.
+Streamed events are one Struct per API (AnthropicEvent, ResponsesEvent) whose fields an event
+kind does not carry are UNSET (absent on the wire), while a null it does carry is sent.
 No logic beyond shapes. Tested through the route tests.
 """
 
@@ -11,7 +13,9 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 import msgspec
-from msgspec import Meta, Struct
+from msgspec import UNSET, Meta, Struct, UnsetType
+
+from serve.errors import AnthropicError
 
 Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
 TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
@@ -419,13 +423,16 @@ class AnthropicToolUseOut(Struct, frozen=True, tag="tool_use", tag_field="type")
     input: dict[str, Any]
 
 
+StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
+
+
 class AnthropicMessageDoc(Struct, frozen=True):
     id: str
     type: str  # "message"
     role: str  # "assistant"
     model: str
     content: list[AnthropicTextOut | AnthropicToolUseOut]
-    stop_reason: Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"] | None
+    stop_reason: StopReason | None
     stop_sequence: str | None
     usage: AnthropicUsage
 
@@ -434,16 +441,35 @@ class TokenCount(Struct, frozen=True):
     input_tokens: int
 
 
-class AnthropicEvent(Struct, frozen=True, omit_defaults=True):
-    """One event of a streamed Messages answer (the `event:` line names its type)."""
+class AnthropicDelta(Struct, frozen=True, kw_only=True):
+    """What a streamed event adds: a text block's text (type text_delta), a tool_use block's
+    input JSON (input_json_delta), or, in message_delta, why the message ended (no type)."""
+
+    type: Literal["text_delta", "input_json_delta"] | UnsetType = UNSET
+    text: str | UnsetType = UNSET
+    partial_json: str | UnsetType = UNSET
+    stop_reason: StopReason | None | UnsetType = UNSET
+    stop_sequence: str | None | UnsetType = UNSET
+
+
+class AnthropicOutputUsage(Struct, frozen=True):
+    """message_delta's usage: the output tokens so far."""
+
+    output_tokens: int
+
+
+class AnthropicEvent(Struct, frozen=True, kw_only=True):
+    """One event of a streamed Messages answer (the `event:` line names its type): message_start
+    (message), content_block_start (index, content_block), content_block_delta (index, delta),
+    content_block_stop (index), message_delta (delta, usage), message_stop, ping, error."""
 
     type: str
-    message: dict[str, Any] | None = None
-    index: int | None = None
-    content_block: dict[str, Any] | None = None
-    delta: dict[str, Any] | None = None
-    usage: dict[str, Any] | None = None
-    error: dict[str, Any] | None = None
+    message: AnthropicMessageDoc | UnsetType = UNSET
+    index: int | UnsetType = UNSET
+    content_block: AnthropicTextOut | AnthropicToolUseOut | UnsetType = UNSET
+    delta: AnthropicDelta | UnsetType = UNSET
+    usage: AnthropicOutputUsage | UnsetType = UNSET
+    error: AnthropicError | UnsetType = UNSET
 
 
 class ResponsesPart(Struct, kw_only=True):

@@ -2,7 +2,8 @@
 
 Owns: the one OS thread that calls the synchronous `tl.core.engine.Engine` (add_request,
 add_embedding, abort, step, stats), a FIFO command queue into it, and per-request asyncio
-queues out of it (filled with loop.call_soon_threadsafe, one call per step); embeddings
+queues out of it (filled with loop.call_soon_threadsafe, one call per step; several handles may
+share one, an Outbox, each output tagged with its handle's key); embeddings
 requests are engine work like prompts (EmbedHandle gathers their inputs' vectors). Nothing that
 computes runs on the event loop: the loop only enqueues commands and reads snapshots.
 Commands into the thread are typed records (Add, AddEmbedding, Abort, Call, Stop).
@@ -101,21 +102,39 @@ class SyncEngine(Protocol):
     def close(self) -> None: ...
 
 
+Output = list[TokenOut] | BaseException
+"""What a generation's handle is handed on the loop: a step's tokens, or its failure or refusal."""
+
+
+@dataclass(frozen=True, slots=True)
+class Outbox:
+    """Where a handle's outputs go instead of its own queue: an asyncio queue several handles
+    share (serve's Job merges its choices there), each output tagged with the handle's `key`.
+    The items hold neither handle nor queue, so a queue left unread makes no reference cycle."""
+
+    queue: asyncio.Queue[tuple[int, Output]]
+    key: int
+
+
 class RequestHandle:
-    """One submitted request, seen from the event loop: async-iterable over lists of TokenOut.
+    """One submitted request, seen from the event loop: async-iterable over lists of TokenOut,
+    or, submitted with an Outbox, delivering into that instead (then it is not iterated).
 
     Iteration ends after the list holding the finish_reason; an engine failure is raised
     from the iteration (EngineError), an admission refusal from `admitted` and iteration.
     """
 
-    def __init__(self, owner: AsyncEngine, request: GenRequest, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self, owner: AsyncEngine, request: GenRequest, loop: asyncio.AbstractEventLoop, outbox: Outbox | None = None
+    ) -> None:
         self.request = request
         self.engine_id: int | None = None  # written by the engine thread only
         self.submitted_at = time.monotonic()
         self.admitted_at: float | None = None
         self.admitted: asyncio.Future[None] = loop.create_future()
         self._owner = owner
-        self._queue: asyncio.Queue[list[TokenOut] | BaseException] = asyncio.Queue()
+        self._outbox = outbox
+        self._queue: asyncio.Queue[Output] | None = asyncio.Queue() if outbox is None else None
         self._done = False
         self._abort_sent = False
 
@@ -133,6 +152,7 @@ class RequestHandle:
         return self
 
     async def __anext__(self) -> list[TokenOut]:
+        assert self._queue is not None, "a handle with an outbox delivers there"
         if self._done:
             raise StopAsyncIteration
         # Unbounded by design: the engine thread delivers to every live handle each step, and a
@@ -141,12 +161,18 @@ class RequestHandle:
         if isinstance(item, BaseException):
             self._done = True
             raise detached(item) from None
-        if any(o.finish_reason is not None for o in item):
+        if _ends(item):
             self._done = True
         return item
 
-    def _put(self, item: list[TokenOut] | BaseException) -> None:
-        self._queue.put_nowait(item)
+    def _put(self, item: Output) -> None:
+        if self._outbox is None:
+            assert self._queue is not None
+            self._queue.put_nowait(item)
+            return
+        if not self._done:  # what follows the end (a late failure) is nobody's
+            self._done = isinstance(item, BaseException) or _ends(item)
+            self._outbox.queue.put_nowait((self._outbox.key, item))
 
 
 class EmbedHandle:
@@ -345,12 +371,13 @@ class AsyncEngine:
         await self.call(_nothing)
         self.ready = True
 
-    def submit(self, req: GenRequest) -> RequestHandle:
+    def submit(self, req: GenRequest, outbox: Outbox | None = None) -> RequestHandle:
         """Queue a request for the engine; raises ContextLengthError, or QueueFullError when
-        admission is full, at once (the engine's own rules)."""
+        admission is full, at once (the engine's own rules). `outbox`: its outputs go there
+        (tagged with outbox.key) rather than to the handle's own queue."""
         assert self._loop is not None, "start() first"
         self._reserve(req)
-        handle = RequestHandle(self, req, self._loop)
+        handle = RequestHandle(self, req, self._loop, outbox)
         self._open.add(handle)
         self._command(Add(handle))
         return handle
@@ -574,6 +601,10 @@ class AsyncEngine:
 
 def _nothing() -> None:
     return None
+
+
+def _ends(outs: list[TokenOut]) -> bool:
+    return any(o.finish_reason is not None for o in outs)
 
 
 def _resolve(fut: asyncio.Future[T], result: T) -> None:
