@@ -48,6 +48,7 @@ def run(argv: Sequence[str]) -> int:
     print("config:", json.dumps(vars(args)))
 
     from tl.runtime.runner import ModelRunner
+    from tl.runtime.step_io import StepPacker
 
     bs, tokens = 16, args.decodes + args.prompt
     blocks = args.decodes * (args.context // bs + 2) + args.prompt // bs + 8
@@ -62,14 +63,14 @@ def run(argv: Sequence[str]) -> int:
     )
     runner = ModelRunner.from_model_dir(cfg)
     plan = _plan(args.decodes, args.context, args.prompt, bs)
-    split = ModelRunner._pack_tokens
+    split = StepPacker.tokens
 
-    def no_split(self: ModelRunner, *a: object, **k: object) -> object:
+    def no_split(self: StepPacker, *a: object, **k: object) -> object:
         inp, rows = split(self, *a, **k)  # type: ignore[arg-type]
         return dataclasses.replace(inp, meta=dataclasses.replace(inp.meta, head_rows=0)), rows
 
     def median_s(pack: Callable[..., object]) -> float:
-        ModelRunner._pack_tokens = pack  # type: ignore[method-assign]
+        StepPacker.tokens = pack  # type: ignore[method-assign]
         runner.execute(plan)  # compile / warm
         times = []
         for _ in range(args.repeat):
@@ -82,7 +83,7 @@ def run(argv: Sequence[str]) -> int:
     for _ in range(args.rounds):
         res["split"].append(median_s(split))
         res["no split"].append(median_s(no_split))
-    ModelRunner._pack_tokens = split  # type: ignore[method-assign]
+    StepPacker.tokens = split  # type: ignore[method-assign]
     rows: list[dict[str, object]] = [
         {
             "variant": k,

@@ -41,12 +41,14 @@ def runners() -> dict[str, Any]:
     from tests.models import tiny_config
     from tl.model import llama
     from tl.runtime.runner import ModelRunner
+    from tl.runtime.startup import start
+    from tl.text.grammar import fill_masks
 
     cfg = tiny_config()
     params = jax.tree.map(np.asarray, llama.init_params(cfg, jax.random.key(0)))
     out = {}
     for spec in ("none", "prompt_lookup"):
-        runner = ModelRunner(cfg, params, CFG.replace(speculative=spec))
+        runner = ModelRunner(start(cfg, params, CFG.replace(speculative=spec)), fill_masks=fill_masks)
         runner.warmup()
         out[spec] = runner
     return out

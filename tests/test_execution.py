@@ -27,8 +27,7 @@ BACKEND_KEYS = (
 def _plan(ec: EngineConfig) -> ExecutionPlan:
     cfg = tiny_cfg()
     mesh = backend.make_mesh("cpu", 1)
-    plan, _ = plan_execution(ec, cfg, "cpu", mesh, backend.tp_layout(cfg, 1))
-    return plan
+    return plan_execution(ec, cfg, "cpu", mesh, backend.tp_layout(cfg, 1))
 
 
 def test_forced_choices_are_configured_and_say_so() -> None:

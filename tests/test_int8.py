@@ -16,8 +16,8 @@ from tl.core.plan import SchedulerOutput, SeqWork
 from tl.model import llama
 from tl.model.encodings.int8 import quantize_int8
 from tl.model.weights import Int8
+from tl.runtime import startup
 from tl.runtime.runner import ModelRunner
-from tl.runtime.startup import start
 
 _dense = jax.jit(llama.forward_dense, static_argnums=1)
 
@@ -61,7 +61,7 @@ def test_int8_forward_quality_against_float32(tied: bool, bias: bool) -> None:
 def test_int8_runner_paged_matches_dense_int8() -> None:
     engine = ENGINE.replace(weight_dtype="int8")
     cfg = tiny_cfg()
-    runner = ModelRunner(start(cfg, llama.init_params(cfg, jax.random.key(5)), engine))
+    runner = ModelRunner(startup.start(cfg, llama.init_params(cfg, jax.random.key(5)), engine))
     assert isinstance(runner.params.layers[0].wqkv, Int8) and isinstance(runner.params.embed, Int8)
     prompt = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38]
     want, _ = dense_greedy(runner.params, cfg, prompt, 6)

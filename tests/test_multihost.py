@@ -90,7 +90,7 @@ def test_distributed_args_from_config_then_environment() -> None:
 
 
 def test_step_frames_round_trip() -> None:
-    from tl.ops.multihost import StepFrame
+    from tl.runtime.frame import StepFrame
 
     bufs = (np.arange(7, dtype=np.int32), np.linspace(0, 1, 5, dtype=np.float32))
     pen = (np.array(True), np.ones((2, 3), np.float32), np.zeros((4, 2), np.int32))

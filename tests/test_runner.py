@@ -23,6 +23,7 @@ from tl.model import llama
 from tl.model.config import ModelConfig
 from tl.model.embedding import dense_embedding
 from tl.runtime.runner import ModelRunner
+from tl.runtime.startup import start
 
 GREEDY = SamplingParams(temperature=0.0)
 # few buckets: every step variant costs seconds of XLA compile on a 2-core CPU
@@ -59,7 +60,7 @@ def tiny_cfg(vocab: int = 160, bias: bool = False, tied: bool = True) -> ModelCo
 def make_runner(engine: EngineConfig = ENGINE, seed: int = 0, **cfg_kw: object) -> tuple[ModelRunner, dict]:
     cfg = tiny_cfg(**cfg_kw)  # type: ignore[arg-type]
     params = jax.tree.map(np.asarray, llama.init_params(cfg, jax.random.key(seed)))
-    return ModelRunner(cfg, params, engine), params
+    return ModelRunner(start(cfg, params, engine)), params
 
 
 @pytest.fixture(scope="module")
@@ -378,7 +379,7 @@ def test_bf16_kv_cache_of_a_float32_model() -> None:
     prompts = [[5, 9, 2, 77, 31, 8, 150, 4, 19, 60, 3], [7, 7, 1], [99] * 20]
 
     def run(**kw: object) -> tuple[ModelRunner, list[Seq]]:
-        runner = ModelRunner(cfg, params, engine.replace(**kw))
+        runner = ModelRunner(start(cfg, params, engine.replace(**kw)))
         return runner, generate(runner, prompts, 12)
 
     native, got = run(kv_cache_dtype="bfloat16", attention_kernel="cpu_native")  # forced: every step shape native

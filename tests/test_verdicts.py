@@ -66,11 +66,8 @@ def test_measured_once_then_read_from_the_cache(tmp_path: Path) -> None:
 
 
 def _hlo(runner: runner_mod.ModelRunner, t: int, s: int) -> str:
-    inp, rows = runner._pack_tokens([], t, s)
-    sb, _ = runner._pack_sampling(rows, s, runner.num_rows(t, s))
-    bufs, layout = runner_mod._to_host_buffers((inp, sb))
-    pen, mask = runner._no_penalties(s, runner.num_rows(t, s)), runner._open_mask(runner.num_rows(t, s))
-    return runner._step.lower(runner._params, runner._kv, bufs, pen, mask, layout=layout).as_text()
+    lowered, _ = runner.program.lowered((t, s))
+    return str(lowered.as_text())
 
 
 def _native_calls(runner: runner_mod.ModelRunner, t: int, s: int) -> set[str]:

@@ -109,12 +109,13 @@ def test_tiny_engine_identical_for_tp_1_2_4() -> None:
     from tests.models import tiny_config
     from tl.model import llama
     from tl.runtime.runner import ModelRunner
+    from tl.runtime.startup import start
 
     cfg = tiny_config(vocab_size=264)
     params = llama.init_params(cfg, jax.random.key(0))
     results = {}
     for n in (1, 2, 4):
-        runner = ModelRunner(cfg, params, CFG.replace(tensor_parallel=n))
+        runner = ModelRunner(start(cfg, params, CFG.replace(tensor_parallel=n)))
         b = runner.backend_info
         assert (b.tensor_parallel, b.device_count, b.kv_heads) == (n, n, "replicated" if n == 4 else "sharded")
         assert len(runner.kv_cache[0].sharding.device_set) == n
@@ -132,13 +133,14 @@ def test_tiny_int8_identical_for_tp_1_2_4() -> None:
     from tests.models import tiny_config
     from tl.model import llama
     from tl.runtime.runner import ModelRunner
+    from tl.runtime.startup import start
 
     cfg = tiny_config(vocab_size=264)
     params = llama.init_params(cfg, jax.random.key(1))
     engine_cfg = CFG.replace(weight_dtype="int8", speculative="none")
     results = {}
     for n in (1, 2, 4):
-        runner = ModelRunner(cfg, params, engine_cfg.replace(tensor_parallel=n))
+        runner = ModelRunner(start(cfg, params, engine_cfg.replace(tensor_parallel=n)))
         lp = runner.params.layers[0]
         qkv = lp.wqkv if n < 4 else lp.wq
         assert _shard0(qkv.scale).shape[:1] == ((cfg.num_key_value_heads // n,) if n < 4 else (cfg.q_size // n,))

@@ -1,11 +1,13 @@
 """Assembly: turn an EngineConfig into a ready Engine (and, for serve/, an AsyncEngine with the
 ServedModel record of tl/ops/served.py).
 
-Owns: the order of start-up (multi-host: the step channel, then jax.distributed -> model dir ->
-runner -> engine -> warm-up -> freezing start-up's objects out of the garbage collector's
-passes), the start-up log of backend, devices, attention kernel and weight pages, and the
-multi-host roles: process 0 binds the step channel, waits for its followers to connect and
-then to be ready, and hands the channel to its runner; a follower (`run_follower`) connects,
+Owns: the order of start-up (multi-host: the step channel, then jax.distributed -> the model's
+start-up pipeline (tl/runtime/startup.py: plan, place, measure, compile, warm-up, and its log of
+backend, devices, kernels and weight pages) -> runner -> engine -> freezing start-up's objects
+out of the garbage collector's passes), what the runner is handed (the text side's bitmask
+filler, the leader's step channel), and the multi-host roles: process 0 binds the step channel,
+waits for its followers to connect and then to be ready, and hands the channel to its runner
+(each end told when this process compiles); a follower (`run_follower`) connects,
 builds the same runner and follows (tl/ops/multihost.py). Each of those waits is bounded by
 group_start_timeout_s (tl/ops/group_start.py: one ERROR line naming who is missing, exit status 4).
 Must not hold state. Tested through tests/test_cli.py, the server tests and tests/test_multihost.py.
@@ -16,7 +18,6 @@ from __future__ import annotations
 import gc
 import logging
 import os
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -57,23 +58,16 @@ def _runner_and_engine(
     """build_engine's work; the runner too, for what serving reads of the model (its config)."""
     from tl.core.engine import Engine
     from tl.ops.group_start import start_deadline
+    from tl.runtime import startup
     from tl.runtime.runner import ModelRunner
+    from tl.text.grammar import fill_masks
 
     debug_delays.configure(os.environ.get("TL_DEBUG_DELAYS", ""))  # tests only: tl/core/debug_delays.py
     leader = _leader(cfg, on_group_failure)
     debug_delays.debug_delay("load")
-    t0 = time.perf_counter()
-    runner = ModelRunner.from_model_dir(cfg)
-    kv_mib = sum(x.nbytes for x in runner.kv_cache) >> 20
-    parts = ", ".join(f"{k.replace('_', ' ')} {v:.1f} s" for k, v in runner.startup_seconds.items())
-    log.info("loaded %s in %.1f s (%s; KV cache %d MiB)", cfg.model_dir, time.perf_counter() - t0, parts, kv_mib)
-    for line in runner.plan.lines():
-        log.info("%s", line)
+    started = startup.load(cfg, warmup=("background" if background else "all") if warmup else "none")
+    runner = ModelRunner(started, peers=leader, fill_masks=fill_masks)
     if warmup:
-        t0 = time.perf_counter()
-        runner.warmup(background=background)
-        if not background:
-            log.info("compiled %d step variants in %.1f s", runner.compiler.num_compiled, time.perf_counter() - t0)
         # Start-up leaves ~100k long-lived objects (JAX, the tokenizer, compiled steps); frozen,
         # the collector's full passes skip them: one mid-stream took 97 ms, four decode steps.
         gc.collect()
@@ -82,8 +76,6 @@ def _runner_and_engine(
         log.info("waiting for the %d followers' start-up", leader.num_followers)
         with start_deadline(cfg.group_start_timeout_s, leader.not_ready):
             leader.wait_ready()
-        leader.busy = lambda: runner.compiler.busy
-        runner.peers = leader
     return runner, Engine(runner, cfg)
 
 
@@ -96,6 +88,7 @@ def _leader(cfg: EngineConfig, on_failure: Callable[[str], None] | None) -> Lead
     from tl.ops.group_start import start_deadline
     from tl.ops.multihost import Leader, step_address
     from tl.runtime.backend import init_distributed
+    from tl.runtime.compiler import compiling_now
 
     args = distributed_args(cfg, os.environ)
     count, index = (args or {}).get("num_processes", 0), (args or {}).get("process_id", -1)
@@ -110,7 +103,7 @@ def _leader(cfg: EngineConfig, on_failure: Callable[[str], None] | None) -> Lead
             "processes other than 0 start as followers"
         )
     host, port = step_address(jax_coordinator(cfg), cfg.step_port)
-    leader = Leader(count - 1, cfg.peer_timeout_s, on_failure)
+    leader = Leader(count - 1, cfg.peer_timeout_s, on_failure, busy=compiling_now)
     try:
         bound = leader.listen(host, port)
     except OSError:  # the coordinator's name is not one of this host's addresses (a Service in front)
@@ -152,12 +145,14 @@ def run_follower(cfg: EngineConfig, on_ready: Callable[[Callable[[], bool]], Non
     from tl.core.config import distributed_args
     from tl.ops.group_start import start_deadline
     from tl.ops.multihost import Follower, GroupFailed, follow, step_address
+    from tl.runtime import startup
     from tl.runtime.backend import init_distributed
+    from tl.runtime.compiler import compiling_now
     from tl.runtime.runner import ModelRunner
 
     index = int((distributed_args(cfg, os.environ) or {}).get("process_id", -1))
     assert index > 0, "a follower's process id is known (is_follower)"
-    chan = Follower(index, cfg.peer_timeout_s)
+    chan = Follower(index, cfg.peer_timeout_s, busy=compiling_now)
     host, port = step_address(jax_coordinator(cfg), cfg.step_port)
 
     def missing() -> str:
@@ -170,9 +165,7 @@ def run_follower(cfg: EngineConfig, on_ready: Callable[[Callable[[], bool]], Non
         chan.connect(host, port)
         log.info("process %d: connected to the leader's step channel at %s:%d", index, host, port)
         init_distributed(cfg, os.environ)
-    runner = ModelRunner.from_model_dir(cfg)
-    chan.busy = lambda: runner.compiler.busy
-    runner.warmup(background=True)
+    runner = ModelRunner(startup.load(cfg, warmup="background"))
     gc.collect()
     gc.freeze()
     chan.announce_ready()

@@ -1,9 +1,8 @@
 """The multi-host step channel: process 0 (the leader) sends each step's host inputs to the other
 processes of the job (the followers), which run the same compiled step over the global mesh.
 
-Owns: the frame format (a step: its variant, the runner's packed host buffers, the penalties and
-the token bitmask when the step has them, whether top-logprobs run; hello, ready, heartbeat,
-stop), the leader's listening socket and its one connection per follower, a follower's
+Owns: the channel's frames (a step, as tl/runtime/frame.py's StepFrame encodes it; hello,
+ready, heartbeat, stop), the leader's listening socket and its one connection per follower, a follower's
 connection, liveness and the failure bounds, and what a failure does: `on_failure(reason)` once
 (the leader fails its requests with 503 there), the sockets closed (so every peer notices at
 once), then the process exits with status 3 (`EXIT_GROUP_FAILED`): the leader after
@@ -18,7 +17,8 @@ Start-up: the leader accepts, beats and reads each follower from its hello on, a
 connects before it joins jax.distributed, so the leader knows by process id who is missing
 (`not_connected`, `not_ready`); the waits themselves are bounded by tl/ops/group_start.py.
 Must not import jax or touch device arrays: the runner packs frames and runs them
-(tl/runtime/runner.py); tl/ops/build.py wires both ends. Tested by tests/test_multihost.py.
+(tl/runtime/runner.py, reaching the Leader through tl/runtime/frame.py's StepPeers protocol);
+tl/ops/build.py wires both ends. Tested by tests/test_multihost.py.
 
 Why a socket and not JAX's own broadcast (`multihost_utils.broadcast_one_to_all`): measured on
 two CPU processes on one 2-core AMD EPYC (Zen 3), a 4 KB step frame took 1.87 ms p50 that way
@@ -38,13 +38,11 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
 from typing import Protocol
-
-import numpy as np
 
 from tl.core.config import EngineConfig, distributed_args
 from tl.ops.group_start import processes
+from tl.runtime.frame import StepFrame
 
 log = logging.getLogger("tl.ops.multihost")
 
@@ -53,68 +51,10 @@ FAILURE_GRACE_S = 1.0  # after on_failure: time for the 503s to reach their clie
 
 HELLO, READY, BEAT, STEP, STOP = 1, 2, 3, 4, 5
 _HEAD = struct.Struct("<BI")  # kind, payload bytes
-_STEP = struct.Struct("<iiBHHB")  # t_pad, s_pad, top, buffers, penalty leaves, masks (0 or 1)
 
 
 class GroupFailed(RuntimeError):
     """The multi-host group lost a process or a step got stuck; the message says which."""
-
-
-@dataclass(frozen=True, slots=True)
-class StepFrame:
-    """Everything a follower needs to run the leader's step: which compiled variant, its packed
-    inputs (tl/runtime/runner.py's `_to_host_buffers`), the penalties' leaves (None: the all-zero ones),
-    the [R, W] token bitmask (None: every token allowed) and whether top-logprobs run after it."""
-
-    variant: tuple[int, int]
-    bufs: tuple[np.ndarray, ...]
-    penalties: tuple[np.ndarray, ...] | None
-    mask: np.ndarray | None
-    top: bool
-
-    def encode(self) -> bytes:
-        arrays = [*self.bufs, *(self.penalties or ()), *(() if self.mask is None else (self.mask,))]
-        head = _STEP.pack(
-            self.variant[0],
-            self.variant[1],
-            int(self.top),
-            len(self.bufs),
-            len(self.penalties) if self.penalties is not None else 0xFFFF,
-            0 if self.mask is None else 1,
-        )
-        return head + b"".join(_encode_array(a) for a in arrays)
-
-    @staticmethod
-    def decode(data: bytes) -> StepFrame:
-        t_pad, s_pad, top, n_bufs, n_pen, n_mask = _STEP.unpack_from(data)
-        at = _STEP.size
-        arrays = []
-        for _ in range(n_bufs + (0 if n_pen == 0xFFFF else n_pen) + n_mask):
-            a, at = _decode_array(data, at)
-            arrays.append(a)
-        bufs = tuple(arrays[:n_bufs])
-        pen = None if n_pen == 0xFFFF else tuple(arrays[n_bufs : n_bufs + n_pen])
-        mask = arrays[-1] if n_mask else None
-        return StepFrame((t_pad, s_pad), bufs, pen, mask, bool(top))
-
-
-def _encode_array(a: np.ndarray) -> bytes:
-    if not a.flags.c_contiguous:
-        a = a.copy(order="C")  # (np.ascontiguousarray would make a 0-d array 1-d)
-    dt = a.dtype.str.encode()
-    return struct.pack(f"<B{len(dt)}sB{a.ndim}I", len(dt), dt, a.ndim, *a.shape) + a.tobytes()
-
-
-def _decode_array(data: bytes, at: int) -> tuple[np.ndarray, int]:
-    (n,) = struct.unpack_from("<B", data, at)
-    dt, ndim = struct.unpack_from(f"<{n}sB", data, at + 1)
-    at += 2 + n
-    shape = struct.unpack_from(f"<{ndim}I", data, at)
-    at += 4 * ndim
-    dtype = np.dtype(dt.decode())
-    size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    a = np.frombuffer(data, dtype, count=size // dtype.itemsize, offset=at).reshape(shape)
-    return a, at + size
 
 
 def is_follower(cfg: EngineConfig, env: Mapping[str, str]) -> bool:
@@ -177,7 +117,13 @@ class _Peer:
 
     grace_s = 0.0  # from the failure to the exit
 
-    def __init__(self, timeout_s: float, on_failure: Callable[[str], None] | None, exit_on_failure: bool) -> None:
+    def __init__(
+        self,
+        timeout_s: float,
+        on_failure: Callable[[str], None] | None,
+        exit_on_failure: bool,
+        busy: Callable[[], bool] | None,
+    ) -> None:
         self.timeout_s = timeout_s
         self.beat_s = timeout_s / 5
         self.on_failure = on_failure
@@ -186,7 +132,7 @@ class _Peer:
         self.stopping = False
         self._fail_lock = threading.Lock()
         self._step_since: float | None = None  # monotonic start of the step in flight
-        self.busy: Callable[[], bool] = lambda: False  # this process is compiling (tl/ops/build.py wires it)
+        self.busy = busy or _idle  # this process is compiling (tl/ops/build.py passes the compiler's)
         self._closed = threading.Event()
 
     def step_began(self) -> None:
@@ -225,6 +171,10 @@ class _Peer:
         raise NotImplementedError
 
 
+def _idle() -> bool:
+    return False
+
+
 def _exit_later(grace_s: float) -> None:
     time.sleep(grace_s)
     logging.shutdown()
@@ -242,8 +192,9 @@ class Leader(_Peer):
         timeout_s: float,
         on_failure: Callable[[str], None] | None = None,
         exit_on_failure: bool = True,
+        busy: Callable[[], bool] | None = None,
     ) -> None:
-        super().__init__(timeout_s, on_failure, exit_on_failure)
+        super().__init__(timeout_s, on_failure, exit_on_failure, busy)
         self.num_followers = num_followers
         self.conns: dict[int, _Conn] = {}
         self.ready: set[int] = set()
@@ -416,8 +367,9 @@ class Follower(_Peer):
         timeout_s: float,
         on_failure: Callable[[str], None] | None = None,
         exit_on_failure: bool = True,
+        busy: Callable[[], bool] | None = None,
     ) -> None:
-        super().__init__(timeout_s, on_failure, exit_on_failure)
+        super().__init__(timeout_s, on_failure, exit_on_failure, busy)
         self.process_id = process_id
         self.conn: _Conn | None = None
         self._inbox: queue.SimpleQueue[StepFrame | None] = queue.SimpleQueue()  # None: stop or lost

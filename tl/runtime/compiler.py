@@ -11,6 +11,7 @@ compilation runs, a step whose own variant is not compiled yet runs in the small
 one that holds it (padding only: the same tokens, written to the same slots), so no request
 waits on a compile once the start-up variants are in; with no warm-up asked for (the CLI's
 one-shot generate, `bench runner`, tests), a step's own variant is compiled then and there.
+`compiling_now` tells a multi-host peer's heartbeat whether this process is compiling.
 Must not: decide the variants (tl/runtime/execution.py does), pack inputs, touch the KV cache.
 Tested by tests/test_compiler.py and tests/test_runner.py.
 """
@@ -33,6 +34,8 @@ Variant = tuple[int, int]
 """(token bucket, seq bucket) of one compiled step."""
 
 _compile_cache_dir: str | None = None
+_active_lock = threading.Lock()
+_active = 0  # compiles in progress in this process, every StepCompiler's (`compiling_now`)
 
 
 def enable_compile_cache(path: str) -> None:
@@ -43,6 +46,18 @@ def enable_compile_cache(path: str) -> None:
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     _compile_cache_dir = path
+
+
+def compiling_now() -> bool:
+    """A step variant is being compiled in this process now (start-up, background or on demand):
+    a multi-host peer's heartbeat says so (tl/ops/multihost.py), its collectives held up legitimately."""
+    return _active > 0
+
+
+def _count_active(delta: int) -> None:
+    global _active
+    with _active_lock:
+        _active += delta
 
 
 def _run_on_daemon_threads(fn: Callable[[Variant], None], items: Sequence[Variant], threads: int) -> None:
@@ -129,9 +144,11 @@ class StepCompiler:
     def _compiled(self, v: Variant) -> Any:
         with self._count_lock:
             self._active += 1
+        _count_active(1)
         try:
             return self._compile(v)
         finally:
+            _count_active(-1)
             with self._count_lock:
                 self._active -= 1
 
@@ -170,6 +187,16 @@ class StepCompiler:
             ", ".join(f"{t}x{s}" for t, s in sorted(todo)),
         )
         return took
+
+    def warm_up(self, startup: Sequence[Variant], background: bool = False) -> None:
+        """Compile ahead of time: the start-up variants now, then the rest here (background False:
+        serving then never compiles) or on a background thread (steps meanwhile run in the
+        smallest compiled variant that holds them)."""
+        self.compile_startup(startup)
+        if background:
+            self.start_background()
+        else:
+            self.compile_rest()
 
     def compile_rest(self) -> None:
         """Compile every variant not compiled yet, here (blocking): one sequence's variants first,

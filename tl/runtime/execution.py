@@ -2,13 +2,15 @@
 
 Owns: `ExecutionPlan` (frozen: platform, compute dtype, KV-cache storage, attention kernel,
 layer matmul kernel, float32 matmul precision, weight placement, each with its reason; the
-native kernels' per-step-class verdicts; the token and sequence buckets, every compiled step
-variant and the ones compiled before the server is ready) and `plan_execution`, the function
-that makes it from the `EngineConfig`, the platform (mesh, tensor-parallel layout, the native
-library or why not) and, once measured, the kernel verdicts (tl/runtime/verdicts.py) and the weight
-placement's outcome (tl/runtime/placement.py). Every other module reads the plan: the runner builds its
-step from it, the start-up log prints `lines()`, /v1/models and tl_engine_backend_info show
-`backend_info()`.
+callables those choices name; the native kernels' per-step-class verdicts and the step's
+dispatch resolved from them (`StepKernels`: the kernel every step class runs); the token and
+sequence buckets, every compiled step variant and the ones compiled before the server is ready)
+and `plan_execution`, the function that makes it from the `EngineConfig`, the platform (mesh,
+tensor-parallel layout, the native library or why not) and, once measured, the kernel verdicts
+(tl/runtime/verdicts.py) and the weight placement's outcome (tl/runtime/placement.py): both come
+in through `measured`, called by the start-up pipeline (tl/runtime/startup.py). Every other
+module reads the plan: the step is traced from its dispatch, the start-up log prints `lines()`,
+/v1/models and tl_engine_backend_info show `backend_info()`.
 Must not: place data, compile steps, measure. Tested by tests/test_execution.py.
 """
 
@@ -16,8 +18,9 @@ from __future__ import annotations
 
 import dataclasses
 from bisect import bisect_left
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -26,11 +29,11 @@ from jax.sharding import Mesh
 
 from kernels import cpu_build, paged_attention
 from kernels import select as kernel_select
-from kernels.paged_attention import AttnMetadata
+from kernels.paged_attention import AttnArgs, AttnMetadata
 from tl.core.config import EngineConfig
 from tl.core.stats import BackendInfo
 from tl.model.config import ModelConfig
-from tl.runtime import backend, verdicts, weight_pages
+from tl.runtime import backend, sampler, verdicts, weight_pages
 from tl.runtime.verdicts import Verdicts
 
 if TYPE_CHECKING:
@@ -49,11 +52,27 @@ class Decision:
 
 @dataclass(frozen=True, slots=True)
 class Kernels:
-    """The callables the plan chose (jax functions; the plan itself holds only their names)."""
+    """The callables each choice of the plan names (jax functions), as chosen before measurement."""
 
     native: NativeLib | None
     attention: kernel_select.Choice
     matmul: kernel_select.MatmulChoice
+
+
+@dataclass(frozen=True, slots=True)
+class StepKernels:
+    """What the step calls in each kernel slot, resolved once the verdicts are in: where a kernel
+    was measured, a dispatch that gives each step class (its rows, at trace time) its verdict's
+    kernel (kernels/select.py per_shape); else the choice as made."""
+
+    attention: Callable[..., Any]
+    matmul: Callable[..., Any] | None  # None: XLA's dot
+    argmax_lse: Callable[..., Any] | None  # None: jnp's
+
+
+def _no_native(x: jax.Array, w: Any) -> None:
+    """The matmul at row counts the verdicts give to XLA: None, so llama.linear runs XLA's dot."""
+    return None
 
 
 def bucket(n: int, buckets: Sequence[int], what: str) -> int:
@@ -85,9 +104,11 @@ class ExecutionPlan:
     attention_classes: tuple[tuple[int, bool], ...]  # (tokens, decode) of each attention class measured
     chunk_blocks: int  # KV blocks per cached-attention iteration
     max_blocks: int  # block-table width (whole chunks covering max_model_len)
+    kernels: Kernels  # the callables the choices above name
     verdicts: Verdicts = dataclasses.field(default_factory=Verdicts)
     attention_measured: bool = False  # cpu_native under "auto": each step class as its verdict says
     matmul_measured: bool = False
+    step_kernels: StepKernels | None = None  # the dispatch the step traces; set by `measured`
 
     @property
     def compute_dtype(self) -> Any:
@@ -120,8 +141,23 @@ class ExecutionPlan:
         return classes
 
     def measured(self, v: Verdicts, pages: str, pages_reason: str) -> ExecutionPlan:
-        """The plan completed by the measured verdicts and the weight placement's outcome."""
-        return dataclasses.replace(self, verdicts=v, weight_pages=Decision(pages, pages_reason))
+        """The plan completed by the measured verdicts and the weight placement's outcome, with
+        the step's dispatch resolved from them."""
+        k = self.kernels
+        attention, matmul, argmax_lse = k.attention.fn, k.matmul.fn, k.matmul.argmax_lse
+        if self.attention_measured:
+            attention = kernel_select.per_shape(
+                partial(v.native, "attention"), attention, paged_attention.paged_attention
+            )
+        if self.matmul_measured and matmul is not None and argmax_lse is not None:
+            matmul = kernel_select.per_shape(partial(v.native, "matmul"), matmul, _no_native)
+            argmax_lse = kernel_select.per_shape(partial(v.native, "matmul"), argmax_lse, sampler.argmax_lse)
+        return dataclasses.replace(
+            self,
+            verdicts=v,
+            weight_pages=Decision(pages, pages_reason),
+            step_kernels=StepKernels(attention, matmul, argmax_lse),
+        )
 
     def summary(self, kernel: str) -> str:
         """A kernel's implementation as run: one name, or "native+other" where classes differ."""
@@ -226,7 +262,7 @@ def _precision(ec: EngineConfig, dtype: str, matmul: kernel_select.MatmulChoice,
 
 def _attention_probe(
     cfg: ModelConfig, ec: EngineConfig, dtype: Any, kv_dtype: Any, chunk_blocks: int, max_blocks: int
-) -> tuple[Any, ...]:
+) -> AttnArgs:
     """ShapeDtypeStructs of one attention call at the smallest step shape (the kernel's trial)."""
     t, s = ec.token_buckets[0], ec.seq_buckets[0]
     i32 = jnp.int32
@@ -244,15 +280,15 @@ def _attention_probe(
     dims = (cfg.num_hidden_layers, ec.num_kv_blocks + 1, ec.block_size, cfg.num_key_value_heads, cfg.head_dim)
     k, v = (sds(*paged_attention.cache_shape(kind, *dims), dt=kv_dtype) for kind in ("k", "v"))
     hq, hk, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    return (sds(t, hq, hd), sds(t, hk, hd), sds(t, hk, hd), k, v, sds(dt=i32), meta)
+    return AttnArgs(sds(t, hq, hd), sds(t, hk, hd), sds(t, hk, hd), k, v, sds(dt=i32), meta)
 
 
 def plan_execution(
     ec: EngineConfig, cfg: ModelConfig, platform: str, mesh: Mesh, layout: backend.TPLayout
-) -> tuple[ExecutionPlan, Kernels]:
-    """The plan before measurement (verdicts empty; weight pages as intended) and its kernels.
-    `ExecutionPlan.measured` completes it once the weights are placed and the classes of
-    `measure_classes()` are timed."""
+) -> ExecutionPlan:
+    """The plan before measurement (verdicts empty; weight pages as intended; its kernels chosen,
+    the step's dispatch not resolved yet). `ExecutionPlan.measured` completes it once the weights
+    are placed and the classes of `measure_classes()` are timed."""
     dtype = backend.resolve_dtype(ec.dtype, platform)
     dtype_why = "configured" if ec.dtype != "auto" else f"auto on {platform}"
     bf16_kv = dtype == "bfloat16" or ec.kv_cache_dtype == "bfloat16"
@@ -312,7 +348,8 @@ def plan_execution(
         ),
         chunk_blocks=chunk_blocks,
         max_blocks=max_blocks,
+        kernels=Kernels(native, attention, matmul),
         attention_measured=attention.measured,
         matmul_measured=matmul.measured,
     )
-    return plan, Kernels(native, attention, matmul)
+    return plan

@@ -1,0 +1,179 @@
+"""Start-up: one pipeline from a model's config and tensors to everything its runner is built from.
+
+Owns: `start`, the stages in order (plan: the mesh and the execution plan; place: the KV cache
+and the weights as the plan says; measure: the kernel verdicts over them, which complete the
+plan and resolve its dispatch; compile: the step program and its table of variants; ready: the
+variants compiled ahead of time as asked), the start-up log (load times, the plan's lines, the
+warm-up's time), and `Startup`, the frozen record they make. `load` reads a model directory
+first. Must not: decide (tl/runtime/execution.py), place (tl/runtime/placement.py), measure
+(tl/runtime/verdicts.py), run steps (tl/runtime/runner.py). Tested through tests/test_runner.py,
+tests/test_execution.py, tests/test_verdicts.py and tests/test_compiler.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from tl.core.config import EngineConfig
+from tl.model.config import ModelConfig, load_model_config
+from tl.model.files import eos_token_ids, read_tensors
+from tl.runtime import backend, execution, placement, verdicts
+from tl.runtime.compiler import StepCompiler, enable_compile_cache
+from tl.runtime.execution import ExecutionPlan
+from tl.runtime.placement import PlacedWeights
+from tl.runtime.step import StepProgram
+from tl.runtime.step_io import StepPacker
+
+log = logging.getLogger("tl.runtime.startup")
+
+Warmup = Literal["none", "all", "background"]
+"""What the ready stage compiles: nothing (each variant on first use: the CLI's one-shot generate,
+benchmarks, tests), every variant before it returns, or the plan's start-up variants before and
+the rest on a background thread (tl/runtime/compiler.py)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Startup:
+    """What start-up made, from which the runner is built (tl/runtime/runner.py stores it)."""
+
+    model_config: ModelConfig
+    engine_config: EngineConfig
+    eos_token_ids: tuple[int, ...]
+    mesh: Mesh
+    layout: backend.TPLayout
+    plan: ExecutionPlan  # measured: its `step_kernels` are what each step class runs
+    weights: PlacedWeights
+    kv: tuple[jax.Array, jax.Array]  # the zeroed cache; the runner's first step donates it
+    packer: StepPacker
+    program: StepProgram
+    compiler: StepCompiler  # the compiled variants
+    seconds: Mapping[str, float]  # plan, kv_cache, weights, verdicts
+
+
+def start(
+    cfg: ModelConfig,
+    tensors: Mapping[str, np.ndarray],
+    engine_cfg: EngineConfig,
+    eos: Sequence[int] = (),
+    mesh: Mesh | None = None,
+    warmup: Warmup = "none",
+) -> Startup:
+    """Plan, place, measure, compile, ready. tensors: Hugging Face names -> host arrays."""
+    lap = _Laps()
+    plan, mesh, layout = _plan(cfg, engine_cfg, mesh)
+    lap("plan")
+    kv = placement.alloc_kv(
+        cfg, mesh, layout.kv_spec, engine_cfg.num_kv_blocks + 1, engine_cfg.block_size, plan.kv_dtype
+    )
+    lap("kv_cache")
+    weights = _place_weights(tensors, cfg, engine_cfg, mesh, layout, plan)
+    lap("weights")
+    plan = plan.measured(
+        verdicts.measure_runner(plan, plan.kernels, cfg, weights.params, kv),
+        weights.pages,
+        weights.reason or plan.weight_pages.reason,
+    )
+    lap("verdicts")
+    _log_loaded(engine_cfg, plan, kv, lap)
+    packer, program, compiler = _compile(cfg, engine_cfg, mesh, layout, plan, weights, kv)
+    _ready(compiler, plan, warmup)
+    eos_ids = tuple(eos) or cfg.eos_token_ids
+    return Startup(cfg, engine_cfg, eos_ids, mesh, layout, plan, weights, kv, packer, program, compiler, lap.seconds)
+
+
+def load(engine_cfg: EngineConfig, mesh: Mesh | None = None, warmup: Warmup = "none") -> Startup:
+    """`start` on the model in engine_cfg.model_dir (its config, tensors and EOS ids)."""
+    d = engine_cfg.model_dir
+    return start(load_model_config(d), read_tensors(d), engine_cfg, eos_token_ids(d), mesh, warmup)
+
+
+class _Laps:
+    """Each stage's seconds, from the end of the one before."""
+
+    def __init__(self) -> None:
+        self.t0 = self.last = time.perf_counter()
+        self.seconds: dict[str, float] = {}
+
+    def __call__(self, stage: str) -> None:
+        now = time.perf_counter()
+        self.seconds[stage], self.last = now - self.last, now
+
+
+def _plan(cfg: ModelConfig, ec: EngineConfig, mesh: Mesh | None) -> tuple[ExecutionPlan, Mesh, backend.TPLayout]:
+    """The platform, the tensor-parallel layout and mesh, and the plan before measurement."""
+    enable_compile_cache(ec.compile_cache_dir)
+    platform = backend.resolve_platform(ec.backend)
+    layout = backend.tp_layout(cfg, mesh.shape["model"] if mesh else ec.tensor_parallel)
+    mesh = mesh or backend.make_mesh(platform, ec.tensor_parallel)
+    return execution.plan_execution(ec, cfg, platform, mesh, layout), mesh, layout
+
+
+def _place_weights(
+    tensors: Mapping[str, np.ndarray],
+    cfg: ModelConfig,
+    ec: EngineConfig,
+    mesh: Mesh,
+    layout: backend.TPLayout,
+    plan: ExecutionPlan,
+) -> PlacedWeights:
+    return placement.place_weights(
+        tensors,
+        cfg,
+        mesh,
+        layout,
+        plan.compute_dtype,
+        ec.weight_dtype,
+        pack_bf16x3=plan.precision.value == "high",
+        huge_pages=plan.weight_pages.value == "huge",
+    )
+
+
+def _log_loaded(ec: EngineConfig, plan: ExecutionPlan, kv: tuple[jax.Array, jax.Array], lap: _Laps) -> None:
+    kv_mib = sum(x.nbytes for x in kv) >> 20
+    parts = ", ".join(f"{k.replace('_', ' ')} {v:.1f} s" for k, v in lap.seconds.items())
+    log.info("loaded %s in %.1f s (%s; KV cache %d MiB)", ec.model_dir, time.perf_counter() - lap.t0, parts, kv_mib)
+    for line in plan.lines():
+        log.info("%s", line)
+
+
+def _compile(
+    cfg: ModelConfig,
+    ec: EngineConfig,
+    mesh: Mesh,
+    layout: backend.TPLayout,
+    plan: ExecutionPlan,
+    weights: PlacedWeights,
+    kv: tuple[jax.Array, jax.Array],
+) -> tuple[StepPacker, StepProgram, StepCompiler]:
+    """The packer of the step's inputs, the step program traced from the plan's dispatch, and
+    the (empty) table of its compiled variants."""
+    assert plan.step_kernels is not None, "the plan is measured"
+    packer = StepPacker(
+        block_size=ec.block_size,
+        num_kv_blocks=ec.num_kv_blocks,
+        max_model_len=ec.max_model_len or cfg.max_position_embeddings,
+        max_blocks=plan.max_blocks,
+        chunk_blocks=plan.chunk_blocks,
+        spec_tokens=ec.spec_tokens,
+        vocab_size=cfg.vocab_size,
+    )
+    program = StepProgram(cfg, plan.step_kernels, packer, mesh, layout.kv_spec, ec.max_logprobs, weights.params, kv)
+    return packer, program, StepCompiler(program.compile, plan.variants)
+
+
+def _ready(compiler: StepCompiler, plan: ExecutionPlan, warmup: Warmup) -> None:
+    """The variants compiled ahead of time as `warmup` asks."""
+    if warmup == "none":
+        return
+    t0 = time.perf_counter()
+    compiler.warm_up(plan.startup_variants, background=warmup == "background")
+    if warmup == "all":
+        log.info("compiled %d step variants in %.1f s", compiler.num_compiled, time.perf_counter() - t0)
