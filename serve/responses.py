@@ -38,8 +38,21 @@ from serve.wire import (
     NamedToolChoice,
     ResponseDoc,
     ResponseFormat,
+    ResponsesEvent,
+    ResponsesFunctionCall,
+    ResponsesIncomplete,
+    ResponsesInputDetails,
     ResponsesItem,
+    ResponsesMessageItem,
+    ResponsesOutputDetails,
+    ResponsesOutputItem,
+    ResponsesOutputText,
     ResponsesRequest,
+    ResponsesText,
+    ResponsesTextFormat,
+    ResponsesTool,
+    ResponsesToolChoice,
+    ResponsesUsage,
     Tool,
     ToolCall,
     encoder,
@@ -187,52 +200,28 @@ def _call_item_id(job: Job, index: int) -> str:
     return f"fc_{job.id[5:]}_{index}"
 
 
-def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
-    part = {"type": "output_text", "text": text, "annotations": []}
-    return {
-        "type": "message",
-        "id": item_id,
-        "status": status,
-        "role": "assistant",
-        "content": [part] if text or status == "completed" else [],
-    }
+def _message_item(item_id: str, text: str, status: str) -> ResponsesMessageItem:
+    parts = [ResponsesOutputText(text)] if text or status == "completed" else []
+    return ResponsesMessageItem(item_id, status, "assistant", parts)
 
 
-def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
-    return {
-        "type": "function_call",
-        "id": item_id,
-        "call_id": call_id,
-        "name": name,
-        "arguments": arguments,
-        "status": status,
-    }
-
-
-def output_items(job: Job, c: Choice) -> list[dict[str, Any]]:
+def output_items(job: Job, c: Choice) -> list[ResponsesOutputItem]:
     text = "".join(c.text)
-    items = [_message_item(_message_id(job), text, "completed")] if text else []
+    items: list[ResponsesOutputItem] = [_message_item(_message_id(job), text, "completed")] if text else []
     for i, (call_id, call) in enumerate(zip(c.call_ids, c.parser.calls if c.parser else [], strict=True)):
-        items.append(_call_item(_call_item_id(job, i), call_id, call.name, call.arguments_text, "completed"))
+        items.append(ResponsesFunctionCall(_call_item_id(job, i), call_id, call.name, call.arguments_text, "completed"))
     return items
 
 
 def response_doc(
-    job: Job, req: ResponsesRequest, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None
+    job: Job, req: ResponsesRequest, status: str, output: list[ResponsesOutputItem], usage: ResponsesUsage | None
 ) -> ResponseDoc:
-    incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
+    incomplete = ResponsesIncomplete("max_output_tokens") if status == "incomplete" else None
     tools = [
-        {
-            "type": "function",
-            "name": t.name,
-            "description": t.description,
-            "parameters": t.parameters,
-            "strict": t.strict,
-        }
+        ResponsesTool(type="function", name=t.name, description=t.description, parameters=t.parameters, strict=t.strict)
         for t in req.tools or []
     ]
     fmt = req.text.format if req.text is not None else None
-    shown = {"type": "text"} if fmt is None else {k: v for k, v in msgspec.structs.asdict(fmt).items() if v is not None}
     choice = req.tool_choice
     return ResponseDoc(
         id=job.id,
@@ -248,24 +237,22 @@ def response_doc(
         parallel_tool_calls=req.parallel_tool_calls is not False,
         temperature=req.temperature,
         top_p=req.top_p,
-        tool_choice=choice if isinstance(choice, str) or choice is None else {"type": "function", "name": choice.name},
+        tool_choice=choice
+        if isinstance(choice, str) or choice is None
+        else ResponsesToolChoice(type="function", name=choice.name),
         tools=tools,
-        text={"format": shown},
+        text=ResponsesText(format=fmt or ResponsesTextFormat(type="text")),
         max_output_tokens=req.max_output_tokens,
         previous_response_id=req.previous_response_id,
         store=req.store is not False,
     )
 
 
-def usage(job: Job) -> dict[str, Any]:
+def usage(job: Job) -> ResponsesUsage:
     c = job.choices[0]
-    return {
-        "input_tokens": c.prompt_len,
-        "input_tokens_details": {"cached_tokens": 0},
-        "output_tokens": c.num_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
-        "total_tokens": c.prompt_len + c.num_tokens,
-    }
+    return ResponsesUsage(
+        c.prompt_len, ResponsesInputDetails(0), c.num_tokens, ResponsesOutputDetails(0), c.prompt_len + c.num_tokens
+    )
 
 
 def finished(job: Job, req: ResponsesRequest, store: ResponseStore, turns: list[ChatMessage]) -> ResponseDoc:
@@ -291,18 +278,22 @@ class Stream:
         self.job, self.req = job, req
         self.seq = 0
         self.index = -1  # output index of the open item
-        self.open: dict[str, Any] | None = None  # the open item
-        self.items: list[dict[str, Any]] = []
-        self.text = ""
+        self.open: ResponsesOutputItem | None = None  # the open item, as it was added
+        self.text = ""  # the open message's text so far
+        self.arguments = ""  # the open call's arguments so far
 
-    def event(self, kind: str, **fields: Any) -> bytes:
-        doc = {"type": kind, "sequence_number": self.seq, **fields}
+    def event(self, **fields: Any) -> bytes:
+        """One event (`type` and its fields), numbered."""
+        doc = ResponsesEvent(sequence_number=self.seq, **fields)
         self.seq += 1
-        return sse.event(encoder.encode(doc), kind)
+        return sse.event(encoder.encode(doc), doc.type)
 
     def start(self) -> list[bytes]:
-        doc = msgspec.structs.asdict(response_doc(self.job, self.req, "in_progress", [], None))
-        return [self.event("response.created", response=doc), self.event("response.in_progress", response=doc)]
+        doc = response_doc(self.job, self.req, "in_progress", [], None)
+        return [
+            self.event(type="response.created", response=doc),
+            self.event(type="response.in_progress", response=doc),
+        ]
 
     def deliver(self, c: Choice, events: list[Event]) -> list[bytes]:
         out: list[bytes] = []
@@ -310,23 +301,14 @@ class Stream:
             if isinstance(e, str):
                 if not e:
                     continue
-                if self.open is None or self.open["type"] != "message":
+                if not isinstance(self.open, ResponsesMessageItem):
                     out += self._close()
                     out += self._add(_message_item(_message_id(self.job), "", "in_progress"))
-                    part = {"type": "output_text", "text": "", "annotations": []}
-                    out.append(
-                        self.event(
-                            "response.content_part.added",
-                            item_id=self.open_id,
-                            output_index=self.index,
-                            content_index=0,
-                            part=part,
-                        )
-                    )
+                    out.append(self._part("response.content_part.added", ResponsesOutputText("")))
                 self.text += e
                 out.append(
                     self.event(
-                        "response.output_text.delta",
+                        type="response.output_text.delta",
                         item_id=self.open_id,
                         output_index=self.index,
                         content_index=0,
@@ -335,14 +317,16 @@ class Stream:
                 )
             elif isinstance(e, CallStart):
                 out += self._close()
-                item = _call_item(_call_item_id(self.job, e.index), c.call_ids[e.index], e.name, "", "in_progress")
-                out += self._add(item)
+                call_id = c.call_ids[e.index]
+                out += self._add(
+                    ResponsesFunctionCall(_call_item_id(self.job, e.index), call_id, e.name, "", "in_progress")
+                )
             elif isinstance(e, CallArgs):
                 assert self.open is not None
-                self.open["arguments"] += e.text
+                self.arguments += e.text
                 out.append(
                     self.event(
-                        "response.function_call_arguments.delta",
+                        type="response.function_call_arguments.delta",
                         item_id=self.open_id,
                         output_index=self.index,
                         delta=e.text,
@@ -355,59 +339,54 @@ class Stream:
     @property
     def open_id(self) -> str:
         assert self.open is not None
-        return str(self.open["id"])
+        return self.open.id
 
-    def _add(self, item: dict[str, Any]) -> list[bytes]:
+    def _part(self, kind: str, part: ResponsesOutputText) -> bytes:
+        return self.event(type=kind, item_id=self.open_id, output_index=self.index, content_index=0, part=part)
+
+    def _add(self, item: ResponsesOutputItem) -> list[bytes]:
         self.index += 1
         self.open = item
-        return [self.event("response.output_item.added", output_index=self.index, item=dict(item))]
+        return [self.event(type="response.output_item.added", output_index=self.index, item=item)]
 
     def _close(self) -> list[bytes]:
         item = self.open
         if item is None:
             return []
         out = []
-        if item["type"] == "message":
-            part = {"type": "output_text", "text": self.text, "annotations": []}
+        done: ResponsesOutputItem
+        if isinstance(item, ResponsesMessageItem):
             out.append(
                 self.event(
-                    "response.output_text.done",
-                    item_id=item["id"],
+                    type="response.output_text.done",
+                    item_id=item.id,
                     output_index=self.index,
                     content_index=0,
                     text=self.text,
                 )
             )
-            out.append(
-                self.event(
-                    "response.content_part.done",
-                    item_id=item["id"],
-                    output_index=self.index,
-                    content_index=0,
-                    part=part,
-                )
-            )
-            item = _message_item(item["id"], self.text, "completed")
+            out.append(self._part("response.content_part.done", ResponsesOutputText(self.text)))
+            done = _message_item(item.id, self.text, "completed")
             self.text = ""
         else:
             out.append(
                 self.event(
-                    "response.function_call_arguments.done",
-                    item_id=item["id"],
+                    type="response.function_call_arguments.done",
+                    item_id=item.id,
                     output_index=self.index,
-                    arguments=item["arguments"],
+                    arguments=self.arguments,
                 )
             )
-            item = {**item, "status": "completed"}
-        self.items.append(item)
-        out.append(self.event("response.output_item.done", output_index=self.index, item=item))
+            done = msgspec.structs.replace(item, arguments=self.arguments, status="completed")
+            self.arguments = ""
+        out.append(self.event(type="response.output_item.done", output_index=self.index, item=done))
         self.open = None
         return out
 
     def end(self, doc: ResponseDoc) -> bytes:
         """`response.completed` carrying the response, whose `status` says "incomplete" on a length
         cut: the official client's stream helper takes only that event as the end."""
-        return self.event("response.completed", response=msgspec.structs.asdict(doc))
+        return self.event(type="response.completed", response=doc)
 
 
 async def stream(job: Job, req: ResponsesRequest, out: Sender, ping_s: float, done: Callable[[], ResponseDoc]) -> None:
@@ -424,5 +403,5 @@ async def stream(job: Job, req: ResponsesRequest, out: Sender, ping_s: float, do
     except ApiError as e:
         job.abort()
         log_server_error(out, e)
-        await out.chunk(s.event("error", code=e.code, message=e.message, param=e.param))
+        await out.chunk(s.event(type="error", code=e.code, message=e.message, param=e.param))
     await out.end()

@@ -507,7 +507,9 @@ class ResponsesToolChoice(Struct, kw_only=True):
     name: str
 
 
-class ResponsesTextFormat(Struct, kw_only=True):
+class ResponsesTextFormat(Struct, kw_only=True, omit_defaults=True):
+    """`text.format` as asked for, and as a response shows it (what was not given left out)."""
+
     type: Literal["text", "json_object", "json_schema"]
     name: str | None = None
     schema: dict[str, Any] | None = None
@@ -537,6 +539,55 @@ class ResponsesRequest(Struct, kw_only=True):
     user: str | None = None
 
 
+class ResponsesOutputText(Struct, frozen=True, tag="output_text", tag_field="type"):
+    """A message item's text part."""
+
+    text: str
+    annotations: list[Any] = []  # none are made
+
+
+class ResponsesMessageItem(Struct, frozen=True, tag="message", tag_field="type"):
+    """An output item: the assistant's text (no part while a streamed one is still empty)."""
+
+    id: str
+    status: str  # "in_progress" | "completed"
+    role: str  # "assistant"
+    content: list[ResponsesOutputText]
+
+
+class ResponsesFunctionCall(Struct, frozen=True, tag="function_call", tag_field="type"):
+    """An output item: one call of a function tool (`call_id` is what its output answers)."""
+
+    id: str
+    call_id: str
+    name: str
+    arguments: str  # JSON text
+    status: str  # "in_progress" | "completed"
+
+
+ResponsesOutputItem = ResponsesMessageItem | ResponsesFunctionCall
+
+
+class ResponsesIncomplete(Struct, frozen=True):
+    reason: str  # "max_output_tokens"
+
+
+class ResponsesInputDetails(Struct, frozen=True):
+    cached_tokens: int
+
+
+class ResponsesOutputDetails(Struct, frozen=True):
+    reasoning_tokens: int
+
+
+class ResponsesUsage(Struct, frozen=True):
+    input_tokens: int
+    input_tokens_details: ResponsesInputDetails
+    output_tokens: int
+    output_tokens_details: ResponsesOutputDetails
+    total_tokens: int
+
+
 class ResponseDoc(Struct, frozen=True):
     """A response object (its `output` items and `usage` as OpenAI's API has them)."""
 
@@ -544,38 +595,44 @@ class ResponseDoc(Struct, frozen=True):
     object: str  # "response"
     created_at: int
     status: str  # "completed" | "incomplete" | "in_progress"
-    incomplete_details: dict[str, str] | None
+    incomplete_details: ResponsesIncomplete | None
     model: str
-    output: list[dict[str, Any]]
-    usage: dict[str, Any] | None
+    output: list[ResponsesOutputItem]
+    usage: ResponsesUsage | None
     instructions: str | None
     metadata: dict[str, str]
     parallel_tool_calls: bool
     temperature: float | None
     top_p: float | None
-    tool_choice: Any
-    tools: list[dict[str, Any]]
-    text: dict[str, Any]
+    tool_choice: Literal["none", "auto", "required"] | ResponsesToolChoice | None
+    tools: list[ResponsesTool]
+    text: ResponsesText
     max_output_tokens: int | None
     previous_response_id: str | None
     store: bool
-    error: dict[str, Any] | None = None
+    error: dict[str, Any] | None = None  # never set: a failed request is an error status or event
 
 
-class ResponsesEvent(Struct, frozen=True, omit_defaults=True):
-    """One event of a streamed response; every one carries its `sequence_number`."""
+class ResponsesEvent(Struct, frozen=True, kw_only=True):
+    """One event of a streamed response; every one carries its `sequence_number`: the response
+    (response.created, .in_progress, .completed), an output item added or done (output_index,
+    item), a content part added or done (item_id, output_index, content_index, part), a text
+    or arguments delta or their end (delta, text, arguments), or an error (code, message, param)."""
 
     type: str
     sequence_number: int
-    response: dict[str, Any] | None = None
-    output_index: int | None = None
-    item: dict[str, Any] | None = None
-    item_id: str | None = None
-    content_index: int | None = None
-    part: dict[str, Any] | None = None
-    delta: str | None = None
-    text: str | None = None
-    arguments: str | None = None
+    response: ResponseDoc | UnsetType = UNSET
+    item_id: str | UnsetType = UNSET
+    output_index: int | UnsetType = UNSET
+    item: ResponsesOutputItem | UnsetType = UNSET
+    content_index: int | UnsetType = UNSET
+    part: ResponsesOutputText | UnsetType = UNSET
+    delta: str | UnsetType = UNSET
+    text: str | UnsetType = UNSET
+    arguments: str | UnsetType = UNSET
+    code: str | None | UnsetType = UNSET
+    message: str | UnsetType = UNSET
+    param: str | None | UnsetType = UNSET
 
 
 class DeletedResponse(Struct, frozen=True):
