@@ -234,7 +234,7 @@ def error_event(e: ApiError) -> bytes:
     return sse.event(e.anthropic_body(), "error")
 
 
-class Presenter:
+class MessagesPresenter:
     """The Messages API's shapes for a Job (serve/generate.py's Presenter)."""
 
     id_prefix = "msg_"

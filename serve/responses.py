@@ -389,6 +389,23 @@ class Stream:
         return self.event(type="response.completed", response=doc)
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class ResponsesPresenter:
+    """The Responses API's shapes for a Job (serve/generate.py's Presenter): the finished response
+    (stored unless `store` is false), or its event stream ending with it."""
+
+    id_prefix = "resp_"
+    req: ResponsesRequest
+    store: ResponseStore
+    turns: list[ChatMessage]
+
+    def document(self, job: Job) -> bytes:
+        return encoder.encode(finished(job, self.req, self.store, self.turns))
+
+    async def stream(self, job: Job, out: Sender, ping_s: float) -> None:
+        await stream(job, self.req, out, ping_s, lambda: finished(job, self.req, self.store, self.turns))
+
+
 async def stream(job: Job, req: ResponsesRequest, out: Sender, ping_s: float, done: Callable[[], ResponseDoc]) -> None:
     """The streamed response (after admission); a failure after the first byte is an `error` event."""
     from serve.generate import pump

@@ -1,7 +1,8 @@
 """The /v1 route handlers: chat, completions, embeddings, tokenize, detokenize, models.
 
 Owns decoding each body into its wire Struct (msgspec errors -> 400 with param), and the
-documents of the non-generation routes. Generation itself lives in serve/generate.py.
+documents of the non-generation routes. Generation itself lives in serve/generate.py, its
+shapes in each dialect's Presenter (serve/chat.py, serve/anthropic.py, serve/responses.py).
 Handlers get a Ctx (engine, metrics, request, sender, watcher) and either send a response
 or raise ApiError before sending anything. Tested through tests/test_serve_app.py.
 """
@@ -19,8 +20,7 @@ from typing import Any, TypeVar
 import msgspec
 
 from serve import errors
-from serve.anthropic import Presenter as AnthropicPresenter
-from serve.anthropic import count_tokens, messages_spec
+from serve.anthropic import MessagesPresenter, count_tokens, messages_spec
 from serve.asgi import DisconnectWatcher, Request, Sender
 from serve.chat import ChatPresenter, CompletionPresenter
 from serve.generate import Job, Presenter, respond
@@ -33,15 +33,13 @@ from serve.params import (
     prompt_token_lists,
     render_chat,
 )
-from serve.responses import ResponseStore, conversation, finished, responses_spec
-from serve.responses import stream as stream_response
+from serve.responses import ResponsesPresenter, ResponseStore, conversation, responses_spec
 from serve.wire import (
     AnthropicEvent,
     AnthropicMessageDoc,
     BackendCard,
     ChatCompletion,
     ChatCompletionChunk,
-    ChatMessage,
     ChatRequest,
     Completion,
     CompletionRequest,
@@ -286,25 +284,11 @@ async def model(ctx: Ctx) -> None:
     await ctx.out.whole(200, encoder.encode(_card(ctx)))
 
 
-@dataclass(frozen=True, slots=True)
-class _ResponsesPresenter:
-    id_prefix = "resp_"
-    req: ResponsesRequest
-    store: ResponseStore
-    turns: list[ChatMessage]
-
-    def document(self, job: Job) -> bytes:
-        return encoder.encode(finished(job, self.req, self.store, self.turns))
-
-    async def stream(self, job: Job, out: Sender, ping_s: float) -> None:
-        await stream_response(job, self.req, out, ping_s, lambda: finished(job, self.req, self.store, self.turns))
-
-
 async def responses_create(ctx: Ctx) -> None:
     req = decode(ctx.body, ResponsesRequest)
     check_model(req.model, ctx.info)
     turns = conversation(req, ctx.store)
-    present = _ResponsesPresenter(req, ctx.store, turns)
+    present = ResponsesPresenter(req, ctx.store, turns)
     await _generate(ctx, lambda: responses_spec(req, ctx.info, turns), present)
 
 
@@ -340,7 +324,7 @@ class Route:
 
 async def messages(ctx: Ctx) -> None:
     req = decode(ctx.body, MessagesRequest)
-    await _generate(ctx, lambda: messages_spec(req, ctx.info), AnthropicPresenter())
+    await _generate(ctx, lambda: messages_spec(req, ctx.info), MessagesPresenter())
 
 
 async def messages_count_tokens(ctx: Ctx) -> None:
