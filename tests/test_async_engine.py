@@ -20,7 +20,7 @@ from fake_engine import (
 )
 from test_grammar import nested_any_of
 
-from tl.core.async_engine import Abort, Add, AddEmbedding, AsyncEngine, EngineError
+from tl.core.async_engine import Abort, Add, AddEmbedding, AsyncEngine, EngineError, Outbox
 from tl.core.config import EngineConfig
 from tl.core.engine import Engine
 from tl.core.request import (
@@ -79,6 +79,33 @@ def test_generates_on_its_thread(build: Callable[..., AsyncEngine]) -> None:
         assert not eng.engine.runner.closed  # type: ignore[attr-defined]
         eng.shutdown()
         assert eng.engine.runner.closed  # type: ignore[attr-defined]  # background compilation stopped
+
+    run(body)
+
+
+@pytest.mark.parametrize("build", BUILDERS)
+def test_handles_sharing_an_outbox_deliver_there_tagged_with_their_keys(build: Callable[..., AsyncEngine]) -> None:
+    """Two generations submitted with one Outbox: every output lands in its queue as (key, list),
+    each handle is done once its finishing list is there, and an abort after sends nothing."""
+
+    async def body() -> None:
+        eng = build(EngineConfig(block_size=4))
+        eng.start()
+        merged: asyncio.Queue[tuple[int, list[TokenOut] | BaseException]] = asyncio.Queue()
+        handles = [eng.submit(GenRequest((p,), GREEDY), Outbox(merged, k)) for k, p in enumerate((97, 65))]
+        got: dict[int, list[int]] = {0: [], 1: []}
+        ended: set[int] = set()
+        while len(ended) < 2:
+            key, item = await merged.get()
+            assert isinstance(item, list) and key not in ended
+            got[key] += [o.token_id for o in item]
+            ended |= {key} if item[-1].finish_reason is not None else set()
+        assert got == {0: [98, 99, 100], 1: [66, 67, 68]} and merged.empty()
+        assert all(h.done for h in handles)
+        handles[0].abort()  # done: nothing is sent
+        await eng.call(lambda: None)
+        assert merged.empty()
+        eng.shutdown()
 
     run(body)
 
