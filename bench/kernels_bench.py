@@ -64,9 +64,11 @@ def _attention_chain(attention: Callable[..., Any]) -> Callable[..., Any]:
     import jax
     import jax.numpy as jnp
 
+    from kernels.paged_attention import AttnArgs
+
     def chain(q: Any, kv_new: Any, k: Any, v: Any, meta: Any) -> Any:
         for layer in range(L):  # each layer's query depends on the last layer's output
-            q = q + 1e-3 * attention(q, kv_new, kv_new, k, v, jnp.int32(layer), meta)
+            q = q + 1e-3 * attention(AttnArgs(q, kv_new, kv_new, k, v, jnp.int32(layer), meta))
         return q
 
     return jax.jit(chain)

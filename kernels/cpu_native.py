@@ -56,7 +56,7 @@ from jax import lax
 
 from kernels import cpu_build
 from kernels.cpu_build import NativeUnavailable
-from kernels.paged_attention import AttnMetadata, local_state
+from kernels.paged_attention import AttnArgs, AttnMetadata, grouped_query, local_state
 
 __all__ = [
     "NativeLib",
@@ -247,63 +247,33 @@ class NativeLib:
             meta.block_tables.astype(i32),
         )
 
-    def paged_attention(
-        self,
-        q: jax.Array,
-        k_new: jax.Array,
-        v_new: jax.Array,
-        k_cache: jax.Array,
-        v_cache: jax.Array,
-        layer: jax.Array,
-        meta: AttnMetadata,
-    ) -> jax.Array:
-        """Same contract as kernels.paged_attention.paged_attention: steps of at most
-        SMALL_MAX_TOKENS tokens in one call (`small_path`), larger ones in two parts."""
-        if q.shape[0] <= SMALL_MAX_TOKENS:
-            return self.small_path(q, k_new, v_new, k_cache, v_cache, layer, meta)
-        return self.two_part_attention(q, k_new, v_new, k_cache, v_cache, layer, meta)
+    def paged_attention(self, a: AttnArgs) -> jax.Array:
+        """kernels/paged_attention.py's `PagedAttention`: steps of at most SMALL_MAX_TOKENS tokens
+        in one call (`small_path`), larger ones in two parts."""
+        if a.q.shape[0] <= SMALL_MAX_TOKENS:
+            return self.small_path(a)
+        return self.two_part_attention(a)
 
-    def small_path(
-        self,
-        q: jax.Array,
-        k_new: jax.Array,
-        v_new: jax.Array,
-        k_cache: jax.Array,
-        v_cache: jax.Array,
-        layer: jax.Array,
-        meta: AttnMetadata,
-    ) -> jax.Array:
+    def small_path(self, a: AttnArgs) -> jax.Array:
         """`paged_attention` by the one-call kernel (steps of at most SMALL_MAX_TOKENS tokens)."""
-        T, Hq, hd = q.shape
-        qg = q.reshape(T, k_new.shape[1], Hq // k_new.shape[1], hd).astype(jnp.float32) * (hd**-0.5)
-        return self.small_attention(qg, k_new, v_new, k_cache, v_cache, layer, meta).reshape(T, Hq, hd).astype(q.dtype)
+        out = self.small_attention(grouped_query(a), a.k_new, a.v_new, a.k_cache, a.v_cache, a.layer, a.meta)
+        return out.reshape(a.q.shape).astype(a.q.dtype)
 
-    def two_part_attention(
-        self,
-        q: jax.Array,
-        k_new: jax.Array,
-        v_new: jax.Array,
-        k_cache: jax.Array,
-        v_cache: jax.Array,
-        layer: jax.Array,
-        meta: AttnMetadata,
-    ) -> jax.Array:
+    def two_part_attention(self, a: AttnArgs) -> jax.Array:
         """`paged_attention` for steps of more than SMALL_MAX_TOKENS tokens: the local part (tiled),
         the cached part when any sequence has cached keys, merged by log-sum-exp."""
-        T, Hq, hd = q.shape
-        Hk = k_new.shape[1]
-        qg = q.reshape(T, Hk, Hq // Hk, hd).astype(jnp.float32) * (hd**-0.5)
-        m1, l1, acc1 = self.local_state(qg, k_new.astype(jnp.float32), v_new.astype(jnp.float32), meta)
+        qg = grouped_query(a)
+        m1, l1, acc1 = self.local_state(qg, a.k_new.astype(jnp.float32), a.v_new.astype(jnp.float32), a.meta)
 
         def with_cached() -> jax.Array:
-            m2, l2, acc2 = self.cached_state(qg, k_cache, v_cache, layer, meta)
+            m2, l2, acc2 = self.cached_state(qg, a.k_cache, a.v_cache, a.layer, a.meta)
             m = jnp.maximum(m1, m2)  # m1 is finite: the local part keeps the diagonal
             c1, c2 = jnp.exp(m1 - m), jnp.exp(m2 - m)
             return (acc1 * c1[..., None] + acc2 * c2[..., None]) / (l1 * c1 + l2 * c2)[..., None]
 
         # A step of fresh prompts only (no cached keys anywhere) skips the call and its merge.
-        out = lax.cond(jnp.any(meta.start_pos > 0), with_cached, lambda: acc1 / l1[..., None])
-        return out.reshape(T, Hq, hd).astype(q.dtype)
+        out = lax.cond(jnp.any(a.meta.start_pos > 0), with_cached, lambda: acc1 / l1[..., None])
+        return out.reshape(a.q.shape).astype(a.q.dtype)
 
 
 _libraries: dict[str, NativeLib] = {}

@@ -1,9 +1,10 @@
 """Attention of a flat, ragged token axis over a paged KV cache: one interface, a plain-jnp reference.
 
-Owns: `AttnMetadata` (what every implementation gets) and `paged_attention`, the reference that
-accelerator kernels (Pallas, issue 6) must match. Must not: write the cache (the model writes this
-step's keys before calling), know about requests or buckets. Tested by tests/test_paged_attention.py
-against a naive gather-everything-and-mask reference.
+Owns: the one call every implementation has (`PagedAttention`: one `AttnArgs` -> [T,Hq,hd]),
+`AttnMetadata` (the step's layout inside it) and `paged_attention`, the reference that
+accelerator kernels (Pallas, issue 6) and the native CPU one must match. Must not: write the
+cache (the model writes this step's keys before calling), know about requests or buckets.
+Tested by tests/test_paged_attention.py against a naive gather-everything-and-mask reference.
 
 The token axis mixes sequences: prefill chunks, decodes, drafts, padding. Token t belongs to
 sequence `seq_idx[t]` (-1 for padding), sits at `positions[t]`, and sees keys at positions <=
@@ -33,7 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, TypeAlias
+from typing import Any, NamedTuple, Protocol, TypeAlias
 
 import jax
 import jax.numpy as jnp
@@ -70,6 +71,29 @@ jax.tree_util.register_dataclass(
 )
 
 
+class AttnArgs(NamedTuple):
+    """One layer's attention call: what every implementation takes (`PagedAttention`).
+
+    A NamedTuple so that it is a pytree without registration (jit, eval_shape and shard_map's
+    specs take it as it is) and unpacks as the seven arguments it replaces.
+    """
+
+    q: Operand  # [T, Hq, hd]
+    k_new: Operand  # [T, Hk, hd]: this step's keys, already written to the cache
+    v_new: Operand  # [T, Hk, hd]
+    k_cache: Operand  # [L, NB, Hk, hd, bs] (stored layout; uint16: bf16 bits)
+    v_cache: Operand  # [L, NB, Hk, bs, hd]
+    layer: Operand  # scalar int32
+    meta: AttnMetadata
+
+
+class PagedAttention(Protocol):
+    """The attention interface: `AttnArgs` -> [T, Hq, hd] in q's dtype, with `paged_attention`'s
+    contract (kernels/select.py picks the implementation; tl/model/llama.py calls it)."""
+
+    def __call__(self, a: AttnArgs, /) -> jax.Array: ...
+
+
 K_AXES = (0, 1, 3, 4, 2)  # stored K axes, as logical [L, NB, bs, Hk, hd] axes: [L, NB, Hk, hd, bs]
 V_AXES = (0, 1, 3, 2, 4)  # stored V: [L, NB, Hk, bs, hd]
 
@@ -95,10 +119,11 @@ def to_stored(kind: str, logical: Any) -> Any:
     return logical.transpose(_axes(kind))
 
 
-def layer_pages(cache: jax.Array, kind: str, layer: jax.Array) -> jax.Array:
-    """One layer of a stored cache as logical pages [NB, bs, Hk, hd] (a copy: for kernels with their own layout)."""
+def layer_pages(cache: jax.Array, kind: str, layer: jax.Array, dtype: Any) -> jax.Array:
+    """One layer of a stored cache as logical pages [NB, bs, Hk, hd] in dtype (uint16 caches hold
+    bf16 bits; a copy: for kernels with their own layout)."""
     x = cache[layer]
-    return x.transpose(0, 3, 1, 2) if _is_k(kind) else x.transpose(0, 2, 1, 3)
+    return _decode(x.transpose(0, 3, 1, 2) if _is_k(kind) else x.transpose(0, 2, 1, 3), dtype)
 
 
 def write_kv(
@@ -275,25 +300,22 @@ def _cached(
     return _cached_per_token(qg, k_cache, v_cache, layer, meta, state)
 
 
-def paged_attention(
-    q: jax.Array,
-    k_new: jax.Array,
-    v_new: jax.Array,
-    k_cache: jax.Array,
-    v_cache: jax.Array,
-    layer: jax.Array,
-    meta: AttnMetadata,
-) -> jax.Array:
-    """Reference: q [T,Hq,hd], k_new/v_new [T,Hk,hd] (this step's keys, already written to the
-    cache), k_cache [L,NB,Hk,hd,bs] / v_cache [L,NB,Hk,bs,hd] (stored layout), layer: scalar int32
-    -> [T,Hq,hd] in q's dtype.
+def grouped_query(a: AttnArgs) -> jax.Array:
+    """q [T,Hq,hd] as float32 [T,Hk,G,hd] (G consecutive query heads a KV head), scaled by 1/sqrt(hd)."""
+    T, Hq, hd = a.q.shape
+    Hk = a.k_new.shape[1]
+    return a.q.reshape(T, Hk, Hq // Hk, hd).astype(jnp.float32) * (hd**-0.5)
+
+
+def paged_attention(a: AttnArgs) -> jax.Array:
+    """Reference (`PagedAttention`): q [T,Hq,hd], k_new/v_new [T,Hk,hd] (this step's keys, already
+    written to the cache), k_cache [L,NB,Hk,hd,bs] / v_cache [L,NB,Hk,bs,hd] (stored layout),
+    layer: scalar int32 -> [T,Hq,hd] in q's dtype.
 
     Softmax scale 1/sqrt(hd); GQA groups Hq/Hk consecutive query heads per KV head. Computed in
     float32. Kernels may read this step's keys from the cache instead of k_new/v_new.
     """
-    T, Hq, hd = q.shape
-    Hk = k_new.shape[1]
-    qg = q.reshape(T, Hk, Hq // Hk, hd).astype(jnp.float32) * (hd**-0.5)
-    state = local_state(qg, k_new.astype(jnp.float32), v_new.astype(jnp.float32), meta)
-    _, l, acc = _cached(qg, k_cache, v_cache, layer, meta, state)
-    return (acc / l[..., None]).reshape(T, Hq, hd).astype(q.dtype)
+    qg = grouped_query(a)
+    state = local_state(qg, a.k_new.astype(jnp.float32), a.v_new.astype(jnp.float32), a.meta)
+    _, l, acc = _cached(qg, a.k_cache, a.v_cache, a.layer, a.meta, state)
+    return (acc / l[..., None]).reshape(a.q.shape).astype(a.q.dtype)

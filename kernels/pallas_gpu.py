@@ -31,19 +31,11 @@ module, this file has to carry the kernel itself.
 from __future__ import annotations
 
 import warnings
-from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
-from kernels.paged_attention import AttnMetadata, layer_pages
-
-
-def _load_layer(cache: jax.Array, kind: str, layer: jax.Array, dtype: Any) -> jax.Array:
-    """One layer as logical pages [pages, bs, Hk, hd], decoded (uint16 caches hold bf16 bits)."""
-    x = layer_pages(cache, kind, layer)
-    return lax.bitcast_convert_type(x, jnp.bfloat16).astype(dtype) if x.dtype == jnp.uint16 else x.astype(dtype)
+from kernels.paged_attention import AttnArgs, layer_pages
 
 
 def _pick_pages_per_block(max_blocks: int, block_size: int) -> int:
@@ -54,32 +46,22 @@ def _pick_pages_per_block(max_blocks: int, block_size: int) -> int:
     return 1
 
 
-def paged_attention(
-    q: jax.Array,
-    k_new: jax.Array,
-    v_new: jax.Array,
-    k_cache: jax.Array,
-    v_cache: jax.Array,
-    layer: jax.Array,
-    meta: AttnMetadata,
-    *,
-    interpret: bool = False,
-) -> jax.Array:
-    """Same contract as kernels.paged_attention.paged_attention; reads this step's keys from the cache."""
+def paged_attention(a: AttnArgs, *, interpret: bool = False) -> jax.Array:
+    """kernels/paged_attention.py's `PagedAttention`; reads this step's keys from the cache."""
     with warnings.catch_warnings():
         warnings.filterwarnings(
             "ignore", "jax.experimental.pallas.ops.gpu.paged_attention is deprecated", DeprecationWarning
         )
         from jax.experimental.pallas.ops.gpu import paged_attention as gpu
 
-    del k_new, v_new
+    q, meta = a.q, a.meta
     hd = q.shape[-1]
     dtype = jnp.bfloat16 if q.dtype == jnp.bfloat16 else jnp.float32
     real = meta.seq_idx >= 0
     tables = meta.block_tables[jnp.where(real, meta.seq_idx, 0)]  # [T, MB]
     lengths = jnp.where(real, meta.positions + 1, 1).astype(jnp.int32)  # [T]
-    k_pages = _load_layer(k_cache, "k", layer, dtype).transpose(2, 0, 1, 3)  # [Hk, NB, bs, hd]
-    v_pages = _load_layer(v_cache, "v", layer, dtype).transpose(2, 0, 1, 3)
+    k_pages = layer_pages(a.k_cache, "k", a.layer, dtype).transpose(2, 0, 1, 3)  # [Hk, NB, bs, hd]
+    v_pages = layer_pages(a.v_cache, "v", a.layer, dtype).transpose(2, 0, 1, 3)
     bs = k_pages.shape[2]
     per_block = _pick_pages_per_block(tables.shape[1], bs)
     if not interpret and (hd < 16 or per_block * bs < 16):

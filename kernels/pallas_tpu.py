@@ -23,15 +23,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
-from kernels.paged_attention import AttnMetadata, layer_pages
-
-
-def _load_layer(cache: jax.Array, kind: str, layer: jax.Array, dtype: Any) -> jax.Array:
-    """One layer as logical pages [pages, bs, Hk, hd], decoded (uint16 caches hold bf16 bits)."""
-    x = layer_pages(cache, kind, layer)
-    return lax.bitcast_convert_type(x, jnp.bfloat16).astype(dtype) if x.dtype == jnp.uint16 else x.astype(dtype)
+from kernels.paged_attention import AttnArgs, AttnMetadata, layer_pages
 
 
 def ragged_inputs(meta: AttnMetadata) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -47,24 +40,13 @@ def ragged_inputs(meta: AttnMetadata) -> tuple[jax.Array, jax.Array, jax.Array]:
 
 def combined_pages(k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array, dtype: Any) -> jax.Array:
     """One layer as the kernel's [pages, block_size, 2*Hk, hd]: K at even head slots, V at odd."""
-    k, v = _load_layer(k_cache, "k", layer, dtype), _load_layer(v_cache, "v", layer, dtype)
+    k, v = layer_pages(k_cache, "k", layer, dtype), layer_pages(v_cache, "v", layer, dtype)
     NB, bs, Hk, hd = k.shape
     return jnp.stack([k, v], axis=3).reshape(NB, bs, 2 * Hk, hd)
 
 
-def paged_attention(
-    q: jax.Array,
-    k_new: jax.Array,
-    v_new: jax.Array,
-    k_cache: jax.Array,
-    v_cache: jax.Array,
-    layer: jax.Array,
-    meta: AttnMetadata,
-    *,
-    interpret: bool = False,
-    impl: Callable[..., jax.Array] | None = None,
-) -> jax.Array:
-    """Same contract as kernels.paged_attention.paged_attention; reads this step's keys from the cache.
+def paged_attention(a: AttnArgs, *, interpret: bool = False, impl: Callable[..., jax.Array] | None = None) -> jax.Array:
+    """kernels/paged_attention.py's `PagedAttention`; reads this step's keys from the cache.
 
     `impl` replaces the kernel (tests pass jax's ref_ragged_paged_attention, which needs
     concrete inputs); `interpret` runs the kernel in Pallas TPU interpret mode.
@@ -72,11 +54,11 @@ def paged_attention(
     from jax.experimental.pallas import tpu as pltpu
     from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel
 
-    del k_new, v_new
+    q, meta = a.q, a.meta
     T, _, hd = q.shape
     dtype = jnp.bfloat16 if q.dtype == jnp.bfloat16 else jnp.float32
     kv_lens, cu_q_lens, num_seqs = ragged_inputs(meta)
-    pages = combined_pages(k_cache, v_cache, layer, dtype)
+    pages = combined_pages(a.k_cache, a.v_cache, a.layer, dtype)
     args = (q.astype(dtype), pages, kv_lens, meta.block_tables.astype(jnp.int32), cu_q_lens, num_seqs)
     if impl is not None:
         out = impl(*args, sm_scale=hd**-0.5)

@@ -30,13 +30,11 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from kernels.cpu_build import NativeUnavailable
-from kernels.paged_attention import AttnMetadata, paged_attention
+from kernels.paged_attention import AttnArgs, PagedAttention, paged_attention
 
 if TYPE_CHECKING:
     from kernels.cpu_native import NativeLib
 
-PagedAttention = Callable[..., jax.Array]
-"""(q [T,Hq,hd], k_new, v_new [T,Hk,hd], k_cache, v_cache (stored layout), layer, meta) -> [T,Hq,hd]."""
 Matmul = Callable[[jax.Array, Any], "jax.Array | None"]
 ArgmaxLse = Callable[[jax.Array], tuple[jax.Array, jax.Array]]
 NATIVE = {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cpu": "cpu_native"}
@@ -107,19 +105,9 @@ def _per_device(fn: PagedAttention, mesh: Mesh) -> PagedAttention:
     """Run fn on each device's heads: q/k/v split by head over "model", metadata replicated."""
     heads, kv = P(None, "model", None), P(None, None, "model", None, None)  # stored K/V: KV heads on axis 2
 
-    def call(
-        q: jax.Array,
-        k_new: jax.Array,
-        v_new: jax.Array,
-        k_cache: jax.Array,
-        v_cache: jax.Array,
-        layer: jax.Array,
-        meta: AttnMetadata,
-    ) -> jax.Array:
-        meta_spec = jax.tree.map(lambda _: P(), meta)
-        return jax.shard_map(
-            fn, mesh=mesh, in_specs=(heads, heads, heads, kv, kv, P(), meta_spec), out_specs=heads, check_vma=False
-        )(q, k_new, v_new, k_cache, v_cache, layer, meta)
+    def call(a: AttnArgs) -> jax.Array:
+        specs = AttnArgs(heads, heads, heads, kv, kv, P(), jax.tree.map(lambda _: P(), a.meta))
+        return jax.shard_map(fn, mesh=mesh, in_specs=(specs,), out_specs=heads, check_vma=False)(a)
 
     return call
 
@@ -129,14 +117,14 @@ def select(
     platform: str,
     mesh: Mesh,
     kv_sharded: bool,
-    probe: tuple[Any, ...],
+    probe: AttnArgs,
     native: NativeLib | None = None,
     why_not: str = "",
 ) -> Choice:
     """The implementation for `requested` ("auto", "reference", "cpu_native", "pallas_tpu", "pallas_gpu").
 
-    probe: ShapeDtypeStructs of one call (q, k_new, v_new, k_cache, v_cache, layer, meta) used
-    for the trial trace. native / why_not: `native_library`'s answer (cpu_native only).
+    probe: one call's arguments as ShapeDtypeStructs, for the trial trace. native / why_not:
+    `native_library`'s answer (cpu_native only).
     """
     name = NATIVE.get(platform, "reference") if requested == "auto" else requested
     if name == "reference":
@@ -156,7 +144,7 @@ def select(
     if tp > 1:
         fn = _per_device(fn, mesh)
     try:
-        jax.eval_shape(fn, *probe)
+        jax.eval_shape(fn, probe)
     except Exception as e:  # noqa: BLE001 -- any refusal by the kernel falls back; its message is the reason
         return Choice(paged_attention, "reference", f"{name} refused the model's shapes: {type(e).__name__}: {e}")
     label = name + (" (interpret)" if interpret else "")
@@ -171,10 +159,12 @@ def select(
 def per_shape(
     use_native: Callable[[int], bool], native: Callable[..., Any], other: Callable[..., Any]
 ) -> Callable[..., Any]:
-    """A function that runs `native` where use_native(rows of its first argument) holds and
-    `other` elsewhere: decided at trace time, per compiled step shape (rows are static)."""
+    """A function that runs `native` where use_native(rows of its first argument: an array's
+    leading axis, an `AttnArgs`' query tokens) holds and `other` elsewhere: decided at trace
+    time, per compiled step shape (rows are static)."""
 
-    def call(x: jax.Array, *args: Any) -> Any:
-        return native(x, *args) if use_native(x.shape[0]) else other(x, *args)
+    def call(x: jax.Array | AttnArgs, *args: Any) -> Any:
+        rows = (x.q if isinstance(x, AttnArgs) else x).shape[0]
+        return native(x, *args) if use_native(rows) else other(x, *args)
 
     return call

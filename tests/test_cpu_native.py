@@ -25,7 +25,7 @@ from jax.sharding import Mesh
 from test_paged_attention import MIXED, build_case, inputs
 
 from kernels import cpu_build, cpu_native, select
-from kernels.paged_attention import AttnMetadata, local_state, paged_attention, to_stored
+from kernels.paged_attention import AttnArgs, AttnMetadata, local_state, paged_attention, to_stored
 from tl.model.weights import Dense
 
 RUNNABLE = [t.name for t in cpu_build.runnable()]
@@ -59,7 +59,7 @@ def _case_bound(c: dict) -> tuple[np.ndarray, np.ndarray]:
 )
 def test_matches_float64(lib: cpu_native.NativeLib, seqs: list[tuple[int, int]], path: str) -> None:
     c = build_case(np.random.default_rng(len(seqs)), seqs, pad=3)
-    got = np.asarray(jax.jit(getattr(lib, path))(*inputs(c)))
+    got = np.asarray(jax.jit(getattr(lib, path))(inputs(c)))
     want, bound = _case_bound(c)
     real = c["seq_idx"] >= 0
     _within(got[real], want[real], bound[real])
@@ -99,7 +99,7 @@ def _smol_case(
         block_tables=jnp.asarray(tables),
         chunk_blocks=8,
     )
-    args = (
+    args = AttnArgs(
         jnp.asarray(q),
         jnp.asarray(kn),
         jnp.asarray(vn),
@@ -141,8 +141,8 @@ def test_smollm2_shapes_match_float64_and_reference(
     """The vectorised cached part (block 16, accumulators in registers or chunked, by the
     target's registers) and the generic one, with the jnp reference inside the same bound."""
     args, case = _smol_case(np.random.default_rng(7), contexts, new, *shape)
-    got = np.asarray(jax.jit(getattr(lib, path))(*args))
-    ref = np.asarray(jax.jit(paged_attention)(*args))
+    got = np.asarray(jax.jit(getattr(lib, path))(args))
+    ref = np.asarray(jax.jit(paged_attention)(args))
     want, bound = _case_bound(case)
     _within(got, want, bound)
     _within(ref, want, bound)
@@ -168,7 +168,7 @@ def test_bf16_cache_matches_float64(
     float32 cache's result, by bf16 rounding."""
     (q, kn, vn, kc, vc, layer, meta), case = _smol_case(np.random.default_rng(7), contexts, new, *shape)
     kn, vn = (jnp.asarray(_bf16_round(np.asarray(a))) for a in (kn, vn))
-    got = np.asarray(jax.jit(getattr(lib, path))(q, kn, vn, _bf16_bits(kc), _bf16_bits(vc), layer, meta))
+    got = np.asarray(jax.jit(getattr(lib, path))(AttnArgs(q, kn, vn, _bf16_bits(kc), _bf16_bits(vc), layer, meta)))
     rounded = dict(case, k_cache=_bf16_round(case["k_cache"]), v_cache=_bf16_round(case["v_cache"]))
     want, bound = _case_bound(rounded)
     _within(got, want, bound)
@@ -182,7 +182,7 @@ def test_bad_block_table_is_an_error_not_a_read(lib: cpu_native.NativeLib, path:
     bad = meta.block_tables.at[0, 1].set(10_000)
     meta = AttnMetadata(seq_idx=meta.seq_idx, positions=meta.positions, start_pos=meta.start_pos, block_tables=bad)
     with pytest.raises(Exception, match="block id out of range"):
-        jax.block_until_ready(jax.jit(getattr(lib, path))(q, kn, vn, kc, vc, layer, meta))
+        jax.block_until_ready(jax.jit(getattr(lib, path))(AttnArgs(q, kn, vn, kc, vc, layer, meta)))
 
 
 def test_mismatched_cache_shapes_are_an_error(lib: cpu_native.NativeLib) -> None:
@@ -277,13 +277,13 @@ def test_small_steps_take_one_call_and_larger_ones_two_parts(lib: cpu_native.Nat
     small, local, cached = names["tl_small_attention"], names["tl_local_attention"], names["tl_paged_attention_cached"]
     for new, calls in ((cpu_native.SMALL_MAX_TOKENS, {small}), (cpu_native.SMALL_MAX_TOKENS + 1, {local, cached})):
         args, _ = _smol_case(np.random.default_rng(3), [20], new)
-        hlo = jax.jit(lib.paged_attention).lower(*args).as_text()
+        hlo = jax.jit(lib.paged_attention).lower(args).as_text()
         assert {t for t in (small, local, cached) if f"@{t}(" in hlo} == calls
 
 
-def _probe(dtype: jnp.dtype) -> tuple:
+def _probe(dtype: jnp.dtype) -> AttnArgs:
     (q, kn, vn, kc, vc, layer, meta), _ = _smol_case(np.random.default_rng(2), [20], 1)
-    return (q, kn, vn, kc.astype(dtype), vc.astype(dtype), layer, meta)
+    return AttnArgs(q, kn, vn, kc.astype(dtype), vc.astype(dtype), layer, meta)
 
 
 def _mesh() -> Mesh:
@@ -309,7 +309,7 @@ def test_bf16_cache_is_native_where_the_vector_fold_covers_it(lib: cpu_native.Na
     assert select.select("cpu_native", "cpu", _mesh(), True, _probe(jnp.uint16), lib).name == "cpu_native"
     assert cpu_native.bf16_supported(16, 64, 3) and cpu_native.bf16_supported(16, 128, 2)
     q, kn, vn, kc, vc, layer, meta = _probe(jnp.uint16)
-    one_kv_head = (q, kn[:, :1], vn[:, :1], kc[:, :, :1], vc[:, :, :1], layer, meta)  # 9 query heads a KV head
+    one_kv_head = AttnArgs(q, kn[:, :1], vn[:, :1], kc[:, :, :1], vc[:, :, :1], layer, meta)  # 9 query heads a KV head
     choice = select.select("cpu_native", "cpu", _mesh(), True, one_kv_head, lib)
     assert choice.name == "reference" and "bf16 cache needs" in choice.reason
     assert select.select("cpu_native", "cpu", _mesh(), True, _probe(jnp.int8), lib).name == "reference"

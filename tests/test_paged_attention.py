@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels.paged_attention import AttnMetadata, paged_attention, to_stored
+from kernels.paged_attention import AttnArgs, AttnMetadata, paged_attention, to_stored
 
 L, BS, NB, HK, G, HD = 2, 4, 40, 2, 2, 8
 
@@ -77,7 +77,7 @@ def naive(c: dict) -> np.ndarray:
     return out
 
 
-def inputs(c: dict, chunk_blocks: int = 2, bf16: bool = False, head_rows: int = 0) -> tuple:
+def inputs(c: dict, chunk_blocks: int = 2, bf16: bool = False, head_rows: int = 0) -> AttnArgs:
     """A case as the arguments of the attention interface (stored cache layout; bf16 as uint16 bits)."""
     kc, vc = to_stored("k", jnp.asarray(c["k_cache"])), to_stored("v", jnp.asarray(c["v_cache"]))
     if bf16:
@@ -91,11 +91,12 @@ def inputs(c: dict, chunk_blocks: int = 2, bf16: bool = False, head_rows: int = 
         chunk_blocks=chunk_blocks,
         head_rows=head_rows,
     )
-    return (jnp.asarray(c["q"]), jnp.asarray(c["k_new"]), jnp.asarray(c["v_new"]), kc, vc, jnp.int32(c["layer"]), meta)
+    q, k_new, v_new = jnp.asarray(c["q"]), jnp.asarray(c["k_new"]), jnp.asarray(c["v_new"])
+    return AttnArgs(q, k_new, v_new, kc, vc, jnp.int32(c["layer"]), meta)
 
 
 def run(c: dict, chunk_blocks: int, bf16: bool = False, head_rows: int = 0) -> np.ndarray:
-    return np.asarray(jax.jit(paged_attention)(*inputs(c, chunk_blocks, bf16, head_rows)))
+    return np.asarray(jax.jit(paged_attention)(inputs(c, chunk_blocks, bf16, head_rows)))
 
 
 MIXED = [(0, 7), (13, 1), (5, 1), (9, 4), (0, 1), (22, 3)]  # prefill, decodes, cached-prefix chunks

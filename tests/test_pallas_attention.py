@@ -17,6 +17,7 @@ import pytest
 from test_paged_attention import MIXED, build_case, inputs, run
 
 from kernels import pallas_gpu, pallas_tpu, select
+from kernels.paged_attention import AttnArgs
 
 NOT_GPU = jax.default_backend() != "gpu"  # on a GPU (bench/gpu_check.sh) the kernel runs natively
 CASES = {
@@ -36,7 +37,7 @@ def _assert_matches_reference(case: str, bf16: bool, kernel: Callable[..., jax.A
     reference's. Returns its output's padding rows."""
     seqs, pad = CASES[case]
     c = build_case(np.random.default_rng(len(case)), seqs, pad, **shape)
-    out = np.asarray(kernel(*inputs(c, bf16=bf16)))
+    out = np.asarray(kernel(inputs(c, bf16=bf16)))
     # On an NVIDIA GPU float32 dots run as TF32 by default, in the Triton kernel and in the XLA
     # reference alike (bench/gpu_check.sh saw differences up to 9e-4): a TF32 tolerance there.
     tol = 2e-2 if bf16 else 2e-5 if NOT_GPU else 3e-3
@@ -52,7 +53,7 @@ BOTH_DTYPES = pytest.mark.parametrize("bf16", [False, True], ids=["f32", "bf16"]
 def test_gpu_kernel_matches_reference(case: str, bf16: bool) -> None:
     """At the smallest shapes the compiled kernel takes: head_dim 16, two 8-token pages a block."""
     _assert_matches_reference(
-        case, bf16, jax.jit(lambda *a: pallas_gpu.paged_attention(*a, interpret=NOT_GPU)), bs=8, hd=16
+        case, bf16, jax.jit(lambda a: pallas_gpu.paged_attention(a, interpret=NOT_GPU)), bs=8, hd=16
     )
 
 
@@ -61,8 +62,8 @@ def test_gpu_kernel_refuses_shapes_triton_cannot_take() -> None:
     for shape, msg in (({"bs": 8, "hd": 8}, "head_dim 8"), ({"bs": 4, "hd": 16}, r"1 page\(s\) of 4 tokens")):
         probe = _probe(build_case(np.random.default_rng(0), MIXED, 3, **shape))
         with pytest.raises(ValueError, match=msg):
-            jax.eval_shape(lambda *a: pallas_gpu.paged_attention(*a, interpret=False), *probe)
-        jax.eval_shape(lambda *a: pallas_gpu.paged_attention(*a, interpret=True), *probe)
+            jax.eval_shape(lambda a: pallas_gpu.paged_attention(a, interpret=False), probe)
+        jax.eval_shape(lambda a: pallas_gpu.paged_attention(a, interpret=True), probe)
 
 
 @BOTH_DTYPES
@@ -72,7 +73,7 @@ def test_tpu_adaptation_matches_reference(case: str, bf16: bool) -> None:
     from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel
 
     padding_rows = _assert_matches_reference(
-        case, bf16, lambda *a: pallas_tpu.paged_attention(*a, impl=kernel.ref_ragged_paged_attention)
+        case, bf16, lambda a: pallas_tpu.paged_attention(a, impl=kernel.ref_ragged_paged_attention)
     )
     assert not padding_rows.any()
 
@@ -87,12 +88,12 @@ def test_tpu_kernel_in_interpret_mode() -> None:
     seqs, pad = CASES["mixed"]
     c = build_case(np.random.default_rng(5), seqs, pad)
     ref = run(c, chunk_blocks=2)
-    out = pallas_tpu.paged_attention(*inputs(c), interpret=True)
+    out = pallas_tpu.paged_attention(inputs(c), interpret=True)
     np.testing.assert_allclose(_real(c, np.asarray(out)), _real(c, ref), atol=2e-5, rtol=2e-5)
 
 
-def _probe(c: dict) -> tuple:
-    return tuple(jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), inputs(c)))
+def _probe(c: dict) -> AttnArgs:
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), inputs(c))
 
 
 def test_selection_rules() -> None:

@@ -48,7 +48,7 @@ import numpy as np
 from flax import struct
 from jax import lax
 
-from kernels.paged_attention import AttnMetadata, paged_attention, write_kv
+from kernels.paged_attention import AttnArgs, AttnMetadata, PagedAttention, paged_attention, write_kv
 from tl.model.config import ModelConfig, ModelDirError, hf_shapes
 from tl.model.files import read_tensors
 from tl.model.weights import ENCODINGS, Bf16x3, Dense, Int8, Linear, Tensor
@@ -299,7 +299,7 @@ def forward(
     kv_blocks: jax.Array,
     kv_offsets: jax.Array,
     meta: AttnMetadata,
-    attention: Callable[..., jax.Array] = paged_attention,
+    attention: PagedAttention = paged_attention,
     matmul: Matmul | None = None,
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """Paged forward over a flat token axis.
@@ -307,7 +307,7 @@ def forward(
     token_ids, positions, kv_blocks, kv_offsets: [T] (the cache slot of token t is
     (kv_blocks[t], kv_offsets[t])). kv: (k, v) in kernels/paged_attention.py's stored layout; each
     layer's new keys are written in place (donated buffers) before its attention reads them.
-    attention: kernels.paged_attention.paged_attention's interface (kernels/select.py picks one);
+    attention: kernels/paged_attention.py's `PagedAttention` (kernels/select.py picks one);
     matmul: the float layer matmuls' implementation (None: XLA's dot; kernels/select.py).
     Returns (hidden [T,D] before the final norm, updated kv).
     """
@@ -320,7 +320,7 @@ def forward(
             nonlocal k_cache, v_cache
             k_cache = write_kv(k_cache, "k", layer, kv_blocks, kv_offsets, _to_storage(k, k_cache.dtype))
             v_cache = write_kv(v_cache, "v", layer, kv_blocks, kv_offsets, _to_storage(v, v_cache.dtype))
-            return attention(q, k, v, k_cache, v_cache, jnp.int32(layer), meta)
+            return attention(AttnArgs(q, k, v, k_cache, v_cache, jnp.int32(layer), meta))
 
         x = _layer(x, lp, cfg, rope, attend, matmul)
     return x, (k_cache, v_cache)

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kernels import cpu_build
-from kernels.paged_attention import AttnMetadata
+from kernels.paged_attention import AttnArgs, AttnMetadata, PagedAttention
 from tl.model.weights import matrix
 
 if TYPE_CHECKING:
@@ -208,8 +208,8 @@ def attention_case(
 
 
 def attention_timed(
-    native: Callable[..., Any],
-    reference: Callable[..., Any],
+    native: PagedAttention,
+    reference: PagedAttention,
     case: tuple[Any, ...],
     k_cache: jax.Array,
     v_cache: jax.Array,
@@ -219,10 +219,10 @@ def attention_timed(
     q, kv, meta = case
     n = min(layers, k_cache.shape[0])
 
-    def chain(fn: Callable[..., Any]) -> Callable[..., Any]:
+    def chain(fn: PagedAttention) -> Callable[..., Any]:
         def run(q: jax.Array, kv: jax.Array, k: jax.Array, v: jax.Array, meta: AttnMetadata) -> jax.Array:
             for layer in range(n):  # each layer's query depends on the last layer's output
-                q = q + 1e-3 * fn(q, kv, kv, k, v, jnp.int32(layer), meta)
+                q = q + 1e-3 * fn(AttnArgs(q, kv, kv, k, v, jnp.int32(layer), meta))
             return q
 
         return run
