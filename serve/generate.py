@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from serve import errors, sse
-from serve.asgi import ClientGone, DisconnectWatcher, Sender
+from serve.asgi import DisconnectWatcher, Sender
 from serve.metrics import Metrics
 from serve.params import GenSpec
 from serve.textstream import TextStream
@@ -32,8 +32,14 @@ from tl.text.tools import CallStart, Event, ToolCallParser
 
 PING_INTERVAL_S = 15.0
 _GONE_KEY = -1
-GONE = ClientGone("the client left")
-"""What Job.next returns once the client left (never raised)."""
+
+
+class ClientLeft(Exception):
+    """The client disconnected mid-request: GONE, the one instance, goes through the request's
+    queue (as an output would) to wake whoever waits on it; never raised."""
+
+
+GONE = ClientLeft("the client left")
 
 
 @dataclass
