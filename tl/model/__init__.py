@@ -1,7 +1,9 @@
-"""What a model is: its config (tl/model/config.py), its files on disk (tl/model/files.py), its
-weight encodings (tl/model/weights.py), the step layout and pure forward of its family
-(tl/model/llama.py), the dense embedding reference, and GGUF conversion.
+"""What a model is: its config and tensor shapes (tl/model/config.py), its files on disk
+(tl/model/files.py), its parameter types and the registry of weight encodings
+(tl/model/weights.py; one module per encoding under tl/model/encodings/), the step layout and
+pure forward of its family (tl/model/llama.py), the dense embedding reference, and GGUF
+conversion.
 
-May import: tl.core, tl.model, kernels (the attention interface), jax, flax, numpy; never the
-runtime, the text side or ops.
+May import: tl.core, tl.model, kernels (the attention interface; the native kernels an
+encoding runs on and its packing), jax, flax, numpy; never the runtime, the text side or ops.
 """

@@ -51,7 +51,7 @@ from jax import lax
 from kernels.paged_attention import AttnArgs, AttnMetadata, PagedAttention, paged_attention, write_kv
 from tl.model.config import ModelConfig, ModelDirError, hf_shapes
 from tl.model.files import read_tensors
-from tl.model.weights import ENCODINGS, Bf16x3, Dense, Int8, Linear, Tensor
+from tl.model.weights import ENCODINGS, Bf16x3, Dense, Linear, Table, Tensor
 
 Attend = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
 """(q [T,Hq,hd], k [T,Hk,hd], v [T,Hk,hd]) -> [T,Hq,hd] for one layer."""
@@ -83,10 +83,10 @@ class Layer:
 
 @struct.dataclass
 class Weights:
-    embed: Dense | Int8  # [V, D]
+    embed: Table  # [V, D]
     layers: tuple[Layer, ...]
     final_norm: Tensor
-    lm_head: Dense | Int8 | None = None  # [V, D]; None when tied to embed
+    lm_head: Table | None = None  # [V, D]; None when tied to embed
     head_packed: Tensor | None = None  # bf16x3 packing of the LM head (matmul_precision "high")
 
     def head(self) -> Linear:

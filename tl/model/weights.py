@@ -20,12 +20,24 @@ import jax
 from flax import struct
 from jax.sharding import PartitionSpec as P
 
-from tl.model.encodings import Axes
+from tl.model.encodings import Axes, Encoding
 from tl.model.encodings.bf16x3 import Bf16x3
 from tl.model.encodings.dense import Dense
 from tl.model.encodings.int8 import Int8
 
-__all__ = ["Axes", "Bf16x3", "Dense", "ENCODINGS", "Int8", "Linear", "Tensor", "is_param", "matrix", "partition_specs"]
+__all__ = [
+    "ENCODINGS",
+    "Axes",
+    "Bf16x3",
+    "Dense",
+    "Int8",
+    "Linear",
+    "Table",
+    "Tensor",
+    "is_param",
+    "matrix",
+    "partition_specs",
+]
 
 
 @struct.dataclass
@@ -40,9 +52,13 @@ class Tensor:
 
 
 Linear: TypeAlias = Dense | Int8 | Bf16x3
+"""Every registered encoding (a new one joins here and in ENCODINGS)."""
+Table: TypeAlias = Dense | Int8
+"""What an embedding / LM head is kept as (looked up by rows): each encoding's `table`."""
 ENCODINGS: dict[str, type[Linear]] = {"float32": Dense, "int8": Int8, "bf16x3": Bf16x3}
 """Each linear encoding by the name load_weights takes ("float32": the float dtype as loaded;
 "int8": weight_dtype int8; "bf16x3": matmul_precision "high")."""
+_HOOKED: list[type[Encoding]] = list(ENCODINGS.values())  # mypy: each has every hook of Encoding
 PARAM_TYPES = (Tensor, *ENCODINGS.values())
 
 

@@ -25,9 +25,7 @@ from jax import lax
 
 if TYPE_CHECKING:
     from kernels.cpu_native import NativeLib
-    from tl.model.encodings.dense import Dense
-    from tl.model.encodings.int8 import Int8
-    from tl.model.weights import Tensor
+    from tl.model.weights import Table, Tensor
 
 Axes: TypeAlias = tuple[str | None, ...]
 """Per array axis of a parameter, the mesh axis it is split over ("model") or None."""
@@ -44,12 +42,12 @@ class Encoding(Protocol):
         ...
 
     @classmethod
-    def table(cls, w: np.ndarray, axes: Axes) -> Dense | Int8:
+    def table(cls, w: np.ndarray, axes: Axes) -> Table:
         """An embedding / LM head [V, D] as this encoding keeps it (it is also looked up by rows)."""
         ...
 
     @classmethod
-    def head_packing(cls, head: Dense | Int8) -> Tensor | None:
+    def head_packing(cls, head: Table) -> Tensor | None:
         """What the LM head needs beside its table (bf16x3's packing), or None."""
         ...
 

@@ -22,8 +22,7 @@ from tl.model.encodings import Axes
 from tl.model.encodings.dense import Dense
 
 if TYPE_CHECKING:
-    from tl.model.encodings.int8 import Int8
-    from tl.model.weights import Tensor
+    from tl.model.weights import Table, Tensor
 
 
 @struct.dataclass
@@ -41,12 +40,12 @@ class Bf16x3:
         return cls(w, cpu_native.pack_bf16x3(w), axes)
 
     @classmethod
-    def table(cls, w: np.ndarray, axes: Axes) -> Dense | Int8:
+    def table(cls, w: np.ndarray, axes: Axes) -> Table:
         """float32 as stored: looked up by rows; the LM head's packing goes beside it."""
         return Dense.encode(w, axes)
 
     @classmethod
-    def head_packing(cls, head: Dense | Int8) -> Tensor | None:
+    def head_packing(cls, head: Table) -> Tensor | None:
         from tl.model.weights import Tensor
 
         return Tensor(cpu_native.pack_bf16x3(head.w), ()) if isinstance(head, Dense) else None

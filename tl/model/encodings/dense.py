@@ -21,8 +21,7 @@ from tl.model.encodings import Axes, flat_dot
 
 if TYPE_CHECKING:
     from kernels.cpu_native import NativeLib
-    from tl.model.encodings.int8 import Int8
-    from tl.model.weights import Tensor
+    from tl.model.weights import Table, Tensor
 
 
 @struct.dataclass
@@ -39,11 +38,11 @@ class Dense:
         return cls(np.ascontiguousarray(w), axes)
 
     @classmethod
-    def table(cls, w: np.ndarray, axes: Axes) -> Dense | Int8:
+    def table(cls, w: np.ndarray, axes: Axes) -> Table:
         return cls.encode(w, axes)
 
     @classmethod
-    def head_packing(cls, head: Dense | Int8) -> Tensor | None:
+    def head_packing(cls, head: Table) -> Tensor | None:
         return None
 
     @property

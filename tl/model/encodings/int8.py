@@ -22,8 +22,7 @@ from tl.model.encodings import Axes
 
 if TYPE_CHECKING:
     from kernels.cpu_native import NativeLib
-    from tl.model.encodings.dense import Dense
-    from tl.model.weights import Tensor
+    from tl.model.weights import Table, Tensor
 
 # XLA:CPU's int8 dot takes a matrix-vector path at 1 row, 9x slower (the 30 SmolLM2 layers'
 # matmuls: 113 vs 12.7 ms); 2 and 3 rows ran as fast unpadded as padded, and 1 row padded to 2
@@ -56,12 +55,12 @@ class Int8:
         return cls(q.reshape(w.shape), scale.reshape(w.shape[:-1]), axes)
 
     @classmethod
-    def table(cls, w: np.ndarray, axes: Axes) -> Dense | Int8:
+    def table(cls, w: np.ndarray, axes: Axes) -> Table:
         q, scale = quantize_int8(w)
         return cls(q, scale, axes)
 
     @classmethod
-    def head_packing(cls, head: Dense | Int8) -> Tensor | None:
+    def head_packing(cls, head: Table) -> Tensor | None:
         return None
 
     @property
