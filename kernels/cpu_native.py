@@ -182,16 +182,8 @@ class NativeLib:
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """(m, l [T,Hk,G], acc [T,Hk,G,hd]) of each token over its cached keys (m = -inf, l = 0 if none)."""
         base = self._cache_target("tl_paged_attention_cached", qg, k_cache, v_cache)
-        T, Hk, G, hd = qg.shape
         f32, i32 = jnp.float32, jnp.int32
-        call = self._call(
-            base,
-            (
-                jax.ShapeDtypeStruct((T, Hk, G), f32),
-                jax.ShapeDtypeStruct((T, Hk, G), f32),
-                jax.ShapeDtypeStruct((T, Hk, G, hd), f32),
-            ),
-        )
+        call = self._call(base, _state_out(qg.shape))
         return call(
             qg.astype(f32),
             k_cache,
@@ -205,18 +197,10 @@ class NativeLib:
     def local_state(self, qg: jax.Array, k: jax.Array, v: jax.Array, meta: AttnMetadata) -> tuple[jax.Array, ...]:
         """kernels.paged_attention.local_state by the native kernel (float32, head dim in
         LOCAL_HEAD_DIMS; padding rows get m 0, l 1, acc 0); other head dims take the jnp one."""
-        T, Hk, G, hd = qg.shape
-        if hd not in LOCAL_HEAD_DIMS:
+        if qg.shape[-1] not in LOCAL_HEAD_DIMS:
             return local_state(qg, k, v, meta)
         f32, i32 = jnp.float32, jnp.int32
-        call = self._call(
-            "tl_local_attention",
-            (
-                jax.ShapeDtypeStruct((T, Hk, G), f32),
-                jax.ShapeDtypeStruct((T, Hk, G), f32),
-                jax.ShapeDtypeStruct((T, Hk, G, hd), f32),
-            ),
-        )
+        call = self._call("tl_local_attention", _state_out(qg.shape))
         return call(qg.astype(f32), k.astype(f32), v.astype(f32), meta.seq_idx.astype(i32), meta.positions.astype(i32))
 
     def small_attention(
@@ -274,6 +258,12 @@ class NativeLib:
         # A step of fresh prompts only (no cached keys anywhere) skips the call and its merge.
         out = lax.cond(jnp.any(a.meta.start_pos > 0), with_cached, lambda: acc1 / l1[..., None])
         return out.reshape(a.q.shape).astype(a.q.dtype)
+
+
+def _state_out(shape: tuple[int, ...]) -> tuple[jax.ShapeDtypeStruct, ...]:
+    """The softmax state a part returns for qg of `shape` [T,Hk,G,hd]: m, l [T,Hk,G], acc [T,Hk,G,hd]."""
+    f32 = jnp.float32
+    return jax.ShapeDtypeStruct(shape[:3], f32), jax.ShapeDtypeStruct(shape[:3], f32), jax.ShapeDtypeStruct(shape, f32)
 
 
 _libraries: dict[str, NativeLib] = {}

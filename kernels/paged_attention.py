@@ -189,15 +189,10 @@ def local_state(qg: jax.Array, k: jax.Array, v: jax.Array, meta: AttnMetadata) -
     return m.transpose(1, 0, 2), p.sum(axis=-1).transpose(1, 0, 2), acc.transpose(1, 0, 2, 3)
 
 
-def _cached_per_token(
-    qg: jax.Array,
-    k_cache: jax.Array,
-    v_cache: jax.Array,
-    layer: jax.Array,
-    meta: AttnMetadata,
-    state: tuple[jax.Array, ...],
-) -> tuple[jax.Array, ...]:
-    """Fold keys at positions < start_pos into the softmax state, chunk_blocks blocks at a time."""
+def _cached_per_token(qg: jax.Array, a: AttnArgs, state: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+    """Fold keys at positions < start_pos into the softmax state, chunk_blocks blocks at a time
+    (qg: a.q grouped and scaled, `grouped_query`; the cache, layer and metadata from a)."""
+    k_cache, v_cache, layer, meta = a.k_cache, a.v_cache, a.layer, a.meta
     C, bs = meta.chunk_blocks, k_cache.shape[4]
     real = meta.seq_idx >= 0
     seq = jnp.where(real, meta.seq_idx, 0)
@@ -223,15 +218,9 @@ def _cached_per_token(
     return lax.fori_loop(0, num_chunks, body, state)
 
 
-def _cached_per_seq(
-    qg: jax.Array,
-    k_cache: jax.Array,
-    v_cache: jax.Array,
-    layer: jax.Array,
-    meta: AttnMetadata,
-    state: tuple[jax.Array, ...],
-) -> tuple[jax.Array, ...]:
+def _cached_per_seq(qg: jax.Array, a: AttnArgs, state: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
     """As `_cached_per_token`, gathering each sequence's chunk once: scores [Hk, T*G, S*c], masked."""
+    k_cache, v_cache, layer, meta = a.k_cache, a.v_cache, a.layer, a.meta
     C, bs = meta.chunk_blocks, k_cache.shape[4]
     T, Hk, G, hd = qg.shape
     S, c = meta.block_tables.shape[0], C * bs
@@ -259,14 +248,7 @@ def _cached_per_seq(
     return m.swapaxes(0, 1), l.swapaxes(0, 1), acc.swapaxes(0, 1)
 
 
-def _cached_split(
-    qg: jax.Array,
-    k_cache: jax.Array,
-    v_cache: jax.Array,
-    layer: jax.Array,
-    meta: AttnMetadata,
-    state: tuple[jax.Array, ...],
-) -> tuple[jax.Array, ...]:
+def _cached_split(qg: jax.Array, a: AttnArgs, state: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
     """`_cached_per_token` over rows [:H] and [H:] apart, each loop running to its own longest context.
 
     The runner packs decode (and draft) tokens first, so the head holds the rows with long cached
@@ -274,30 +256,23 @@ def _cached_split(
     per-token gather costs rows x trip count, so a mixed step of 60 decodes at context 256 and
     450 fresh prompt tokens gathers 60 x 256 keys instead of 512 x 256. Exact for any split.
     """
-    H = meta.head_rows
+    meta = a.meta
 
     def part(rows: slice) -> tuple[jax.Array, ...]:
         sub = dataclasses.replace(meta, seq_idx=meta.seq_idx[rows], positions=meta.positions[rows], head_rows=0)
-        return _cached_per_token(qg[rows], k_cache, v_cache, layer, sub, tuple(x[rows] for x in state))
+        return _cached_per_token(qg[rows], a._replace(meta=sub), tuple(x[rows] for x in state))
 
-    head, tail = part(slice(0, H)), part(slice(H, None))
-    return tuple(jnp.concatenate([a, b]) for a, b in zip(head, tail, strict=True))
+    head, tail = part(slice(0, meta.head_rows)), part(slice(meta.head_rows, None))
+    return tuple(jnp.concatenate([h, t]) for h, t in zip(head, tail, strict=True))
 
 
-def _cached(
-    qg: jax.Array,
-    k_cache: jax.Array,
-    v_cache: jax.Array,
-    layer: jax.Array,
-    meta: AttnMetadata,
-    state: tuple[jax.Array, ...],
-) -> tuple[jax.Array, ...]:
+def _cached(qg: jax.Array, a: AttnArgs, state: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
     """The cached part in the cheaper form for this step's (static) numbers of sequences and rows."""
-    if meta.block_tables.shape[0] <= SEQ_DENSE_MAX_SEQS:
-        return _cached_per_seq(qg, k_cache, v_cache, layer, meta, state)
-    if 0 < meta.head_rows < qg.shape[0]:
-        return _cached_split(qg, k_cache, v_cache, layer, meta, state)
-    return _cached_per_token(qg, k_cache, v_cache, layer, meta, state)
+    if a.meta.block_tables.shape[0] <= SEQ_DENSE_MAX_SEQS:
+        return _cached_per_seq(qg, a, state)
+    if 0 < a.meta.head_rows < qg.shape[0]:
+        return _cached_split(qg, a, state)
+    return _cached_per_token(qg, a, state)
 
 
 def grouped_query(a: AttnArgs) -> jax.Array:
@@ -317,5 +292,5 @@ def paged_attention(a: AttnArgs) -> jax.Array:
     """
     qg = grouped_query(a)
     state = local_state(qg, a.k_new.astype(jnp.float32), a.v_new.astype(jnp.float32), a.meta)
-    _, l, acc = _cached(qg, a.k_cache, a.v_cache, a.layer, a.meta, state)
+    _, l, acc = _cached(qg, a, state)
     return (acc / l[..., None]).reshape(a.q.shape).astype(a.q.dtype)
