@@ -1,10 +1,10 @@
 """Compilation of the step's variants: ahead of time, the first few before ready, the rest behind.
 
 Owns: JAX's persistent compilation cache (`enable_compile_cache`), the table of compiled step
-variants (one per (token bucket, seq bucket)), compiling a variant ahead of time (the runner's
-`lower` function: trace and lower over abstract arguments, then XLA compiles off the GIL), the
-plan's start-up variants compiled before the runner is ready (two threads: XLA compiles one
-module on one core), the rest on one background thread (one sequence's variants first, by
+variants (one per (token bucket, seq bucket)), compiling a variant ahead of time (the step
+program's `compile`, tl/runtime/step.py: trace and lower over abstract arguments, then XLA
+compiles off the GIL), the plan's start-up variants compiled before the runner is ready (two
+threads: XLA compiles one module on one core), the rest on one background thread (one sequence's variants first, by
 tokens: a lone request's prefill and decode steps, what a fresh server meets first; then each
 larger sequence bucket's), progress log lines with counts, and `pick`. While the background
 compilation runs, a step whose own variant is not compiled yet runs in the smallest compiled

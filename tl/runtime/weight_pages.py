@@ -3,7 +3,7 @@
 Owns: copying a pytree of host weights into one anonymous mapping, 2 MiB-aligned and advised
 MADV_HUGEPAGE, and handing each leaf to JAX without a copy (DLPack: XLA:CPU reads the
 mapping itself); and the reason when that cannot run (not Linux, THP "never", no mmap).
-The runner (tl/runtime/runner.py) calls it for a single CPU device; nothing else does.
+The placement (tl/runtime/placement.py) calls it for a single CPU device; nothing else does.
 
 Why: a one-row decode step streams every weight once (538 MB for SmolLM2-135M). XLA's own
 buffers sit on 4 KiB pages, so the step walks the page tables every 4 KiB of weights; on 2 MiB
