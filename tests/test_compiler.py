@@ -11,7 +11,7 @@ import pytest
 from test_runner import ENGINE, Driver, Seq, make_runner
 
 from tl.core.request import SamplingParams
-from tl.runtime.compiler import StepCompiler
+from tl.runtime.compiler import StepCompiler, compiling_now
 from tl.runtime.execution import startup_variants, step_variants
 
 VARIANTS = [(1, 1), (4, 1), (4, 4), (8, 1), (8, 4), (16, 4)]
@@ -102,6 +102,20 @@ def test_a_background_failure_is_kept_and_steps_run_in_what_compiled() -> None:
     c.start_background()
     assert c.wait(10)
     assert isinstance(c.background_error, RuntimeError) and c.pick(4, 4)[0] == (16, 4)
+
+
+def test_compiling_now_is_true_only_while_a_variant_compiles() -> None:
+    """What a multi-host peer's heartbeat reports (tl/ops/build.py passes it to both ends)."""
+    seen: list[bool] = []
+
+    def compile(v: tuple[int, int]) -> str:
+        seen.append(compiling_now())
+        return str(v)
+
+    c = StepCompiler(compile, VARIANTS)
+    assert not compiling_now()
+    c.warm_up([(1, 1), (16, 4)])
+    assert seen == [True] * len(VARIANTS) and not compiling_now() and c.num_compiled == len(VARIANTS)
 
 
 def test_plan_variants_and_startup_set() -> None:
