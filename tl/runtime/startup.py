@@ -76,11 +76,7 @@ def start(
     lap("kv_cache")
     weights = _place_weights(tensors, cfg, engine_cfg, mesh, layout, plan)
     lap("weights")
-    plan = plan.measured(
-        verdicts.measure_runner(plan, plan.kernels, cfg, weights.params, kv),
-        weights.pages,
-        weights.reason or plan.weight_pages.reason,
-    )
+    plan = _measure(plan, cfg, weights, kv)
     lap("verdicts")
     _log_loaded(engine_cfg, plan, kv, lap)
     packer, program, compiler = _compile(cfg, engine_cfg, mesh, layout, plan, weights, kv)
@@ -134,6 +130,15 @@ def _place_weights(
         pack_bf16x3=plan.precision.value == "high",
         huge_pages=plan.weight_pages.value == "huge",
     )
+
+
+def _measure(
+    plan: ExecutionPlan, cfg: ModelConfig, weights: PlacedWeights, kv: tuple[jax.Array, jax.Array]
+) -> ExecutionPlan:
+    """The plan completed: the verdicts of its measured classes (over the placed weights and KV
+    cache), the weight placement's outcome, and so the step's dispatch."""
+    measured = verdicts.measure_runner(plan, plan.kernels, cfg, weights.params, kv)
+    return plan.measured(measured, weights.pages, weights.reason or plan.weight_pages.reason)
 
 
 def _log_loaded(ec: EngineConfig, plan: ExecutionPlan, kv: tuple[jax.Array, jax.Array], lap: _Laps) -> None:
