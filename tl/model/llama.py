@@ -12,7 +12,7 @@ kernels/paged_attention.py behind one interface.
 Tested by tests/test_llama_reference.py (against an independent numpy forward over the same
 Hugging Face tensors) and tests/test_runner.py (paged == dense).
 
-Layout (docs/DESIGN.md): `Weights` = embed [V,D] (a linear: the tied LM head contracts with it),
+Layout (docs/internals.md): `Weights` = embed [V,D] (a linear: the tied LM head contracts with it),
 layers: a tuple of `Layer` {attn_norm [D], wqkv [Hk,G+2,hd,D], bqkv? [Hk,G+2,hd] (Qwen2),
 wo [D,Hq*hd], mlp_norm [D], w_gate_up [F,2,D], w_down [D,F]} (G = Hq/Hk), final_norm [D],
 lm_head [V,D] (None when tied), head_packed (matmul_precision "high": the LM head's bf16x3
