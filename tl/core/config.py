@@ -20,7 +20,7 @@ from typing import Any, Literal
 PrefixCache = Literal["none", "radix"]
 Speculative = Literal["none", "prompt_lookup"]
 DType = Literal["auto", "float32", "bfloat16"]
-WeightDType = Literal["float32", "int8"]
+WeightDType = Literal["float32", "int8", "q8_0"]
 KVCacheDType = Literal["auto", "bfloat16"]
 MatmulPrecision = Literal["highest", "high"]
 WeightPages = Literal["huge", "default"]
@@ -53,7 +53,9 @@ class EngineConfig:
     dtype: DType = "auto"
     """Weight and activation dtype; "auto" is float32 on CPU (bf16 is far slower there), bfloat16 on GPU/TPU."""
     weight_dtype: WeightDType = "float32"
-    """Linear and embedding weights: as `dtype`, or "int8" (per-output-channel scales, int8 dots)."""
+    """Linear and embedding weights: as `dtype`; "int8" (per-output-channel scales, int8 dots); or
+    "q8_0" (llama.cpp's Q8_0, quantized at load: a float16 scale per block of 32 inputs, 8.5 bits
+    a weight; per-block int8 dots; input widths must be multiples of 32)."""
     kv_cache_dtype: KVCacheDType = "auto"
     """KV cache storage: "auto" is `dtype`; "bfloat16" halves the cache of a float32 model (twice the
     blocks in the same memory, half the bytes attention reads; keys and values rounded to bf16)."""

@@ -33,7 +33,9 @@ layers then hold wq [Hq*hd,D] (split by output) and wk/wv [Hk*hd,D] whole (+ bq/
 Column-parallel wqkv/wq/w_gate_up and their biases, row-parallel wo/w_down (XLA all-reduces
 after them), embed and lm_head by vocab (whole when N does not divide V), norms whole.
 With weight_dtype "int8" every linear (and the embedding / tied head) is `Int8` per output
-channel (scales follow their rows, and their shards).
+channel (scales follow their rows, and their shards); with "q8_0" it is `Q8_0`, a float16 scale
+per block of 32 inputs (scales follow their rows; a row-parallel weight is split by input only
+where each device gets whole blocks, else kept whole on every device).
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ from jax import lax
 from kernels.paged_attention import AttnArgs, AttnMetadata, PagedAttention, paged_attention, write_kv
 from tl.model.config import ModelConfig, ModelDirError, hf_shapes
 from tl.model.files import read_tensors
-from tl.model.weights import ENCODINGS, Bf16x3, Dense, Linear, Table, Tensor
+from tl.model.weights import ENCODINGS, Axes, Bf16x3, Dense, Linear, Table, Tensor
 
 Attend = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
 """(q [T,Hq,hd], k [T,Hk,hd], v [T,Hk,hd]) -> [T,Hq,hd] for one layer."""
@@ -60,8 +62,8 @@ Matmul = Callable[[jax.Array, Any], "jax.Array | None"]
 (kernels/select.py; the native CPU kernels for few rows)."""
 WeightDType = str
 """The linears' encoding, by its name in tl/model/weights.py ENCODINGS: "float32" (weights as
-stored), "int8" (per-output-channel symmetric quantization) or "bf16x3" (float32 with its AMX
-packing: matmul_precision "high")."""
+stored), "int8" (per-output-channel symmetric quantization), "q8_0" (llama.cpp's Q8_0 blocks) or
+"bf16x3" (float32 with its AMX packing: matmul_precision "high")."""
 
 
 @struct.dataclass
@@ -147,6 +149,7 @@ def load_weights(
     *,
     kv_sharded: bool = True,
     vocab_sharded: bool = True,
+    tensor_parallel: int = 1,
 ) -> Weights:
     """Hugging Face tensors ([out, in] linears) -> the step layout on the host (numpy; a matrix
     that needs no fusing or conversion is the tensor itself, not a copy).
@@ -155,7 +158,11 @@ def load_weights(
     and LM head are kept (its `table`) and what the LM head needs beside them (`head_packing`:
     bf16x3's packing as `head_packed`; embed and lm_head then stay float32).
     kv_sharded False (tensor parallel over more devices than divide the KV heads): wq/wk/wv
-    kept apart, k/v whole. vocab_sharded False: embed and lm_head whole.
+    kept apart, k/v whole. vocab_sharded False: embed and lm_head whole. tensor_parallel: the
+    degree, for the row-parallel wo and w_down: split by input only where every device gets
+    whole blocks of the encoding's `in_block` (Q8_0's 32; always for the others), else whole
+    (XLA then gathers their input and runs the whole dot on each device).
+    A matrix whose input axis is not a multiple of `in_block` is refused, naming it.
     """
     if weight_dtype not in ENCODINGS:
         raise ValueError(f"weight_dtype must be one of {', '.join(ENCODINGS)}, got {weight_dtype!r}")
@@ -170,8 +177,25 @@ def load_weights(
             raise ModelDirError(f"weights: tensor {name!r} has shape {x.shape}, expected {want[name]}")
         return x if x.dtype == dtype else x.astype(dtype)
 
-    lin = encoding.encode
     col = "model"
+
+    def blocks(name: str, w: np.ndarray) -> np.ndarray:
+        if w.shape[-1] % encoding.in_block:
+            raise ModelDirError(
+                f"weights: tensor {name!r} of shape {w.shape}: weight_dtype {weight_dtype} stores blocks of "
+                f"{encoding.in_block} inputs, and its input axis ({w.shape[-1]}) is not a multiple"
+            )
+        return w
+
+    def lin(name: str, w: np.ndarray, axes: Axes) -> Linear:
+        return encoding.encode(blocks(name, w), axes)
+
+    def table(name: str, axes: Axes) -> Table:
+        return encoding.table(blocks(name, get(name)), axes)
+
+    def row(n_in: int) -> Axes:  # a row-parallel weight's axes: [out, in] split by in
+        return (None, col if (n_in // encoding.in_block) % tensor_parallel == 0 else None)
+
     layers = []
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
@@ -179,27 +203,28 @@ def load_weights(
         gate_up = np.stack([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")], axis=1)  # [F,2,D]
         lp: dict[str, Any] = {
             "attn_norm": Tensor(get(p + "input_layernorm.weight"), (None,)),
-            "wo": lin(get(a + "o_proj.weight"), (None, col)),
+            "wo": lin(a + "o_proj.weight", get(a + "o_proj.weight"), row(cfg.q_size)),
             "mlp_norm": Tensor(get(p + "post_attention_layernorm.weight"), (None,)),
-            "w_gate_up": lin(gate_up, (col, None, None)),
-            "w_down": lin(get(p + "mlp.down_proj.weight"), (None, col)),
+            "w_gate_up": lin(p + "mlp.gate_proj.weight", gate_up, (col, None, None)),
+            "w_down": lin(p + "mlp.down_proj.weight", get(p + "mlp.down_proj.weight"), row(cfg.intermediate_size)),
         }
         wq, wk, wv = (get(a + f"{n}_proj.weight") for n in "qkv")
         if kv_sharded:
-            lp["wqkv"] = lin(fuse_qkv(wq, wk, wv, cfg), (col, None, None, None))
+            lp["wqkv"] = lin(a + "q_proj.weight", fuse_qkv(wq, wk, wv, cfg), (col, None, None, None))
             if cfg.attention_bias:
                 bq, bk, bv = (get(a + f"{n}_proj.bias") for n in "qkv")
                 b = fuse_qkv(bq, bk, bv, cfg)
                 lp["bqkv"] = Tensor(b, (col, None, None))
         else:
-            lp |= {"wq": lin(wq, (col, None)), "wk": lin(wk, (None, None)), "wv": lin(wv, (None, None))}
+            lp["wq"] = lin(a + "q_proj.weight", wq, (col, None))
+            lp["wk"], lp["wv"] = (lin(a + f"{n}_proj.weight", w, (None, None)) for n, w in (("k", wk), ("v", wv)))
             if cfg.attention_bias:
                 lp |= {"bq": Tensor(get(a + "q_proj.bias"), (col,))}
                 lp |= {n: Tensor(get(a + f"{n[1]}_proj.bias"), (None,)) for n in ("bk", "bv")}
         layers.append(Layer(**lp))
     vocab = (col if vocab_sharded else None, None)
-    embed = encoding.table(get("model.embed_tokens.weight"), vocab)
-    lm_head = None if cfg.tie_word_embeddings else encoding.table(get("lm_head.weight"), vocab)
+    embed = table("model.embed_tokens.weight", vocab)
+    lm_head = None if cfg.tie_word_embeddings else table("lm_head.weight", vocab)
     packed = encoding.head_packing(embed if lm_head is None else lm_head)
     return Weights(embed, tuple(layers), Tensor(get("model.norm.weight"), (None,)), lm_head, packed)
 

@@ -9,7 +9,8 @@ axis it is split over ("model") or None: declared where the parameter is built
 (tl/model/llama.py `load_weights`), and `partition_specs` reads them, so no other module
 parses parameter names or paths.
 Must not: place arrays on devices (tl/runtime/placement.py does), know about the model's layers.
-Tested by tests/test_llama_reference.py, tests/test_int8.py and tests/test_backend.py.
+Tested by tests/test_llama_reference.py, tests/test_int8.py, tests/test_q8_0.py and
+tests/test_backend.py.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from tl.model.encodings import Axes, Encoding
 from tl.model.encodings.bf16x3 import Bf16x3
 from tl.model.encodings.dense import Dense
 from tl.model.encodings.int8 import Int8
+from tl.model.encodings.q8_0 import Q8_0
 
 __all__ = [
     "ENCODINGS",
@@ -32,6 +34,7 @@ __all__ = [
     "Dense",
     "Int8",
     "Linear",
+    "Q8_0",
     "Table",
     "Tensor",
     "is_param",
@@ -51,13 +54,13 @@ class Tensor:
         return Tensor(P(*self.axes), self.axes)
 
 
-Linear: TypeAlias = Dense | Int8 | Bf16x3
+Linear: TypeAlias = Dense | Int8 | Q8_0 | Bf16x3
 """Every registered encoding (a new one joins here and in ENCODINGS)."""
-Table: TypeAlias = Dense | Int8
+Table: TypeAlias = Dense | Int8 | Q8_0
 """What an embedding / LM head is kept as (looked up by rows): each encoding's `table`."""
-ENCODINGS: dict[str, type[Linear]] = {"float32": Dense, "int8": Int8, "bf16x3": Bf16x3}
+ENCODINGS: dict[str, type[Linear]] = {"float32": Dense, "int8": Int8, "q8_0": Q8_0, "bf16x3": Bf16x3}
 """Each linear encoding by the name load_weights takes ("float32": the float dtype as loaded;
-"int8": weight_dtype int8; "bf16x3": matmul_precision "high")."""
+"int8", "q8_0": weight_dtype int8, q8_0; "bf16x3": matmul_precision "high")."""
 _HOOKED: list[type[Encoding]] = list(ENCODINGS.values())  # mypy: each has every hook of Encoding
 PARAM_TYPES = (Tensor, *ENCODINGS.values())
 

@@ -95,7 +95,7 @@ class ExecutionPlan:
     precision: Decision  # float32 matmuls: "highest", or "high" (bf16x3 on AMX)
     weight_pages: Decision  # "huge" (one mapping advised MADV_HUGEPAGE) or "default"
     native_target: str  # the native library's build where a kernel uses it, else ""
-    weight_dtype: str  # "float32" or "int8" linears (configured)
+    weight_dtype: str  # "float32", "int8" or "q8_0" linears (configured)
     block_size: int
     token_buckets: tuple[int, ...]
     seq_buckets: tuple[int, ...]

@@ -52,11 +52,17 @@ def place_weights(
     pack_bf16x3: keep each float matrix's packed bf16x3 copy beside it (matmul_precision
     "high"). huge_pages: as the plan says; where the mapping then fails, XLA's buffers, and the
     reason is the failure."""
-    if pack_bf16x3 and weight_dtype == "int8":
-        raise ValueError("int8 weights have no bf16x3 packing")
+    if pack_bf16x3 and weight_dtype != "float32":
+        raise ValueError(f"{weight_dtype} weights have no bf16x3 packing")
     encoding = "bf16x3" if pack_bf16x3 else weight_dtype  # tl/model/weights.py ENCODINGS
     step = llama.load_weights(
-        tensors, cfg, dtype, encoding, kv_sharded=layout.kv_sharded, vocab_sharded=layout.vocab_sharded
+        tensors,
+        cfg,
+        dtype,
+        encoding,
+        kv_sharded=layout.kv_sharded,
+        vocab_sharded=layout.vocab_sharded,
+        tensor_parallel=layout.tensor_parallel,
     )
     shardings = jax.tree.map(
         lambda s: NamedSharding(mesh, s), weights.partition_specs(step), is_leaf=lambda x: isinstance(x, P)

@@ -7,17 +7,18 @@ head, `head_packing`), XLA's arithmetic for it (`dot`, `logits`, `rows`), which 
 kernel runs it and on which rows (`native`: a kernels/cpu_native.py call over its arrays, or
 None for XLA's `dot`), and its sharding (`specs`, from the `axes` declared where it is built).
 The encodings: tl/model/encodings/dense.py (float [*out, in]), tl/model/encodings/int8.py
-(int8 per output channel, W8A8 dots) and tl/model/encodings/bf16x3.py (float32 with its AMX
+(int8 per output channel, W8A8 dots), tl/model/encodings/q8_0.py (llama.cpp's Q8_0 blocks of
+32 inputs, per-block integer dots) and tl/model/encodings/bf16x3.py (float32 with its AMX
 packing, matmul_precision "high"); tl/model/weights.py registers them (`ENCODINGS`), so a new
 encoding is one module here and one line there.
 Must not: place arrays on devices, know about the model's layers. Tested by
-tests/test_llama_reference.py, tests/test_int8.py, tests/test_matmul_high.py and
-tests/test_cpu_native.py.
+tests/test_llama_reference.py, tests/test_int8.py, tests/test_q8_0.py,
+tests/test_matmul_high.py and tests/test_cpu_native.py.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol, Self, TypeAlias
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, Self, TypeAlias
 
 import jax
 import numpy as np
@@ -35,6 +36,9 @@ class Encoding(Protocol):
     """The hooks of a linear weight's encoding (a flax.struct dataclass, arrays as leaves)."""
 
     axes: Axes
+    in_block: ClassVar[int]
+    """The input axis holds blocks of this many values (Q8_0: 32; 1 where it has none): its
+    length must be a multiple, and tensor parallelism splits it only at block boundaries."""
 
     @classmethod
     def encode(cls, w: np.ndarray, axes: Axes) -> Self:

@@ -10,7 +10,7 @@ Must not: place arrays on devices. Tested by tests/test_matmul_high.py.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import jax
 import numpy as np
@@ -33,6 +33,7 @@ class Bf16x3:
     w: Any
     packed: Any
     axes: Axes = struct.field(pytree_node=False, default=())
+    in_block: ClassVar[int] = 1
 
     @classmethod
     def encode(cls, w: np.ndarray, axes: Axes) -> Bf16x3:

@@ -8,7 +8,7 @@ and tests/test_cpu_native.py.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +31,7 @@ class Dense:
 
     w: Any
     axes: Axes = struct.field(pytree_node=False, default=())
+    in_block: ClassVar[int] = 1
 
     @classmethod
     def encode(cls, w: np.ndarray, axes: Axes) -> Dense:

@@ -9,7 +9,7 @@ tests/test_cpu_native.py.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -48,6 +48,7 @@ class Int8:
     q: Any
     scale: Any
     axes: Axes = struct.field(pytree_node=False, default=())
+    in_block: ClassVar[int] = 1
 
     @classmethod
     def encode(cls, w: np.ndarray, axes: Axes) -> Int8:

@@ -1,0 +1,130 @@
+"""The Q8_0 encoding (llama.cpp's block format): blocks of 32 inputs, one float16 scale each.
+
+Owns: `Q8_0`, quantization at load exactly as ggml-quants.c `quantize_row_q8_0_ref` does
+(`quantize_q8_0`: d = max|w| / 127 per block of 32 consecutive inputs, q = roundf(w * (1/d)),
+half away from zero, d stored as float16, w ~= d * q), the same rule over activations inside
+the step (`quantize_act`, d kept float32), XLA's arithmetic (per block int8 x int8 summed in
+int32, as llama.cpp's vec_dot_q8_0_q8_0 does, then scaled by d_w * d_x and summed over blocks
+in float32), its lookup as an embedding, and its sharding. No native kernel yet (`native` is
+None: integer-dot CPU kernels are issue 31's next step).
+Must not: place arrays on devices. Tested by tests/test_q8_0.py (against gguf.quants' Q8_0,
+a float64 reference of the block arithmetic, and the engine on a tiny model).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from tl.model.encodings import Axes
+
+if TYPE_CHECKING:
+    from kernels.cpu_native import NativeLib
+    from tl.model.weights import Table, Tensor
+
+QK8_0 = 32
+"""Inputs per block (ggml's QK8_0)."""
+
+
+def quantize_q8_0(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """float [..., in] -> (int8 q [..., in], float16 d [..., in/32]): ggml's reference rule in
+    float32 (the block max over 127, its reciprocal, roundf of the product). in % 32 == 0."""
+    x = np.asarray(w, np.float32)
+    if x.ndim == 0 or x.shape[-1] % QK8_0:
+        raise ValueError(f"q8_0 stores blocks of {QK8_0} inputs: the last axis of shape {x.shape} is not a multiple")
+    blocks = x.reshape(*x.shape[:-1], -1, QK8_0)
+    d = np.abs(blocks).max(axis=-1) / np.float32(127)
+    inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d != 0)
+    q = _roundf(blocks * inv[..., None]).astype(np.int8)
+    return q.reshape(x.shape), d.astype(np.float16)
+
+
+def _roundf(v: np.ndarray) -> np.ndarray:
+    """C's roundf (half away from zero), exactly: floor(|v| + 0.5) rounds 0.49999997 up."""
+    a = np.abs(v)
+    f = np.floor(a)
+    out: np.ndarray = np.copysign(f + (a - f >= 0.5), v)
+    return out
+
+
+def quantize_act(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x [N, in] float -> (int8 [N, in/32, 32], float32 d [N, in/32]): `quantize_q8_0`'s rule
+    in the step (lax.round rounds half away from zero, as roundf), d left in float32."""
+    xb = x.astype(jnp.float32).reshape(x.shape[0], -1, QK8_0)
+    d = jnp.max(jnp.abs(xb), axis=-1) / jnp.float32(127)
+    inv = jnp.where(d == 0, jnp.float32(0), 1 / d)  # ggml's `d ? 1.0f/d : 0.0f`
+    return lax.round(xb * inv[..., None]).astype(jnp.int8), d
+
+
+@struct.dataclass
+class Q8_0:
+    """int8 q [*out, in] with float16 d [*out, in/32], one per block of 32 inputs: w ~= d * q
+    (llama.cpp's block_q8_0, its two arrays apart: 34 bytes per 32 weights either way). float16
+    d as in the file; the dot converts [*out, in/32] to float32, 1/32 of q's elements."""
+
+    q: Any
+    d: Any
+    axes: Axes = struct.field(pytree_node=False, default=())
+    in_block: ClassVar[int] = QK8_0
+
+    @classmethod
+    def encode(cls, w: np.ndarray, axes: Axes) -> Q8_0:
+        return cls(*quantize_q8_0(w), axes)
+
+    @classmethod
+    def table(cls, w: np.ndarray, axes: Axes) -> Table:
+        return cls.encode(w, axes)
+
+    @classmethod
+    def head_packing(cls, head: Table) -> Tensor | None:
+        return None
+
+    @property
+    def out_shape(self) -> tuple[int, ...]:
+        return tuple(self.q.shape[:-1])
+
+    @property
+    def dtype(self) -> Any:
+        return jnp.float32
+
+    @property
+    def matrix(self) -> Any:
+        return self.q
+
+    def dot(self, x: jax.Array) -> jax.Array:
+        """x [N, in] -> [N, *out]: y[n,o] = sum_b d_w[o,b] d_x[n,b] S[b,o,n], S the int32 sum of
+        32 int8 x int8 products (exact: |S| <= 32 * 127^2 < 2^24, so its float32 is exact too)."""
+        n, q = x.shape[0], self.q
+        xq, dx = quantize_act(x)  # [N, nb, 32], [N, nb]
+        nb = xq.shape[1]
+        qb = q.reshape(-1, nb, QK8_0)  # [O, nb, 32]
+        s = lax.dot_general(qb, xq, (((2,), (2,)), ((1,), (1,))), preferred_element_type=jnp.int32)  # [nb, O, N]
+        dw = self.d.reshape(-1, nb).astype(jnp.float32).T  # [nb, O]
+        y = jnp.sum(s.astype(jnp.float32) * dw[:, :, None] * dx.T[:, None, :], axis=0)  # [O, N]
+        out: jax.Array = y.T.reshape(n, *q.shape[:-1]).astype(x.dtype)
+        return out
+
+    def logits(self, h: jax.Array) -> jax.Array:
+        return self.dot(h.astype(jnp.float32)).astype(jnp.float32)
+
+    def rows(self, ids: jax.Array) -> jax.Array:
+        """Only the looked-up rows dequantized: [len(ids), in] float32."""
+        q = self.q[ids].reshape(ids.shape[0], -1, QK8_0).astype(jnp.float32)
+        out: jax.Array = (q * self.d[ids].astype(jnp.float32)[..., None]).reshape(ids.shape[0], -1)
+        return out
+
+    def native(self, lib: NativeLib, x: jax.Array) -> jax.Array | None:
+        """None: no native Q8_0 kernel yet (XLA's `dot` runs it)."""
+        return None
+
+    def specs(self) -> Q8_0:
+        """q and d split alike: d's block axis stands where q's input axis does. A split input
+        axis (row-parallel) must hold whole blocks on each device: tl/model/llama.py
+        `load_weights` declares it whole where in/32 is not a multiple of the degree."""
+        return Q8_0(P(*self.axes), P(*self.axes), self.axes)
