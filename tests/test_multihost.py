@@ -158,6 +158,68 @@ def test_a_silent_follower_and_a_lost_leader_fail_within_the_bound() -> None:
         list(follower.frames())  # the leader closed every connection when it failed
 
 
+def test_a_step_that_raises_on_the_leader_fails_the_group_naming_the_lost_process() -> None:
+    """The channel alone (no jax): a collective broken by a killed follower can raise on the leader
+    before its reader has seen the socket close; `broken` waits for that diagnosis (bounded by
+    peer_timeout_s), so the reason names the process. With no peer lost, the step's own error
+    fails the group once the bound has passed."""
+    from tl.ops.multihost import Follower, Leader
+
+    reasons: list[str] = []
+    leader = Leader(1, 2.0, reasons.append, exit_on_failure=False)
+    port = leader.listen("127.0.0.1", 0)
+    follower = Follower(1, 2.0, exit_on_failure=False)
+    follower.connect("127.0.0.1", port, timeout_s=10)
+    assert leader.wait_connected(10)
+    follower.close()  # the follower's process is gone: its socket closes
+    t0 = time.monotonic()
+    err = leader.broken(RuntimeError("gloo: connection reset by peer"))
+    assert isinstance(err, GroupFailed) and "process 1" in str(err), str(err)
+    assert time.monotonic() - t0 < 2.0 and reasons == [leader.failure] and str(err) == leader.failure
+
+    reasons.clear()
+    alone = Leader(0, 0.3, reasons.append, exit_on_failure=False)
+    t0 = time.monotonic()
+    err = alone.broken(RuntimeError("bad step"))
+    assert time.monotonic() - t0 >= 0.3 and reasons == ["a step failed on process 0: RuntimeError: bad step"]
+    assert str(err) == reasons[0]
+
+
+def test_the_leader_names_the_follower_lost_without_a_word() -> None:
+    """The channel alone (no jax): a follower that fails on its own reports why before it closes;
+    the leader takes it for a consequence and names a follower that closed without a report (the
+    killed one), else, after REPORTED_WAIT_S, the reporter with its reason."""
+    from tl.ops.multihost import REPORTED_WAIT_S, Follower, Leader
+
+    def group(n: int) -> tuple[Leader, list[Follower], list[str]]:
+        reasons: list[str] = []
+        leader = Leader(n, 5.0, reasons.append, exit_on_failure=False)
+        port = leader.listen("127.0.0.1", 0)
+        followers = [Follower(i + 1, 5.0, exit_on_failure=False) for i in range(n)]
+        for f in followers:
+            f.connect("127.0.0.1", port, timeout_s=10)
+        assert leader.wait_connected(10)
+        return leader, followers, reasons
+
+    leader, (first, second), reasons = group(2)
+    first.fail("a step failed on process 1: gloo: connection reset")  # reports, then closes
+    time.sleep(0.2)
+    assert leader.failure is None  # a reporter's close waits for the cause
+    second.close()  # closes without a word
+    t0 = time.monotonic()
+    while leader.failure is None and time.monotonic() - t0 < 2:
+        time.sleep(0.01)
+    assert reasons == ["process 2 closed the step channel (it exited or its host went away)"]
+
+    leader, (only,), reasons = group(1)
+    only.fail("a step failed on process 1: out of memory")
+    t0 = time.monotonic()
+    while leader.failure is None and time.monotonic() - t0 < 5:
+        time.sleep(0.01)
+    assert REPORTED_WAIT_S <= time.monotonic() - t0 < REPORTED_WAIT_S + 1.0
+    assert reasons == ["process 1 failed: a step failed on process 1: out of memory"]
+
+
 def test_the_start_up_bound_names_the_missing_followers() -> None:
     """The channel alone (no jax): a leader of three knows by process id who has not connected
     and who has not reported ready, and the start-up bound's line says so on expiry."""
@@ -338,7 +400,10 @@ def test_four_processes_then_a_killed_follower_fails_the_group(tiny_dir: Path, t
                     t0 = time.monotonic()
                     os.killpg(g.procs[2].pid, signal.SIGKILL)
         assert "choices" in events[0] and "error" in events[-1], events[-2:]
-        assert events[-1]["error"]["code"] == "engine_unavailable" and "process 2" in events[-1]["error"]["message"]
+        assert events[-1]["error"]["code"] == "engine_unavailable" and "process 2" in events[-1]["error"]["message"], (
+            events[-1],
+            g.log(0)[-4000:],
+        )
         refused = None
         try:
             refused = client.post(g.http + "/v1/completions", json=_body("x"), timeout=10)

@@ -2,12 +2,14 @@
 processes of the job (the followers), which run the same compiled step over the global mesh.
 
 Owns: the channel's frames (a step, as tl/runtime/frame.py's StepFrame encodes it; hello,
-ready, heartbeat, stop), the leader's listening socket and its one connection per follower, a follower's
-connection, liveness and the failure bounds, and what a failure does: `on_failure(reason)` once
-(the leader fails its requests with 503 there), the sockets closed (so every peer notices at
-once), then the process exits with status 3 (`EXIT_GROUP_FAILED`): the leader after
-`FAILURE_GRACE_S` (its 503s reach their clients), a follower at once (it serves no request, and
-once the leader's process is gone JAX's own coordination client aborts the others).
+ready, heartbeat, stop, a follower's own failure), the leader's listening socket and its one
+connection per follower, a follower's connection, liveness and the failure bounds, and what a
+failure does: `on_failure(reason)` once (the leader fails its requests with 503 there, naming the
+lost process: one that closed without reporting a failure of its own is the cause, see
+REPORTED_WAIT_S), the sockets closed (so every peer notices at once), then the process exits
+with status 3 (`EXIT_GROUP_FAILED`): the leader after `FAILURE_GRACE_S` (its 503s reach their
+clients), a follower at once (it serves no request, and once the leader's process is gone JAX's
+own coordination client aborts the others).
 Bounds, all `peer_timeout_s`: a peer silent that long (each side sends a heartbeat every
 `peer_timeout_s / 5`, from its own thread, whatever its step is doing) is lost; a step whose
 collectives have not returned that long, counted from the last moment any process of the
@@ -49,7 +51,11 @@ log = logging.getLogger("tl.ops.multihost")
 EXIT_GROUP_FAILED = 3
 FAILURE_GRACE_S = 1.0  # after on_failure: time for the 503s to reach their clients
 
-HELLO, READY, BEAT, STEP, STOP = 1, 2, 3, 4, 5
+HELLO, READY, BEAT, STEP, STOP, FAILED = 1, 2, 3, 4, 5, 6
+REPORTED_WAIT_S = 1.0
+"""How long the leader waits, after a follower reported its own failure and closed, for a peer
+lost without a word: when one follower is killed, the others' collectives break too and they
+report and exit at once, so the reporters are the consequence and the silent one the cause."""
 _HEAD = struct.Struct("<BI")  # kind, payload bytes
 
 
@@ -199,6 +205,9 @@ class Leader(_Peer):
         self.conns: dict[int, _Conn] = {}
         self.ready: set[int] = set()
         self.compiling: dict[int, bool] = {}
+        self.reported: dict[int, str] = {}
+        """Each follower's own failure, as it reported it before closing (FAILED)."""
+        self._reported_closed: dict[int, float] = {}  # such a follower's channel closed, since when
         self.steps_sent = 0
         self.send_seconds = 0.0  # encoding and sending every step frame (the channel's cost per step)
         self._cv = threading.Condition()  # a follower connected or ready
@@ -298,6 +307,19 @@ class Leader(_Peer):
         self.send_seconds += time.perf_counter() - t0
         self.step_began()
 
+    def broken(self, error: BaseException) -> GroupFailed:
+        """A step raised on this process after its frame went out: the group's failure, not a
+        crash of one request (the followers are inside the same collectives). A collective broken
+        by a lost peer can raise before this channel has noticed the loss, so its own diagnosis
+        (which names the process) is waited for: a killed peer's socket closes at once, a silent
+        one is lost within timeout_s. Without one by then, the step's error is the reason."""
+        deadline = time.monotonic() + self.timeout_s
+        while self.failure is None and not self.stopping and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if self.failure is None:
+            self.fail(f"a step failed on process 0: {type(error).__name__}: {error}")
+        return GroupFailed(self.failure or f"{type(error).__name__}: {error}")
+
     def stop(self) -> None:
         """Tell every follower to exit (status 0) and close: the end of a drain."""
         if self.stopping or self.failure is not None:
@@ -330,9 +352,14 @@ class Leader(_Peer):
             try:
                 kind, payload = conn.recv()
             except (OSError, ConnectionError, struct.error):
+                if pid in self.reported:  # a consequence, most likely: the monitor waits for the cause
+                    self._reported_closed.setdefault(pid, time.monotonic())
+                    return
                 self.fail(f"process {pid} closed the step channel (it exited or its host went away)")
                 return
-            if kind == BEAT:
+            if kind == FAILED:
+                self.reported[pid] = payload.decode(errors="replace")
+            elif kind == BEAT:
                 self.compiling[pid] = payload == b"\x01"
             elif kind == READY:
                 with self._cv:
@@ -343,7 +370,13 @@ class Leader(_Peer):
     def _monitor(self) -> None:
         while not self._closed.wait(self.beat_s):
             now = time.monotonic()
+            for pid, since in list(self._reported_closed.items()):
+                if now - since >= REPORTED_WAIT_S:
+                    self.fail(f"process {pid} failed: {self.reported[pid]}")
+                    return
             for pid, conn in list(self.conns.items()):  # (followers still connecting)
+                if pid in self._reported_closed:
+                    continue
                 if now - conn.last_seen > self.timeout_s:
                     self.fail(f"process {pid} has been silent for {now - conn.last_seen:.1f} s")
                     return
@@ -460,6 +493,9 @@ class Follower(_Peer):
 
     def _close_all(self) -> None:
         if self.conn is not None:
+            if self.failure is not None:  # the leader learns it was this process's own failure
+                with contextlib.suppress(OSError):
+                    self.conn.send(FAILED, self.failure.encode())
             self.conn.close()
 
 

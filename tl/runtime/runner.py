@@ -109,8 +109,13 @@ class ModelRunner:
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
         if not plan.work:
             return RunnerOutput(())
-        packed, out = self._forward(plan)
-        got = step_io.fetch(out, packed.rows)
+        try:
+            packed, out = self._forward(plan)
+            got = step_io.fetch(out, packed.rows)
+        except Exception as e:
+            if self.peers is None:
+                raise
+            raise self.peers.broken(e) from e  # a multi-host step: the group has failed
         if self.peers is not None:
             self.peers.step_ended()
         return step_io.unpack(packed.rows, got, self.engine_config.max_logprobs, packed.mask_fill)
