@@ -3,9 +3,10 @@ matrices and models:
 
 - quantization bit for bit llama.cpp's, with gguf.quants' numpy Q8_0 (written to match
   ggml-quants.c's reference) as the independent reference, edge blocks included;
-- the XLA dot against a float64 evaluation of the same block arithmetic (integer block sums are
-  exact, so the bound covers only the float32 rescaling and summation), and against the plain
-  float dot of the dequantized weights (the bound adds the activations' rounding);
+- the XLA dot, both paths (per-block integer sums; the dequantized float32 dot), against a
+  float64 evaluation of the same block arithmetic (integer block sums are exact, so the bound
+  covers only the float32 rescaling and summation), and against the plain float dot of the
+  dequantized weights (the bound adds the activations' rounding);
 - the tiny model: the dense q8_0 forward against the float32 model of the same dequantized
   weights (so only activation quantization differs), the paged runner against the dense q8_0
   forward, the shardings its weights declare, and the refusal of a width that is not a
@@ -27,7 +28,7 @@ from tests.test_runner import ENGINE, GREEDY, dense_greedy, tiny_cfg
 from tl.core.plan import SchedulerOutput, SeqWork
 from tl.model import llama
 from tl.model.config import ModelConfig, ModelDirError
-from tl.model.encodings.q8_0 import Q8_0, QK8_0, quantize_act, quantize_q8_0
+from tl.model.encodings.q8_0 import INT_DOT_MAX_ROWS, Q8_0, QK8_0, quantize_act, quantize_q8_0
 from tl.model.weights import partition_specs
 from tl.runtime import backend, startup
 from tl.runtime.runner import ModelRunner
@@ -107,22 +108,29 @@ def _block_reference(w: Q8_0, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np
     return terms.sum(-1), np.abs(terms).sum(-1), act
 
 
-@pytest.mark.parametrize("rows", [1, 3, 16])
+@pytest.mark.parametrize("rows", [1, 3, 8, 16])
 def test_dot_against_float64_block_arithmetic(rows: int) -> None:
+    """Both of `dot`'s paths (and `dot` itself, which takes int_dot up to INT_DOT_MAX_ROWS rows
+    and dequantized_dot beyond) within a bound derived from their float32 operations."""
     rng = np.random.default_rng(rows)
     w = Q8_0(*quantize_q8_0(_edge_matrix(rng)))
     for x in (rng.standard_normal((rows, 96)).astype(np.float32), _edge_matrix(rng)[:rows]):
-        got = np.asarray(jax.jit(Q8_0.dot)(w, jnp.asarray(x)), np.float64)
         want, mag, act = _block_reference(w, x)
-        nb = x.shape[1] // QK8_0
-        # Each block term S_b * d_w * d_x: S_b exact in float32 (|S_b| <= 32 * 127^2 < 2^24),
-        # d_w a float16 (exact), two float32 products: 2u. Summing nb terms in any order adds at
-        # most (nb - 1) u sum|terms|. One more u covers the second-order terms.
-        assert (np.abs(got - want) <= (nb + 2) * U * mag).all()
-        # Against the float dot of the dequantized weights, the activations' rounding too.
+        n_in = x.shape[1]
+        # int_dot: each block term S_b * d_w * d_x: S_b exact in float32 (|S_b| <= 32 * 127^2 <
+        # 2^24), d_w a float16 (exact), two float32 products: 2u. Summing nb terms in any order
+        # adds at most (nb - 1) u sum|terms|. One more u covers the second-order terms.
+        # dequantized_dot: q * d_w exact (8 by 11 significant bits), q_x * d_x rounded (u), each
+        # product rounded (u), `in` of them summed in any order ((in - 1) u): (in + 2) u.
+        bounds = {Q8_0.int_dot: (n_in // QK8_0 + 2) * U * mag, Q8_0.dequantized_dot: (n_in + 2) * U * mag}
+        bounds[Q8_0.dot] = bounds[Q8_0.int_dot if rows <= INT_DOT_MAX_ROWS else Q8_0.dequantized_dot]
         deq = np.asarray(w.q, np.float64).reshape(8, -1, QK8_0) * np.asarray(w.d, np.float64)[..., None]
         exact = x.astype(np.float64) @ deq.reshape(8, -1).T
-        assert (np.abs(got - exact) <= act + (nb + 2) * U * mag).all()
+        for fn, bound in bounds.items():
+            got = np.asarray(jax.jit(fn)(w, jnp.asarray(x)), np.float64)
+            assert got.shape == want.shape and (np.abs(got - want) <= bound).all(), fn
+            # Against the float dot of the dequantized weights, the activations' rounding too.
+            assert (np.abs(got - exact) <= act + bound).all(), fn
 
 
 def test_dot_keeps_out_axes_and_rows_dequantize() -> None:

@@ -5,7 +5,7 @@ Owns: `Q8_0`, quantization at load exactly as ggml-quants.c `quantize_row_q8_0_r
 half away from zero, d stored as float16, w ~= d * q), the same rule over activations inside
 the step (`quantize_act`, d kept float32), XLA's arithmetic (per block int8 x int8 summed in
 int32, as llama.cpp's vec_dot_q8_0_q8_0 does, then scaled by d_w * d_x and summed over blocks
-in float32), its lookup as an embedding, and its sharding. No native kernel yet (`native` is
+in float32; for many rows the same operands dequantized into XLA's float32 dot), its lookup as an embedding, and its sharding. No native kernel yet (`native` is
 None: integer-dot CPU kernels are issue 31's next step).
 Must not: place arrays on devices. Tested by tests/test_q8_0.py (against gguf.quants' Q8_0,
 a float64 reference of the block arithmetic, and the engine on a tiny model).
@@ -30,6 +30,14 @@ if TYPE_CHECKING:
 
 QK8_0 = 32
 """Inputs per block (ggml's QK8_0)."""
+# XLA:CPU (2-core Zen 5, SmolLM2's 30 gate-up matmuls, alternated in one process on a loaded
+# machine, so rough): the per-block integer dot (a dot_general batched over blocks, K = 32) ran
+# 96-118 ms at 1 row unpadded and ~41 at 1 row padded to 8; at 64 rows 200-480 ms, where
+# dequantizing the weights inside the step and running XLA's float32 dot took 41-57 ms (the
+# float32 weights' own dot: 39). So steps of up to INT_DOT_MAX_ROWS rows (one-stream and small
+# batch decode) take the integer path, padded to that many rows, and larger ones (prefill,
+# wide decode) the dequantized one, over the same quantized activations.
+INT_DOT_MAX_ROWS = 8
 
 
 def quantize_q8_0(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -98,8 +106,19 @@ class Q8_0:
         return self.q
 
     def dot(self, x: jax.Array) -> jax.Array:
-        """x [N, in] -> [N, *out]: y[n,o] = sum_b d_w[o,b] d_x[n,b] S[b,o,n], S the int32 sum of
-        32 int8 x int8 products (exact: |S| <= 32 * 127^2 < 2^24, so its float32 is exact too)."""
+        """x [N, in] -> [N, *out] over x quantized per block (`quantize_act`): up to
+        INT_DOT_MAX_ROWS rows `int_dot`, more `dequantized_dot` (the same products, summed in
+        float32 over `in` rather than in int32 per block)."""
+        n = x.shape[0]
+        if n > INT_DOT_MAX_ROWS:
+            return self.dequantized_dot(x)
+        xp = jnp.pad(x, ((0, INT_DOT_MAX_ROWS - n), (0, 0)))
+        return self.int_dot(xp)[:n]
+
+    def int_dot(self, x: jax.Array) -> jax.Array:
+        """y[n,o] = sum_b d_w[o,b] d_x[n,b] S[b,o,n], S the int32 sum of a block's 32 int8 x int8
+        products (llama.cpp's vec_dot_q8_0_q8_0; exact: |S| <= 32 * 127^2 < 2^24, so its float32
+        is exact too), scaled and summed over blocks in float32."""
         n, q = x.shape[0], self.q
         xq, dx = quantize_act(x)  # [N, nb, 32], [N, nb]
         nb = xq.shape[1]
@@ -108,6 +127,18 @@ class Q8_0:
         dw = self.d.reshape(-1, nb).astype(jnp.float32).T  # [nb, O]
         y = jnp.sum(s.astype(jnp.float32) * dw[:, :, None] * dx.T[:, None, :], axis=0)  # [O, N]
         out: jax.Array = y.T.reshape(n, *q.shape[:-1]).astype(x.dtype)
+        return out
+
+    def dequantized_dot(self, x: jax.Array) -> jax.Array:
+        """The same quantized operands as float32 (q * d_w exact: 8 by 11 significant bits;
+        q_x * d_x rounded once) in XLA's float32 dot: no [nb, O, N] int32 intermediate."""
+        n, q = x.shape[0], self.q
+        xq, dx = quantize_act(x)
+        xf = (xq.astype(jnp.float32) * dx[..., None]).reshape(n, -1)
+        nb = xq.shape[1]
+        w = q.reshape(-1, nb, QK8_0).astype(jnp.float32) * self.d.reshape(-1, nb).astype(jnp.float32)[..., None]
+        y = lax.dot_general(xf, w.reshape(-1, q.shape[-1]), (((1,), (1,)), ((), ())))
+        out: jax.Array = y.reshape(n, *q.shape[:-1]).astype(x.dtype)
         return out
 
     def logits(self, h: jax.Array) -> jax.Array:
