@@ -5,8 +5,9 @@ Owns: `Q8_0`, quantization at load exactly as ggml-quants.c `quantize_row_q8_0_r
 half away from zero, d stored as float16, w ~= d * q), the same rule over activations inside
 the step (`quantize_act`, d kept float32), XLA's arithmetic (per block int8 x int8 summed in
 int32, as llama.cpp's vec_dot_q8_0_q8_0 does, then scaled by d_w * d_x and summed over blocks
-in float32; for many rows the same operands dequantized into XLA's float32 dot), its lookup as an embedding, and its sharding. No native kernel yet (`native` is
-None: integer-dot CPU kernels are issue 31's next step).
+in float32; for many rows the same operands dequantized into XLA's float32 dot), its lookup
+as an embedding, and its sharding. No native kernel yet (`native` is None: integer-dot CPU
+kernels are issue 31's next step).
 Must not: place arrays on devices. Tested by tests/test_q8_0.py (against gguf.quants' Q8_0,
 a float64 reference of the block arithmetic, and the engine on a tiny model).
 """
@@ -34,9 +35,13 @@ QK8_0 = 32
 # machine, so rough): the per-block integer dot (a dot_general batched over blocks, K = 32) ran
 # 96-118 ms at 1 row unpadded and ~41 at 1 row padded to 8; at 64 rows 200-480 ms, where
 # dequantizing the weights inside the step and running XLA's float32 dot took 41-57 ms (the
-# float32 weights' own dot: 39). So steps of up to INT_DOT_MAX_ROWS rows (one-stream and small
-# batch decode) take the integer path, padded to that many rows, and larger ones (prefill,
-# wide decode) the dequantized one, over the same quantized activations.
+# float32 weights' own dot: 39). Whole SmolLM2 decode steps (python -m bench runner, one run
+# each, same loaded machine): integer path 146 / 156 / 892 ms at batch 1 / 8 / 64, dequantized
+# 222 / 269 / 450 ms. So steps of up to INT_DOT_MAX_ROWS rows (one-stream and small-batch
+# decode) take the integer path, padded to that many rows, and larger ones (prefill, wide
+# decode) the dequantized one, over the same quantized activations. Both are far slower than
+# float32 on XLA:CPU (its int8 -> float32 convert and its batched small-K int8 dot are not
+# vectorized well): the native integer-dot kernels of issue 31's next step are the fast path.
 INT_DOT_MAX_ROWS = 8
 
 
