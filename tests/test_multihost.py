@@ -193,9 +193,9 @@ def test_the_leader_names_the_follower_lost_without_a_word() -> None:
 
     def group(n: int) -> tuple[Leader, list[Follower], list[str]]:
         reasons: list[str] = []
-        leader = Leader(n, 5.0, reasons.append, exit_on_failure=False)
+        leader = Leader(n, 2.5, reasons.append, exit_on_failure=False)  # checked every beat_s = 0.5 s
         port = leader.listen("127.0.0.1", 0)
-        followers = [Follower(i + 1, 5.0, exit_on_failure=False) for i in range(n)]
+        followers = [Follower(i + 1, 2.5, exit_on_failure=False) for i in range(n)]
         for f in followers:
             f.connect("127.0.0.1", port, timeout_s=10)
         assert leader.wait_connected(10)
@@ -216,7 +216,8 @@ def test_the_leader_names_the_follower_lost_without_a_word() -> None:
     t0 = time.monotonic()
     while leader.failure is None and time.monotonic() - t0 < 5:
         time.sleep(0.01)
-    assert REPORTED_WAIT_S <= time.monotonic() - t0 < REPORTED_WAIT_S + 1.0
+    # from the close, REPORTED_WAIT_S, seen by the monitor within one beat (0.5 s), and slack for a loaded CPU
+    assert REPORTED_WAIT_S <= time.monotonic() - t0 < REPORTED_WAIT_S + 0.5 + 1.0
     assert reasons == ["process 1 failed: a step failed on process 1: out of memory"]
 
 
