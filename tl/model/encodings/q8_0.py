@@ -31,17 +31,18 @@ if TYPE_CHECKING:
 
 QK8_0 = 32
 """Inputs per block (ggml's QK8_0)."""
-# XLA:CPU (2-core Zen 5, SmolLM2's 30 gate-up matmuls, alternated in one process on a loaded
-# machine, so rough): the per-block integer dot (a dot_general batched over blocks, K = 32) ran
-# 96-118 ms at 1 row unpadded and ~41 at 1 row padded to 8; at 64 rows 200-480 ms, where
-# dequantizing the weights inside the step and running XLA's float32 dot took 41-57 ms (the
-# float32 weights' own dot: 39). Whole SmolLM2 decode steps (python -m bench runner, one run
-# each, same loaded machine): integer path 146 / 156 / 892 ms at batch 1 / 8 / 64, dequantized
-# 222 / 269 / 450 ms. So steps of up to INT_DOT_MAX_ROWS rows (one-stream and small-batch
-# decode) take the integer path, padded to that many rows, and larger ones (prefill, wide
-# decode) the dequantized one, over the same quantized activations. Both are far slower than
+# XLA:CPU (2-core Zen 5, alternated in one process on a machine shared with another test run,
+# so rough): the per-block integer dot (a dot_general batched over blocks, K = 32) over
+# SmolLM2's 30 gate-up matrices at one row took 40 ms padded to 2 rows, 48 to 4, 91 to 8, 204
+# to 16, ~100 unpadded; dequantizing the weights inside the step into XLA's float32 dot, 61
+# (at 64 rows the integer dot 200-480 ms, the dequantized one 41-57, float32's own 39). Whole
+# SmolLM2 decode steps (python -m bench runner): integer 146 / 156 / 892 ms at batch 1 / 8 /
+# 64, dequantized 222 / 269 / 450 ms. So steps of INT_DOT_MIN_ROWS to INT_DOT_MAX_ROWS rows
+# (one-stream and small-batch decode; one row padded to two) take the integer path, larger ones
+# (prefill, wide decode) the dequantized one, over the same quantized activations. Both are far slower than
 # float32 on XLA:CPU (its int8 -> float32 convert and its batched small-K int8 dot are not
 # vectorized well): the native integer-dot kernels of issue 31's next step are the fast path.
+INT_DOT_MIN_ROWS = 2
 INT_DOT_MAX_ROWS = 8
 
 
@@ -112,12 +113,12 @@ class Q8_0:
 
     def dot(self, x: jax.Array) -> jax.Array:
         """x [N, in] -> [N, *out] over x quantized per block (`quantize_act`): up to
-        INT_DOT_MAX_ROWS rows `int_dot`, more `dequantized_dot` (the same products, summed in
-        float32 over `in` rather than in int32 per block)."""
+        INT_DOT_MAX_ROWS rows `int_dot` (at least INT_DOT_MIN_ROWS, padded), more
+        `dequantized_dot` (the same products, summed in float32 over `in`, not int32 per block)."""
         n = x.shape[0]
         if n > INT_DOT_MAX_ROWS:
             return self.dequantized_dot(x)
-        xp = jnp.pad(x, ((0, INT_DOT_MAX_ROWS - n), (0, 0)))
+        xp = jnp.pad(x, ((0, max(0, INT_DOT_MIN_ROWS - n)), (0, 0)))
         return self.int_dot(xp)[:n]
 
     def int_dot(self, x: jax.Array) -> jax.Array:
