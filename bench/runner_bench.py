@@ -76,6 +76,9 @@ def run(argv: Sequence[str]) -> int:
     ap.add_argument("--model", default="artifacts/models/smol-135m")
     ap.add_argument("--dtype", default="auto", help="auto: float32 on CPU, bfloat16 on GPU/TPU")
     ap.add_argument("--backend", default="auto")
+    ap.add_argument(
+        "--weight-dtype", default="float32", choices=["float32", "int8", "q8_0"], help="[engine] weight_dtype"
+    )
     ap.add_argument("--attention-kernel", default="auto")
     ap.add_argument("--tensor-parallel", type=int, default=1)
     ap.add_argument("--context", type=int, default=256, help="context length of each decoding sequence")
@@ -94,6 +97,7 @@ def run(argv: Sequence[str]) -> int:
     cfg = EngineConfig(
         model_dir=args.model,
         dtype=args.dtype,
+        weight_dtype=args.weight_dtype,
         backend=args.backend,
         attention_kernel=args.attention_kernel,
         tensor_parallel=args.tensor_parallel,
@@ -111,6 +115,7 @@ def run(argv: Sequence[str]) -> int:
             {
                 "model": args.model,
                 "dtype": args.dtype,
+                "weight_dtype": args.weight_dtype,
                 "backend": args.backend,
                 "attention_kernel": args.attention_kernel,
                 "tensor_parallel": args.tensor_parallel,
@@ -194,7 +199,8 @@ def run(argv: Sequence[str]) -> int:
     print_offline_roofline(
         args.model,
         items,
-        bytes_per_param=2 if b_info.dtype == "bfloat16" else 4,
+        # int8 and q8_0 as 1 byte a weight (q8_0's float16 per 32 weights, 6%, left out)
+        bytes_per_param=1 if args.weight_dtype != "float32" else 2 if b_info.dtype == "bfloat16" else 4,
         platform=b_info.platform,
         dtype=b_info.dtype,
     )
