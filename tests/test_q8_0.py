@@ -108,10 +108,14 @@ def _block_reference(w: Q8_0, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np
     return terms.sum(-1), np.abs(terms).sum(-1), act
 
 
+def _diagonal(w: Q8_0, x: jax.Array) -> jax.Array:
+    return w.int_dot(x, diagonal=True)
+
+
 @pytest.mark.parametrize("rows", [1, 3, 8, 16])
 def test_dot_against_float64_block_arithmetic(rows: int) -> None:
-    """Both of `dot`'s paths (and `dot` itself, which takes int_dot up to INT_DOT_MAX_ROWS rows
-    and dequantized_dot beyond) within a bound derived from their float32 operations."""
+    """Each of `dot`'s paths (int_dot batched over blocks or block-diagonal, dequantized_dot) and
+    `dot` itself within a bound derived from their float32 operations."""
     rng = np.random.default_rng(rows)
     w = Q8_0(*quantize_q8_0(_edge_matrix(rng)))
     for x in (rng.standard_normal((rows, 96)).astype(np.float32), _edge_matrix(rng)[:rows]):
@@ -124,6 +128,7 @@ def test_dot_against_float64_block_arithmetic(rows: int) -> None:
         # product rounded (u), `in` of them summed in any order ((in - 1) u): (in + 2) u.
         bounds = {Q8_0.int_dot: (n_in // QK8_0 + 2) * U * mag, Q8_0.dequantized_dot: (n_in + 2) * U * mag}
         bounds[Q8_0.dot] = bounds[Q8_0.int_dot if rows <= INT_DOT_MAX_ROWS else Q8_0.dequantized_dot]
+        bounds[_diagonal] = bounds[Q8_0.int_dot]
         deq = np.asarray(w.q, np.float64).reshape(8, -1, QK8_0) * np.asarray(w.d, np.float64)[..., None]
         exact = x.astype(np.float64) @ deq.reshape(8, -1).T
         for fn, bound in bounds.items():
@@ -131,6 +136,8 @@ def test_dot_against_float64_block_arithmetic(rows: int) -> None:
             assert got.shape == want.shape and (np.abs(got - want) <= bound).all(), fn
             # Against the float dot of the dequantized weights, the activations' rounding too.
             assert (np.abs(got - exact) <= act + bound).all(), fn
+        # the two integer formulations: the same exact block sums, the same float32 operations
+        np.testing.assert_array_equal(*(np.asarray(jax.jit(f)(w, jnp.asarray(x))) for f in (Q8_0.int_dot, _diagonal)))
 
 
 def test_dot_keeps_out_axes_and_rows_dequantize() -> None:
