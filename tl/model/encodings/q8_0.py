@@ -36,12 +36,13 @@ QK8_0 = 32
 # SmolLM2's 30 gate-up matrices at one row took 40 ms padded to 2 rows, 48 to 4, 91 to 8, 204
 # to 16, ~100 unpadded; dequantizing the weights inside the step into XLA's float32 dot, 61
 # (at 64 rows the integer dot 200-480 ms, the dequantized one 41-57, float32's own 39). Whole
-# SmolLM2 decode steps (python -m bench runner): integer 146 / 156 / 892 ms at batch 1 / 8 /
-# 64, dequantized 222 / 269 / 450 ms. So steps of INT_DOT_MIN_ROWS to INT_DOT_MAX_ROWS rows
-# (one-stream and small-batch decode; one row padded to two) take the integer path, larger ones
-# (prefill, wide decode) the dequantized one, over the same quantized activations. Both are far slower than
-# float32 on XLA:CPU (its int8 -> float32 convert and its batched small-K int8 dot are not
-# vectorized well): the native integer-dot kernels of issue 31's next step are the fast path.
+# SmolLM2 decode steps (python -m bench runner; padded to 8 rows, before the block-diagonal
+# form below): integer 146 / 156 / 892 ms at batch 1 / 8 / 64, dequantized 222 / 269 / 450.
+# So steps of INT_DOT_MIN_ROWS to INT_DOT_MAX_ROWS rows (one-stream and small-batch decode;
+# one row padded to two) take the integer path, larger ones (prefill, wide decode) the
+# dequantized one, over the same quantized activations. Both are far slower than float32 on
+# XLA:CPU (its int8 -> float32 convert and its batched small-K int8 dot are not vectorized
+# well): the native integer-dot kernels of issue 31's next step are the fast path.
 INT_DOT_MIN_ROWS = 2
 INT_DOT_MAX_ROWS = 8
 # One row over at most DIAGONAL_MAX_BLOCKS blocks: the integer dot as one 2-D int8 dot against
