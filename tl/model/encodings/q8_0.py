@@ -37,14 +37,16 @@ QK8_0 = 32
 # to 16, ~100 unpadded; dequantizing the weights inside the step into XLA's float32 dot, 61
 # (at 64 rows the integer dot 200-480 ms, the dequantized one 41-57, float32's own 39). Whole
 # SmolLM2 decode steps (python -m bench runner; padded to 8 rows, before the block-diagonal
-# form below): integer 146 / 156 / 892 ms at batch 1 / 8 / 64, dequantized 222 / 269 / 450.
+# form below): integer 146 / 156 / 892 ms at batch 1 / 8 / 64, dequantized 222 / 269 / 450;
+# after it (the block sums reduced as [O, N, nb]), alternated twice: integer 140-147 / 259-277
+# / 560-605 ms at batch 16 / 32 / 64, dequantized 176-184 / 199-204 / 224-232.
 # So steps of INT_DOT_MIN_ROWS to INT_DOT_MAX_ROWS rows (one-stream and small-batch decode;
 # one row padded to two) take the integer path, larger ones (prefill, wide decode) the
 # dequantized one, over the same quantized activations. Both are far slower than float32 on
 # XLA:CPU (its int8 -> float32 convert and its batched small-K int8 dot are not vectorized
 # well): the native integer-dot kernels of issue 31's next step are the fast path.
 INT_DOT_MIN_ROWS = 2
-INT_DOT_MAX_ROWS = 8
+INT_DOT_MAX_ROWS = 16
 # One row over at most DIAGONAL_MAX_BLOCKS blocks: the integer dot as one 2-D int8 dot against
 # the activations spread block-diagonally ([nb, in], zero off the block: the same exact block
 # sums). One row, 30 SmolLM2 gate-up matrices (18 blocks): 19.7 ms against 25.9 batched; the
