@@ -1,26 +1,26 @@
 """Linear-weight encodings: one module per encoding, each a Flax struct with the same hooks.
 
-Owns: what every encoding provides (`Encoding`), and the pieces they share (`Axes`,
-`flat_dot`). Each encoding module owns, for its one encoding, everything that depends on it:
-turning a float Hugging Face matrix into it at load (`encode`, `table` for an embedding or LM
-head, `head_packing`), XLA's arithmetic for it (`dot`, `logits`, `rows`), which native CPU
-kernel runs it and on which rows (`native`: a kernels/cpu_native.py call over its arrays, or
-None for XLA's `dot`), and its sharding (`specs`, from the `axes` declared where it is built).
-The encodings: tl/model/encodings/dense.py (float [*out, in]), tl/model/encodings/int8.py
-(int8 per output channel, W8A8 dots), tl/model/encodings/q8_0.py (llama.cpp's Q8_0 blocks of
-32 inputs, per-block integer dots) and tl/model/encodings/bf16x3.py (float32 with its AMX
-packing, matmul_precision "high"); tl/model/weights.py registers them (`ENCODINGS`), so a new
-encoding is one module here and one line there.
-Must not: place arrays on devices, know about the model's layers. Tested by
-tests/test_llama_reference.py, tests/test_int8.py, tests/test_q8_0.py,
-tests/test_matmul_high.py and tests/test_cpu_native.py.
-"""
+Owns: what every encoding provides (`Encoding`), and the pieces they share (`Axes`, `flat_dot`,
+and `IntegerCodes`, the trivial hooks of the integer encodings). Each encoding module owns, for
+its one encoding, everything that depends on it: turning a float Hugging Face matrix into it at
+load (`encode`, `table` for an embedding or LM head, `head_packing`), XLA's arithmetic for it
+(`dot`, `logits`, `rows`), which native CPU kernel runs it and on which rows (`native`: a
+kernels/cpu_native.py call over its arrays, or None for XLA's `dot`), and its sharding (`specs`,
+from the `axes` declared where it is built). The encodings: tl/model/encodings/dense.py (float
+[*out, in]), tl/model/encodings/int8.py (int8 per output channel, W8A8 dots),
+tl/model/encodings/q8_0.py (llama.cpp's Q8_0 blocks of 32 inputs, per-block integer dots) and
+tl/model/encodings/bf16x3.py (float32 with its AMX packing, matmul_precision "high");
+tl/model/weights.py registers them (`ENCODINGS`), so a new encoding is one module here and one
+line there. Must not: place arrays on devices, know about the model's layers. Tested by
+tests/test_llama_reference.py, tests/test_int8.py, tests/test_q8_0.py, tests/test_matmul_high.py
+and tests/test_cpu_native.py."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, Self, TypeAlias
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
@@ -93,3 +93,27 @@ def flat_dot(x: jax.Array, w: jax.Array, preferred: Any = None) -> jax.Array:
     ran 2.5x slower on [2,F,D] than on [2F,D])."""
     y = lax.dot_general(x, w.reshape(-1, w.shape[-1]), (((1,), (1,)), ((), ())), preferred_element_type=preferred)
     return y.reshape(x.shape[0], *w.shape[:-1])
+
+
+class IntegerCodes:
+    """What the integer encodings (int8, q8_0) share: integer codes `q` [*out, in] with float
+    scales, computing in float32, needing nothing beside the table for an LM head."""
+
+    q: Any
+
+    @classmethod
+    def head_packing(cls, head: Table) -> Tensor | None:
+        return None
+
+    @property
+    def out_shape(self) -> tuple[int, ...]:
+        return tuple(self.q.shape[:-1])
+
+    @property
+    def dtype(self) -> Any:
+        return jnp.float32
+
+    @property
+    def matrix(self) -> Any:
+        """The codes [*out, in]."""
+        return self.q

@@ -23,11 +23,11 @@ from flax import struct
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from tl.model.encodings import Axes
+from tl.model.encodings import Axes, IntegerCodes
 
 if TYPE_CHECKING:
     from kernels.cpu_native import NativeLib
-    from tl.model.weights import Table, Tensor
+    from tl.model.weights import Table
 
 QK8_0 = 32
 """Inputs per block (ggml's QK8_0)."""
@@ -86,7 +86,7 @@ def quantize_act(x: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 @struct.dataclass
-class Q8_0:
+class Q8_0(IntegerCodes):
     """int8 q [*out, in] with float16 d [*out, in/32], one per block of 32 inputs: w ~= d * q
     (llama.cpp's block_q8_0, its two arrays apart: 34 bytes per 32 weights either way). float16
     d as in the file; the dot converts [*out, in/32] to float32, 1/32 of q's elements."""
@@ -103,22 +103,6 @@ class Q8_0:
     @classmethod
     def table(cls, w: np.ndarray, axes: Axes) -> Table:
         return cls.encode(w, axes)
-
-    @classmethod
-    def head_packing(cls, head: Table) -> Tensor | None:
-        return None
-
-    @property
-    def out_shape(self) -> tuple[int, ...]:
-        return tuple(self.q.shape[:-1])
-
-    @property
-    def dtype(self) -> Any:
-        return jnp.float32
-
-    @property
-    def matrix(self) -> Any:
-        return self.q
 
     def dot(self, x: jax.Array) -> jax.Array:
         """x [N, in] -> [N, *out] over x quantized per block (`quantize_act`): up to
