@@ -204,9 +204,10 @@ class StepPacker:
         """The step of `work` in `variant` (t_pad, s_pad); top_logprobs: the variant has the
         top-logprobs function (then it runs when a sampled row asks)."""
         t_pad, s_pad = variant
+        num_rows = self.num_rows(t_pad, s_pad)
         inp, rows = self.tokens(work, t_pad, s_pad)
-        sb, pen = self.sampling(rows, s_pad, self.num_rows(t_pad, s_pad))
-        mask, fill_stats = self.mask(rows, self.num_rows(t_pad, s_pad), fill)
+        sb, pen = self.sampling(rows, s_pad, num_rows)
+        mask, fill_stats = self.mask(rows, num_rows, fill)
         bufs, layout = to_host_buffers((inp, sb))
         top = top_logprobs and any(s.work.params.top_logprobs for s in rows.spans)
         return PackedStep(variant, rows, bufs, layout, pen, mask, fill_stats, top)
