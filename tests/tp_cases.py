@@ -150,10 +150,11 @@ def test_tiny_int8_identical_for_tp_1_2_4() -> None:
     assert all(len(t) > 0 for t in results[1])
 
 
-def test_tiny_q8_0_identical_for_tp_1_2_4() -> None:
-    """q8_0 weights: q [*out,in] and d [*out,in/32] split together. Row-parallel weights split by
-    input only into whole blocks of 32: w_down's 128 inputs (4 blocks) over 2 and 4 devices, wo's
-    64 (2 blocks) over 2; over 4 wo stays whole (XLA gathers its input)."""
+def test_tiny_blocks_identical_for_tp_1_2_4() -> None:
+    """q4_1 weights: each output's row of ggml blocks (20 bytes a block of 32 inputs) split by
+    out, and row-parallel weights split by input only into whole blocks: w_down's 128 inputs (4
+    blocks) over 2 and 4 devices, wo's 64 (2 blocks) over 2; over 4 wo stays whole (XLA gathers
+    its input)."""
 
     from tests.models import tiny_config
     from tl.model import llama
@@ -162,14 +163,14 @@ def test_tiny_q8_0_identical_for_tp_1_2_4() -> None:
 
     cfg = tiny_config(vocab_size=264)
     params = llama.init_params(cfg, jax.random.key(1))
-    engine_cfg = CFG.replace(weight_dtype="q8_0", speculative="none")
+    engine_cfg = CFG.replace(weight_dtype="q4_1", speculative="none")
     results = {}
     for n in (1, 2, 4):
         runner = ModelRunner(start(cfg, params, engine_cfg.replace(tensor_parallel=n)))
         lp = runner.params.layers[0]
-        assert _shard0(lp.w_down.d).shape == (cfg.hidden_size, cfg.intermediate_size // 32 // n)
-        assert _shard0(lp.wo.q).shape == (cfg.hidden_size, cfg.q_size // n if n < 4 else cfg.q_size)
-        assert _shard0(lp.w_gate_up.d).shape == (cfg.intermediate_size // n, 2, cfg.hidden_size // 32)
+        assert _shard0(lp.w_down.data).shape == (cfg.hidden_size, cfg.intermediate_size // 32 // n * 20)
+        assert _shard0(lp.wo.data).shape == (cfg.hidden_size, (cfg.q_size // n if n < 4 else cfg.q_size) // 32 * 20)
+        assert _shard0(lp.w_gate_up.data).shape == (cfg.intermediate_size // n, 2, cfg.hidden_size // 32 * 20)
         results[n] = [token_ids(o) for o in drive(Engine(runner, engine_cfg), greedy_workload(), check=check_engine)]
     assert results[1] == results[2] == results[4]
     assert all(len(t) > 0 for t in results[1])

@@ -20,7 +20,7 @@ from typing import Any, Literal
 PrefixCache = Literal["none", "radix"]
 Speculative = Literal["none", "prompt_lookup"]
 DType = Literal["auto", "float32", "bfloat16"]
-WeightDType = Literal["float32", "int8", "q8_0"]
+WeightDType = Literal["auto", "float32", "int8", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"]
 KVCacheDType = Literal["auto", "bfloat16"]
 MatmulPrecision = Literal["highest", "high"]
 WeightPages = Literal["huge", "default"]
@@ -45,17 +45,20 @@ class EngineConfig:
     """Every `[engine]` key. Field docstrings are the README's reference."""
 
     model_dir: str = "artifacts/models/smol-135m"
-    """Hugging Face style model directory (config.json, safetensors, tokenizer.json)."""
+    """Hugging Face style model directory (config.json, safetensors, tokenizer.json; `tl pull`
+    keeps the GGUF there too, as model.gguf), or a llama.cpp `.gguf` file, served as it is."""
     model_id: str = ""
     """Name served in /v1/models and accepted in `model`; empty means the directory name."""
     backend: Backend = "auto"
     """JAX platform: "auto" picks the best present (tpu, then gpu, then cpu)."""
     dtype: DType = "auto"
     """Weight and activation dtype; "auto" is float32 on CPU (bf16 is far slower there), bfloat16 on GPU/TPU."""
-    weight_dtype: WeightDType = "float32"
-    """Linear and embedding weights: as `dtype`; "int8" (per-output-channel scales, int8 dots); or
-    "q8_0" (llama.cpp's Q8_0, quantized at load: a float16 scale per block of 32 inputs, 8.5 bits
-    a weight; per-block int8 dots; input widths must be multiples of 32)."""
+    weight_dtype: WeightDType = "auto"
+    """Linear and embedding weights. "auto": as the model's files store them: a GGUF's block
+    formats kept packed (a `.gguf` model_dir, or the model.gguf `tl pull` keeps), else as `dtype`.
+    "float32": as `dtype` (a GGUF dequantized). "int8": per-output-channel scales, int8 dots.
+    "q8_0", "q4_0", "q4_1", "q5_0", "q5_1": llama.cpp's block formats, quantized at load (32
+    inputs a block; input widths must be multiples of 32); integer dots on CPU."""
     kv_cache_dtype: KVCacheDType = "auto"
     """KV cache storage: "auto" is `dtype`; "bfloat16" halves the cache of a float32 model (twice the
     blocks in the same memory, half the bytes attention reads; keys and values rounded to bf16)."""

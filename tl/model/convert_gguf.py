@@ -1,9 +1,14 @@
-"""GGUF -> Hugging Face model directory (`tl convert-gguf`).
+"""GGUF -> Hugging Face model directory (`tl convert-gguf`), and a GGUF served as it is.
 
 Owns: reading a llama.cpp GGUF file (llama and qwen2 architectures, BPE "gpt2"
 tokenizers) and writing config.json, model.safetensors (float32, HF tensor names),
 tokenizer.json, tokenizer_config.json and generation_config.json. Dequantizes with
 `gguf.quants.dequantize` and undoes llama.cpp's q/k row permutation for llama.
+Serving a GGUF as it is: `packed_tensors` (its tensors under HF names, block formats kept as
+the file's bytes, `Packed`, rows un-permuted; a type tl does not serve refused naming the
+tensor, its type and the types served) and `gguf_model_dir` (a `.gguf` model_dir becomes a
+directory of the side files with a link to the GGUF, so every reader of a model directory
+serves it).
 Must not import jax and must not know the runner's parameter layout (HF names only).
 Errors (not a GGUF, unsupported architecture, tokenizer or tensor type) are GGUFError
 naming the file. Tested by tests/test_convert_gguf.py (small GGUFs written with
@@ -12,9 +17,11 @@ gguf.GGUFWriter, plus the real SmolLM2 file, marked slow).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +31,9 @@ from safetensors.numpy import save_file
 from tqdm import tqdm
 
 from tl.model.config import ModelConfig
+from tl.model.files import GGUF_FILE, Packed
 
 Q = gguf.GGMLQuantizationType
-SUPPORTED_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q6_K)
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED = 3, 4
 
@@ -68,21 +75,112 @@ class GGUFError(ValueError):
     """The GGUF file cannot be converted; the message names the file and the reason."""
 
 
-def convert_gguf(gguf_path: str | Path, out_dir: str | Path, progress: bool = True) -> Path:
-    """Write a Hugging Face model directory for `gguf_path` into `out_dir` (created)."""
+def convert_gguf(gguf_path: str | Path, out_dir: str | Path, progress: bool = True, *, keep: bool = False) -> Path:
+    """Write a Hugging Face model directory for `gguf_path` into `out_dir` (created); `keep`:
+    move the GGUF in as well (`GGUF_FILE`), for weight_dtype "auto" to serve as it is."""
     path = Path(gguf_path)
     reader = open_gguf(path)
     cfg = gguf_model_config(reader, path)
-    tok = _tokenizer_metadata(reader, path)
     tensors = hf_tensors(reader, cfg, path, progress=progress)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    _write_json(out / "config.json", cfg.to_dict())
+    out = _side_files(reader, cfg, path, Path(out_dir))
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "model.safetensors").chmod(0o644)  # safetensors creates it 0600
+    if keep:
+        del reader, tensors  # the mapping closes before the move
+        path.replace(out / GGUF_FILE)
+    return out
+
+
+def _side_files(reader: gguf.GGUFReader, cfg: ModelConfig, path: Path, out: Path) -> Path:
+    """config.json, the tokenizer's files and generation_config.json of the GGUF into `out`."""
+    tok = _tokenizer_metadata(reader, path)
+    out.mkdir(parents=True, exist_ok=True)
+    _write_json(out / "config.json", cfg.to_dict())
     _write_json(out / "tokenizer.json", tokenizer_json(tok, path))
     _write_json(out / "tokenizer_config.json", tokenizer_config(tok, cfg))
     _write_json(out / "generation_config.json", _generation_config(cfg))
+    return out
+
+
+def gguf_model_dir(gguf_path: str | Path, cache_dir: str | Path = "") -> Path:
+    """The model directory that serves `gguf_path` as it is: its side files (config, tokenizer,
+    generation config) and `GGUF_FILE`, a link to it, under `cache_dir` (empty:
+    ~/.cache/tl/gguf), written once per file (keyed by its path, size and time). The
+    directory's name is the file's stem, so the served model's name is the file's."""
+    path = Path(gguf_path).resolve()
+    st = path.stat() if path.is_file() else None
+    if st is None:
+        raise GGUFError(f"{gguf_path}: file not found")
+    key = hashlib.sha256(f"{path}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    root = Path(cache_dir) if cache_dir else Path.home() / ".cache" / "tl" / "gguf"
+    out = root / key / path.stem
+    if (out / GGUF_FILE).exists() and (out / "config.json").is_file():
+        return out
+    with tempfile.TemporaryDirectory(dir=_mkdir(root)) as tmp:
+        reader = open_gguf(path)
+        staged = _side_files(reader, gguf_model_config(reader, path), path, Path(tmp) / path.stem)
+        (staged / GGUF_FILE).symlink_to(path)
+        (root / key).mkdir(exist_ok=True)
+        try:
+            staged.rename(out)
+        except OSError:  # written meanwhile by another process: theirs serves
+            if not (out / "config.json").is_file():
+                raise
+    return out
+
+
+def _mkdir(d: Path) -> Path:
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def model_dir_of(model_dir: str) -> str:
+    """A model directory as given, or for a `.gguf` file the directory that serves it."""
+    if Path(model_dir).is_file() and model_dir.endswith(".gguf"):
+        return str(gguf_model_dir(model_dir))
+    return model_dir
+
+
+def served_types() -> tuple[str, ...]:
+    """The GGUF tensor types a model can be served in as they are (F32/F16/BF16 read as float)."""
+    from tl.model.encodings.ggml_formats import FORMATS
+
+    return ("F32", "F16", "BF16", *(f.upper() for f in FORMATS))
+
+
+def packed_tensors(path: Path) -> dict[str, np.ndarray | Packed]:
+    """Every tensor of the GGUF at `path` under its HF name, as the file stores it: block formats
+    as `Packed` (views of the mapped file where no rows move), F32 as float32, F16 and BF16
+    widened to float32; llama's q/k rows un-permuted. A tensor type tl does not serve raises
+    GGUFError naming the tensor, its type and the served types."""
+    from tl.model.encodings.ggml_formats import by_ggml_type
+
+    reader = open_gguf(path)
+    cfg = gguf_model_config(reader, path)
+    out: dict[str, np.ndarray | Packed] = {}
+    for t in reader.tensors:
+        name = hf_name(t.name)
+        if name is None:
+            continue
+        ttype = Q(t.tensor_type)
+        fmt = by_ggml_type(int(ttype))
+        w: np.ndarray | Packed
+        if fmt is not None:
+            w = Packed(fmt.name, t.data.reshape(-1, t.data.shape[-1]), int(t.shape[0]))
+            w = w.with_rows(w.data.reshape(*(int(n) for n in reversed(t.shape[1:])), w.data.shape[-1]))
+        else:  # F32, F16 and BF16 as float32; any other type refused there
+            w = dequantize_tensor(t, path)
+        heads = {"q_proj": cfg.num_attention_heads, "k_proj": cfg.num_key_value_heads}
+        part = name.split(".")[-2]
+        if cfg.architecture == "LlamaForCausalLM" and part in heads:
+            w = (
+                w.with_rows(unpermute_qk(w.data, heads[part]))
+                if isinstance(w, Packed)
+                else unpermute_qk(w, heads[part])
+            )
+        out[name] = w
+    if "model.embed_tokens.weight" not in out:
+        raise GGUFError(f"{path}: tensor 'token_embd.weight' is missing")
     return out
 
 
@@ -168,10 +266,10 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
 def dequantize_tensor(t: gguf.ReaderTensor, path: Path) -> np.ndarray:
     """float32 array in HF/numpy order ([out, in] for matrices)."""
     ttype = Q(t.tensor_type)
-    if ttype not in SUPPORTED_TYPES:
+    if ttype.name not in served_types():
         raise GGUFError(
-            f"{path}: tensor {t.name!r} has type {ttype.name}, which is not supported "
-            f"(supported: {', '.join(q.name for q in SUPPORTED_TYPES)})"
+            f"{path}: tensor {t.name!r} has type {ttype.name}, which tl does not serve "
+            f"(served: {', '.join(served_types())})"
         )
     shape = tuple(int(n) for n in reversed(t.shape))
     return np.ascontiguousarray(gguf.quants.dequantize(t.data, ttype), dtype=np.float32).reshape(shape)

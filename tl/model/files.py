@@ -1,7 +1,10 @@
 """Reading a model directory's weight and side files.
 
 Owns: parsing safetensors (model.safetensors, or shards listed by
-model.safetensors.index.json) into float32 numpy arrays under Hugging Face names;
+model.safetensors.index.json) into float32 numpy arrays under Hugging Face names; the record
+of a tensor kept in a ggml block format (`Packed`) and which weights file a directory serves
+(`read_tensors`: a directory holding a GGUF, `model.gguf`, serves its packed tensors where
+asked, tl/model/convert_gguf.py reading them);
 checking them against a ModelConfig (`check_shapes`: the shapes tl/model/config.py
 `hf_shapes` describes); reading generation_config.json and tokenizer_config.json into frozen
 records; the one rule for which ids end generation (`eos_token_ids`). The safetensors parser
@@ -27,6 +30,10 @@ from tl.model.config import ModelConfig, ModelDirError, hf_shapes, read_json
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+GGUF_FILE = "model.gguf"
+"""A GGUF kept in a model directory (`tl pull` keeps the one it converted; a `.gguf` model_dir
+gets a directory of its side files with this link to it: tl/model/convert_gguf.py
+`gguf_model_dir`)."""
 # safetensors dtype -> (numpy dtype of the stored bits, itemsize); BF16 is widened by hand.
 _DTYPES: dict[str, np.dtype[Any]] = {
     "F64": np.dtype("<f8"),
@@ -134,16 +141,62 @@ def _read_sharded(model_dir: Path) -> dict[str, np.ndarray]:
     return out
 
 
-def read_tensors(model_dir: str | Path) -> dict[str, np.ndarray]:
-    """All weights of a model dir by HF name, float32. model.safetensors wins over an index."""
+@dataclass(frozen=True, slots=True)
+class Packed:
+    """A tensor kept in a ggml block format: `data` uint8 [*rows, row_bytes], each row the
+    blocks of its `n_in` values exactly as the GGUF stores them (a view of the mapped file where
+    no rows were reordered). `format` names one of tl/model/encodings/ggml_formats.py FORMATS."""
+
+    format: str
+    data: np.ndarray
+    n_in: int
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (*self.data.shape[:-1], self.n_in)
+
+    def with_rows(self, data: np.ndarray) -> Packed:
+        """The same format over rows reordered or stacked (`data` [..., row_bytes])."""
+        return Packed(self.format, data, self.n_in)
+
+    def to_float(self) -> np.ndarray:
+        """float32 [*rows, n_in] (gguf-py's dequantization)."""
+        import gguf
+
+        t = gguf.GGMLQuantizationType[self.format.upper()]
+        flat = self.data.reshape(-1, self.data.shape[-1])
+        return np.asarray(gguf.quants.dequantize(flat, t), np.float32).reshape(self.shape)
+
+
+HostTensor = np.ndarray | Packed
+"""A weight as read from its file: float numpy, or packed blocks."""
+
+
+def read_tensors(model_dir: str | Path, *, packed: bool = False) -> dict[str, Any]:
+    """All weights of a model dir by HF name: float32 arrays from model.safetensors (which wins
+    over an index); with `packed`, or where the directory has no safetensors, the tensors of its
+    GGUF (`GGUF_FILE`) as the file stores them (`Packed` blocks, float arrays for F32/F16/BF16)."""
     d = Path(model_dir)
     if not d.is_dir():
         raise ModelDirError(f"model directory {str(model_dir)!r} does not exist")
+    has_float = (d / SINGLE_FILE).is_file() or (d / INDEX_FILE).is_file()
+    if (d / GGUF_FILE).exists() and (packed or not has_float):
+        from tl.model.convert_gguf import GGUFError, packed_tensors
+
+        try:
+            return packed_tensors(d / GGUF_FILE)
+        except GGUFError as e:
+            raise ModelDirError(str(e)) from None
     if (d / SINGLE_FILE).is_file():
         return read_safetensors(d / SINGLE_FILE)
     if (d / INDEX_FILE).is_file():
         return _read_sharded(d)
-    raise ModelDirError(f"{d}: no weights ({SINGLE_FILE} or {INDEX_FILE} not found)")
+    raise ModelDirError(f"{d}: no weights ({SINGLE_FILE}, {INDEX_FILE} or {GGUF_FILE} not found)")
+
+
+def has_gguf(model_dir: str | Path) -> bool:
+    """Whether the directory keeps a GGUF (what weight_dtype "auto" then serves)."""
+    return (Path(model_dir) / GGUF_FILE).exists()
 
 
 def check_shapes(tensors: dict[str, np.ndarray], cfg: ModelConfig, source: str = "weights") -> None:

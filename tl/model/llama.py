@@ -52,8 +52,8 @@ from jax import lax
 
 from kernels.paged_attention import AttnArgs, AttnMetadata, PagedAttention, paged_attention, write_kv
 from tl.model.config import ModelConfig, ModelDirError, hf_shapes
-from tl.model.files import read_tensors
-from tl.model.weights import ENCODINGS, Axes, Bf16x3, Dense, Linear, Table, Tensor
+from tl.model.files import HostTensor, Packed, read_tensors
+from tl.model.weights import ENCODINGS, Axes, Bf16x3, Blocks, Dense, Linear, Table, Tensor
 
 Attend = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
 """(q [T,Hq,hd], k [T,Hk,hd], v [T,Hk,hd]) -> [T,Hq,hd] for one layer."""
@@ -62,8 +62,9 @@ Matmul = Callable[[jax.Array, Any], "jax.Array | None"]
 (kernels/select.py; the native CPU kernels for few rows)."""
 WeightDType = str
 """The linears' encoding, by its name in tl/model/weights.py ENCODINGS: "float32" (weights as
-stored), "int8" (per-output-channel symmetric quantization), "q8_0" (llama.cpp's Q8_0 blocks) or
-"bf16x3" (float32 with its AMX packing: matmul_precision "high")."""
+stored), "int8" (per-output-channel symmetric quantization), "q8_0", "q4_1", "q4_k", ... (llama.cpp's
+block formats), "bf16x3" (float32 with its AMX packing: matmul_precision "high"), or "auto"
+(each tensor as its file stores it)."""
 
 
 @struct.dataclass
@@ -71,8 +72,10 @@ class Layer:
     attn_norm: Tensor
     wo: Linear
     mlp_norm: Tensor
-    w_gate_up: Linear
     w_down: Linear
+    w_gate_up: Linear | None = None  # [F,2,D] fused (gate and up in one encoding)
+    w_gate: Linear | None = None  # apart (a GGUF storing gate and up in different formats)
+    w_up: Linear | None = None
     wqkv: Linear | None = None  # fused (KV heads sharded or one device)
     bqkv: Tensor | None = None
     wq: Linear | None = None  # unfused (tensor parallel with replicated KV heads)
@@ -142,7 +145,7 @@ def fuse_qkv(wq: Any, wk: Any, wv: Any, cfg: ModelConfig) -> Any:
 
 
 def load_weights(
-    tensors: Mapping[str, np.ndarray],
+    tensors: Mapping[str, HostTensor],
     cfg: ModelConfig,
     dtype: Any = np.float32,
     weight_dtype: WeightDType = "float32",
@@ -151,81 +154,107 @@ def load_weights(
     vocab_sharded: bool = True,
     tensor_parallel: int = 1,
 ) -> Weights:
-    """Hugging Face tensors ([out, in] linears) -> the step layout on the host (numpy; a matrix
-    that needs no fusing or conversion is the tensor itself, not a copy).
+    """Hugging Face tensors ([out, in] linears; float arrays, or `Packed` blocks read from a GGUF)
+    -> the step layout on the host (numpy; a matrix that needs no fusing or conversion is the
+    tensor itself, not a copy).
 
     weight_dtype: every linear's encoding (`WeightDType`), which also says how the embedding
     and LM head are kept (its `table`) and what the LM head needs beside them (`head_packing`:
-    bf16x3's packing as `head_packed`; embed and lm_head then stay float32).
+    bf16x3's packing as `head_packed`; embed and lm_head then stay float32); "auto": each as its
+    file stores it (packed blocks kept as they are, float as `dtype`). Where q, k and v (or gate
+    and up) are stored in different formats they are not fused: wq/wk/wv (w_gate/w_up) apart.
     kv_sharded False (tensor parallel over more devices than divide the KV heads): wq/wk/wv
     kept apart, k/v whole. vocab_sharded False: embed and lm_head whole. tensor_parallel: the
     degree, for the row-parallel wo and w_down: split by input only where every device gets
-    whole blocks of the encoding's `in_block` (Q8_0's 32; always for the others), else whole
-    (XLA then gathers their input and runs the whole dot on each device).
+    whole blocks of the encoding's `in_block` (32 or 256 for the block formats; always for the
+    others), else whole (XLA then gathers their input and runs the whole dot on each device).
     A matrix whose input axis is not a multiple of `in_block` is refused, naming it.
     """
-    if weight_dtype not in ENCODINGS:
-        raise ValueError(f"weight_dtype must be one of {', '.join(ENCODINGS)}, got {weight_dtype!r}")
-    encoding = ENCODINGS[weight_dtype]
+    if weight_dtype != "auto" and weight_dtype not in ENCODINGS:
+        raise ValueError(f"weight_dtype must be auto or one of {', '.join(ENCODINGS)}, got {weight_dtype!r}")
     want = hf_shapes(cfg)
 
-    def get(name: str) -> np.ndarray:
+    def source(name: str) -> HostTensor:
         if name not in tensors:
             raise ModelDirError(f"weights: missing tensor {name!r}")
-        x = np.asarray(tensors[name])
-        if x.shape != want[name]:
+        x = tensors[name]
+        x = x if isinstance(x, Packed) else np.asarray(x)
+        if tuple(x.shape) != want[name]:
             raise ModelDirError(f"weights: tensor {name!r} has shape {x.shape}, expected {want[name]}")
+        return x
+
+    def get(name: str) -> np.ndarray:
+        x = source(name)
+        x = x.to_float() if isinstance(x, Packed) else x
         return x if x.dtype == dtype else x.astype(dtype)
+
+    def encoding(*names: str) -> type[Linear] | None:
+        """weight_dtype's, or with "auto" the format the tensors are stored in (None: they differ)."""
+        if weight_dtype != "auto":
+            return ENCODINGS[weight_dtype]
+        kinds = {x.format if isinstance(x := source(n), Packed) else "float32" for n in names}
+        return ENCODINGS[kinds.pop()] if len(kinds) == 1 else None
 
     col = "model"
 
-    def blocks(name: str, w: np.ndarray) -> np.ndarray:
-        if w.shape[-1] % encoding.in_block:
+    def lin(
+        names: tuple[str, ...], axes: Axes, fuse: Callable[..., np.ndarray] = lambda w: w, table: bool = False
+    ) -> Any:
+        """The linear of these tensors (fused by `fuse`) in their `encoding`; `table`: as an
+        embedding / LM head is kept (the encoding's `table`)."""
+        enc = encoding(*names)
+        assert enc is not None, names
+        srcs = [source(n) for n in names]
+        if issubclass(enc, Blocks) and all(isinstance(x, Packed) and x.format == enc.fmt.name for x in srcs):
+            return enc(fuse(*(x.data for x in srcs if isinstance(x, Packed))), axes)  # the file's bytes
+        w = fuse(*(get(n) for n in names))
+        if w.shape[-1] % enc.in_block:
             raise ModelDirError(
-                f"weights: tensor {name!r} of shape {w.shape}: weight_dtype {weight_dtype} stores blocks of "
-                f"{encoding.in_block} inputs, and its input axis ({w.shape[-1]}) is not a multiple"
+                f"weights: tensor {names[0]!r} of shape {w.shape}: {enc.__name__} stores blocks of "
+                f"{enc.in_block} inputs, and its input axis ({w.shape[-1]}) is not a multiple"
             )
-        return w
+        return enc.table(w, axes) if table else enc.encode(w, axes)
 
-    def lin(name: str, w: np.ndarray, axes: Axes) -> Linear:
-        return encoding.encode(blocks(name, w), axes)
-
-    def table(name: str, axes: Axes) -> Table:
-        return encoding.table(blocks(name, get(name)), axes)
-
-    def row(n_in: int) -> Axes:  # a row-parallel weight's axes: [out, in] split by in
-        return (None, col if (n_in // encoding.in_block) % tensor_parallel == 0 else None)
+    def row(name: str) -> Axes:  # a row-parallel weight's axes: [out, in] split by in, at block boundaries
+        enc = encoding(name)
+        block = enc.in_block if enc is not None else 1
+        return (None, col if (want[name][-1] // block) % tensor_parallel == 0 else None)
 
     layers = []
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
         a = p + "self_attn."
-        gate_up = np.stack([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")], axis=1)  # [F,2,D]
+        q, k, v = (a + f"{n}_proj.weight" for n in "qkv")
+        gate, up, down = (p + f"mlp.{n}_proj.weight" for n in ("gate", "up", "down"))
         lp: dict[str, Any] = {
             "attn_norm": Tensor(get(p + "input_layernorm.weight"), (None,)),
-            "wo": lin(a + "o_proj.weight", get(a + "o_proj.weight"), row(cfg.q_size)),
+            "wo": lin((a + "o_proj.weight",), row(a + "o_proj.weight")),
             "mlp_norm": Tensor(get(p + "post_attention_layernorm.weight"), (None,)),
-            "w_gate_up": lin(p + "mlp.gate_proj.weight", gate_up, (col, None, None)),
-            "w_down": lin(p + "mlp.down_proj.weight", get(p + "mlp.down_proj.weight"), row(cfg.intermediate_size)),
+            "w_down": lin((down,), row(down)),
         }
-        wq, wk, wv = (get(a + f"{n}_proj.weight") for n in "qkv")
-        if kv_sharded:
-            lp["wqkv"] = lin(a + "q_proj.weight", fuse_qkv(wq, wk, wv, cfg), (col, None, None, None))
+        if encoding(gate, up) is not None:  # [F,2,D]
+            lp["w_gate_up"] = lin((gate, up), (col, None, None), lambda g, u: np.stack([g, u], axis=1))
+        else:
+            lp["w_gate"], lp["w_up"] = lin((gate,), (col, None)), lin((up,), (col, None))
+        if kv_sharded and encoding(q, k, v) is not None:
+            lp["wqkv"] = lin((q, k, v), (col, None, None, None), lambda wq, wk, wv: fuse_qkv(wq, wk, wv, cfg))
             if cfg.attention_bias:
                 bq, bk, bv = (get(a + f"{n}_proj.bias") for n in "qkv")
-                b = fuse_qkv(bq, bk, bv, cfg)
-                lp["bqkv"] = Tensor(b, (col, None, None))
+                lp["bqkv"] = Tensor(fuse_qkv(bq, bk, bv, cfg), (col, None, None))
         else:
-            lp["wq"] = lin(a + "q_proj.weight", wq, (col, None))
-            lp["wk"], lp["wv"] = (lin(a + f"{n}_proj.weight", w, (None, None)) for n, w in (("k", wk), ("v", wv)))
+            kv_axis = col if kv_sharded else None
+            lp["wq"] = lin((q,), (col, None))
+            lp["wk"], lp["wv"] = lin((k,), (kv_axis, None)), lin((v,), (kv_axis, None))
             if cfg.attention_bias:
                 lp |= {"bq": Tensor(get(a + "q_proj.bias"), (col,))}
-                lp |= {n: Tensor(get(a + f"{n[1]}_proj.bias"), (None,)) for n in ("bk", "bv")}
+                lp |= {n: Tensor(get(a + f"{n[1]}_proj.bias"), (kv_axis,)) for n in ("bk", "bv")}
         layers.append(Layer(**lp))
     vocab = (col if vocab_sharded else None, None)
-    embed = table("model.embed_tokens.weight", vocab)
-    lm_head = None if cfg.tie_word_embeddings else table("lm_head.weight", vocab)
-    packed = encoding.head_packing(embed if lm_head is None else lm_head)
+
+    embed: Table = lin(("model.embed_tokens.weight",), vocab, table=True)
+    lm_head: Table | None = None if cfg.tie_word_embeddings else lin(("lm_head.weight",), vocab, table=True)
+    head_enc = ENCODINGS[weight_dtype] if weight_dtype != "auto" else Dense
+    packed = head_enc.head_packing(embed if lm_head is None else lm_head)
     return Weights(embed, tuple(layers), Tensor(get("model.norm.weight"), (None,)), lm_head, packed)
 
 
@@ -266,9 +295,14 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 
 def mlp(x: jax.Array, lp: Layer, matmul: Matmul | None = None) -> jax.Array:
-    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up as one [F,2,D] matmul."""
-    gu = linear(x, lp.w_gate_up, matmul)  # [T, F, 2]
-    return linear(jax.nn.silu(gu[..., 0]) * gu[..., 1], lp.w_down, matmul)
+    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up as one [F,2,D] matmul where fused."""
+    if lp.w_gate_up is not None:
+        gu = linear(x, lp.w_gate_up, matmul)  # [T, F, 2]
+        g, u = gu[..., 0], gu[..., 1]
+    else:
+        assert lp.w_gate is not None and lp.w_up is not None
+        g, u = linear(x, lp.w_gate, matmul), linear(x, lp.w_up, matmul)
+    return linear(jax.nn.silu(g) * u, lp.w_down, matmul)
 
 
 def _qkv(

@@ -15,6 +15,7 @@ Must not hold state. Tested through tests/test_cli.py, the server tests and test
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import os
@@ -27,6 +28,7 @@ from tl.core.config import EngineConfig
 if TYPE_CHECKING:
     from tl.core.async_engine import AsyncEngine
     from tl.core.engine import Engine
+    from tl.model.convert_gguf import model_dir_of
     from tl.ops.multihost import Leader
     from tl.ops.served import ServedModel
     from tl.runtime.runner import ModelRunner
@@ -193,6 +195,7 @@ def build_async_engine(cfg: EngineConfig, warmup: bool = True) -> tuple[AsyncEng
     from tl.text.tokenizer import Tokenizer
     from tl.text.tools import setup
 
+    cfg = dataclasses.replace(cfg, model_dir=model_dir_of(cfg.model_dir))  # a .gguf: its directory
     tokenizer = Tokenizer.load(cfg.model_dir)
     template = ChatTemplate.from_model_dir(cfg.model_dir)
     tools = setup(cfg.tool_parser, template)

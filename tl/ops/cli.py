@@ -17,9 +17,11 @@ from typing import NoReturn
 def _generate(args: argparse.Namespace) -> int:
     from tl.core.config import EngineConfig
     from tl.core.request import GenRequest, SamplingParams
+    from tl.model.convert_gguf import model_dir_of
     from tl.text.chat_template import ChatTemplate
     from tl.text.tokenizer import Tokenizer
 
+    args.model = model_dir_of(args.model)  # a .gguf file: the directory that serves it
     cfg = EngineConfig(
         model_dir=args.model,
         max_num_seqs=1,

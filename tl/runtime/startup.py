@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import jax
@@ -24,7 +24,8 @@ from jax.sharding import Mesh
 
 from tl.core.config import EngineConfig
 from tl.model.config import ModelConfig, load_model_config
-from tl.model.files import eos_token_ids, read_tensors
+from tl.model.convert_gguf import model_dir_of
+from tl.model.files import eos_token_ids, has_gguf, read_tensors
 from tl.runtime import backend, execution, placement, verdicts
 from tl.runtime.compiler import StepCompiler, enable_compile_cache
 from tl.runtime.execution import ExecutionPlan
@@ -86,9 +87,13 @@ def start(
 
 
 def load(engine_cfg: EngineConfig, mesh: Mesh | None = None, warmup: Warmup = "none") -> Startup:
-    """`start` on the model in engine_cfg.model_dir (its config, tensors and EOS ids)."""
-    d = engine_cfg.model_dir
-    return start(load_model_config(d), read_tensors(d), engine_cfg, eos_token_ids(d), mesh, warmup)
+    """`start` on the model in engine_cfg.model_dir (its config, tensors and EOS ids; a `.gguf`
+    file through the directory that serves it). weight_dtype "auto" serves a directory's GGUF
+    as it is, where it keeps one."""
+    d = model_dir_of(engine_cfg.model_dir)
+    ec = replace(engine_cfg, model_dir=d)
+    tensors = read_tensors(d, packed=ec.weight_dtype == "auto" and has_gguf(d))
+    return start(load_model_config(d), tensors, ec, eos_token_ids(d), mesh, warmup)
 
 
 class _Laps:

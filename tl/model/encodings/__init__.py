@@ -8,11 +8,11 @@ load (`encode`, `table` for an embedding or LM head, `head_packing`), XLA's arit
 kernels/cpu_native.py call over its arrays, or None for XLA's `dot`), and its sharding (`specs`,
 from the `axes` declared where it is built). The encodings: tl/model/encodings/dense.py (float
 [*out, in]), tl/model/encodings/int8.py (int8 per output channel, W8A8 dots),
-tl/model/encodings/q8_0.py (llama.cpp's Q8_0 blocks of 32 inputs, per-block integer dots) and
+tl/model/encodings/blocks.py (llama.cpp's block formats as a GGUF stores them: Q8_0, Q4_1, Q4_K, ...) and
 tl/model/encodings/bf16x3.py (float32 with its AMX packing, matmul_precision "high");
 tl/model/weights.py registers them (`ENCODINGS`), so a new encoding is one module here and one
 line there. Must not: place arrays on devices, know about the model's layers. Tested by
-tests/test_llama_reference.py, tests/test_int8.py, tests/test_q8_0.py, tests/test_matmul_high.py
+tests/test_llama_reference.py, tests/test_int8.py, tests/test_blocks.py, tests/test_matmul_high.py
 and tests/test_cpu_native.py."""
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ def flat_dot(x: jax.Array, w: jax.Array, preferred: Any = None) -> jax.Array:
 
 
 class IntegerCodes:
-    """What the integer encodings (int8, q8_0) share: integer codes `q` [*out, in] with float
+    """What the integer encodings (int8) share: integer codes `q` [*out, in] with float
     scales, computing in float32, needing nothing beside the table for an LM head."""
 
     q: Any
