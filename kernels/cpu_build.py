@@ -1,7 +1,7 @@
 """Building the native CPU kernels (kernels/cpu/*.cc) into one shared library per target.
 
-Owns: the targets the library is built for (TARGETS: each an -march, the architecture it
-runs on and the CPU flags it needs), which of them this CPU runs (`runnable`, `best`), building
+Owns: the targets the library is built for (TARGETS: each an -march with any further ISA flags,
+the architecture it runs on and the CPU flags it needs), which of them this CPU runs (`runnable`, `best`), building
 a target's library on first use into the build cache, compiling any target to objects only
 (`compile_objects`, what the tests do for targets this machine cannot run), and a failed
 build's report: one readable line (the first compiler error, the command, where the full log
@@ -41,6 +41,7 @@ warnings (-Wsign-compare, -Wreturn-type after exhaustive switches) are jaxlib's,
 
 _V3 = frozenset({"avx", "avx2", "fma", "bmi1", "bmi2", "f16c", "movbe", "abm", "xsave"})
 _V4 = _V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
+_VNNI = ("-mavx512vnni", "-mavx512bf16")
 _SPR = _V4 | {
     "amx_tile",
     "amx_bf16",
@@ -75,14 +76,18 @@ class Target:
     march: str  # the compiler's -march
     needs: frozenset[str]  # CPU flags (/proc/cpuinfo) the code may use
     rank: int  # higher is preferred among the targets a CPU runs
+    extra: tuple[str, ...] = ()  # ISA flags beyond -march (e.g. -mavx512vnni), part of the build key
 
 
 TARGETS: tuple[Target, ...] = (
     Target("x86-64", "x86_64", "x86-64", frozenset({"sse2"}), 0),  # SSE2: every x86-64 CPU
     Target("x86-64-v3", "x86_64", "x86-64-v3", _V3, 1),  # AVX2 + FMA (Haswell, Zen)
-    Target("x86-64-v4", "x86_64", "x86-64-v4", _V4, 2),  # AVX-512 (Skylake-SP, Zen 4)
-    Target("sapphirerapids", "x86_64", "sapphirerapids", _SPR, 3),  # + AMX-BF16 (matmul_precision "high")
+    Target("x86-64-v4", "x86_64", "x86-64-v4", _V4, 2),  # AVX-512 (Skylake-SP)
+    # + VNNI (int8 dot products: the quantized matmuls) and BF16 (Cascade Lake, Ice Lake, Zen 4-5)
+    Target("x86-64-v4-vnni", "x86_64", "x86-64-v4", _V4 | {"avx512_vnni", "avx512_bf16"}, 3, _VNNI),
+    Target("sapphirerapids", "x86_64", "sapphirerapids", _SPR, 4),  # + AMX-BF16 (matmul_precision "high")
     Target("aarch64", "aarch64", "armv8-a", frozenset({"asimd"}), 0),  # NEON: every ARMv8 CPU
+    Target("aarch64-dotprod", "aarch64", "armv8.2-a+dotprod", frozenset({"asimd", "asimddp"}), 1),  # + SDOT
 )
 BY_NAME = {t.name: t for t in TARGETS}
 
@@ -175,7 +180,7 @@ def _compiler_version(cxx: str) -> str:
 
 
 def _flags(target: Target, extra: tuple[str, ...] = ()) -> list[str]:
-    return [*FLAGS, f"-march={target.march}", *extra, "-isystem", _include_dir()]
+    return [*FLAGS, f"-march={target.march}", *target.extra, *extra, "-isystem", _include_dir()]
 
 
 def _key(target: Target, cxx: str, extra: tuple[str, ...]) -> str:

@@ -6,7 +6,8 @@ tests run every build this CPU runs); and, per library (`NativeLib`), the calls 
 contracts: `paged_attention` with the reference's contract (one call for small steps; else
 native local and cached parts, merged by log-sum-exp), the matmuls over arrays, each saying
 by None what it does not take (`gemv`: float32, up to max_rows() rows; `gemv_int8`: one row of
-W8A8; `matmul_bf16x3`: three bf16 products on AMX over weights `pack_bf16x3` packed at load,
+W8A8; `qgemm`: up to qgemm_max_rows() rows over ggml's q8_0 / q4_0 / q4_1 / q5_0 / q5_1 blocks
+as a GGUF stores them; `matmul_bf16x3`: three bf16 products on AMX over weights `pack_bf16x3` packed at load,
 matmul_precision "high", worth it from HIGH_MIN_ROWS rows), `matmul` (a weight that says which
 of them runs it, `NativeLinear`; None: the caller's own dot) and `argmax_lse` (the sampler's
 greedy token and logsumexp of each logits row in one pass).
@@ -62,6 +63,7 @@ __all__ = [
     "NativeLib",
     "NativeLinear",
     "NativeUnavailable",
+    "QUANT_KINDS",
     "library",
     "amx_available",
     "pack_bf16x3",
@@ -81,6 +83,14 @@ HANDLERS = {  # FFI target base name -> the library's handler symbol
     "tl_gemv_int8": "TlGemvInt8",
     "tl_gemm_bf16x3": "TlGemmBf16x3",
     "tl_argmax_lse": "TlArgmaxLse",
+    "tl_qgemm": "TlQGemm",
+}
+QUANT_KINDS = {  # ggml block format -> (quant.cc Kind, bytes a block of 32 weights)
+    "q8_0": (0, 34),
+    "q4_0": (1, 18),
+    "q4_1": (2, 20),
+    "q5_0": (3, 22),
+    "q5_1": (4, 24),
 }
 
 
@@ -100,6 +110,7 @@ class NativeLib:
         self.path = cpu_build.build(target, cache_dir=cache_dir, cxx=cxx)
         lib = self._lib = ctypes.cdll.LoadLibrary(str(self.path))
         lib.TlGemvMaxRows.restype = ctypes.c_int64
+        lib.TlQGemmMaxRows.restype = ctypes.c_int64
         lib.TlAmxAvailable.restype = ctypes.c_int64
         suffix = "_" + target.name.replace("-", "_")
         self.ffi_names = {base: base + suffix for base in HANDLERS}
@@ -112,6 +123,10 @@ class NativeLib:
     def max_rows(self) -> int:
         """Rows the native float matmul takes (matmul.cc kGemmRows)."""
         return int(self._lib.TlGemvMaxRows())
+
+    def qgemm_max_rows(self) -> int:
+        """Rows the native quantized matmul takes (quant.cc kQMaxRows)."""
+        return int(self._lib.TlQGemmMaxRows())
 
     def amx_available(self) -> bool:
         """Whether this build and process can run AMX-BF16 (the CPU has it, the build has it, and
@@ -147,6 +162,21 @@ class NativeLib:
             return None
         out = jax.ShapeDtypeStruct((x.shape[0], *q.shape[:-1]), jnp.float32)
         return self._call("tl_gemv_int8", out)(x, q, scale)
+
+    def qgemm(self, x: jax.Array, w: jax.Array, kind: str) -> jax.Array | None:
+        """float32 x [N,K] times uint8 w [*out, row_bytes], each output's row the raw ggml blocks of
+        its K weights as a GGUF stores them (`kind`: a QUANT_KINDS key) -> float32 [N,*out], with
+        llama.cpp's arithmetic (x quantized to int8 per block of 32, integer block dots, float
+        scaling; kernels/cpu/quant.cc). None where it does not take the call: another kind or
+        dtype, more than qgemm_max_rows() rows, K not a multiple of 32 or rows not K/32 blocks."""
+        if kind not in QUANT_KINDS or x.dtype != jnp.float32 or w.dtype != jnp.uint8 or x.ndim != 2 or w.ndim < 2:
+            return None
+        code, block = QUANT_KINDS[kind]
+        n, k = x.shape
+        if n > self.qgemm_max_rows() or k % 32 != 0 or w.shape[-1] != k // 32 * block:
+            return None
+        out = jax.ShapeDtypeStruct((n, *w.shape[:-1]), jnp.float32)
+        return self._call("tl_qgemm", out)(x, w, kind=np.int32(code))
 
     def matmul(self, x: jax.Array, w: NativeLinear) -> jax.Array | None:
         """x [N,K] times the linear w -> [N,*out] by the native kernels, else None (the caller's own

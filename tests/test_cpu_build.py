@@ -2,7 +2,8 @@
 follow its flags, a failed build is one readable line and is not retried, and a server whose
 library cannot be built answers on the reference kernels.
 
-Every target (x86-64, x86-64-v3, x86-64-v4, sapphirerapids, aarch64) is compiled with -Wall
+Every target (x86-64, x86-64-v3, x86-64-v4, x86-64-v4-vnni, sapphirerapids, aarch64,
+aarch64-dotprod) is compiled with -Wall
 -Wextra and no warning here, whatever this CPU (the builds this CPU runs: their library's build
 log, read; the others: compiled to objects with -Werror): a branch only one CPU family takes can no longer
 break unseen. aarch64 needs Debian's cross compiler (g++-aarch64-linux-gnu; `make test` installs
@@ -40,7 +41,7 @@ def test_every_target_compiles_without_warnings(target: cpu_build.Target, tmp_pa
         log = lib.with_suffix(".log").read_text()
         assert "warning:" not in log and "error" not in log, log
         assert all(
-            f"-march={target.march}" in line and "-Wall -Wextra" in line
+            f"-march={target.march}" in line and "-Wall -Wextra" in line and all(f in line for f in target.extra)
             for line in log.splitlines()
             if line.startswith("$ ")
         )
@@ -61,10 +62,16 @@ def test_runnable_targets_follow_the_cpu_flags(monkeypatch: pytest.MonkeyPatch) 
         ("x86_64", cpu_build.BY_NAME["x86-64-v4"].needs | {"sse2"}, ["x86-64-v4", "x86-64-v3", "x86-64"]),
         (
             "x86_64",
+            cpu_build.BY_NAME["x86-64-v4-vnni"].needs | {"sse2"},
+            ["x86-64-v4-vnni", "x86-64-v4", "x86-64-v3", "x86-64"],
+        ),
+        (
+            "x86_64",
             cpu_build.BY_NAME["sapphirerapids"].needs | {"sse2"},
-            ["sapphirerapids", "x86-64-v4", "x86-64-v3", "x86-64"],
+            ["sapphirerapids", "x86-64-v4-vnni", "x86-64-v4", "x86-64-v3", "x86-64"],
         ),
         ("aarch64", {"fp", "asimd"}, ["aarch64"]),
+        ("aarch64", {"fp", "asimd", "asimddp"}, ["aarch64-dotprod", "aarch64"]),
     ]
     for machine, flags, want in cases:
         monkeypatch.setattr(platform, "machine", lambda m=machine: m)

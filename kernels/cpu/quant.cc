@@ -1,0 +1,459 @@
+// Matmuls of a few rows over llama.cpp's quantized block formats, read as a GGUF stores them.
+//
+// Owns: TlQGemm, y [N, O] = x [N, K] @ W^T for W [O, row_bytes] whose rows are the raw ggml
+// blocks (32 weights each) of q8_0, q4_0, q4_1, q5_0 or q5_1 (the `kind` attribute, Kind
+// below), N <= kQMaxRows; TlQGemmMaxRows. Must not: write anything but y. Built by
+// kernels/cpu_build.py, called by kernels/cpu_native.py (`qgemm`), tested by
+// tests/test_cpu_native_quant.py against float64 products of gguf's dequantized weights and a
+// numpy emulation of the integer arithmetic below.
+//
+// Arithmetic, as llama.cpp's CPU backend: each row of x is quantized once a call, per block of
+// 32, by ggml's quantize_row_q8_0_ref rule (d = amax / 127, id = d ? 1 / d : 0, q = roundf(x *
+// id)), keeping d as a float (ggml rounds it to half) and s = d * sum(q) (ggml's Q8_1, for the
+// m term of q4_1 / q5_1). A block's dot is an exact int32 sum of int8 products, the weights
+// taken signed (q4_0: nibble - 8, q5_0: value - 16, q8_0 as stored; q4_1 / q5_1: 0..31 as they
+// are), then scaled by d_w * d_x in float32 (plus m_w * s_x) and summed over the blocks.
+//
+// Kernels by target (simd.h's families): AVX-512 VNNI (x86-64-v4-vnni, sapphirerapids) two
+// blocks a 512-bit vector, vpdpbusd on |w| (u8) and x with w's sign (s8); AVX2 (x86-64-v3,
+// x86-64-v4) one block a 256-bit vector, vpmaddubsw then vpmaddwd with ones, the same sign
+// trick (|w| * sign(x, w) < 2 * 128 * 127 per pair: no int16 saturation); aarch64 with dotprod
+// vdotq_s32 on the signed values; elsewhere (SSE2, plain armv8-a) scalar code the compiler
+// vectorizes. Each weight block is unpacked once per tile of up to kTileRows rows of x and
+// dotted against all of them; a row's blocks stream front to back, each thread one contiguous
+// range of outputs, its helper lingering after one-row calls as TlGemv's does (threads.h).
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+#if defined(__aarch64__)
+#include <arm_neon.h>
+#endif
+
+#include "simd.h"
+#include "threads.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace tl {
+namespace {
+
+constexpr int64_t kQMaxRows = 64;  // the most rows TlQGemm takes
+constexpr int64_t kQK = 32;        // weights a block
+
+enum Kind : int32_t { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2, kQ5_0 = 3, kQ5_1 = 4 };
+
+template <int KIND>
+struct Fmt;
+template <>
+struct Fmt<kQ8_0> {
+  static constexpr int64_t kBytes = 34;  // f16 d, int8 qs[32]
+  static constexpr bool kSigned = true, kHasM = false;
+};
+template <>
+struct Fmt<kQ4_0> {
+  static constexpr int64_t kBytes = 18;  // f16 d, qs[16]: byte j = element j (low nibble), j + 16 (high)
+  static constexpr bool kSigned = true, kHasM = false;
+};
+template <>
+struct Fmt<kQ4_1> {
+  static constexpr int64_t kBytes = 20;  // f16 d, f16 m, qs[16]
+  static constexpr bool kSigned = false, kHasM = true;
+};
+template <>
+struct Fmt<kQ5_0> {
+  static constexpr int64_t kBytes = 22;  // f16 d, uint32 qh (bit j: element j's 5th bit), qs[16]
+  static constexpr bool kSigned = true, kHasM = false;
+};
+template <>
+struct Fmt<kQ5_1> {
+  static constexpr int64_t kBytes = 24;  // f16 d, f16 m, uint32 qh, qs[16]
+  static constexpr bool kSigned = false, kHasM = true;
+};
+
+int64_t block_bytes(int32_t kind) {
+  switch (kind) {
+    case kQ8_0: return Fmt<kQ8_0>::kBytes;
+    case kQ4_0: return Fmt<kQ4_0>::kBytes;
+    case kQ4_1: return Fmt<kQ4_1>::kBytes;
+    case kQ5_0: return Fmt<kQ5_0>::kBytes;
+    case kQ5_1: return Fmt<kQ5_1>::kBytes;
+    default: return 0;
+  }
+}
+
+// IEEE half at p (unaligned) -> float, exactly.
+inline float half(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, sizeof h);
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#elif defined(__aarch64__)
+  __fp16 f;
+  std::memcpy(&f, &h, sizeof f);
+  return static_cast<float>(f);
+#else
+  const uint32_t sign = static_cast<uint32_t>(h >> 15) << 31, exp = (h >> 10) & 0x1f, mant = h & 0x3ff;
+  uint32_t bits;
+  if (exp == 0) {  // zero or subnormal: mant * 2^-24, exact in float
+    const float v = static_cast<float>(mant) * 5.9604644775390625e-8f;
+    std::memcpy(&bits, &v, sizeof bits);
+    bits |= sign;
+  } else if (exp == 31) {
+    bits = sign | 0x7f800000u | (mant << 13);
+  } else {
+    bits = sign | ((exp + 112) << 23) | (mant << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+#endif
+}
+
+inline uint32_t load_u32(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// A block's scale d, offset m (0 without) and 32 signed weights, the scalar way.
+template <int KIND>
+inline void unpack_scalar(const uint8_t* b, int8_t w[kQK], float& d, float& m) {
+  d = half(b);
+  m = Fmt<KIND>::kHasM ? half(b + 2) : 0.0f;
+  if constexpr (KIND == kQ8_0) {
+    std::memcpy(w, b + 2, kQK);
+  } else if constexpr (KIND == kQ4_0 || KIND == kQ4_1) {
+    const uint8_t* qs = b + (KIND == kQ4_0 ? 2 : 4);
+    const int off = KIND == kQ4_0 ? 8 : 0;
+    for (int j = 0; j < 16; ++j) {
+      w[j] = static_cast<int8_t>((qs[j] & 15) - off);
+      w[j + 16] = static_cast<int8_t>((qs[j] >> 4) - off);
+    }
+  } else {
+    const uint32_t qh = load_u32(b + (KIND == kQ5_0 ? 2 : 4));
+    const uint8_t* qs = b + (KIND == kQ5_0 ? 6 : 8);
+    const int off = KIND == kQ5_0 ? 16 : 0;
+    for (int j = 0; j < 16; ++j) {
+      w[j] = static_cast<int8_t>(((qs[j] & 15) | (((qh >> j) & 1) << 4)) - off);
+      w[j + 16] = static_cast<int8_t>(((qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4)) - off);
+    }
+  }
+}
+
+// x quantized once a call: row n's int8 values at q + n * K (then kQK bytes of padding past the
+// last row, for the masked tail loads), each block's d eight times (one per int32 lane of a
+// block's dot) at d8 + (n * nb + b) * 8, and s = d * sum(q) at s + n * nb + b.
+struct XQ {
+  const int8_t* q;
+  const float* d8;
+  const float* s;
+  int64_t K, nb;
+};
+
+#define TL_STRICT_MATH __attribute__((optimize("no-fast-math")))
+
+// ggml's quantize_row_q8_0_ref with a float d: roundf (half away from zero) done exactly in
+// integers (v's integer part, then its fraction against one half), so that it vectorizes.
+TL_STRICT_MATH void quantize_x(const float* X, int64_t N, int64_t K, int8_t* q, float* d8, float* s) {
+  const int64_t nb = K / kQK;
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* x = X + n * K + b * kQK;
+      float amax = 0.0f;  // no std::max / std::fabs: under another optimize attribute they are not inlined
+      for (int i = 0; i < kQK; ++i) {
+        const float a = x[i] < 0.0f ? -x[i] : x[i];
+        amax = a > amax ? a : amax;
+      }
+      const float d = amax / 127.0f;
+      const float id = d != 0.0f ? 1.0f / d : 0.0f;
+      int8_t* qb = q + n * K + b * kQK;
+      int32_t sum = 0;
+      for (int i = 0; i < kQK; ++i) {
+        const float v = x[i] * id;
+        int32_t t = static_cast<int32_t>(v);  // toward zero
+        const float frac = v - static_cast<float>(t);
+        t += (frac >= 0.5f) - (frac <= -0.5f);
+        qb[i] = static_cast<int8_t>(t);
+        sum += t;
+      }
+      for (int l = 0; l < 8; ++l) d8[(n * nb + b) * 8 + l] = d;
+      s[n * nb + b] = d * static_cast<float>(sum);
+    }
+}
+
+#if defined(__AVX2__)
+// A block's 32 signed weights in a 256-bit vector (element i in byte i).
+template <int KIND>
+inline __m256i unpack256(const uint8_t* b) {
+  if constexpr (KIND == kQ8_0) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
+  } else {
+    constexpr int64_t qs_at = KIND == kQ4_0 ? 2 : KIND == kQ4_1 ? 4 : KIND == kQ5_0 ? 6 : 8;
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + qs_at));
+    __m256i w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), _mm256_set1_epi8(15));
+    if constexpr (KIND == kQ4_0) return _mm256_sub_epi8(w, _mm256_set1_epi8(8));
+    if constexpr (KIND == kQ4_1) return w;
+    if constexpr (KIND == kQ5_0 || KIND == kQ5_1) {
+      const uint32_t qh = load_u32(b + (KIND == kQ5_0 ? 2 : 4));
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+      const __m256i set = _mm256_movm_epi8(qh);  // 0xff where the 5th bit is set
+#else
+      // ggml's bytes_from_bits_32: byte i of qh to bytes 8i..8i+7, each testing its own bit.
+      const __m256i shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
+      const __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int32_t>(qh)), shuf);
+      const __m256i set = _mm256_cmpeq_epi8(_mm256_or_si256(bytes, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe)),
+                                            _mm256_set1_epi64x(-1));
+#endif
+      if constexpr (KIND == kQ5_1) return _mm256_or_si256(w, _mm256_and_si256(set, _mm256_set1_epi8(16)));
+      // value - 16: nibble - 16 (nibble | 0xf0) where the bit is clear, the nibble where set.
+      return _mm256_or_si256(w, _mm256_andnot_si256(set, _mm256_set1_epi8(static_cast<char>(0xf0))));
+    }
+  }
+}
+
+// Sum of u8 a times s8 b in 8 int32 lanes. Without VNNI the pairs pass through saturating int16:
+// exact for a <= 128 (|w|, or a q4_1 / q5_1 value <= 31) and |b| <= 127 (2 * 128 * 127 < 2^15).
+inline __m256i dot_u8s8_256(__m256i a, __m256i b) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), a, b);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1));
+#endif
+}
+
+inline float hsum256(__m256 v) {
+  const __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 b = _mm_add_ps(a, _mm_movehl_ps(a, a));
+  return _mm_cvtss_f32(_mm_add_ss(b, _mm_movehdup_ps(b)));
+}
+#endif
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define TL_QDOT_512 1
+constexpr int kTileRows = 8;
+
+// Weight row `w` (nb blocks) against rows n0..n0+R of x: two blocks a 512-bit vector, the last
+// odd block in the low half of one (the high half's weights zero, x and d loads masked).
+template <int KIND, int R>
+inline void dot_rows(const uint8_t* w, const XQ& x, int64_t n0, float out[R]) {
+  constexpr int64_t BB = Fmt<KIND>::kBytes;
+  __m512 acc[R];
+  float accm[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps(), accm[r] = 0.0f;
+  const int8_t* xq = x.q + n0 * x.K;
+  const float* xd = x.d8 + n0 * x.nb * 8;
+  const float* xs = x.s + n0 * x.nb;
+  for (int64_t b = 0; b < x.nb; b += 2) {
+    const bool pair = b + 1 < x.nb;
+    const uint8_t* blk = w + b * BB;
+    const __m256i w0 = unpack256<KIND>(blk);
+    const __m256i w1 = pair ? unpack256<KIND>(blk + BB) : _mm256_setzero_si256();
+    // Joined by vector-extension shuffles: GCC 12's insert intrinsics warn of their undefined operands.
+    const __m512i wv = __builtin_shufflevector(w0, w1, 0, 1, 2, 3, 4, 5, 6, 7);
+    const float d0 = half(blk), d1 = pair ? half(blk + BB) : 0.0f;
+    const __m512 dw = __builtin_shufflevector(_mm256_set1_ps(d0), _mm256_set1_ps(d1), 0, 1, 2, 3, 4, 5, 6, 7, 8, 9,
+                                              10, 11, 12, 13, 14, 15);
+    const __m512i aw = Fmt<KIND>::kSigned ? _mm512_abs_epi8(wv) : wv;
+    const __mmask64 neg = Fmt<KIND>::kSigned ? _mm512_movepi8_mask(wv) : 0;
+    const __mmask64 xm = pair ? ~__mmask64{0} : __mmask64{0xffffffff};
+    const __mmask16 dm = pair ? __mmask16{0xffff} : __mmask16{0xff};
+    for (int r = 0; r < R; ++r) {
+      __m512i xv = _mm512_maskz_loadu_epi8(xm, xq + r * x.K + b * kQK);
+      if (Fmt<KIND>::kSigned) xv = _mm512_mask_sub_epi8(xv, neg, _mm512_setzero_si512(), xv);
+      const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), aw, xv);
+      const __m512 dx = _mm512_maskz_loadu_ps(dm, xd + (r * x.nb + b) * 8);
+      acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(__builtin_convertvector(i16(p), v16), dx), dw, acc[r]);
+    }
+    if constexpr (Fmt<KIND>::kHasM) {
+      const float m0 = half(blk + 2), m1 = pair ? half(blk + BB + 2) : 0.0f;
+      for (int r = 0; r < R; ++r) accm[r] += m0 * xs[r * x.nb + b] + (pair ? m1 * xs[r * x.nb + b + 1] : 0.0f);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = hsum(v16(acc[r])) + accm[r];  // simd.h's (GCC 12's _mm512_reduce_add_ps warns)
+}
+
+#elif defined(__AVX2__)
+#define TL_QDOT_256 1
+constexpr int kTileRows = kRegs >= 32 ? 8 : 4;
+
+// Weight row `w` (nb blocks) against rows n0..n0+R of x, one block a 256-bit vector.
+template <int KIND, int R>
+inline void dot_rows(const uint8_t* w, const XQ& x, int64_t n0, float out[R]) {
+  constexpr int64_t BB = Fmt<KIND>::kBytes;
+  __m256 acc[R];
+  float accm[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps(), accm[r] = 0.0f;
+  const int8_t* xq = x.q + n0 * x.K;
+  const float* xd = x.d8 + n0 * x.nb * 8;
+  const float* xs = x.s + n0 * x.nb;
+  for (int64_t b = 0; b < x.nb; ++b) {
+    const uint8_t* blk = w + b * BB;
+    const __m256i wv = unpack256<KIND>(blk);
+    const __m256 dw = _mm256_set1_ps(half(blk));
+    const __m256i aw = Fmt<KIND>::kSigned ? _mm256_sign_epi8(wv, wv) : wv;
+    for (int r = 0; r < R; ++r) {
+      __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * x.K + b * kQK));
+      if (Fmt<KIND>::kSigned) xv = _mm256_sign_epi8(xv, wv);
+      const __m256i p = dot_u8s8_256(aw, xv);
+      const __m256 dx = _mm256_loadu_ps(xd + (r * x.nb + b) * 8);
+      acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(p), dx), dw, acc[r]);
+    }
+    if constexpr (Fmt<KIND>::kHasM) {
+      const float m = half(blk + 2);
+      for (int r = 0; r < R; ++r) accm[r] += m * xs[r * x.nb + b];
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = hsum256(acc[r]) + accm[r];
+}
+
+#elif defined(__aarch64__) && defined(__ARM_FEATURE_DOTPROD)
+#define TL_QDOT_NEON 1
+constexpr int kTileRows = 8;
+
+template <int KIND, int R>
+inline void dot_rows(const uint8_t* w, const XQ& x, int64_t n0, float out[R]) {
+  constexpr int64_t BB = Fmt<KIND>::kBytes;
+  float32x4_t acc[R];
+  float accm[R];
+  for (int r = 0; r < R; ++r) acc[r] = vdupq_n_f32(0.0f), accm[r] = 0.0f;
+  const int8_t* xq = x.q + n0 * x.K;
+  const float* xd = x.d8 + n0 * x.nb * 8;
+  const float* xs = x.s + n0 * x.nb;
+  for (int64_t b = 0; b < x.nb; ++b) {
+    int8_t wb[kQK];
+    float d, m;
+    unpack_scalar<KIND>(w + b * BB, wb, d, m);
+    const int8x16_t w0 = vld1q_s8(wb), w1 = vld1q_s8(wb + 16);
+    for (int r = 0; r < R; ++r) {
+      const int8_t* q = xq + r * x.K + b * kQK;
+      const int32x4_t p = vdotq_s32(vdotq_s32(vdupq_n_s32(0), w0, vld1q_s8(q)), w1, vld1q_s8(q + 16));
+      acc[r] = vfmaq_n_f32(acc[r], vcvtq_f32_s32(p), d * xd[(r * x.nb + b) * 8]);
+      if (Fmt<KIND>::kHasM) accm[r] += m * xs[r * x.nb + b];
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = vaddvq_f32(acc[r]) + accm[r];
+}
+
+#else
+constexpr int kTileRows = 4;
+
+// SSE2, armv8-a without dotprod: scalar blocks (the compiler vectorizes the int8 products).
+template <int KIND, int R>
+inline void dot_rows(const uint8_t* w, const XQ& x, int64_t n0, float out[R]) {
+  constexpr int64_t BB = Fmt<KIND>::kBytes;
+  float acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = 0.0f;
+  for (int64_t b = 0; b < x.nb; ++b) {
+    int8_t wb[kQK];
+    float d, m;
+    unpack_scalar<KIND>(w + b * BB, wb, d, m);
+    for (int r = 0; r < R; ++r) {
+      const int8_t* q = x.q + (n0 + r) * x.K + b * kQK;
+      int32_t isum = 0;
+      for (int i = 0; i < kQK; ++i) isum += static_cast<int32_t>(wb[i]) * static_cast<int32_t>(q[i]);
+      acc[r] += d * x.d8[((n0 + r) * x.nb + b) * 8] * static_cast<float>(isum);
+      if (Fmt<KIND>::kHasM) acc[r] += m * x.s[(n0 + r) * x.nb + b];
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = acc[r];
+}
+#endif
+
+// Output o against rows [n0, n0 + R) of x, into Y [N, O].
+template <int KIND, int R>
+inline void tile(const uint8_t* W, int64_t row_bytes, const XQ& x, int64_t O, float* Y, int64_t o, int64_t n0) {
+  float out[R];
+  dot_rows<KIND, R>(W + o * row_bytes, x, n0, out);
+  for (int r = 0; r < R; ++r) Y[(n0 + r) * O + o] = out[r];
+}
+
+template <int KIND, int R>
+inline void rest(const uint8_t* W, int64_t row_bytes, const XQ& x, int64_t O, float* Y, int64_t o, int64_t n0,
+                 int64_t left) {
+  if constexpr (R > 0) {
+    if (left == R) return tile<KIND, R>(W, row_bytes, x, O, Y, o, n0);
+    rest<KIND, R - 1>(W, row_bytes, x, O, Y, o, n0, left);
+  }
+}
+
+// Outputs [o0, o1) against every row of x: each weight row once per tile of kTileRows rows
+// (from L1 after the first), each block unpacked once per tile.
+template <int KIND>
+void outputs(const uint8_t* W, int64_t row_bytes, const XQ& x, int64_t N, int64_t O, float* Y, int64_t o0,
+             int64_t o1) {
+  for (int64_t o = o0; o < o1; ++o) {
+    int64_t n = 0;
+    for (; n + kTileRows <= N; n += kTileRows) tile<KIND, kTileRows>(W, row_bytes, x, O, Y, o, n);
+    if (n < N) rest<KIND, kTileRows - 1>(W, row_bytes, x, O, Y, o, n, N - n);
+  }
+}
+
+template <int KIND>
+void qgemm(ffi::ThreadPool& pool, const uint8_t* W, const XQ& x, int64_t N, int64_t O, float* Y) {
+  const int64_t row_bytes = x.nb * Fmt<KIND>::kBytes;
+  // One contiguous range of outputs a thread (one stream of weights each); after a one-row
+  // call the helper lingers for the next (threads.h).
+  const int64_t tasks = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), O / 16));
+  parallel_for(pool, tasks, [&](int64_t task) {
+    outputs<KIND>(W, row_bytes, x, N, O, Y, O * task / tasks, O * (task + 1) / tasks);
+  }, /*linger_after=*/N == 1);
+}
+
+ffi::Error QGemm(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, int32_t kind,
+                 ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions();
+  const auto wd = w.dimensions();
+  const int64_t bb = block_bytes(kind);
+  if (bb == 0) return ffi::Error::InvalidArgument("unknown block kind");
+  if (xd.size() != 2 || wd.size() < 2) return ffi::Error::InvalidArgument("expected x [N,K] and w [...,row_bytes]");
+  const int64_t N = xd[0], K = xd[1], row_bytes = wd[wd.size() - 1];
+  if (K % kQK != 0 || row_bytes != K / kQK * bb)
+    return ffi::Error::InvalidArgument("w's rows are not K / 32 blocks of this kind");
+  if (N > kQMaxRows) return ffi::Error::InvalidArgument("qgemm takes at most qgemm_max_rows() rows");
+  const int64_t O = row_bytes > 0 ? static_cast<int64_t>(w.element_count()) / row_bytes : 0;
+  float* Y = y->typed_data();
+  if (N == 0 || O == 0) return ffi::Error::Success();
+  if (K == 0) {
+    std::fill(Y, Y + N * O, 0.0f);
+    return ffi::Error::Success();
+  }
+  const int64_t nb = K / kQK;
+  thread_local std::vector<int8_t> q;
+  thread_local std::vector<float> d8, s;
+  q.resize(static_cast<size_t>(N * K + kQK));
+  d8.resize(static_cast<size_t>(N * nb * 8 + 8));
+  s.resize(static_cast<size_t>(N * nb));
+  quantize_x(x.typed_data(), N, K, q.data(), d8.data(), s.data());
+  const XQ xq{q.data(), d8.data(), s.data(), K, nb};
+  const uint8_t* W = w.typed_data();
+  switch (kind) {
+    case kQ8_0: qgemm<kQ8_0>(pool, W, xq, N, O, Y); break;
+    case kQ4_0: qgemm<kQ4_0>(pool, W, xq, N, O, Y); break;
+    case kQ4_1: qgemm<kQ4_1>(pool, W, xq, N, O, Y); break;
+    case kQ5_0: qgemm<kQ5_0>(pool, W, xq, N, O, Y); break;
+    case kQ5_1: qgemm<kQ5_1>(pool, W, xq, N, O, Y); break;
+    default: break;
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace tl
+
+extern "C" int64_t TlQGemmMaxRows() { return tl::kQMaxRows; }
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TlQGemm, tl::QGemm,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // x [N, K]
+                                  .Arg<ffi::Buffer<ffi::U8>>()    // w [..., row_bytes]: raw ggml blocks
+                                  .Attr<int32_t>("kind")          // Kind: 0 q8_0, 1 q4_0, 2 q4_1, 3 q5_0, 4 q5_1
+                                  .Ret<ffi::Buffer<ffi::F32>>()); // y [N, ...]

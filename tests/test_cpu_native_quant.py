@@ -1,0 +1,147 @@
+"""kernels/cpu_native.py `qgemm` (kernels/cpu/quant.cc): matmuls over llama.cpp's q8_0, q4_0, q4_1,
+q5_0 and q5_1 blocks, once per build this CPU runs (as tests/test_cpu_native.py's `lib`).
+
+Weights are real ggml blocks (gguf.quants.quantize), x random. Two checks a case:
+- against float64: the product of gguf's own dequantized weights with x, within the error of
+  the arithmetic. x is quantized per block b of 32 to xhat = d_x q (d_x = amax / 127, q =
+  roundf(x / d_x) with 1 / d_x and x / d_x rounded to float32: |x/d_x - q| <= 1/2 + 256 u), so
+  |w . (x - xhat)| <= sum_k |w_k| d_x(b) (1/2 + 256 u); plus the float32 rounding of the scaled
+  block sums (`emulated`'s bound), plus gguf's own rounding of d w + m to float32 (u a weight).
+- against a numpy emulation of the same integer arithmetic (x quantized the ggml way in float32,
+  exact integer block sums, scaling in float64): within gamma_{K+4} T, T = sum_b |d_w d_x| sum_k
+  |w_k q_k| + |m_w d_x sum(q)|: each of at most K lane or block terms is rounded twice (by d_x,
+  by d_w) before a sum of at most K terms in any order. This one is tight: a wrong nibble,
+  sign or rounding moves some output by a whole d_w d_x w q, far beyond it.
+"""
+
+from __future__ import annotations
+
+import gguf
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from bounds import U, gamma
+from gguf.quants import dequantize, quantize
+
+from kernels import cpu_build, cpu_native
+
+KINDS = {
+    "q8_0": gguf.GGMLQuantizationType.Q8_0,
+    "q4_0": gguf.GGMLQuantizationType.Q4_0,
+    "q4_1": gguf.GGMLQuantizationType.Q4_1,
+    "q5_0": gguf.GGMLQuantizationType.Q5_0,
+    "q5_1": gguf.GGMLQuantizationType.Q5_1,
+}
+
+
+@pytest.fixture(scope="module", params=[t.name for t in cpu_build.runnable()])
+def lib(request: pytest.FixtureRequest) -> cpu_native.NativeLib:
+    return cpu_native.library(request.param)
+
+
+ROWS = (1, 2, 3, 5, 16, 17, 64)
+SHAPES = [((37,), 32), ((3, 40), 576), ((24,), 1536)]  # (out, K)
+
+
+def _half(b: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(b).view(np.float16)[..., 0].astype(np.float64)
+
+
+def blocks(raw: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Raw ggml rows [O, row_bytes] -> (signed weights [O, nb, 32] int64, d [O, nb], m [O, nb]) with
+    value = d w + m, read from the bytes as ggml's block structs lay them out."""
+    o = raw.shape[0]
+    b = raw.reshape(o, -1, cpu_native.QUANT_KINDS[kind][1])
+    d = _half(b[..., 0:2])
+    m = _half(b[..., 2:4]) if kind in ("q4_1", "q5_1") else np.zeros_like(d)
+    if kind == "q8_0":
+        return np.ascontiguousarray(b[..., 2:34]).view(np.int8).astype(np.int64), d, m
+    qs = b[..., -16:].astype(np.int64)
+    w = np.concatenate([qs & 15, qs >> 4], axis=-1)  # byte j: element j (low nibble), j + 16 (high)
+    if kind in ("q5_0", "q5_1"):
+        at = 2 if kind == "q5_0" else 4
+        qh = np.ascontiguousarray(b[..., at : at + 4]).view(np.uint32)[..., 0].astype(np.int64)
+        w |= ((qh[..., None] >> np.arange(32)) & 1) << 4
+    return w - {"q4_0": 8, "q5_0": 16}.get(kind, 0), d, m
+
+
+def quantize_x(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """ggml's quantize_row_q8_0_ref with a float32 d: x [N, K] -> (q [N, nb, 32] int64, d [N, nb])."""
+    xb = x.reshape(x.shape[0], -1, 32).astype(np.float32)
+    d = np.abs(xb).max(-1) / np.float32(127)
+    inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d != 0)
+    v = (xb * inv[..., None]).astype(np.float64)  # the float32 product, exactly
+    return (np.sign(v) * np.floor(np.abs(v) + 0.5)).astype(np.int64), d.astype(np.float64)
+
+
+def emulated(x: np.ndarray, raw: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray]:
+    """(y [N, O] of llama.cpp's arithmetic, integer sums exact and scaling in float64; its float32
+    rounding bound [N, O] as the module docstring derives it)."""
+    w, dw, m = blocks(raw, kind)
+    q, dx = quantize_x(x)
+    isum = np.einsum("nbk,obk->nob", q, w).astype(np.float64)
+    iabs = np.einsum("nbk,obk->nob", np.abs(q), np.abs(w)).astype(np.float64)
+    sq = q.sum(-1).astype(np.float64)  # [N, nb]
+    scale = dw[None] * dx[:, None]  # [N, O, nb]
+    y = (scale * isum).sum(-1) + (m[None] * (dx * sq)[:, None]).sum(-1)
+    t = (np.abs(scale) * iabs).sum(-1) + (np.abs(m[None]) * np.abs(dx * sq)[:, None]).sum(-1)
+    return y, gamma(x.shape[1] + 4) * t
+
+
+def case(rng: np.random.Generator, kind: str, out: tuple[int, ...], k: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """x [n, k] float32 and ggml rows [*out, row_bytes] of random weights (an offset for the _1 kinds)."""
+    w = rng.standard_normal((*out, k)).astype(np.float32) * 0.1
+    if kind.endswith("_1"):
+        w += np.float32(0.05)
+    x = rng.standard_normal((n, k)).astype(np.float32)
+    x[:, :32] *= 100  # blocks of very different scales
+    if k > 32:
+        x[:, 32:64] = 0  # an all-zero block: d = 0
+    return x, quantize(w, KINDS[kind])
+
+
+@pytest.mark.parametrize("out,k", SHAPES, ids=[f"K{k}" for _, k in SHAPES])
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_qgemm_matches_float64_and_llama_cpp_arithmetic(
+    lib: cpu_native.NativeLib, kind: str, out: tuple[int, ...], k: int
+) -> None:
+    rng = np.random.default_rng(k + len(kind))
+    x, raw = case(rng, kind, out, k, max(ROWS))
+    rows = raw.reshape(-1, raw.shape[-1])
+    w, dw, m = blocks(rows, kind)
+    deq = dequantize(rows, KINDS[kind]).astype(np.float64)  # gguf's float32 d w + m
+    exact_w = (dw[..., None] * w + m[..., None]).reshape(deq.shape)
+    assert (np.abs(deq - exact_w) <= U * (np.abs(dw[..., None] * w) + np.abs(m[..., None])).reshape(deq.shape)).all()
+    for n in ROWS:
+        xn = x[:n]
+        got = lib.qgemm(jnp.asarray(xn), jnp.asarray(raw), kind)
+        assert got is not None
+        got = np.asarray(got)
+        assert got.shape == (n, *out) and got.dtype == np.float32
+        got = got.reshape(n, -1).astype(np.float64)
+
+        want, fp_bound = emulated(xn, rows, kind)
+        err = np.abs(got - want)
+        assert (err <= fp_bound).all(), f"n={n}: {err.max():.3g} from the emulation, bound {fp_bound.min():.3g}"
+
+        _, dx = quantize_x(xn)
+        quant_bound = np.einsum("ok,nk->no", np.abs(deq), np.repeat(dx, 32, axis=1)) * (0.5 + 256 * U)
+        deq_bound = U * np.abs(xn.astype(np.float64)) @ np.abs(exact_w).T
+        err64 = np.abs(got - xn.astype(np.float64) @ deq.T)
+        bound = quant_bound + fp_bound + deq_bound
+        assert (err64 <= bound).all(), f"n={n}: {err64.max():.3g} from float64, bound {bound.min():.3g}"
+        assert err64.max() > 0  # the x quantization is really there
+
+
+def test_qgemm_declines_what_it_does_not_take(lib: cpu_native.NativeLib) -> None:
+    rng = np.random.default_rng(0)
+    x, raw = case(rng, "q4_0", (8,), 64, 2)
+    xj, wj = jnp.asarray(x), jnp.asarray(raw)
+    assert lib.qgemm(xj, wj, "q4_0") is not None
+    assert lib.qgemm(xj, wj, "q6_k") is None
+    assert lib.qgemm(xj, wj, "q8_0") is None  # rows are not K/32 q8_0 blocks
+    assert lib.qgemm(xj.astype(jnp.bfloat16), wj, "q4_0") is None
+    assert lib.qgemm(xj, wj.view(jnp.int8), "q4_0") is None
+    many = jnp.zeros((lib.qgemm_max_rows() + 1, 64), jnp.float32)
+    assert lib.qgemm(many, wj, "q4_0") is None
+    assert lib.qgemm(jnp.zeros((1, 48), jnp.float32), jnp.zeros((8, 27), jnp.uint8), "q4_0") is None  # K % 32
