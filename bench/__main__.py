@@ -1,6 +1,6 @@
 """`python -m bench <name> [args]` (also `tl bench ...`).
 
-Names: runner | engine | mixed | http | structured | quant | kernels | soak | multihost.
+Names: runner | engine | mixed | http | structured | quant | kl | kernels | soak | multihost.
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from bench.structured_bench import run
     elif name == "quant":
         from bench.quant_bench import run
+    elif name == "kl":
+        from bench.kl_bench import run
     elif name == "kernels":
         from bench.kernels_bench import run
     elif name == "soak":
@@ -34,7 +36,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif name == "multihost":
         from bench.multihost_bench import run
     else:
-        names = "runner, engine, mixed, http, structured, quant, kernels, soak or multihost"
+        names = "runner, engine, mixed, http, structured, quant, kl, kernels, soak or multihost"
         print(f"unknown benchmark {name!r}; choose {names}", file=sys.stderr)
         return 2
     return run(rest)

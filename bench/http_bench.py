@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="artifacts/models/smol-135m",
         help="tokenizer.json for prompt sizing, config.json for the roofline",
     )
-    ap.add_argument("--bytes-per-param", type=int, default=4, help="weight bytes per parameter (fp32 = 4)")
+    ap.add_argument("--bytes-per-param", type=float, default=4, help="weight bytes per parameter (fp32 = 4, Q4_1 0.75)")
     ap.add_argument("--rate", type=float, default=2.0, help="Poisson arrival rate, requests/s")
     ap.add_argument("--levels", default="1,4,16,64", help="concurrency sweep levels")
     ap.add_argument("--repeats", type=int, default=1, help="repeats per case and server (interleaved)")
@@ -138,7 +138,7 @@ async def _endpoints(args: argparse.Namespace) -> dict[str, Endpoint]:
     return eps
 
 
-def _cost(model_dir: str, bytes_per_param: int) -> ModelCost | None:
+def _cost(model_dir: str, bytes_per_param: float) -> ModelCost | None:
     try:
         return load_model_cost(model_dir, bytes_per_param)
     except (OSError, KeyError, ValueError):

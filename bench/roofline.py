@@ -56,7 +56,7 @@ class ModelCost:
     num_params: int  # every stored tensor (tied embeddings counted once)
     num_matmul_params: int  # per-layer linears + lm_head product (V×D, even when tied)
     weight_bytes: int  # num_params × bytes_per_param
-    bytes_per_param: int
+    bytes_per_param: float
 
     @property
     def flops_per_token(self) -> int:
@@ -135,7 +135,7 @@ def _seconds(fn: object) -> float:
     return time.perf_counter() - t0
 
 
-def model_cost(config: dict[str, Any], bytes_per_param: int = 4) -> ModelCost:
+def model_cost(config: dict[str, Any], bytes_per_param: float = 4) -> ModelCost:
     """Parameter and FLOP counts of a Llama-family config.json dict (see the module docstring)."""
     d, v, f = int(config["hidden_size"]), int(config["vocab_size"]), int(config["intermediate_size"])
     layers, heads = int(config["num_hidden_layers"]), int(config["num_attention_heads"])
@@ -148,10 +148,10 @@ def model_cost(config: dict[str, Any], bytes_per_param: int = 4) -> ModelCost:
     per_layer = linears + 2 * d + ((q + 2 * kv) if bias else 0)
     tied = bool(config.get("tie_word_embeddings", False))
     num_params = v * d + layers * per_layer + d + (0 if tied else v * d)
-    return ModelCost(num_params, layers * linears + v * d, num_params * bytes_per_param, bytes_per_param)
+    return ModelCost(num_params, layers * linears + v * d, int(num_params * bytes_per_param), bytes_per_param)
 
 
-def load_model_cost(model_dir: str | Path, bytes_per_param: int = 4) -> ModelCost:
+def load_model_cost(model_dir: str | Path, bytes_per_param: float = 4) -> ModelCost:
     return model_cost(json.loads((Path(model_dir) / "config.json").read_text()), bytes_per_param)
 
 
@@ -181,7 +181,7 @@ def roofline_line(machine: Machine, cost: ModelCost | None, model: str = "") -> 
     flop_tok_s = machine.gemm_flops_per_s / cost.flops_per_token
     return (
         s + f"; model {model}: {cost.num_params / 1e6:.1f} M params, {cost.weight_bytes / 1e6:.1f} MB weights "
-        f"at {cost.bytes_per_param} B/param, {cost.flops_per_token / 1e6:.1f} MFLOP/token (2 × matmul params, "
+        f"at {cost.bytes_per_param:.3g} B/param, {cost.flops_per_token / 1e6:.1f} MFLOP/token (2 × matmul params, "
         f"attention excluded) -> ceilings: batch-1 decode {mem_tok_s:.0f} tok/s (memory), "
         f"{flop_tok_s:.0f} tok/s (compute)"
     )
@@ -207,7 +207,7 @@ def roofline_rows(machine: Machine, cost: ModelCost, items: list[tuple[str, floa
 def print_offline_roofline(
     model_dir: str,
     items: list[tuple[str, float, float]],
-    bytes_per_param: int = 4,
+    bytes_per_param: float = 4,
     platform: str = "cpu",
     dtype: str = "float32",
 ) -> None:

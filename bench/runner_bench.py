@@ -77,7 +77,10 @@ def run(argv: Sequence[str]) -> int:
     ap.add_argument("--dtype", default="auto", help="auto: float32 on CPU, bfloat16 on GPU/TPU")
     ap.add_argument("--backend", default="auto")
     ap.add_argument(
-        "--weight-dtype", default="float32", choices=["float32", "int8", "q8_0"], help="[engine] weight_dtype"
+        "--weight-dtype",
+        default="float32",
+        choices=["auto", "float32", "int8", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"],
+        help="[engine] weight_dtype (auto: a GGUF --model, or a directory's model.gguf, as it is)",
     )
     ap.add_argument("--attention-kernel", default="auto")
     ap.add_argument("--tensor-parallel", type=int, default=1)
@@ -192,15 +195,19 @@ def run(argv: Sequence[str]) -> int:
         with open(args.json, "a") as f:
             for r in rows:
                 f.write(json.dumps({"bench": "runner", **r}) + "\n")
-    from bench.roofline import print_offline_roofline
+    from bench.roofline import load_model_cost, print_offline_roofline
+    from tl.model.convert_gguf import model_dir_of
 
     # Each row's steps/s is exact here: one compiled step per timed call.
     items = [(str(r["test"]), float(str(r["tokens/s"])), 1e3 / float(str(r["step ms p50"]))) for r in rows]
+    mdir = model_dir_of(args.model)  # a .gguf: the directory that serves it
+    import jax
+
+    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(runner.params))  # what a one-row step reads
     print_offline_roofline(
-        args.model,
+        mdir,
         items,
-        # int8 and q8_0 as 1 byte a weight (q8_0's float16 per 32 weights, 6%, left out)
-        bytes_per_param=1 if args.weight_dtype != "float32" else 2 if b_info.dtype == "bfloat16" else 4,
+        bytes_per_param=weight_bytes / load_model_cost(mdir, 1).num_params,
         platform=b_info.platform,
         dtype=b_info.dtype,
     )
