@@ -28,7 +28,9 @@ Backend = Literal["auto", "cpu", "gpu", "tpu"]
 ToolParser = Literal["auto", "hermes", "smollm2"]
 AttentionKernel = Literal["auto", "reference", "cpu_native", "pallas_tpu", "pallas_gpu"]
 MatmulKernel = Literal["auto", "xla", "cpu_native"]
-NativeTarget = Literal["auto", "x86-64", "x86-64-v3", "x86-64-v4", "sapphirerapids", "aarch64"]
+NativeTarget = Literal[
+    "auto", "x86-64", "x86-64-v3", "x86-64-v4", "x86-64-v4-vnni", "sapphirerapids", "aarch64", "aarch64-dotprod"
+]
 
 
 class ConfigError(ValueError):
@@ -46,9 +48,13 @@ class EngineConfig:
 
     model_dir: str = "artifacts/models/smol-135m"
     """Hugging Face style model directory (config.json, safetensors, tokenizer.json; `tl pull`
-    keeps the GGUF there too, as model.gguf), or a llama.cpp `.gguf` file, served as it is."""
+    keeps the GGUF there too, as model.gguf), or a llama.cpp `.gguf` file, served as it is: its side
+    files (config, tokenizer, generation config) are written once per file (keyed by path, size and
+    mtime) into a directory named after the file's stem, beside a link to the file, under
+    ~/.cache/tl/gguf."""
     model_id: str = ""
-    """Name served in /v1/models and accepted in `model`; empty means the directory name."""
+    """Name served in /v1/models and accepted in `model`; empty means the directory name (for a
+    `.gguf` file: its stem, e.g. `SmolLM2-135M-Instruct.Q4_1`)."""
     backend: Backend = "auto"
     """JAX platform: "auto" picks the best present (tpu, then gpu, then cpu)."""
     dtype: DType = "auto"
@@ -56,9 +62,10 @@ class EngineConfig:
     weight_dtype: WeightDType = "auto"
     """Linear and embedding weights. "auto": as the model's files store them: a GGUF's block
     formats kept packed (a `.gguf` model_dir, or the model.gguf `tl pull` keeps), else as `dtype`.
-    "float32": as `dtype` (a GGUF dequantized). "int8": per-output-channel scales, int8 dots.
-    "q8_0", "q4_0", "q4_1", "q5_0", "q5_1": llama.cpp's block formats, quantized at load (32
-    inputs a block; input widths must be multiples of 32); integer dots on CPU."""
+    "float32": as `dtype` (a GGUF dequantized; a directory with safetensors reads those).
+    "int8": per-output-channel scales, int8 dots. "q8_0", "q4_0", "q4_1", "q5_0", "q5_1":
+    llama.cpp's block formats, quantized at load from the float weights (32 inputs a block; input
+    widths must be multiples of 32); integer dots on CPU."""
     kv_cache_dtype: KVCacheDType = "auto"
     """KV cache storage: "auto" is `dtype`; "bfloat16" halves the cache of a float32 model (twice the
     blocks in the same memory, half the bytes attention reads; keys and values rounded to bf16)."""
@@ -83,8 +90,9 @@ class EngineConfig:
     "cpu_native" forces it, "xla" never uses it."""
     native_target: NativeTarget = "auto"
     """Which build of the native CPU kernels: "auto" is the most capable this CPU runs
-    (sapphirerapids with AMX, x86-64-v4 with AVX-512, x86-64-v3 with AVX2+FMA, x86-64 with SSE2,
-    aarch64 with NEON); naming one this CPU runs forces it (e.g. AVX2 code on an AVX-512 machine)."""
+    (sapphirerapids with AMX, x86-64-v4-vnni with AVX-512 VNNI+BF16, x86-64-v4 with AVX-512,
+    x86-64-v3 with AVX2+FMA, x86-64 with SSE2, aarch64-dotprod with NEON+SDOT, aarch64 with NEON);
+    naming one this CPU runs forces it (e.g. AVX2 code on an AVX-512 machine)."""
     native_cache_dir: str = ""
     """Where the native CPU kernels are built and cached, one library per target and source
     version; empty means ~/.cache/tl/native."""
@@ -114,7 +122,7 @@ class EngineConfig:
     block_size: int = 16
     """Tokens per KV-cache block."""
     num_kv_blocks: int = 2048
-    """KV-cache blocks preallocated on the device (SmolLM2: 736 KiB per block in float32, 368 KiB in bf16)."""
+    """KV-cache blocks preallocated on the device (SmolLM2: 720 KiB per block in float32, 360 KiB in bf16)."""
     max_model_len: int = 0
     """Context length (prompt + output); 0 means the model's max_position_embeddings."""
     max_num_seqs: int = 64
