@@ -28,7 +28,6 @@ from tl.core.config import EngineConfig
 if TYPE_CHECKING:
     from tl.core.async_engine import AsyncEngine
     from tl.core.engine import Engine
-    from tl.model.convert_gguf import model_dir_of
     from tl.ops.multihost import Leader
     from tl.ops.served import ServedModel
     from tl.runtime.runner import ModelRunner
@@ -189,6 +188,7 @@ def build_async_engine(cfg: EngineConfig, warmup: bool = True) -> tuple[AsyncEng
     structured output), and the record of the model it serves (tokenizer, chat template, tool
     calling, limits; the vocabulary size from the model's config as the runner loaded it)."""
     from tl.core.async_engine import AsyncEngine
+    from tl.model.convert_gguf import model_dir_of
     from tl.ops.served import ServedModel
     from tl.text.chat_template import ChatTemplate
     from tl.text.grammar import GrammarCompiler
