@@ -39,11 +39,21 @@ def run(argv: Sequence[str]) -> int:
     ap.add_argument("--llama-bin", default="", help="directory of llama-quantize and llama-perplexity")
     args = ap.parse_args(argv)
     print("config:", json.dumps(vars(args)))
-    rows = [_tl(args, path) for path in ("xla", "integer")]
-    if args.llama_bin:
-        rows.append(_llama_cpp(args))
-    print_table(["who", "positions", "mean KLD", "max KLD", "same top-1 %"], rows)
+    keys = ["who", "positions", "mean KLD", "max KLD", "same top-1 %"]
+    rows = []
+    for measure in ([_tl_xla, _tl_integer] + ([_llama_cpp] if args.llama_bin else [])):
+        rows.append(dict(zip(keys, measure(args), strict=True)))
+        print(rows[-1], flush=True)
+    print_table(rows)
     return 0
+
+
+def _tl_xla(args: argparse.Namespace) -> list[Any]:
+    return _tl(args, "xla")
+
+
+def _tl_integer(args: argparse.Namespace) -> list[Any]:
+    return _tl(args, "integer")
 
 
 def _tl(args: argparse.Namespace, path: str) -> list[Any]:
