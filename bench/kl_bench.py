@@ -41,7 +41,7 @@ def run(argv: Sequence[str]) -> int:
     print("config:", json.dumps(vars(args)))
     keys = ["who", "positions", "mean KLD", "max KLD", "same top-1 %"]
     rows = []
-    for measure in ([_tl_xla, _tl_integer] + ([_llama_cpp] if args.llama_bin else [])):
+    for measure in [_tl_xla, _tl_integer] + ([_llama_cpp] if args.llama_bin else []):
         rows.append(dict(zip(keys, measure(args), strict=True)))
         print(rows[-1], flush=True)
     print_table(rows)
