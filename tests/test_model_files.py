@@ -87,7 +87,9 @@ def test_missing_dir_config_and_weights_name_the_path(tmp_path: Path) -> None:
     with pytest.raises(ModelDirError, match=r"config.json: file not found"):
         load_model_config(d)
     (d / "model.safetensors").unlink()
-    with pytest.raises(ModelDirError, match=r"no weights \(model.safetensors or model.safetensors.index.json"):
+    with pytest.raises(
+        ModelDirError, match=r"no weights \(model.safetensors, model.safetensors.index.json or model.gguf"
+    ):
         read_tensors(d)
 
 

@@ -68,6 +68,7 @@ def test_engine_greedy_matches_reference_and_answers(
         token_buckets=(16,),
         max_num_batched_tokens=16,
         prefill_chunk=16,
+        weight_dtype="float32",  # the reference is the float model (the GGUF dequantized)
     )
     engine = build_engine(cfg, warmup=False)
     rid = engine.add_request(
@@ -80,3 +81,44 @@ def test_engine_greedy_matches_reference_and_answers(
     assert got == want
     text = Tokenizer.load(smol_dir).decode(got)
     assert "Paris" in text, text
+
+
+def test_default_config_serves_the_gguf_as_llama_cpp_does(smol_dir: Path) -> None:
+    """The default weight_dtype "auto" serves the pulled GGUF as it is (Q4_1 layers, a Q8_0
+    embedding and tied head), every step of up to 64 rows through the native integer-dot
+    kernels (activations quantized to int8 per block of 32, as llama.cpp does). Golden answer:
+    llama.cpp's own on the same file (llama-server from the llama-cpp-python 0.3.36 sdist,
+    greedy, the chat "What is the capital of France?": "L'Étoile, la Marseillaise,"; the float
+    model of the same values answers "The capital of France is Paris.")."""
+    from tl.core.config import EngineConfig
+    from tl.core.request import GenRequest, SamplingParams
+    from tl.model.encodings.blocks import Blocks
+    from tl.ops.build import build_engine
+    from tl.text.chat_template import ChatTemplate
+    from tl.text.tokenizer import Tokenizer
+
+    cfg = EngineConfig(
+        model_dir=str(smol_dir),
+        num_kv_blocks=64,
+        max_num_seqs=1,
+        seq_buckets=(1,),
+        token_buckets=(1, 64),
+        max_num_batched_tokens=64,
+        prefill_chunk=64,
+        matmul_kernel="cpu_native",  # every step natively, whatever this CPU's verdicts
+    )
+    engine = build_engine(cfg, warmup=False)
+    params = engine.runner.params
+    assert type(params.layers[0].w_down).__name__ == "Q4_1" and type(params.embed).__name__ == "Q8_0"
+    assert isinstance(params.embed, Blocks)
+    tok = Tokenizer.load(smol_dir)
+    chat = ChatTemplate.from_model_dir(smol_dir).render(
+        [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True
+    )
+    rid = engine.add_request(GenRequest(tuple(tok.encode(chat)), SamplingParams(temperature=0.0, max_tokens=10)))
+    got: list[int] = []
+    while engine.has_work():
+        got += [o.token_id for o in engine.step() if o.request_id == rid and o.token_id >= 0]
+    # The first tokens: later ones sit on near-ties that float rounding (the attention kernel's
+    # one-call or two-part form) can flip ("Marseilla" at 64-token steps, "Marsebe" at one).
+    assert tok.decode(got).startswith("L'Étoile, la Mars"), tok.decode(got)

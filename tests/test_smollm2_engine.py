@@ -35,6 +35,9 @@ BASE = EngineConfig(
     speculative="none",
     max_logprobs=0,
     compile_cache_dir="",
+    # float32: a step's rows compute alike whatever the batch (quantized weights take int8
+    # activations on the native few-row path and float ones on XLA's: batch-dependent)
+    weight_dtype="float32",
 )
 QUESTIONS = [
     (0, "What is the capital of France?", 12),
