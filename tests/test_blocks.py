@@ -29,6 +29,7 @@ from jax.sharding import PartitionSpec as P
 from models import tiny_config, tiny_tensors
 from test_convert_gguf import byte_vocab_metadata, quantize_q4_k, quantize_q6_k, to_gguf_name
 
+from kernels import cpu_native
 from tests.test_runner import ENGINE, GREEDY, dense_greedy, tiny_cfg
 from tl.core.plan import SchedulerOutput, SeqWork
 from tl.model import llama
@@ -38,7 +39,7 @@ from tl.model.encodings.blocks import BLOCK_ENCODINGS, Blocks
 from tl.model.encodings.ggml_formats import QUANTIZABLE
 from tl.model.files import GGUF_FILE, Packed, read_tensors
 from tl.model.weights import Dense, partition_specs
-from tl.runtime import backend
+from tl.runtime import backend, verdicts
 from tl.runtime.runner import ModelRunner
 
 Q = gguf.GGMLQuantizationType
@@ -207,6 +208,10 @@ def test_gguf_served_as_it_is(tmp_path: Path, case: str) -> None:
     ids = jnp.asarray(np.random.default_rng(2).integers(0, cfg.vocab_size, 24), jnp.int32)
     want, got = np.asarray(_dense(f32, cfg, ids)[1]), np.asarray(_dense(w, cfg, ids)[1])
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+    if case == "mixed":  # the verdicts' matmul chain over unfused layers (q/k/v, gate/up apart)
+        lib = cpu_native.library()
+        for call in verdicts.matmul_case(w.layers, w.head(), cfg, lib.matmul, 1, lib.argmax_lse).values():
+            jax.block_until_ready(call())
     if case == "mixed":  # the paged runner over the .gguf file itself
         engine = ENGINE.replace(model_dir=str(path), matmul_kernel="xla", native_cache_dir="")
         runner = ModelRunner.from_model_dir(engine)

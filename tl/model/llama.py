@@ -305,9 +305,12 @@ def mlp(x: jax.Array, lp: Layer, matmul: Matmul | None = None) -> jax.Array:
     return linear(jax.nn.silu(g) * u, lp.w_down, matmul)
 
 
-def _qkv(
-    h: jax.Array, lp: Layer, cfg: ModelConfig, rope: tuple[jax.Array, jax.Array], matmul: Matmul | None
+def qkv_projections(
+    h: jax.Array, lp: Layer, cfg: ModelConfig, matmul: Matmul | None = None
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """q [T,Hq,hd], k and v [T,Hk,hd] of normed h, before RoPE: one fused matmul, or three where
+    the layer keeps them apart (tensor parallel with replicated KV heads; a GGUF storing them in
+    different formats)."""
     T, hd, hq, hk = h.shape[0], cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
     if lp.wqkv is not None:  # [Hk, G+2, hd, D]: per KV head, its G query heads, its k, its v
         qkv = linear(h, lp.wqkv, matmul)
@@ -315,12 +318,19 @@ def _qkv(
             qkv = qkv + lp.bqkv.value
         g = hq // hk
         q, k, v = qkv[:, :, :g].reshape(T, hq, hd), qkv[:, :, g], qkv[:, :, g + 1]
-    else:  # tensor parallel with replicated KV heads: q split by head, k/v whole on each device
+    else:
         assert lp.wq is not None and lp.wk is not None and lp.wv is not None
         q, k, v = linear(h, lp.wq, matmul), linear(h, lp.wk, matmul), linear(h, lp.wv, matmul)
         if lp.bq is not None and lp.bk is not None and lp.bv is not None:
             q, k, v = q + lp.bq.value, k + lp.bk.value, v + lp.bv.value
         q, k, v = q.reshape(T, hq, hd), k.reshape(T, hk, hd), v.reshape(T, hk, hd)
+    return q, k, v
+
+
+def _qkv(
+    h: jax.Array, lp: Layer, cfg: ModelConfig, rope: tuple[jax.Array, jax.Array], matmul: Matmul | None
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    q, k, v = qkv_projections(h, lp, cfg, matmul)
     return apply_rope(q, *rope), apply_rope(k, *rope), v
 
 

@@ -136,24 +136,24 @@ def _compiled(fn: Callable[..., Any], *args: Any) -> Callable[[], Any]:
 def matmul_case(
     layers: Sequence[Layer],
     head: Any,
+    cfg: ModelConfig,
     matmul: Callable[..., Any],
     rows: int,
-    linear: Callable[..., jax.Array],
     argmax_lse: Callable[..., Any],
 ) -> Timed:
-    """{"native", "xla"} compiled calls of a chain of these layers' matmuls (the step layout's wqkv, wo,
-    w_gate_up, w_down) then the LM head (as llama.linear takes it, [V,D]) and the argmax and
-    logsumexp of its logits, at `rows` rows: with matmul/argmax_lse, and with XLA's and jnp's."""
-    q_width = matrix(layers[0].wo).shape[-1]
+    """{"native", "xla"} compiled calls of a chain of these layers' matmuls (the model's own q/k/v
+    projections, wo and MLP, fused or apart as the layers hold them) then the LM head (as
+    llama.linear takes it, [V,D]) and the argmax and logsumexp of its logits, at `rows` rows:
+    with matmul/argmax_lse, and with XLA's and jnp's."""
+    from tl.model import llama
 
     def chain(mm: Callable[..., Any] | None, am: Callable[..., Any] | None) -> Callable[..., Any]:
         def run(ws: Sequence[Layer], hd: Any, x: jax.Array) -> Any:
             for lp in ws:
-                qkv = linear(x, lp.wqkv, mm).reshape(x.shape[0], -1)
-                x = x + 1e-3 * linear(qkv[:, :q_width], lp.wo, mm)
-                gu = linear(x, lp.w_gate_up, mm)
-                x = x + 1e-3 * linear(jax.nn.silu(gu[..., 0]) * gu[..., 1], lp.w_down, mm)
-            return (am or _jnp_argmax_lse)(linear(x, hd, mm).astype(jnp.float32))
+                q, _, _ = llama.qkv_projections(x, lp, cfg, mm)
+                x = x + 1e-3 * llama.linear(q.reshape(x.shape[0], -1), lp.wo, mm)
+                x = x + 1e-3 * llama.mlp(x, lp, mm)
+            return (am or _jnp_argmax_lse)(llama.linear(x, hd, mm).astype(jnp.float32))
 
         return run
 
@@ -314,7 +314,6 @@ def measure_runner(plan: ExecutionPlan, kernels: Kernels, cfg: ModelConfig, para
     """The verdicts of each class `plan.measure_classes()` names, from the cache beside the
     library or timed now at this model's shapes over its own placed weights and KV cache."""
     from kernels import paged_attention
-    from tl.model import llama
 
     classes = plan.measure_classes()
     if not classes:
@@ -330,7 +329,7 @@ def measure_runner(plan: ExecutionPlan, kernels: Kernels, cfg: ModelConfig, para
             # One row streams the weights (a chain past the cache); more rows are compute-bound.
             mm = kernels.matmul
             assert mm.fn is not None and mm.argmax_lse is not None  # measured: the native matmul
-            return matmul_case(layers if rows == 1 else layers[:1], head, mm.fn, rows, llama.linear, mm.argmax_lse)
+            return matmul_case(layers if rows == 1 else layers[:1], head, cfg, mm.fn, rows, mm.argmax_lse)
         case = attention_case(
             rows,
             attn[rows],
