@@ -1,7 +1,7 @@
 """Linear-weight encodings: one module per encoding, each a Flax struct with the same hooks.
 
-Owns: what every encoding provides (`Encoding`), and the pieces they share (`Axes`, `flat_dot`,
-and `IntegerCodes`, the trivial hooks of the integer encodings). Each encoding module owns, for
+Owns: what every encoding provides (`Encoding`), and the pieces they share (`Axes`,
+`flat_dot`). Each encoding module owns, for
 its one encoding, everything that depends on it: turning a float Hugging Face matrix into it at
 load (`encode`, `table` for an embedding or LM head, `head_packing`), XLA's arithmetic for it
 (`dot`, `logits`, `rows`), which native CPU kernel runs it and on which rows (`native`: a
@@ -20,7 +20,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, Self, TypeAlias
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
@@ -93,27 +92,3 @@ def flat_dot(x: jax.Array, w: jax.Array, preferred: Any = None) -> jax.Array:
     ran 2.5x slower on [2,F,D] than on [2F,D])."""
     y = lax.dot_general(x, w.reshape(-1, w.shape[-1]), (((1,), (1,)), ((), ())), preferred_element_type=preferred)
     return y.reshape(x.shape[0], *w.shape[:-1])
-
-
-class IntegerCodes:
-    """What the integer encodings (int8) share: integer codes `q` [*out, in] with float
-    scales, computing in float32, needing nothing beside the table for an LM head."""
-
-    q: Any
-
-    @classmethod
-    def head_packing(cls, head: Table) -> Tensor | None:
-        return None
-
-    @property
-    def out_shape(self) -> tuple[int, ...]:
-        return tuple(self.q.shape[:-1])
-
-    @property
-    def dtype(self) -> Any:
-        return jnp.float32
-
-    @property
-    def matrix(self) -> Any:
-        """The codes [*out, in]."""
-        return self.q

@@ -18,11 +18,11 @@ from flax import struct
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from tl.model.encodings import Axes, IntegerCodes
+from tl.model.encodings import Axes
 
 if TYPE_CHECKING:
     from kernels.cpu_native import NativeLib
-    from tl.model.weights import Table
+    from tl.model.weights import Table, Tensor
 
 # XLA:CPU's int8 dot takes a matrix-vector path at 1 row, 9x slower (the 30 SmolLM2 layers'
 # matmuls: 113 vs 12.7 ms); 2 and 3 rows ran as fast unpadded as padded, and 1 row padded to 2
@@ -40,7 +40,7 @@ def quantize_int8(w_out_in: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 @struct.dataclass
-class Int8(IntegerCodes):
+class Int8:
     """int8 q [*out, in] with float32 scale [*out] per output channel: w ~= q * scale[..., None].
     The dot quantizes the activations per row and runs int8 x int8 -> int32 (XLA:CPU's int8 ->
     f32 convert runs ~10x slower than the f32 dot it would feed; its integer dot is fast)."""
@@ -59,6 +59,22 @@ class Int8(IntegerCodes):
     def table(cls, w: np.ndarray, axes: Axes) -> Table:
         q, scale = quantize_int8(w)
         return cls(q, scale, axes)
+
+    @classmethod
+    def head_packing(cls, head: Table) -> Tensor | None:
+        return None
+
+    @property
+    def out_shape(self) -> tuple[int, ...]:
+        return tuple(self.q.shape[:-1])
+
+    @property
+    def dtype(self) -> Any:
+        return jnp.float32
+
+    @property
+    def matrix(self) -> Any:
+        return self.q
 
     def dot(self, x: jax.Array) -> jax.Array:
         n, q = x.shape[0], self.q
