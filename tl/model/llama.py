@@ -217,8 +217,8 @@ def load_weights(
 
     def row(name: str) -> Axes:  # a row-parallel weight's axes: [out, in] split by in, at block boundaries
         enc = encoding(name)
-        block = enc.in_block if enc is not None else 1
-        return (None, col if (want[name][-1] // block) % tensor_parallel == 0 else None)
+        assert enc is not None  # one tensor has one format
+        return (None, col if (want[name][-1] // enc.in_block) % tensor_parallel == 0 else None)
 
     layers = []
     for i in range(cfg.num_hidden_layers):
