@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
-MODEL  := artifacts/models/smol-135m/config.json
+MODEL  := artifacts/models/smol-135m/model.gguf  # tl pull adds it to a directory pulled before it was kept
 
 .PHONY: setup model serve generate test bench check cross
 
