@@ -8,7 +8,9 @@ Tested by tests/test_paged_attention.py against a naive gather-everything-and-ma
 
 The token axis mixes sequences: prefill chunks, decodes, drafts, padding. Token t belongs to
 sequence `seq_idx[t]` (-1 for padding), sits at `positions[t]`, and sees keys at positions <=
-its own in its sequence. Those keys are split in two parts, merged by log-sum-exp:
+its own in its sequence; with a sliding window w (`AttnMetadata.window` > 0, a static per-layer
+field) only those at positions > its own - w (Hugging Face's `kv_idx > q_idx - sliding_window`,
+llama.cpp's n_swa). Those keys are split in two parts, merged by log-sum-exp:
 - local: this step's own tokens (a [T,T] masked attention over k_new/v_new: same sequence and
   causal), so a fresh 512-token prefill costs one dense attention, not a per-token gather;
 - cached: keys already in the cache at positions < start_pos of the sequence, read chunk by chunk
@@ -50,7 +52,7 @@ ShapeDtypeStruct) under trace."""
 
 @dataclass(frozen=True)
 class AttnMetadata:
-    """Per-step layout of the token axis (a pytree; `chunk_blocks` is static).
+    """Per-step layout of the token axis (a pytree; `chunk_blocks`, `head_rows`, `window` are static).
 
     Each sequence's tokens are contiguous on the axis and in position order, padding last
     (tl/runtime/runner.py packs them so; the TPU kernel relies on it).
@@ -62,12 +64,13 @@ class AttnMetadata:
     block_tables: Operand  # [S, max_blocks] int32: block ids, unused entries any valid block
     chunk_blocks: int = 8  # blocks read per iteration of the cached-part loop
     head_rows: int = 0  # if 0 < head_rows < T: the per-token cached part runs rows [:head_rows] and the rest apart
+    window: int = 0  # sliding window: a token at p sees keys at p - window < k <= p; 0: all k <= p (per layer)
 
 
 jax.tree_util.register_dataclass(
     AttnMetadata,
     data_fields=["seq_idx", "positions", "start_pos", "block_tables"],
-    meta_fields=["chunk_blocks", "head_rows"],
+    meta_fields=["chunk_blocks", "head_rows", "window"],
 )
 
 
@@ -182,11 +185,25 @@ def local_state(qg: jax.Array, k: jax.Array, v: jax.Array, meta: AttnMetadata) -
     q2 = qg.transpose(1, 0, 2, 3).reshape(Hk, T * G, hd)
     s = jnp.einsum("kmd,ukd->kmu", q2, k).reshape(Hk, T, G, T)
     same = (meta.seq_idx[:, None] == meta.seq_idx[None, :]) & (meta.positions[None, :] <= meta.positions[:, None])
+    if meta.window:
+        same &= meta.positions[None, :] > meta.positions[:, None] - meta.window
     s = jnp.where(same[None, :, None, :], s, -jnp.inf)  # the diagonal is always kept: m is finite
     m = s.max(axis=-1)
     p = jnp.exp(s - m[..., None])
     acc = jnp.einsum("kmu,ukd->kmd", p.reshape(Hk, T * G, T), v).reshape(Hk, T, G, hd)
     return m.transpose(1, 0, 2), p.sum(axis=-1).transpose(1, 0, 2), acc.transpose(1, 0, 2, 3)
+
+
+def _first_chunk(meta: AttnMetadata, ctx: jax.Array, c: int, num_chunks: jax.Array) -> int | jax.Array:
+    """The cached-part loop's first chunk of c keys: 0 without a window; with one, the first chunk
+    some token still sees (its window's first key, max(0, pos - window + 1), below its context
+    ctx [T], 0 for padding), so chunks that every window has left behind are skipped. Exact: a
+    skipped chunk holds no key any token sees."""
+    if not meta.window:
+        return 0
+    lo = jnp.maximum(meta.positions - meta.window + 1, 0)  # [T]: each token's first key
+    first = jnp.min(jnp.where(lo < ctx, lo, jnp.iinfo(jnp.int32).max)) // c
+    return jnp.minimum(first, num_chunks)
 
 
 def _cached_per_token(qg: jax.Array, a: AttnArgs, state: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
@@ -201,6 +218,7 @@ def _cached_per_token(qg: jax.Array, a: AttnArgs, state: tuple[jax.Array, ...]) 
     pad = -tables.shape[1] % C
     tables = jnp.pad(tables, ((0, 0), (0, pad)), mode="edge")
     num_chunks = (jnp.max(ctx) + C * bs - 1) // (C * bs)
+    first = _first_chunk(meta, ctx, C * bs, num_chunks)
 
     def body(i: jax.Array, st: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
         m, l, acc = st
@@ -208,14 +226,17 @@ def _cached_per_token(qg: jax.Array, a: AttnArgs, state: tuple[jax.Array, ...]) 
         kc = load_kv(k_cache, "k", layer, blocks, qg.dtype)  # [T, Hk, hd, C*bs]
         vc = load_kv(v_cache, "v", layer, blocks, qg.dtype)  # [T, Hk, C*bs, hd]
         s = jnp.einsum("tkgd,tkdc->tkgc", qg, kc)
-        valid = i * C * bs + jnp.arange(C * bs)[None, :] < ctx[:, None]
+        keys = i * C * bs + jnp.arange(C * bs)[None, :]  # [1, C*bs]: positions of the chunk's keys
+        valid = keys < ctx[:, None]
+        if meta.window:
+            valid &= keys > meta.positions[:, None] - meta.window
         s = jnp.where(valid[:, None, None, :], s, -jnp.inf)
         m_new = jnp.maximum(m, s.max(axis=-1))
         corr = jnp.exp(m - m_new)
         p = jnp.exp(s - m_new[..., None])
         return m_new, l * corr + p.sum(axis=-1), acc * corr[..., None] + jnp.einsum("tkgc,tkcd->tkgd", p, vc)
 
-    return lax.fori_loop(0, num_chunks, body, state)
+    return lax.fori_loop(first, num_chunks, body, state)
 
 
 def _cached_per_seq(qg: jax.Array, a: AttnArgs, state: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
@@ -229,6 +250,7 @@ def _cached_per_seq(qg: jax.Array, a: AttnArgs, state: tuple[jax.Array, ...]) ->
     ctx = meta.start_pos  # [S]; padding sequences have 0
     own = meta.seq_idx[:, None] == jnp.arange(S)[None, :]  # [T, S]; padding tokens own nothing
     num_chunks = (jnp.max(ctx) + c - 1) // c
+    first = _first_chunk(meta, jnp.where(meta.seq_idx >= 0, ctx[jnp.maximum(meta.seq_idx, 0)], 0), c, num_chunks)
 
     def body(i: jax.Array, st: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
         m, l, acc = st  # [Hk, T, G], [Hk, T, G], [Hk, T, G, hd]
@@ -237,6 +259,8 @@ def _cached_per_seq(qg: jax.Array, a: AttnArgs, state: tuple[jax.Array, ...]) ->
         vc = load_kv(v_cache, "v", layer, blocks, qg.dtype, heads_first=True)  # [Hk, S*c, hd]
         s = jnp.einsum("kmd,kdn->kmn", q2, kc).reshape(Hk, T, G, S, c)
         valid = own[:, :, None] & (i * c + jnp.arange(c)[None, None, :] < ctx[None, :, None])  # [T, S, c]
+        if meta.window:  # keys at positions > the token's - window
+            valid &= i * c + jnp.arange(c)[None, None, :] > meta.positions[:, None, None] - meta.window
         s = jnp.where(valid[None, :, None], s, -jnp.inf).reshape(Hk, T, G, S * c)
         m_new = jnp.maximum(m, s.max(axis=-1))  # m is finite: the local part kept the diagonal
         corr = jnp.exp(m - m_new)
@@ -244,7 +268,7 @@ def _cached_per_seq(qg: jax.Array, a: AttnArgs, state: tuple[jax.Array, ...]) ->
         pv = jnp.einsum("kmn,knd->kmd", p.reshape(Hk, T * G, S * c), vc).reshape(Hk, T, G, hd)
         return m_new, l * corr + p.sum(axis=-1), acc * corr[..., None] + pv
 
-    m, l, acc = lax.fori_loop(0, num_chunks, body, tuple(x.swapaxes(0, 1) for x in state))
+    m, l, acc = lax.fori_loop(first, num_chunks, body, tuple(x.swapaxes(0, 1) for x in state))
     return m.swapaxes(0, 1), l.swapaxes(0, 1), acc.swapaxes(0, 1)
 
 

@@ -1,7 +1,8 @@
 """kernels/paged_attention.py reference vs a naive dense attention (gather everything, mask, softmax).
 
 Random small shapes, non-contiguous block tables, a batch mixing a fresh prefill chunk, decodes,
-chunks with cached prefixes and padding tokens; float32 and uint16-stored bf16 caches.
+chunks with cached prefixes and padding tokens; float32 and uint16-stored bf16 caches; sliding
+windows (1, under a block, not a multiple of the block size, over the context) in every form.
 """
 
 from __future__ import annotations
@@ -60,14 +61,16 @@ def build_case(
     )
 
 
-def naive(c: dict) -> np.ndarray:
-    """Each real token: gather its sequence's keys 0..pos from the cache, softmax, weighted sum."""
+def naive(c: dict, window: int = 0) -> np.ndarray:
+    """Each real token: gather its sequence's keys 0..pos (with a window: pos - window < key <= pos)
+    from the cache, softmax, weighted sum."""
     out = np.zeros_like(c["q"])
     bs, hd = c["bs"], c["hd"]
     for t, (s, p) in enumerate(zip(c["seq_idx"], c["positions"], strict=True)):
         if s < 0:
             continue
-        slots = [(c["tables"][s, j // bs], j % bs) for j in range(p + 1)]
+        first = max(0, p - window + 1) if window else 0
+        slots = [(c["tables"][s, j // bs], j % bs) for j in range(first, p + 1)]
         k = np.stack([c["k_cache"][c["layer"], b, o] for b, o in slots])  # [P, HK, hd]
         v = np.stack([c["v_cache"][c["layer"], b, o] for b, o in slots])
         for h in range(HK * G):
@@ -77,7 +80,7 @@ def naive(c: dict) -> np.ndarray:
     return out
 
 
-def inputs(c: dict, chunk_blocks: int = 2, bf16: bool = False, head_rows: int = 0) -> AttnArgs:
+def inputs(c: dict, chunk_blocks: int = 2, bf16: bool = False, head_rows: int = 0, window: int = 0) -> AttnArgs:
     """A case as the arguments of the attention interface (stored cache layout; bf16 as uint16 bits)."""
     kc, vc = to_stored("k", jnp.asarray(c["k_cache"])), to_stored("v", jnp.asarray(c["v_cache"]))
     if bf16:
@@ -90,13 +93,14 @@ def inputs(c: dict, chunk_blocks: int = 2, bf16: bool = False, head_rows: int = 
         block_tables=jnp.asarray(c["tables"]),
         chunk_blocks=chunk_blocks,
         head_rows=head_rows,
+        window=window,
     )
     q, k_new, v_new = jnp.asarray(c["q"]), jnp.asarray(c["k_new"]), jnp.asarray(c["v_new"])
     return AttnArgs(q, k_new, v_new, kc, vc, jnp.int32(c["layer"]), meta)
 
 
-def run(c: dict, chunk_blocks: int, bf16: bool = False, head_rows: int = 0) -> np.ndarray:
-    return np.asarray(jax.jit(paged_attention)(inputs(c, chunk_blocks, bf16, head_rows)))
+def run(c: dict, chunk_blocks: int, bf16: bool = False, head_rows: int = 0, window: int = 0) -> np.ndarray:
+    return np.asarray(jax.jit(paged_attention)(inputs(c, chunk_blocks, bf16, head_rows, window)))
 
 
 MIXED = [(0, 7), (13, 1), (5, 1), (9, 4), (0, 1), (22, 3)]  # prefill, decodes, cached-prefix chunks
@@ -138,3 +142,33 @@ def test_bf16_bits_cache() -> None:
     c = build_case(np.random.default_rng(3), MIXED, pad=1)
     got = run(c, 2, bf16=True)
     assert np.abs(got - naive(c))[c["seq_idx"] >= 0].max() < 5e-2
+
+
+# Decodes first (the split form's head), then a fresh prefill, chunks over cached prefixes (one
+# reaching past several 4-key blocks), padding. At most SEQ_DENSE_MAX_SEQS sequences: per sequence.
+WINDOW_FEW = [(13, 1), (33, 1), (0, 7), (22, 5)]
+WINDOW_MANY = [(13, 1), (33, 1), (5, 1), (0, 7), (22, 5), (9, 4)]  # more: per token
+
+
+@pytest.mark.parametrize("window,chunk_blocks", [(1, 1), (3, 3), (6, 1), (6, 3), (100, 1)])
+def test_sliding_window_matches_naive_in_every_form(window: int, chunk_blocks: int) -> None:
+    """Window 1 (the diagonal only), 3 (under a 4-key block), 6 (not a multiple of it), 100 (over
+    every context); chunks of 4 keys (shorter than most windows) and 12 (longer), so that the
+    loop's first chunk is past 0 for some steps and at 0 for others. Per sequence (few sequences)
+    and per token split at head_rows (many): each part is the plain per-token loop."""
+    rng = np.random.default_rng(window)
+    for seqs, head_rows, cb in ((WINDOW_FEW, 0, chunk_blocks), (WINDOW_MANY, 3, 4 - chunk_blocks)):
+        c = build_case(rng, seqs, pad=3)
+        got = run(c, cb, head_rows=head_rows, window=window)
+        err = np.abs(got - naive(c, window))[c["seq_idx"] >= 0].max()
+        assert err < 1e-5, (seqs, head_rows, cb, err)
+        assert np.isfinite(got).all()
+
+
+def test_window_in_the_unsplit_per_token_form_changes_the_answer() -> None:
+    """The per-token form without a split; and the window reaches the output (the cases above can fail)."""
+    c = build_case(np.random.default_rng(0), WINDOW_MANY, pad=1)
+    real = c["seq_idx"] >= 0
+    got = run(c, 1, window=6)
+    assert np.abs(got - naive(c, 6))[real].max() < 1e-5
+    assert np.abs(got - naive(c))[real].max() > 1e-2
