@@ -296,3 +296,109 @@ def succ_logits(token_id: int) -> np.ndarray:
     x = t["model.embed_tokens.weight"][token_id]
     x = x / np.sqrt(np.mean(x * x) + cfg.rms_norm_eps)
     return t["lm_head.weight"] @ x
+
+
+# The families (issue 32): one tiny config each, random weights drawn from hf_shapes, the same
+# byte tokenizer. bench/families_reference.py runs transformers on these very directories and
+# commits its logits (tests/golden/families/); tests/test_families.py checks tl against them.
+FAMILIES = ("llama3", "mistral", "qwen3", "qwen3_moe", "gemma3")
+FAMILY_SEQ_LEN = 72  # positions compared: past every window below, and across a chunk boundary
+
+
+def family_config(name: str) -> ModelConfig:
+    """A tiny config of the family that exercises its every difference from Llama 2."""
+    from tl.model.config import FULL, SLIDING, RopeScaling
+
+    base = tiny_config()
+    common: dict[str, Any] = {"bos_token_id": IM_START_ID, "eos_token_ids": (IM_END_ID,)}
+    if name == "llama3":  # Llama 3.1's rope scaling, untied head
+        scaling = RopeScaling("llama3", 8.0, 1.0, 4.0, 64)
+        return _replace(base, rope_scaling=scaling, tie_word_embeddings=False, rope_theta=500000.0)
+    if name == "mistral":  # every layer sliding
+        return _replace(base, architecture="MistralForCausalLM", sliding_window=16, layer_types=(SLIDING, SLIDING))
+    if name == "qwen3":  # q/k norms; head_dim independent of hidden (4 x 32 != 64)
+        return _replace(base, architecture="Qwen3ForCausalLM", head_dim=32, qk_norm=True, rope_theta=1000000.0)
+    if name == "qwen3_moe":  # 4 experts, top 2, renormalized; layer 1 dense (mlp_only_layers)
+        return _replace(
+            base,
+            architecture="Qwen3MoeForCausalLM",
+            head_dim=32,
+            qk_norm=True,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            mlp_only_layers=(1,),
+        )
+    if name == "gemma3":  # two sliding layers (window 8, local base), one global with linear scaling
+        return ModelConfig(
+            **{
+                **_fields(base),
+                **common,
+                "architecture": "Gemma3ForCausalLM",
+                "num_hidden_layers": 3,
+                "head_dim": 32,
+                "num_key_value_heads": 1,
+                "rope_theta": 1000000.0,
+                "rope_scaling": RopeScaling("linear", 2.0),
+                "qk_norm": True,
+                "norm_offset": 1.0,
+                "embed_scale": True,
+                "hidden_act": "gelu_pytorch_tanh",
+                "sandwich_norms": True,
+                "query_scale": 24.0**-0.5,
+                "sliding_window": 8,
+                "layer_types": (SLIDING, SLIDING, FULL),
+                "rope_local_theta": 10000.0,
+            }
+        )
+    raise ValueError(f"unknown family {name!r} (known: {', '.join(FAMILIES)})")
+
+
+def _fields(cfg: ModelConfig) -> dict[str, Any]:
+    return {f: getattr(cfg, f) for f in cfg.__dataclass_fields__}
+
+
+def _replace(cfg: ModelConfig, **kw: Any) -> ModelConfig:
+    return ModelConfig(**{**_fields(cfg), **kw})
+
+
+def family_tensors(cfg: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
+    """Random weights for every tensor hf_shapes names: embeddings N(0, 0.3²), matrices
+    N(0, 0.1²) (routers N(0, 1): distinct expert choices), norms 1 + N(0, 0.1²) in the
+    family's convention (Gemma stores w of (1 + w): N(0, 0.1²))."""
+    from tl.model.config import hf_shapes
+
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name, shape in hf_shapes(cfg).items():
+        x = rng.standard_normal(shape).astype(np.float32)
+        if "norm" in name:
+            x = 0.1 * x + (0.0 if cfg.norm_offset else 1.0)
+        elif name.endswith("embed_tokens.weight") or name == "lm_head.weight":
+            x = 0.3 * x
+        elif name.endswith("mlp.gate.weight"):
+            pass
+        else:
+            x = 0.1 * x
+        out[name] = x.astype(np.float32)
+    return out
+
+
+def make_family(path: str | Path, name: str, seed: int = 0) -> Path:
+    """A tiny random-weight model directory of the family (the byte tokenizer, ChatML)."""
+    cfg = family_config(name)
+    return _write_dir(
+        Path(path),
+        cfg,
+        family_tensors(cfg, seed),
+        sharded=False,
+        bos="<|im_start|>",
+        eos="<|im_end|>",
+        chat_template=CHATML_TEMPLATE,
+    )
+
+
+def family_token_ids(seed: int = 1) -> np.ndarray:
+    """The fixed token sequence the golden logits are computed over (FAMILY_SEQ_LEN byte ids)."""
+    return np.random.default_rng(seed).integers(0, 256, FAMILY_SEQ_LEN).astype(np.int32)

@@ -241,7 +241,7 @@ class ModelConfig:
         if self.architecture == "Gemma3ForCausalLM":
             d |= {
                 "hidden_activation": self.hidden_act,
-                "query_pre_attn_scalar": round(self.attn_scale**-2, 6),
+                "query_pre_attn_scalar": _number(self.attn_scale**-2),
                 "rope_local_base_freq": self.rope_local_theta or self.rope_theta,
                 "sliding_window": self.sliding_window or None,
                 "layer_types": list(self.layer_types) or [FULL] * self.num_hidden_layers,
@@ -260,6 +260,11 @@ class ModelConfig:
                 "mlp_only_layers": list(self.mlp_only_layers),
             }
         return d
+
+
+def _number(x: float) -> float | int:
+    """x as the int it is within rounding (transformers' Gemma 3 config requires an int)."""
+    return round(x) if abs(x - round(x)) < 1e-6 * max(1.0, abs(x)) else x
 
 
 def _rope(d: dict[str, Any], source: str, gemma: bool) -> tuple[float, float, RopeScaling | None]:

@@ -40,6 +40,7 @@ where each device gets whole blocks, else kept whole on every device).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -51,7 +52,7 @@ from flax import struct
 from jax import lax
 
 from kernels.paged_attention import AttnArgs, AttnMetadata, PagedAttention, paged_attention, write_kv
-from tl.model.config import ModelConfig, ModelDirError, hf_shapes
+from tl.model.config import ModelConfig, ModelDirError, RopeScaling, hf_shapes
 from tl.model.files import HostTensor, Packed, read_tensors
 from tl.model.weights import ENCODINGS, Axes, Bf16x3, Blocks, Dense, Linear, Table, Tensor
 
@@ -72,7 +73,7 @@ class Layer:
     attn_norm: Tensor
     wo: Linear
     mlp_norm: Tensor
-    w_down: Linear
+    w_down: Linear | None = None  # None in a mixture-of-experts layer (`moe`)
     w_gate_up: Linear | None = None  # [F,2,D] fused (gate and up in one encoding)
     w_gate: Linear | None = None  # apart (a GGUF storing gate and up in different formats)
     w_up: Linear | None = None
@@ -84,6 +85,11 @@ class Layer:
     bq: Tensor | None = None
     bk: Tensor | None = None
     bv: Tensor | None = None
+    q_norm: Tensor | None = None  # [hd]: RMSNorm of each query head before RoPE (Qwen3, Gemma 3)
+    k_norm: Tensor | None = None
+    attn_post_norm: Tensor | None = None  # [D]: on the attention's output (Gemma's sandwich norms)
+    mlp_post_norm: Tensor | None = None  # [D]: on the MLP's output
+    moe: Any = None  # tl/model/moe.py Experts: a mixture-of-experts layer in place of the MLP
 
 
 @struct.dataclass
@@ -188,6 +194,13 @@ def load_weights(
         x = x.to_float() if isinstance(x, Packed) else x
         return x if x.dtype == dtype else x.astype(dtype)
 
+    def norm(name: str) -> Tensor:
+        """An RMSNorm's multiplier: the weight, plus 1 for Gemma's (1 + w) (in float32, as HF)."""
+        w = get(name)
+        if cfg.norm_offset:
+            w = (w.astype(np.float32) + np.float32(cfg.norm_offset)).astype(dtype)
+        return Tensor(w, (None,))
+
     def encoding(*names: str) -> type[Linear] | None:
         """weight_dtype's, or with "auto" the format the tensors are stored in (None: they differ)."""
         if weight_dtype != "auto":
@@ -227,15 +240,27 @@ def load_weights(
         q, k, v = (a + f"{n}_proj.weight" for n in "qkv")
         gate, up, down = (p + f"mlp.{n}_proj.weight" for n in ("gate", "up", "down"))
         lp: dict[str, Any] = {
-            "attn_norm": Tensor(get(p + "input_layernorm.weight"), (None,)),
+            "attn_norm": norm(p + "input_layernorm.weight"),
             "wo": lin((a + "o_proj.weight",), row(a + "o_proj.weight")),
-            "mlp_norm": Tensor(get(p + "post_attention_layernorm.weight"), (None,)),
-            "w_down": lin((down,), row(down)),
         }
-        if encoding(gate, up) is not None:  # [F,2,D]
+        if cfg.sandwich_norms:  # Gemma: post_attention_layernorm is on the attention's output
+            lp["attn_post_norm"] = norm(p + "post_attention_layernorm.weight")
+            lp["mlp_norm"] = norm(p + "pre_feedforward_layernorm.weight")
+            lp["mlp_post_norm"] = norm(p + "post_feedforward_layernorm.weight")
+        else:
+            lp["mlp_norm"] = norm(p + "post_attention_layernorm.weight")
+        if cfg.qk_norm:
+            lp["q_norm"], lp["k_norm"] = norm(a + "q_norm.weight"), norm(a + "k_norm.weight")
+        if cfg.is_moe(i):
+            from tl.model import moe
+
+            lp["moe"] = moe.load_experts(source, get, encoding, cfg, i, tensor_parallel)
+        elif encoding(gate, up) is not None:  # [F,2,D]
             lp["w_gate_up"] = lin((gate, up), (col, None, None), lambda g, u: np.stack([g, u], axis=1))
         else:
             lp["w_gate"], lp["w_up"] = lin((gate,), (col, None)), lin((up,), (col, None))
+        if not cfg.is_moe(i):
+            lp["w_down"] = lin((down,), row(down))
         if kv_sharded and encoding(q, k, v) is not None:
             lp["wqkv"] = lin((q, k, v), (col, None, None, None), lambda wq, wk, wv: fuse_qkv(wq, wk, wv, cfg))
             if cfg.attention_bias:
@@ -255,7 +280,7 @@ def load_weights(
     lm_head: Table | None = None if cfg.tie_word_embeddings else lin(("lm_head.weight",), vocab, table=True)
     head_enc = ENCODINGS[weight_dtype] if weight_dtype != "auto" else Dense
     packed = head_enc.head_packing(embed if lm_head is None else lm_head)
-    return Weights(embed, tuple(layers), Tensor(get("model.norm.weight"), (None,)), lm_head, packed)
+    return Weights(embed, tuple(layers), norm("model.norm.weight"), lm_head, packed)
 
 
 def linear(x: jax.Array, w: Linear, matmul: Matmul | None = None) -> jax.Array:
@@ -278,12 +303,53 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     return (xf.astype(x.dtype) * w).astype(x.dtype)
 
 
-def rope_tables(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
-    """cos, sin [T, hd] for rotate-half RoPE; computed once per step, shared by all layers."""
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+Rope = tuple[jax.Array, jax.Array]
+"""cos, sin [T, hd] of one RoPE base and scaling at the step's positions."""
+
+
+def inv_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> np.ndarray:
+    """RoPE's inverse frequencies [hd/2] (float32, as transformers computes them), scaled:
+    "linear" divides all by factor; "llama3" (Llama 3.1) divides the long wavelengths (beyond
+    original_max_position_embeddings / low_freq_factor) by factor, keeps the short ones (below
+    .. / high_freq_factor) and blends linearly in wavelength-inverse between."""
+    inv = (1.0 / (np.float32(theta) ** (np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)))).astype(
+        np.float32
+    )
+    if scaling is None:
+        return inv
+    factor = np.float32(scaling.factor)
+    if scaling.rope_type == "linear":
+        return (inv / factor).astype(np.float32)
+    old = np.float32(scaling.original_max_position_embeddings)
+    lo, hi = np.float32(scaling.low_freq_factor), np.float32(scaling.high_freq_factor)
+    wavelen = np.float32(2 * np.pi) / inv
+    scaled = np.where(wavelen > old / lo, inv / factor, inv).astype(np.float32)
+    smooth = (old / wavelen - lo) / (hi - lo)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old / hi) & ~(wavelen > old / lo)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def rope_tables(positions: jax.Array, head_dim: int, theta: float, scaling: RopeScaling | None = None) -> Rope:
+    """cos, sin [T, hd] for rotate-half RoPE; computed once per step, shared by all layers of
+    the same base and scaling."""
+    inv_freq = jnp.asarray(inv_frequencies(head_dim, theta, scaling))
     angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
     angles = jnp.concatenate([angles, angles], axis=-1)
     return jnp.cos(angles), jnp.sin(angles)
+
+
+def layer_ropes(positions: jax.Array, cfg: ModelConfig) -> list[Rope]:
+    """Each layer's RoPE tables, one computation per distinct (base, scaling) (Gemma 3's local
+    and global layers differ)."""
+    tables: dict[tuple[float, RopeScaling | None], Rope] = {}
+    out = []
+    for i in range(cfg.num_hidden_layers):
+        key = cfg.layer_rope(i)
+        if key not in tables:
+            tables[key] = rope_tables(positions, cfg.head_dim, *key)
+        out.append(tables[key])
+    return out
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
@@ -294,15 +360,28 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return out.astype(x.dtype)
 
 
-def mlp(x: jax.Array, lp: Layer, matmul: Matmul | None = None) -> jax.Array:
-    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up as one [F,2,D] matmul where fused."""
+def activation(name: str) -> Callable[[jax.Array], jax.Array]:
+    """The gated MLP's activation by its config name: SwiGLU's silu, GeGLU's tanh GELU."""
+    if name == "gelu_pytorch_tanh":
+        return functools.partial(jax.nn.gelu, approximate=True)
+    return jax.nn.silu
+
+
+def mlp(x: jax.Array, lp: Layer, matmul: Matmul | None = None, act: str = "silu") -> jax.Array:
+    """The gated MLP: down(act(gate(x)) * up(x)) (SwiGLU, or GeGLU with act gelu_pytorch_tanh),
+    gate and up as one [F,2,D] matmul where fused; a mixture-of-experts layer's experts."""
+    if lp.moe is not None:
+        from tl.model import moe
+
+        return moe.moe_mlp(x, lp.moe, activation(act))
     if lp.w_gate_up is not None:
         gu = linear(x, lp.w_gate_up, matmul)  # [T, F, 2]
         g, u = gu[..., 0], gu[..., 1]
     else:
         assert lp.w_gate is not None and lp.w_up is not None
         g, u = linear(x, lp.w_gate, matmul), linear(x, lp.w_up, matmul)
-    return linear(jax.nn.silu(g) * u, lp.w_down, matmul)
+    assert lp.w_down is not None
+    return linear(activation(act)(g) * u, lp.w_down, matmul)
 
 
 def qkv_projections(
@@ -328,24 +407,45 @@ def qkv_projections(
 
 
 def _qkv(
-    h: jax.Array, lp: Layer, cfg: ModelConfig, rope: tuple[jax.Array, jax.Array], matmul: Matmul | None
+    h: jax.Array, lp: Layer, cfg: ModelConfig, rope: Rope, matmul: Matmul | None
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """q, k, v ready for attention: per-head norms (Qwen3, Gemma 3), RoPE, and q scaled so that
+    the kernels' 1/sqrt(hd) makes the model's softmax scale (Gemma's query_pre_attn_scalar)."""
     q, k, v = qkv_projections(h, lp, cfg, matmul)
-    return apply_rope(q, *rope), apply_rope(k, *rope), v
+    if lp.q_norm is not None and lp.k_norm is not None:
+        q, k = rms_norm(q, lp.q_norm.value, cfg.rms_norm_eps), rms_norm(k, lp.k_norm.value, cfg.rms_norm_eps)
+    q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+    if cfg.query_scale:
+        q = (q.astype(jnp.float32) * np.float32(cfg.attn_scale * cfg.head_dim**0.5)).astype(q.dtype)
+    return q, k, v
 
 
 def _layer(
     x: jax.Array,
     lp: Layer,
     cfg: ModelConfig,
-    rope: tuple[jax.Array, jax.Array],
+    rope: Rope,
     attend: Attend,
     matmul: Matmul | None = None,
 ) -> jax.Array:
     h = rms_norm(x, lp.attn_norm.value, cfg.rms_norm_eps)
-    o = attend(*_qkv(h, lp, cfg, rope, matmul))
-    x = x + linear(o.reshape(x.shape[0], cfg.q_size), lp.wo, matmul)
-    return x + mlp(rms_norm(x, lp.mlp_norm.value, cfg.rms_norm_eps), lp, matmul)
+    a = linear(attend(*_qkv(h, lp, cfg, rope, matmul)).reshape(x.shape[0], cfg.q_size), lp.wo, matmul)
+    if lp.attn_post_norm is not None:
+        a = rms_norm(a, lp.attn_post_norm.value, cfg.rms_norm_eps)
+    x = x + a
+    m = mlp(rms_norm(x, lp.mlp_norm.value, cfg.rms_norm_eps), lp, matmul, cfg.hidden_act)
+    if lp.mlp_post_norm is not None:
+        m = rms_norm(m, lp.mlp_post_norm.value, cfg.rms_norm_eps)
+    return x + m
+
+
+def embed(params: Weights, cfg: ModelConfig, token_ids: jax.Array) -> jax.Array:
+    """The tokens' embedding rows in the activation dtype; Gemma's scaled by sqrt(hidden_size)
+    (the scale rounded to that dtype first, as transformers does)."""
+    x = params.embed.rows(token_ids).astype(params.act_dtype)
+    if cfg.embed_scale:
+        x = x * jnp.asarray(cfg.hidden_size**0.5, dtype=x.dtype)
+    return x
 
 
 def lm_logits(params: Weights, cfg: ModelConfig, hidden: jax.Array, matmul: Matmul | None = None) -> jax.Array:
@@ -380,18 +480,21 @@ def forward(
     matmul: the float layer matmuls' implementation (None: XLA's dot; kernels/select.py).
     Returns (hidden [T,D] before the final norm, updated kv).
     """
-    rope = rope_tables(positions, cfg.head_dim, cfg.rope_theta)
-    x = params.embed.rows(token_ids).astype(params.act_dtype)
+    ropes = layer_ropes(positions, cfg)
+    x = embed(params, cfg, token_ids)
     k_cache, v_cache = kv
     for layer, lp in enumerate(params.layers):  # unrolled: see the module docstring
+        layer_meta = dataclasses.replace(meta, window=w) if (w := cfg.window(layer)) else meta
 
-        def attend(q: jax.Array, k: jax.Array, v: jax.Array, layer: int = layer) -> jax.Array:
+        def attend(
+            q: jax.Array, k: jax.Array, v: jax.Array, layer: int = layer, lm: AttnMetadata = layer_meta
+        ) -> jax.Array:
             nonlocal k_cache, v_cache
             k_cache = write_kv(k_cache, "k", layer, kv_blocks, kv_offsets, _to_storage(k, k_cache.dtype))
             v_cache = write_kv(v_cache, "v", layer, kv_blocks, kv_offsets, _to_storage(v, v_cache.dtype))
-            return attention(AttnArgs(q, k, v, k_cache, v_cache, jnp.int32(layer), meta))
+            return attention(AttnArgs(q, k, v, k_cache, v_cache, jnp.int32(layer), lm))
 
-        x = _layer(x, lp, cfg, rope, attend, matmul)
+        x = _layer(x, lp, cfg, ropes[layer], attend, matmul)
     return x, (k_cache, v_cache)
 
 
@@ -403,13 +506,16 @@ def _to_storage(x: jax.Array, storage: Any) -> jax.Array:
     return x.astype(storage)
 
 
-def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-    """Causal GQA attention of one sequence: q [T,Hq,hd], k/v [T,Hk,hd] -> [T,Hq,hd]."""
+def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int = 0) -> jax.Array:
+    """Causal GQA attention of one sequence: q [T,Hq,hd], k/v [T,Hk,hd] -> [T,Hq,hd]; window > 0:
+    each query sees its last `window` positions only (itself included)."""
     T, Hq, hd = q.shape
     G = Hq // k.shape[1]
     qg = q.reshape(T, k.shape[1], G, hd).astype(jnp.float32)
     s = jnp.einsum("tkgd,skd->kgts", qg, k.astype(jnp.float32)) / np.sqrt(hd)
     causal = jnp.tril(jnp.ones((T, T), dtype=bool))
+    if window:
+        causal = causal & ~jnp.tril(jnp.ones((T, T), dtype=bool), -window)
     p = jax.nn.softmax(jnp.where(causal, s, -jnp.inf), axis=-1)
     o = jnp.einsum("kgts,skd->tkgd", p, v.astype(jnp.float32))
     return o.reshape(T, Hq, hd).astype(q.dtype)
@@ -420,11 +526,11 @@ def forward_dense(
 ) -> tuple[jax.Array, jax.Array]:
     """One sequence at positions 0..T-1, no cache: (final-normed hidden [T,D], logits [T,V]);
     `matmul` as in `linear` (a runner's, to compare its matmuls on one path)."""
-    positions = jnp.arange(token_ids.shape[0], dtype=jnp.int32)
-    rope = rope_tables(positions, cfg.head_dim, cfg.rope_theta)
-    x = params.embed.rows(token_ids).astype(params.act_dtype)
-    for lp in params.layers:
-        x = _layer(x, lp, cfg, rope, dense_attention, matmul)
+    ropes = layer_ropes(jnp.arange(token_ids.shape[0], dtype=jnp.int32), cfg)
+    x = embed(params, cfg, token_ids)
+    for i, lp in enumerate(params.layers):
+        attend = functools.partial(dense_attention, window=cfg.window(i))
+        x = _layer(x, lp, cfg, ropes[i], attend, matmul)
     return rms_norm(x, params.final_norm.value, cfg.rms_norm_eps), lm_logits(params, cfg, x, matmul)
 
 

@@ -1,0 +1,86 @@
+"""The model families (Llama 3, Mistral, Qwen3, Qwen3-MoE, Gemma 3) against transformers.
+
+tests/golden/families/<family>.npz holds transformers' float32 logits (torch, eager attention)
+for the tiny random-weight model of each family that tests/models.py builds, over 72 fixed
+tokens: bench/families_reference.py wrote them, and shares no code with tl. Here tl loads the
+same directory and must give the same logits within float32's rounding; each family-specific
+feature is shown to matter (turned off, the logits move far past the bound); and the paged,
+chunked, batched runner equals the dense forward on the families whose attention or MLP
+differ in kind (sliding windows, experts).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from models import FAMILIES, FAMILY_SEQ_LEN, family_config, family_tensors, family_token_ids, make_family
+
+from tl.model import llama
+from tl.model.config import ModelConfig, load_model_config
+
+GOLDEN = Path(__file__).parent / "golden" / "families"
+# float32 rounds each operation to 2^-24 relative; a logit here comes out of ~3 layers of dots
+# over D + F <= 256 terms (plus norms, softmax, RoPE tables), so the two implementations'
+# orders of summation can differ by ~2^8 roundings of values no larger than the largest
+# logit: 2^-16 of it (measured: 5e-6 to 7e-6 at logits up to 17, i.e. ~2^-21).
+REL_BOUND = 2.0**-16
+
+_dense = jax.jit(llama.forward_dense, static_argnums=1)
+
+
+def golden(name: str) -> np.ndarray:
+    with np.load(GOLDEN / f"{name}.npz") as z:
+        meta = json.loads(str(z["meta"]))
+        assert meta["token_ids"] == family_token_ids().tolist(), "the golden data's tokens are not family_token_ids()"
+        return z["logits"]
+
+
+def tl_logits(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> np.ndarray:
+    weights = llama.load_weights(tensors, cfg)
+    return np.asarray(_dense(weights, cfg, jnp.asarray(family_token_ids()))[1])
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_hf_directory_matches_transformers(name: str, tmp_path: Path) -> None:
+    cfg = load_model_config(make_family(tmp_path, name))
+    assert cfg == family_config(name)  # config.json round-trips through transformers' keys
+    params, cfg = llama.load_params(str(tmp_path))
+    got = np.asarray(_dense(params, cfg, jnp.asarray(family_token_ids()))[1])
+    want = golden(name)
+    assert got.shape == want.shape == (FAMILY_SEQ_LEN, cfg.vocab_size)
+    assert np.abs(got - want).max() <= REL_BOUND * np.abs(want).max()
+    assert (got.argmax(-1) == want.argmax(-1)).mean() > 0.95
+
+
+# Each family's difference from Llama 2, turned off: the logits must move far past the bound.
+ABLATIONS = {
+    "llama3": {"rope_scaling": None},
+    "mistral": {"sliding_window": 0, "layer_types": ()},
+    "qwen3": {"qk_norm": False},
+    "gemma3:window": {"sliding_window": 0, "layer_types": ()},
+    "gemma3:local_rope": {"rope_local_theta": 0.0},
+    "gemma3:scale": {"query_scale": 0.0},
+    "gemma3:embed_scale": {"embed_scale": False},
+    "gemma3:act": {"hidden_act": "silu"},
+    "qwen3_moe:renorm": {"norm_topk_prob": False},
+}
+
+
+@pytest.mark.parametrize("case", ABLATIONS)
+def test_each_family_feature_matters(case: str) -> None:
+    name = case.split(":")[0]
+    cfg = family_config(name)
+    tensors = family_tensors(cfg)
+    if case == "qwen3:qk_norm":
+        pass
+    off = dataclasses.replace(cfg, **ABLATIONS[case])
+    if not off.qk_norm and cfg.qk_norm:
+        tensors = {k: v for k, v in tensors.items() if "q_norm" not in k and "k_norm" not in k}
+    want = golden(name)
+    assert np.abs(tl_logits(off, tensors) - want).max() > 100 * REL_BOUND * np.abs(want).max()
