@@ -22,6 +22,11 @@ returned wrong numbers, not an error (head_dim 8 with 4-key blocks: every output
 H200 with jax 0.11.2), so such shapes are refused at trace time and selection falls back to the
 reference; interpret mode, which computes in jnp, takes any shape.
 
+Sliding windows. The kernel reads keys [0, length) of an entry: it has no first key, so a window
+(`AttnMetadata.window` > 0) cannot be expressed (shifting the entry's table by whole pages would
+still read up to a page before the window). Such calls are refused at trace time, and a model
+whose layers have windows falls back to the reference (kernels/select.py traces each window).
+
 jax 0.11 deprecates the module (a DeprecationWarning at import; it still ran there, on jax 0.11.2
 on an H200 with bench/gpu_check.sh): the import silences that one warning, so that a process
 turning warnings into errors (pytest here) does not take it for a refusal. When jax drops the
@@ -55,6 +60,10 @@ def paged_attention(a: AttnArgs, *, interpret: bool = False) -> jax.Array:
         from jax.experimental.pallas.ops.gpu import paged_attention as gpu
 
     q, meta = a.q, a.meta
+    if meta.window:
+        raise ValueError(
+            f"pallas_gpu has no sliding window (jax's kernel reads keys from position 0); got window {meta.window}"
+        )
     hd = q.shape[-1]
     dtype = jnp.bfloat16 if q.dtype == jnp.bfloat16 else jnp.float32
     real = meta.seq_idx >= 0

@@ -14,6 +14,8 @@ sequence's tokens contiguously in sequence order with padding at the end, so
 q_len = tokens of the sequence, kv_len = start_pos + q_len, page_indices = our block tables,
 num_seqs = sequences with tokens. Our cache keeps K and V apart (kernels/paged_attention.py's stored
 layout), so each call interleaves one layer (a copy of that layer). Padding tokens come back as zeros.
+A sliding window (`AttnMetadata.window` > 0) is the kernel's own `sliding_window` (it masks keys at
+positions <= the query's - window, as our reference does); window 0 passes None, the full causal kernel.
 """
 
 from __future__ import annotations
@@ -60,13 +62,14 @@ def paged_attention(a: AttnArgs, *, interpret: bool = False, impl: Callable[...,
     kv_lens, cu_q_lens, num_seqs = ragged_inputs(meta)
     pages = combined_pages(a.k_cache, a.v_cache, a.layer, dtype)
     args = (q.astype(dtype), pages, kv_lens, meta.block_tables.astype(jnp.int32), cu_q_lens, num_seqs)
+    scale, window = hd**-0.5, meta.window or None
     if impl is not None:
-        out = impl(*args, sm_scale=hd**-0.5)
+        out = impl(*args, sm_scale=scale, sliding_window=window)
     elif interpret:
         with pltpu.force_tpu_interpret_mode():
-            out = kernel.ragged_paged_attention(*args, sm_scale=hd**-0.5)
+            out = kernel.ragged_paged_attention(*args, sm_scale=scale, sliding_window=window)
     else:
-        out = kernel.ragged_paged_attention(*args, sm_scale=hd**-0.5)
+        out = kernel.ragged_paged_attention(*args, sm_scale=scale, sliding_window=window)
     out = out[:T]
     n_real = jnp.sum(meta.seq_idx >= 0)
     out = jnp.pad(out, ((0, T - out.shape[0]), (0, 0), (0, 0)))

@@ -6,9 +6,10 @@ the Pallas kernels (kernels/pallas_tpu.py, kernels/pallas_gpu.py) and the native
 from `[engine].attention_kernel` and the platform, the shard_map that runs a kernel per device
 under tensor parallelism (a Pallas or FFI call is opaque to XLA's partitioner), a trial trace at
 the real shapes so that a kernel that refuses them falls back to the reference with the
-kernel's own message as the reason; the layers' matmul from `[engine].matmul_kernel`; and the
-per-shape dispatch (`per_shape`) that runs, at each step shape, the implementation tl/runtime/verdicts.py
-measured faster there.
+kernel's own message as the reason (traced with every sliding window the model's layers use:
+a kernel without windows, pallas_gpu, falls back for such a model); the layers' matmul from
+`[engine].matmul_kernel`; and the per-shape dispatch (`per_shape`) that runs, at each step
+shape, the implementation tl/runtime/verdicts.py measured faster there.
 Must not: write the cache, measure anything. Tested by tests/test_pallas_attention.py,
 tests/test_cpu_native.py and tests/test_verdicts.py.
 
@@ -20,8 +21,9 @@ only, and naming it forces it at every shape.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -120,11 +122,14 @@ def select(
     probe: AttnArgs,
     native: NativeLib | None = None,
     why_not: str = "",
+    windows: Sequence[int] = (),
 ) -> Choice:
     """The implementation for `requested` ("auto", "reference", "cpu_native", "pallas_tpu", "pallas_gpu").
 
     probe: one call's arguments as ShapeDtypeStructs, for the trial trace. native / why_not:
-    `native_library`'s answer (cpu_native only).
+    `native_library`'s answer (cpu_native only). windows: the sliding windows of the model's
+    layers (`AttnMetadata.window`); the trial traces the probe with its own window and each of
+    them, so that one implementation serves every layer.
     """
     name = NATIVE.get(platform, "reference") if requested == "auto" else requested
     if name == "reference":
@@ -144,7 +149,8 @@ def select(
     if tp > 1:
         fn = _per_device(fn, mesh)
     try:
-        jax.eval_shape(fn, probe)
+        for window in sorted({probe.meta.window, *windows}):
+            jax.eval_shape(fn, probe._replace(meta=dataclasses.replace(probe.meta, window=window)))
     except Exception as e:  # noqa: BLE001 -- any refusal by the kernel falls back; its message is the reason
         return Choice(paged_attention, "reference", f"{name} refused the model's shapes: {type(e).__name__}: {e}")
     label = name + (" (interpret)" if interpret else "")

@@ -2,12 +2,14 @@
 
 On CPU in Pallas interpret mode (natively on a GPU), small shapes: non-contiguous block tables, a batch mixing a
 fresh prefill chunk, decodes, chunks over cached prefixes, mixed lengths, padding tokens and an
-empty padding sequence; float32 and uint16-stored bf16 caches. Also the selection rules of
-kernels/select.py and one runner step with the GPU kernel inside the compiled program.
+empty padding sequence; float32 and uint16-stored bf16 caches; sliding windows (the TPU kernel's
+own; the GPU kernel refuses them). Also the selection rules of kernels/select.py (a model's
+windows in the trial trace) and one runner step with the GPU kernel inside the compiled program.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import jax
@@ -32,16 +34,19 @@ def _real(c: dict, x: np.ndarray) -> np.ndarray:
     return x[c["seq_idx"] >= 0]
 
 
-def _assert_matches_reference(case: str, bf16: bool, kernel: Callable[..., jax.Array], **shape: int) -> np.ndarray:
-    """Run `kernel` on one of CASES (`shape`: build_case's bs/hd); its real rows must match the
-    reference's. Returns its output's padding rows."""
+def _assert_matches_reference(
+    case: str, bf16: bool, kernel: Callable[..., jax.Array], window: int = 0, **shape: int
+) -> np.ndarray:
+    """Run `kernel` on one of CASES (`shape`: build_case's bs/hd) with a sliding `window` (0: none);
+    its real rows must match the reference's. Returns its output's padding rows."""
     seqs, pad = CASES[case]
     c = build_case(np.random.default_rng(len(case)), seqs, pad, **shape)
-    out = np.asarray(kernel(inputs(c, bf16=bf16)))
+    out = np.asarray(kernel(inputs(c, bf16=bf16, window=window)))
     # On an NVIDIA GPU float32 dots run as TF32 by default, in the Triton kernel and in the XLA
     # reference alike (bench/gpu_check.sh saw differences up to 9e-4): a TF32 tolerance there.
     tol = 2e-2 if bf16 else 2e-5 if NOT_GPU else 3e-3
-    np.testing.assert_allclose(_real(c, out), _real(c, run(c, chunk_blocks=2, bf16=bf16)), atol=tol, rtol=tol)
+    want = run(c, chunk_blocks=2, bf16=bf16, window=window)
+    np.testing.assert_allclose(_real(c, out), _real(c, want), atol=tol, rtol=tol)
     return out[c["seq_idx"] < 0]
 
 
@@ -76,6 +81,31 @@ def test_tpu_adaptation_matches_reference(case: str, bf16: bool) -> None:
         case, bf16, lambda a: pallas_tpu.paged_attention(a, impl=kernel.ref_ragged_paged_attention)
     )
     assert not padding_rows.any()
+
+
+@pytest.mark.parametrize("case,window", [("mixed", 3), ("mixed", 6)])
+def test_tpu_adaptation_with_a_sliding_window_matches_reference(case: str, window: int) -> None:
+    """Our window is the kernel's sliding_window (checked with jax's reference in its place)."""
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel
+
+    impl = kernel.ref_ragged_paged_attention
+    _assert_matches_reference(case, False, lambda a: pallas_tpu.paged_attention(a, impl=impl), window=window)
+
+
+def test_gpu_kernel_refuses_a_sliding_window_and_selection_falls_back() -> None:
+    """jax's GPU kernel reads keys from position 0: window > 0 is refused at trace time, in
+    interpret mode too, and a model with windows gets the reference from the trial trace."""
+    from tl.runtime.backend import make_mesh
+
+    probe = _probe(build_case(np.random.default_rng(0), MIXED, 3, bs=8, hd=16))
+    windowed = probe._replace(meta=dataclasses.replace(probe.meta, window=4))
+    for interpret in (False, True):
+        with pytest.raises(ValueError, match="no sliding window"):
+            jax.eval_shape(lambda a, i=interpret: pallas_gpu.paged_attention(a, interpret=i), windowed)
+    mesh = make_mesh("cpu", 1)
+    assert select.select("auto", "gpu", mesh, True, probe).name == "pallas_gpu"
+    fell = select.select("auto", "gpu", mesh, True, probe, windows=(4,))
+    assert fell.name == "reference" and "window 4" in fell.reason
 
 
 @pytest.mark.xfail(
