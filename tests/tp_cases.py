@@ -176,6 +176,26 @@ def test_tiny_blocks_identical_for_tp_1_2_4() -> None:
     assert all(len(t) > 0 for t in results[1])
 
 
+@pytest.mark.parametrize("family", ["gemma3", "qwen3_moe"])
+def test_tiny_family_identical_for_tp_1_2(family: str) -> None:
+    """Gemma 3 (one KV head: replicated at N = 2; q/k norms; sliding layers) and Qwen3-MoE
+    (every expert's FFN rows split over the devices, the router whole): greedy output matches N = 1."""
+
+    from tests.models import family_config, family_tensors
+    from tl.runtime.runner import ModelRunner
+    from tl.runtime.startup import start
+
+    cfg = dataclasses.replace(family_config(family), vocab_size=264)
+    params = family_tensors(cfg)
+    engine_cfg = CFG.replace(speculative="none")
+    results = {}
+    for n in (1, 2):
+        runner = ModelRunner(start(cfg, params, engine_cfg.replace(tensor_parallel=n)))
+        results[n] = [token_ids(o) for o in drive(Engine(runner, engine_cfg), greedy_workload(), check=check_engine)]
+    assert results[1] == results[2]
+    assert all(len(t) > 0 for t in results[1])
+
+
 SMOL = EngineConfig(  # one step variant (64 tokens x 4 sequences): one compile per degree
     block_size=16,
     num_kv_blocks=48,
