@@ -1,11 +1,18 @@
-"""The Llama-family transformer (Llama, SmolLM2, Mistral, Qwen2) as pure functions over typed weights.
+"""The decoder-only transformer of every family tl serves, as pure functions over typed weights.
 
+Families (tl/model/config.py turns each config.json into flags of one ModelConfig): Llama 1-3
+and SmolLM2 (Llama 3's "llama3" RoPE scaling), Mistral (sliding window), Qwen2 (q/k/v biases),
+Qwen3 (per-head q/k RMSNorm), Qwen3-MoE (tl/model/moe.py's experts in place of the MLP) and
+Gemma 3 ((1 + w) norms, four per layer, embeddings scaled by sqrt(D), tanh-GELU GeGLU,
+query_pre_attn_scalar, sliding layers with their own RoPE base). Checked against transformers'
+logits for a tiny model of each (tests/test_families.py).
 Owns: the model's parameters, described once (`Weights`, `Layer`: flax.struct dataclasses of the
 tl/model/weights.py types, each parameter built in `load_weights` with its encoding and its
 tensor-parallel axes), loading Hugging Face tensors straight into that layout, random weights
-for tests (`init_params`: Hugging Face tensors), RMSNorm, rotate-half RoPE, GQA projections,
-the SwiGLU MLP, the paged forward the runner compiles (layers unrolled, KV cache written in
-place) and a dense no-cache forward for embeddings and tests.
+for tests (`init_params`: Hugging Face tensors), RMSNorm, rotate-half RoPE (scaled, per layer),
+GQA projections, the gated MLP, the paged forward the runner compiles (layers unrolled, KV cache
+written in place, each layer's attention window in its metadata) and a dense no-cache forward
+for embeddings and tests.
 Must not: create device arrays outside a traced function (tl/runtime/placement.py places data), know
 about buckets, requests or sampling. Attention over the paged cache lives in
 kernels/paged_attention.py behind one interface.
