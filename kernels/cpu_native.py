@@ -39,6 +39,9 @@ blocked for each target's registers. After a one-row matmul its helper thread li
 spinning up to 50 us for the next one (kernels/cpu/threads.h says why): a one-row decode step
 1.01-1.03x in the runner, 1.045x over HTTP (AVX-512).
 
+Sliding windows (`AttnMetadata.window` > 0): every call takes the window as an FFI attribute;
+the kernels skip the blocks and key chunks before a token's window and mask the rest.
+
 float32 caches, and bf16 ones (uint16 bits: a bf16 model, or kv_cache_dtype "bfloat16") for the
 shapes of the vector fold (`bf16_supported`); other bf16 shapes raise NativeUnavailable, and
 kernels/select.py falls back to the reference with that reason.
@@ -210,7 +213,8 @@ class NativeLib:
     def cached_state(
         self, qg: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array, meta: AttnMetadata
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """(m, l [T,Hk,G], acc [T,Hk,G,hd]) of each token over its cached keys (m = -inf, l = 0 if none)."""
+        """(m, l [T,Hk,G], acc [T,Hk,G,hd]) of each token over its cached keys, inside meta.window if
+        any (m = -inf, l = 0 if none)."""
         base = self._cache_target("tl_paged_attention_cached", qg, k_cache, v_cache)
         f32, i32 = jnp.float32, jnp.int32
         call = self._call(base, _state_out(qg.shape))
@@ -220,8 +224,10 @@ class NativeLib:
             v_cache,
             jnp.asarray(layer, i32).reshape(1),
             meta.seq_idx.astype(i32),
+            meta.positions.astype(i32),
             meta.start_pos.astype(i32),
             meta.block_tables.astype(i32),
+            window=np.int32(meta.window),
         )
 
     def local_state(self, qg: jax.Array, k: jax.Array, v: jax.Array, meta: AttnMetadata) -> tuple[jax.Array, ...]:
@@ -231,7 +237,8 @@ class NativeLib:
             return local_state(qg, k, v, meta)
         f32, i32 = jnp.float32, jnp.int32
         call = self._call("tl_local_attention", _state_out(qg.shape))
-        return call(qg.astype(f32), k.astype(f32), v.astype(f32), meta.seq_idx.astype(i32), meta.positions.astype(i32))
+        seq_idx, positions = meta.seq_idx.astype(i32), meta.positions.astype(i32)
+        return call(qg.astype(f32), k.astype(f32), v.astype(f32), seq_idx, positions, window=np.int32(meta.window))
 
     def small_attention(
         self,
@@ -259,6 +266,7 @@ class NativeLib:
             meta.positions.astype(i32),
             meta.start_pos.astype(i32),
             meta.block_tables.astype(i32),
+            window=np.int32(meta.window),
         )
 
     def paged_attention(self, a: AttnArgs) -> jax.Array:

@@ -9,11 +9,14 @@ host's rounding: a matmul within gamma_K of the exact product, attention within 
 bound of a float64 reference, int8 bit for bit XLA's. The small cases of
 tests/test_paged_attention.py (block size 4, head dim 8: the kernel's generic path), SmolLM2's
 shapes (block size 16, head dim 64, 3 query heads per KV head: the vector fold) over long
-contexts, bf16 caches, bad block tables refused with an error.
+contexts, bf16 caches, sliding windows (both folds and the local part), bad block tables
+refused with an error.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import threading
 
 import jax
@@ -22,7 +25,7 @@ import numpy as np
 import pytest
 from bounds import U, attention64, gamma, local64, matmul_bound
 from jax.sharding import Mesh
-from test_paged_attention import MIXED, build_case, inputs
+from test_paged_attention import MIXED, WINDOW_MANY, build_case, inputs, naive
 
 from kernels import cpu_build, cpu_native, select
 from kernels.paged_attention import AttnArgs, AttnMetadata, local_state, paged_attention, to_stored
@@ -146,6 +149,37 @@ def test_smollm2_shapes_match_float64_and_reference(
     want, bound = _case_bound(case)
     _within(got, want, bound)
     _within(ref, want, bound)
+
+
+@BOTH_PATHS
+def test_sliding_window_matches_naive_and_reference(lib: cpu_native.NativeLib, path: str) -> None:
+    """Windows in the generic fold (block 4, head dim 8: window 1, where no cached key is seen,
+    and 6, not a multiple of a block; the jnp local part) against the naive reference; and
+    in the vector fold with the native local part (block 16, head dim 64: decodes whose window
+    starts inside a block, 20-token chunks with windows of a block and of 37) against the jnp
+    reference. A window changes every answer here (tests/test_paged_attention.py checks that)."""
+    for window in (1, 6):
+        c = build_case(np.random.default_rng(window), WINDOW_MANY, pad=3)
+        got = np.asarray(jax.jit(getattr(lib, path))(inputs(c, window=window)))
+        real = c["seq_idx"] >= 0
+        np.testing.assert_allclose(got[real], naive(c, window)[real], atol=2e-5, rtol=2e-5, err_msg=f"window {window}")
+        assert np.isfinite(got).all()
+    for case in range(len(WINDOWED_SMOL)):
+        args, want = _windowed_smol(case)
+        got = np.asarray(jax.jit(getattr(lib, path))(args))
+        np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5, err_msg=f"window {args.meta.window}")
+
+
+WINDOWED_SMOL = [([300, 5, 16, 0, 129], 1, 20), ([47, 0, 100], 20, 16), ([47, 0, 100], 20, 37)]  # contexts, new, window
+
+
+@functools.cache
+def _windowed_smol(case: int) -> tuple[AttnArgs, np.ndarray]:
+    """WINDOWED_SMOL[case]'s arguments and the jnp reference's answer (computed once for every build)."""
+    contexts, new, window = WINDOWED_SMOL[case]
+    args, _ = _smol_case(np.random.default_rng(window), contexts, new)
+    args = args._replace(meta=dataclasses.replace(args.meta, window=window))
+    return args, np.asarray(jax.jit(paged_attention)(args))
 
 
 def _bf16_bits(x: jax.Array) -> jax.Array:

@@ -2,13 +2,16 @@
 // steps of a few tokens, both in one call.
 //
 // Owns: (1) TlPagedAttentionCached: folding each token's keys at positions [0, start_pos of its
-// sequence) into a softmax state (m, l, acc), reading the blocks of the stored cache layout
-// (kernels/paged_attention.py: K [L, NB, Hk, hd, bs], V [L, NB, Hk, bs, hd]) in place, token
-// ranges on the threads of XLA's intra-op pool; float32 caches, or bf16 bits (the ...Bf16
-// targets, vector-fold shapes only). (2) TlLocalAttention: the softmax state of each token over
-// this step's own keys (same sequence, causal), tiles of query tokens x KV head on the pool's
-// threads. (3) TlSmallAttention(Bf16): both parts, merged and normalised, in one call for steps
-// of a few tokens, (token, KV head) items on the threads.
+// sequence) (with a sliding window w > 0: only those > its position - w) into a softmax state
+// (m, l, acc), reading the blocks of the stored cache layout (kernels/paged_attention.py:
+// K [L, NB, Hk, hd, bs], V [L, NB, Hk, bs, hd]) in place, token ranges on the threads of XLA's
+// intra-op pool; float32 caches, or bf16 bits (the ...Bf16 targets, vector-fold shapes only).
+// (2) TlLocalAttention: the softmax state of each token over this step's own keys (same
+// sequence, causal, inside the window), tiles of query tokens x KV head on the pool's threads.
+// (3) TlSmallAttention(Bf16): both parts, merged and normalised, in one call for steps of a few
+// tokens, (token, KV head) items on the threads. Each takes the layer's sliding window as the
+// attribute `window` (0: none; kernels/paged_attention.py AttnMetadata.window) and skips the
+// blocks and key chunks before a token's window.
 // Must not: write anything but its outputs. Built by kernels/cpu_build.py, called by
 // kernels/cpu_native.py, tested by tests/test_cpu_native.py against the jnp reference and a
 // float64 one; whether a step shape runs here or on the reference is measured at start-up
@@ -56,18 +59,27 @@ struct ProblemT {
   float* l;                 // [T, Hk, G]
   float* acc;               // [T, Hk, G, hd]
   int64_t T, Hk, G, hd, NB, bs, S, MB, layer;
+  const int32_t* positions = nullptr;  // [T]; read only with a window
+  int64_t window = 0;                  // sliding window (0: none): keys at positions > the token's - window
 };
 using Problem = ProblemT<float>;
 
 constexpr int64_t kMaxBlock = 64;   // block_size limit of the score buffer
 constexpr int64_t kMaxHeadDim = 256;
 
-// One block of one KV head folded into the softmax state of its G query heads. BS and HD are
-// compile-time block size and head dim for the common shapes (0: runtime bs, hd), so that a
-// block's scores of one query head and its output row stay in registers.
+// The first cached key token t sees: 0, or with a sliding window the first inside it (the
+// folds start at its block; a token whose window starts at or past its context sees none).
+template <typename KV>
+inline int64_t first_key(const ProblemT<KV>& p, int64_t t) {
+  return p.window > 0 ? std::max<int64_t>(0, p.positions[t] - p.window + 1) : 0;
+}
+
+// One block of one KV head (its keys [j0, n)) folded into the softmax state of its G query
+// heads. BS and HD are compile-time block size and head dim for the common shapes (0: runtime
+// bs, hd), so that a block's scores of one query head and its output row stay in registers.
 template <int64_t BS, int64_t HD>
-inline void fold_block(const float* q, const float* K, const float* V, int64_t n, int64_t G, int64_t bs_rt,
-                       int64_t hd_rt, float* m, float* l, float* acc) {
+inline void fold_block(const float* q, const float* K, const float* V, int64_t j0, int64_t n, int64_t G,
+                       int64_t bs_rt, int64_t hd_rt, float* m, float* l, float* acc) {
   const int64_t bs = BS ? BS : bs_rt;
   const int64_t hd = HD ? HD : hd_rt;
   float s[kMaxBlock];
@@ -91,12 +103,12 @@ inline void fold_block(const float* q, const float* K, const float* V, int64_t n
     for (; d < hd; ++d)
       for (int64_t j = 0; j < bs; ++j) s[j] += qg[d] * K[d * bs + j];
     for (int64_t j = 0; j < bs; ++j) s[j] += (s1[j] + s2[j]) + s3[j];
-    float bm = s[0];
-    for (int64_t j = 1; j < n; ++j) bm = std::max(bm, s[j]);
+    float bm = s[j0];
+    for (int64_t j = j0 + 1; j < n; ++j) bm = std::max(bm, s[j]);
     const float mn = std::max(m[g], bm);
     const float corr = std::exp(m[g] - mn);  // 0 on the first block (m = -inf)
     float sum = 0.0f;
-    for (int64_t j = 0; j < n; ++j) {
+    for (int64_t j = j0; j < n; ++j) {
       s[j] = std::exp(s[j] - mn);
       sum += s[j];
     }
@@ -104,7 +116,7 @@ inline void fold_block(const float* q, const float* K, const float* V, int64_t n
     m[g] = mn;
     float* ag = acc + g * hd;
     for (int64_t x = 0; x < hd; ++x) a[x] = ag[x] * corr;
-    for (int64_t j = 0; j < n; ++j) {  // V is [bs, hd]
+    for (int64_t j = j0; j < n; ++j) {  // V is [bs, hd]
       const float w = s[j];
       const float* vj = V + j * hd;
       for (int64_t x = 0; x < hd; ++x) a[x] += w * vj[x];
@@ -133,15 +145,17 @@ void fold_token(const Problem& p, int64_t t, int64_t h0, int64_t h1) {
   const float* q = p.q + t * Hk * G * hd;
   const int32_t* table = p.tables + seq * p.MB;
   const int64_t nblocks = (ctx + bs - 1) / bs;
-  for (int64_t b = 0; b < nblocks; ++b) {
+  const int64_t k0 = first_key(p, t);
+  for (int64_t b = k0 < ctx ? k0 / bs : nblocks; b < nblocks; ++b) {
     const int64_t base = (p.layer * p.NB + table[b]) * block_floats;
     if (b + 1 < nblocks) {
       const int64_t next = (p.layer * p.NB + table[b + 1]) * block_floats;
       prefetch_pair(p.k + next, p.v + next, block_floats);
     }
     const int64_t n = std::min(bs, ctx - b * bs);
+    const int64_t j0 = std::max<int64_t>(0, k0 - b * bs);
     for (int64_t h = h0; h < h1; ++h) {
-      fold_block<BS, HD>(q + h * G * hd, p.k + base + h * hd * bs, p.v + base + h * bs * hd, n, G, bs, hd,
+      fold_block<BS, HD>(q + h * G * hd, p.k + base + h * hd * bs, p.v + base + h * bs * hd, j0, n, G, bs, hd,
                          m + h * G, l + h * G, acc + h * G * hd);
     }
   }
@@ -191,6 +205,8 @@ void fold_token_vec(const ProblemT<KV>& p, int64_t t, int64_t h0, int64_t h1) {
   const int32_t seq = p.seq_idx[t];
   const int64_t ctx = seq < 0 ? 0 : p.start_pos[seq];
   const int64_t nblocks = (ctx + bs - 1) / bs;
+  const int64_t k0 = seq < 0 ? 0 : first_key(p, t);
+  const int64_t b0 = k0 < ctx ? k0 / bs : nblocks;  // the first block of the window
   const int32_t* table = seq < 0 ? nullptr : p.tables + seq * p.MB;
   const int64_t block_floats = Hk * hd * bs;
   const i16 iota = iota16();
@@ -203,7 +219,7 @@ void fold_token_vec(const ProblemT<KV>& p, int64_t t, int64_t h0, int64_t h1) {
       l[g] = 0.0f;
       for (int x = 0; x < HV; ++x) acc[g][x] = v16{};
     }
-    for (int64_t b = 0; b < nblocks; ++b) {
+    for (int64_t b = b0; b < nblocks; ++b) {
       const int64_t base = (p.layer * p.NB + table[b]) * block_floats + h * hd * bs;
       const KV* K = p.k + base;  // [hd, bs]
       const KV* V = p.v + base;  // [bs, hd]
@@ -215,8 +231,8 @@ void fold_token_vec(const ProblemT<KV>& p, int64_t t, int64_t h0, int64_t h1) {
       // block is half the lines: one per two dimensions.
       const KV* Kn = nullptr;
       const KV* Vn = nullptr;
-      if (b + 1 < nblocks || (h + 1 < h1 && nblocks > 0)) {
-        const int64_t nb = b + 1 < nblocks ? table[b + 1] : table[0];
+      if (b + 1 < nblocks || h + 1 < h1) {
+        const int64_t nb = b + 1 < nblocks ? table[b + 1] : table[b0];
         const int64_t nh = b + 1 < nblocks ? h : h + 1;
         const int64_t next = (p.layer * p.NB + nb) * block_floats + nh * hd * bs;
         Kn = p.k + next;
@@ -233,12 +249,13 @@ void fold_token_vec(const ProblemT<KV>& p, int64_t t, int64_t h0, int64_t h1) {
         for (int g = 0; g < G; ++g) s[g] += q[g * hd + d] * kd;
       }
       const int32_t n = static_cast<int32_t>(std::min(bs, ctx - b * bs));
+      const int32_t j0 = static_cast<int32_t>(std::max<int64_t>(0, k0 - b * bs));  // > 0: the window's first block
       alignas(64) float pr[G][16];
       float corr[G];
-      block_softmax<G>(s, iota < n, m, l, corr, pr);
+      block_softmax<G>(s, j0 > 0 ? (iota < n) & (iota >= j0) : iota < n, m, l, corr, pr);
       for (int g = 0; g < G; ++g)
         for (int x = 0; x < HV; ++x) acc[g][x] *= corr[g];
-      for (int32_t j = 0; j < n; ++j) {
+      for (int32_t j = j0; j < n; ++j) {
         v16 vv[HV];
         for (int x = 0; x < HV; ++x) vv[x] = load16(V + j * hd + 16 * x);
         for (int g = 0; g < G; ++g)
@@ -247,7 +264,7 @@ void fold_token_vec(const ProblemT<KV>& p, int64_t t, int64_t h0, int64_t h1) {
     }
     for (int g = 0; g < G; ++g) {
       // No cached key: m = -inf, l = 0 (the merge with the local part then ignores this part).
-      m_out[h * G + g] = nblocks ? m[g] : -std::numeric_limits<float>::infinity();
+      m_out[h * G + g] = b0 < nblocks ? m[g] : -std::numeric_limits<float>::infinity();
       l_out[h * G + g] = l[g];
       for (int x = 0; x < HV; ++x) store16(acc_out + (h * G + g) * hd + 16 * x, acc[g][x]);
     }
@@ -269,6 +286,8 @@ void fold_token_blocks(const ProblemT<KV>& p, int64_t t, int64_t h0, int64_t h1)
   const int32_t seq = p.seq_idx[t];
   const int64_t ctx = seq < 0 ? 0 : p.start_pos[seq];
   const int64_t nblocks = (ctx + bs - 1) / bs;
+  const int64_t k0 = seq < 0 ? 0 : first_key(p, t);
+  const int64_t b0 = k0 < ctx ? k0 / bs : nblocks;  // the first block of the window
   const int32_t* table = seq < 0 ? nullptr : p.tables + seq * p.MB;
   const int64_t block_floats = Hk * hd * bs;
   const i16 iota = iota16();
@@ -279,12 +298,13 @@ void fold_token_blocks(const ProblemT<KV>& p, int64_t t, int64_t h0, int64_t h1)
     std::fill(accm, accm + nh * G * hd, 0.0f);
     std::fill(m, m + nh * G, kNoScore);
     std::fill(l, l + nh * G, 0.0f);
-    for (int64_t b = 0; b < nblocks; ++b) {
+    for (int64_t b = b0; b < nblocks; ++b) {
       const int64_t base = (p.layer * p.NB + table[b]) * block_floats;
       const KV* Kn = b + 1 < nblocks ? p.k + (p.layer * p.NB + table[b + 1]) * block_floats : nullptr;
       const KV* Vn = b + 1 < nblocks ? p.v + (p.layer * p.NB + table[b + 1]) * block_floats : nullptr;
       const int32_t n = static_cast<int32_t>(std::min(bs, ctx - b * bs));
-      const auto valid = iota < n;
+      const int32_t j0 = static_cast<int32_t>(std::max<int64_t>(0, k0 - b * bs));  // > 0: the window's first block
+      const auto valid = j0 > 0 ? (iota < n) & (iota >= j0) : iota < n;
       for (int64_t h = c0; h < c1; ++h) {
         const float* q = p.q + (t * Hk + h) * G * hd;
         const KV* K = p.k + base + h * hd * bs;  // [hd, bs]
@@ -307,7 +327,7 @@ void fold_token_blocks(const ProblemT<KV>& p, int64_t t, int64_t h0, int64_t h1)
           v16 a[G][CH];
           for (int g = 0; g < G; ++g)
             for (int x = 0; x < CH; ++x) a[g][x] = load16(ah + g * hd + 16 * (x0 + x)) * corr[g];
-          for (int32_t j = 0; j < n; ++j) {
+          for (int32_t j = j0; j < n; ++j) {
             v16 vv[CH];
             for (int x = 0; x < CH; ++x) vv[x] = load16(V + j * hd + 16 * (x0 + x));
             for (int g = 0; g < G; ++g)
@@ -322,7 +342,7 @@ void fold_token_blocks(const ProblemT<KV>& p, int64_t t, int64_t h0, int64_t h1)
       for (int g = 0; g < G; ++g) {
         // No cached key: m = -inf, l = 0 (the merge with the local part then ignores this part).
         const int64_t o = (t * Hk + h) * G + g;
-        p.m[o] = nblocks ? m[(h - c0) * G + g] : -std::numeric_limits<float>::infinity();
+        p.m[o] = b0 < nblocks ? m[(h - c0) * G + g] : -std::numeric_limits<float>::infinity();
         p.l[o] = l[(h - c0) * G + g];
         std::copy(accm + ((h - c0) * G + g) * hd, accm + ((h - c0) * G + g + 1) * hd, p.acc + o * hd);
       }
@@ -413,15 +433,16 @@ ffi::Error check(const ProblemT<KV>& p) {
   return ffi::Error::Success();
 }
 
-// The cached part's Problem over these buffers (m, l, acc: where its state goes), every shape
-// and table entry checked: a mismatch is an error, never an out-of-bounds read.
+// The cached part's Problem over these buffers (m, l, acc: where its state goes; positions [T]
+// and the sliding window), every shape and table entry checked: a mismatch is an error, never
+// an out-of-bounds read.
 // A bf16 cache (KVT = U16) must have a vector fold for its shapes.
 template <ffi::DataType KVT>
 ffi::Error cached_problem(const ffi::Buffer<ffi::F32>& q, const ffi::Buffer<KVT>& k_cache,
                           const ffi::Buffer<KVT>& v_cache, const ffi::Buffer<ffi::S32>& layer,
-                          const ffi::Buffer<ffi::S32>& seq_idx, const ffi::Buffer<ffi::S32>& start_pos,
-                          const ffi::Buffer<ffi::S32>& tables, float* m, float* l, float* acc,
-                          ProblemT<ffi::NativeType<KVT>>& p) {
+                          const ffi::Buffer<ffi::S32>& seq_idx, const ffi::Buffer<ffi::S32>& positions,
+                          const ffi::Buffer<ffi::S32>& start_pos, const ffi::Buffer<ffi::S32>& tables,
+                          int32_t window, float* m, float* l, float* acc, ProblemT<ffi::NativeType<KVT>>& p) {
   const auto qd = q.dimensions();
   const auto kd = k_cache.dimensions();
   const auto td = tables.dimensions();
@@ -429,13 +450,15 @@ ffi::Error cached_problem(const ffi::Buffer<ffi::F32>& q, const ffi::Buffer<KVT>
     return ffi::Error::InvalidArgument("expected q [T,Hk,G,hd], k_cache [L,NB,Hk,hd,bs], tables [S,MB]");
   p = {q.typed_data(), k_cache.typed_data(), v_cache.typed_data(), seq_idx.typed_data(),
        start_pos.typed_data(), tables.typed_data(), m, l, acc, qd[0], qd[1], qd[2], qd[3], kd[1], kd[4],
-       td[0], td[1], static_cast<int64_t>(layer.typed_data()[0])};
+       td[0], td[1], static_cast<int64_t>(layer.typed_data()[0]), positions.typed_data(), window};
   if (kd[2] != p.Hk || kd[3] != p.hd) return ffi::Error::InvalidArgument("cache heads or head_dim differ from q");
   const auto vd = v_cache.dimensions();
   if (vd.size() != 5 || vd[0] != kd[0] || vd[1] != kd[1] || vd[2] != kd[2] || vd[3] != kd[4] || vd[4] != kd[3])
     return ffi::Error::InvalidArgument("v_cache is not [L,NB,Hk,bs,hd] of k_cache's sizes");
-  if (seq_idx.dimensions().size() != 1 || seq_idx.dimensions()[0] != p.T)
-    return ffi::Error::InvalidArgument("seq_idx is not [T]");
+  if (seq_idx.dimensions().size() != 1 || seq_idx.dimensions()[0] != p.T || positions.dimensions().size() != 1 ||
+      positions.dimensions()[0] != p.T)
+    return ffi::Error::InvalidArgument("seq_idx or positions is not [T]");
+  if (window < 0) return ffi::Error::InvalidArgument("negative window");
   if (start_pos.dimensions().size() != 1 || start_pos.dimensions()[0] != p.S)
     return ffi::Error::InvalidArgument("start_pos is not [S] of the block tables' S");
   if (p.layer >= kd[0]) return ffi::Error::InvalidArgument("layer out of range");
@@ -448,12 +471,12 @@ ffi::Error cached_problem(const ffi::Buffer<ffi::F32>& q, const ffi::Buffer<KVT>
 template <ffi::DataType KVT>
 ffi::Error Cached(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<KVT> k_cache,
                   ffi::Buffer<KVT> v_cache, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> seq_idx,
-                  ffi::Buffer<ffi::S32> start_pos, ffi::Buffer<ffi::S32> tables,
-                  ffi::ResultBuffer<ffi::F32> m, ffi::ResultBuffer<ffi::F32> l,
-                  ffi::ResultBuffer<ffi::F32> acc) {
+                  ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::S32> start_pos, ffi::Buffer<ffi::S32> tables,
+                  ffi::ResultBuffer<ffi::F32> m, ffi::ResultBuffer<ffi::F32> l, ffi::ResultBuffer<ffi::F32> acc,
+                  int32_t window) {
   ProblemT<ffi::NativeType<KVT>> p;
-  if (ffi::Error err = cached_problem(q, k_cache, v_cache, layer, seq_idx, start_pos, tables, m->typed_data(),
-                                      l->typed_data(), acc->typed_data(), p);
+  if (ffi::Error err = cached_problem(q, k_cache, v_cache, layer, seq_idx, positions, start_pos, tables, window,
+                                      m->typed_data(), l->typed_data(), acc->typed_data(), p);
       err.failure())
     return err;
 
@@ -679,10 +702,24 @@ ffi::Error token_runs(const int32_t* seq, const int32_t* pos, int64_t T, std::ve
   return ffi::Error::Success();
 }
 
+// With a sliding window (> 0), lo[t] moves up to the first token of t's run inside t's window
+// (position > t's - window), so the local folds start there; a run's window starts only move
+// up (positions increase along it), so one pass. The token itself is always inside.
+void window_runs(const int32_t* pos, int64_t T, int32_t window, std::vector<int32_t>& lo) {
+  if (window <= 0) return;
+  int64_t u = 0;
+  for (int64_t t = 0; t < T; ++t) {
+    if (lo[t] < 0) continue;
+    u = std::max<int64_t>(u, lo[t]);  // a new run starts after every earlier start
+    while (pos[u] <= pos[t] - window) ++u;
+    lo[t] = static_cast<int32_t>(u);
+  }
+}
+
 ffi::Error LocalAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                           ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> seq_idx, ffi::Buffer<ffi::S32> positions,
                           ffi::ResultBuffer<ffi::F32> m, ffi::ResultBuffer<ffi::F32> l,
-                          ffi::ResultBuffer<ffi::F32> acc) {
+                          ffi::ResultBuffer<ffi::F32> acc, int32_t window) {
   const auto qd = q.dimensions();
   const auto kd = k.dimensions();
   const auto vd = v.dimensions();
@@ -698,6 +735,7 @@ ffi::Error LocalAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
   if (G > kLocalRows) return ffi::Error::InvalidArgument("more than 64 query heads per KV head");
   std::vector<int32_t> lo;
   if (ffi::Error err = token_runs(seq_idx.typed_data(), positions.typed_data(), T, lo); err.failure()) return err;
+  window_runs(positions.typed_data(), T, window, lo);
   int64_t pairs = 0;  // (query token, key) pairs of the step
   for (int64_t t = 0; t < T; ++t) pairs += lo[t] >= 0 ? t - lo[t] + 1 : 0;
   // Keys transposed per KV head, [Hk, hd, Tp], zero beyond T (a chunk may read past the end).
@@ -768,7 +806,7 @@ ffi::Error SmallAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
                           ffi::Buffer<ffi::F32> v_new, ffi::Buffer<KVT> k_cache, ffi::Buffer<KVT> v_cache,
                           ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> seq_idx, ffi::Buffer<ffi::S32> positions,
                           ffi::Buffer<ffi::S32> start_pos, ffi::Buffer<ffi::S32> tables,
-                          ffi::ResultBuffer<ffi::F32> out) {
+                          ffi::ResultBuffer<ffi::F32> out, int32_t window) {
   const auto qd = q.dimensions();
   if (qd.size() != 4) return ffi::Error::InvalidArgument("expected q [T,Hk,G,hd]");
   const int64_t T = qd[0], Hk = qd[1], G = qd[2], hd = qd[3];
@@ -777,17 +815,16 @@ ffi::Error SmallAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
   if (nd.size() != 3 || nd[0] != T || nd[1] != Hk || nd[2] != hd || nvd.size() != 3 || nvd[0] != T ||
       nvd[1] != Hk || nvd[2] != hd)
     return ffi::Error::InvalidArgument("k_new or v_new is not [T,Hk,hd] of q's sizes");
-  if (positions.dimensions().size() != 1 || positions.dimensions()[0] != T)
-    return ffi::Error::InvalidArgument("positions is not [T]");
   // The cached part's state: m and l in scratch, acc in the output (normalised in place).
   std::vector<float> ml(static_cast<size_t>(2 * T * Hk * G));
   ProblemT<ffi::NativeType<KVT>> p;
-  if (ffi::Error err = cached_problem(q, k_cache, v_cache, layer, seq_idx, start_pos, tables, ml.data(),
-                                      ml.data() + T * Hk * G, out->typed_data(), p);
+  if (ffi::Error err = cached_problem(q, k_cache, v_cache, layer, seq_idx, positions, start_pos, tables, window,
+                                      ml.data(), ml.data() + T * Hk * G, out->typed_data(), p);
       err.failure())
     return err;
   std::vector<int32_t> lo;
   if (ffi::Error err = token_runs(p.seq_idx, positions.typed_data(), T, lo); err.failure()) return err;
+  window_runs(positions.typed_data(), T, window, lo);
   const auto fold = pick(p);
   const float* K = k_new.typed_data();
   const float* V = v_new.typed_data();
@@ -825,7 +862,8 @@ auto small_attention_binding() {
       .template Arg<ffi::Buffer<ffi::S32>>()      // positions
       .template Arg<ffi::Buffer<ffi::S32>>()      // start_pos
       .template Arg<ffi::Buffer<ffi::S32>>()      // block_tables
-      .template Ret<ffi::Buffer<ffi::F32>>();     // out [T,Hk,G,hd]
+      .template Ret<ffi::Buffer<ffi::F32>>()      // out [T,Hk,G,hd]
+      .template Attr<int32_t>("window");          // sliding window, 0: none
 }
 
 template <ffi::DataType KVT>
@@ -837,11 +875,13 @@ auto cached_binding() {
       .template Arg<ffi::Buffer<KVT>>()           // v_cache
       .template Arg<ffi::Buffer<ffi::S32>>()      // layer
       .template Arg<ffi::Buffer<ffi::S32>>()      // seq_idx
+      .template Arg<ffi::Buffer<ffi::S32>>()      // positions
       .template Arg<ffi::Buffer<ffi::S32>>()      // start_pos
       .template Arg<ffi::Buffer<ffi::S32>>()      // block_tables
       .template Ret<ffi::Buffer<ffi::F32>>()      // m
       .template Ret<ffi::Buffer<ffi::F32>>()      // l
-      .template Ret<ffi::Buffer<ffi::F32>>();     // acc
+      .template Ret<ffi::Buffer<ffi::F32>>()      // acc
+      .template Attr<int32_t>("window");          // sliding window, 0: none
 }
 
 }  // namespace
@@ -862,4 +902,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TlLocalAttention, tl::LocalAttention,
                                   .Arg<ffi::Buffer<ffi::S32>>()   // positions [T]
                                   .Ret<ffi::Buffer<ffi::F32>>()   // m
                                   .Ret<ffi::Buffer<ffi::F32>>()   // l
-                                  .Ret<ffi::Buffer<ffi::F32>>()); // acc
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // acc
+                                  .Attr<int32_t>("window"));      // sliding window, 0: none
