@@ -136,6 +136,24 @@ def test_prefix_cache_off_indexes_nothing() -> None:
     bm.check_invariants()
 
 
+def test_release_behind_a_window_keeps_positions_and_the_last_block() -> None:
+    bm = BlockManager(8, BS, enable_prefix_cache=True)
+    assert bm.allocate(0, 5 * BS)
+    computed(bm, 0, toks(5 * BS))
+    table = bm.block_table(0)
+    assert bm.release_behind(0, 2 * BS + 1) == 2  # blocks 0, 1 lie wholly before position 2*BS+1
+    assert bm.num_held(0) == 3 and bm.num_cached == 2 and bm.num_used == 3
+    assert bm.block_table(0) == (table[4], table[4], *table[2:])  # released slots show the last block
+    assert bm.release_behind(0, 2 * BS + 1) == 0  # idempotent
+    assert bm.release_behind(0, 100 * BS) == 2  # never the last block
+    assert bm.num_held(0) == 1
+    assert bm.allocate(0, 6 * BS) and bm.block_table(0)[5] not in table[4:]  # grows past the released slots
+    assert bm.lookup(toks(5 * BS))[:2] == list(table[:2])  # released full blocks stay prefix hits
+    bm.free(0)
+    bm.check_invariants()
+    assert bm.num_used == 0 and bm.num_free + bm.num_cached == 8
+
+
 class BlockManagerMachine(RuleBasedStateMachine):
     """Random sequences (small alphabet, so prefixes collide) grow, compute, hit and free.
 
@@ -181,6 +199,18 @@ class BlockManagerMachine(RuleBasedStateMachine):
         seq_id = data.draw(st.sampled_from(sorted(self.tokens)))
         self.bm.free(seq_id)
         del self.tokens[seq_id], self.computed[seq_id]
+
+    @precondition(lambda self: bool(self.tokens))
+    @rule(data=st.data())
+    def release_behind(self, data: st.DataObject) -> None:
+        """A sliding window passes: blocks wholly before it are released (to the cache if indexed)."""
+        seq_id = data.draw(st.sampled_from(sorted(self.tokens)))
+        position = data.draw(st.integers(0, self.computed[seq_id]))
+        before, gone = self.bm.block_table(seq_id), len(self.bm.block_table(seq_id)) - self.bm.num_held(seq_id)
+        self.bm.release_behind(seq_id, position)
+        after = self.bm.block_table(seq_id)
+        assert len(after) == len(before) and after[position // BS :] == before[position // BS :]
+        assert self.bm.num_held(seq_id) == len(before) - max(gone, min(position // BS, len(before) - 1))
 
     @invariant()
     def books_balance(self) -> None:

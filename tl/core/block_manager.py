@@ -3,7 +3,8 @@ the prefix cache of full blocks.
 
 Owns: the block ids 0..num_blocks-1 and their three states (free: blank; used: referenced
 by >= 1 block table; cached: unreferenced but indexed for prefix reuse, evictable), the
-per-sequence block tables, and the prefix index. Knows nothing about requests, budgets or
+per-sequence block tables, the prefix index, and for models whose every layer attends through
+a sliding window the release of blocks a sequence has left behind it. Knows nothing about requests, budgets or
 the runner: the scheduler decides *when* to allocate, free and cache; this module keeps
 the books exact. Pure Python, no jax/numpy. Tested by tests/test_block_manager.py (exact
 ids, refcounts, eviction order; a hypothesis state machine checks `check_invariants`).
@@ -16,6 +17,19 @@ and stops at the first miss. Eviction drops one key; its descendants become unre
 and age out of the LRU on their own (sequences free their tails first, so tails are
 older and go first). Two sequences that compute the same block concurrently index it once;
 the other copy stays unindexed and is returned blank.
+
+Sliding windows (`release_behind`): where every layer of the model sees only its last W
+positions (Mistral v0.1: W = 4096), a block whose positions all lie before the window of the
+sequence's next token is never read again, and is released at once (to the prefix cache if
+indexed, else blank): a sequence then holds about W / block_size + 1 blocks whatever its
+length. Its table keeps the slot (`RELEASED`), so position p stays in table[p // block_size];
+`block_table` shows a released slot as the sequence's last block (a valid id the attention
+kernels mask: they never read keys behind a window). Where some layers attend globally
+(Gemma 3: one layer in six) every block stays needed by them, since all layers share one
+block table; giving the sliding layers a cache of their own (as vLLM's hybrid allocator
+does) would bound their part: for Gemma 3 270M (18 layers, 15 sliding, window 512, 36,864
+bytes of float32 KV a token) a 32k-token sequence holds 1.13 GiB, of which 0.94 GiB are the
+sliding layers' keys outside their window. Not built: tl keeps one table.
 """
 
 from __future__ import annotations
@@ -27,6 +41,8 @@ BlockKey = tuple[int, tuple[int, ...]]
 """(chain hash of the parent block, the block's token ids)."""
 
 ROOT_HASH = 0
+RELEASED = -1
+"""A table slot whose block was released behind a sliding window."""
 
 
 class BlockManager:
@@ -58,7 +74,40 @@ class BlockManager:
         return self.num_blocks - len(self._free) - len(self._evictable)
 
     def block_table(self, seq_id: int) -> tuple[int, ...]:
-        return tuple(self._tables.get(seq_id, ()))
+        """seq's block ids by position; a released slot shows the table's last block (never read)."""
+        table = self._tables.get(seq_id, [])
+        if not table or table[0] != RELEASED:
+            return tuple(table)
+        return tuple(table[-1] if b == RELEASED else b for b in table)
+
+    def num_held(self, seq_id: int) -> int:
+        """Blocks seq holds (its table less the released slots)."""
+        return sum(1 for b in self._tables.get(seq_id, ()) if b != RELEASED)
+
+    def release_behind(self, seq_id: int, position: int) -> int:
+        """Release seq's blocks that lie wholly before `position` (the first position any of
+        its future tokens can still attend to); returns how many were released. Indexed blocks
+        go to the prefix cache, the rest back blank; the table's last block always stays."""
+        table = self._tables.get(seq_id)
+        if not table:
+            return 0
+        released = 0
+        for i in range(min(max(position, 0) // self.block_size, len(table) - 1)):
+            block = table[i]
+            if block == RELEASED:
+                continue
+            table[i] = RELEASED
+            released += 1
+            self._unref(block)
+        return released
+
+    def _unref(self, block: int) -> None:
+        self.ref_counts[block] -= 1
+        if self.ref_counts[block] == 0:
+            if block in self._key_of:
+                self._evictable[block] = None
+            else:
+                self._free.append(block)
 
     def holds(self, seq_id: int) -> bool:
         return seq_id in self._tables
@@ -112,7 +161,7 @@ class BlockManager:
             key = (chain[-1] if chain else ROOT_HASH, tuple(token_ids[i * bs : (i + 1) * bs]))
             chain.append(hash(key))
             block = table[i]
-            if key not in self._index and block not in self._key_of:
+            if block != RELEASED and key not in self._index and block not in self._key_of:
                 self._index[key] = block
                 self._key_of[block] = key
 
@@ -120,12 +169,8 @@ class BlockManager:
         """Release all of seq's blocks, tail first, so its tail is evicted before its head."""
         self._chains.pop(seq_id, None)
         for block in reversed(self._tables.pop(seq_id, [])):
-            self.ref_counts[block] -= 1
-            if self.ref_counts[block] == 0:
-                if block in self._key_of:
-                    self._evictable[block] = None
-                else:
-                    self._free.append(block)
+            if block != RELEASED:
+                self._unref(block)
 
     def _share(self, block: int) -> None:
         if self.ref_counts[block] == 0:
@@ -146,8 +191,10 @@ class BlockManager:
         """Raise AssertionError unless every block is in exactly one state and counts match tables."""
         counts = [0] * self.num_blocks
         for seq_id, table in self._tables.items():
-            assert len(set(table)) == len(table), f"seq {seq_id} holds a block twice: {table}"
-            for block in table:
+            held = [b for b in table if b != RELEASED]
+            assert len(set(held)) == len(held), f"seq {seq_id} holds a block twice: {table}"
+            assert table[-1] != RELEASED and held == table[len(table) - len(held) :], f"seq {seq_id}: {table}"
+            for block in held:
                 counts[block] += 1
         assert counts == self.ref_counts, f"refcounts {self.ref_counts} != table counts {counts}"
         free, cached = set(self._free), set(self._evictable)
