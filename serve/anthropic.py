@@ -152,9 +152,17 @@ def document(job: Job) -> bytes:
     for call_id, call in zip(c.call_ids, c.parser.calls if c.parser else [], strict=True):
         content.append(AnthropicToolUseOut(_tool_use_id(call_id), call.name, _input(call.arguments_text)))
     reason, sequence = _stop(c)
-    usage = AnthropicUsage(c.prompt_len, c.num_tokens)
-    doc = AnthropicMessageDoc(job.id, "message", "assistant", job.model.model_id, content, reason, sequence, usage)
+    doc = AnthropicMessageDoc(job.id, "message", "assistant", job.model.model_id, content, reason, sequence, usage(job))
     return encoder.encode(doc)
+
+
+def usage(job: Job, num_output_tokens: int | None = None) -> AnthropicUsage:
+    """Anthropic's usage: the prompt split into tokens read from the prefix cache
+    (cache_read_input_tokens) and the rest (input_tokens); nothing is billed as a cache write.
+    num_output_tokens: the choice's own when None."""
+    cached = job.num_cached_tokens
+    output = job.choices[0].num_tokens if num_output_tokens is None else num_output_tokens
+    return AnthropicUsage(job.num_prompt_tokens - cached, output, 0, cached)
 
 
 def _tool_use_id(call_id: str) -> str:
@@ -172,23 +180,27 @@ def _input(arguments: str) -> dict[str, Any]:
 
 class Stream:
     """Anthropic's event sequence for one streamed choice: blocks open as their text or call
-    begins and close when the next begins or the message ends."""
+    begins and close when the next begins or the message ends.
+
+    message_start goes with the engine's first delivery, not at admission: its usage carries the
+    prompt's cache hit, which the engine knows once it schedules the request (pings may precede
+    it while the request waits; the client skips them)."""
 
     def __init__(self, job: Job) -> None:
         self.job = job
         self.block = -1  # index of the open block
         self.kind = ""  # "text" or "tool_use"
+        self.started = False
 
     def start(self) -> bytes:
-        c = self.job.choices[0]
-        usage = AnthropicUsage(c.prompt_len, 0)
+        self.started = True
         message = AnthropicMessageDoc(
-            self.job.id, "message", "assistant", self.job.model.model_id, [], None, None, usage
+            self.job.id, "message", "assistant", self.job.model.model_id, [], None, None, usage(self.job, 0)
         )
         return _event(AnthropicEvent(type="message_start", message=message))
 
     def deliver(self, c: Choice, events: list[Event]) -> list[bytes]:
-        out: list[bytes] = []
+        out: list[bytes] = [] if self.started else [self.start()]
         for e in events:
             if isinstance(e, str):
                 if not e:
@@ -204,9 +216,11 @@ class Stream:
             out += self._close()
             reason, sequence = _stop(c)
             delta = AnthropicDelta(stop_reason=reason, stop_sequence=sequence)
-            out.append(
-                _event(AnthropicEvent(type="message_delta", delta=delta, usage=AnthropicOutputUsage(c.num_tokens)))
+            u = usage(self.job)
+            totals = AnthropicOutputUsage(
+                u.output_tokens, u.input_tokens, u.cache_creation_input_tokens, u.cache_read_input_tokens
             )
+            out.append(_event(AnthropicEvent(type="message_delta", delta=delta, usage=totals)))
             out.append(_event(AnthropicEvent(type="message_stop")))
         return out
 
@@ -252,7 +266,6 @@ async def stream(job: Job, out: Sender, ping_s: float) -> None:
 
     s = Stream(job)
     await out.start(200, b"text/event-stream", ((b"cache-control", b"no-cache"),))
-    await out.chunk(s.start())
     try:
         await pump(job, out, ping_s, s.deliver, _event(AnthropicEvent(type="ping")))
     except ApiError as e:

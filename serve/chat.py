@@ -29,6 +29,7 @@ from serve.wire import (
     Delta,
     FunctionCallOut,
     FunctionDelta,
+    PromptTokensDetails,
     TokenLogprob,
     ToolCallDelta,
     ToolCallOut,
@@ -117,9 +118,9 @@ async def _stream(
 
 
 def _usage(job: Job) -> Usage:
-    prompt = sum(len(p) for p in job.spec.prompts)
+    prompt = job.num_prompt_tokens
     completion = sum(c.num_tokens for c in job.choices)
-    return Usage(prompt, completion, prompt + completion)
+    return Usage(prompt, completion, prompt + completion, PromptTokensDetails(job.num_cached_tokens))
 
 
 def _message(c: Choice) -> AssistantMessage:

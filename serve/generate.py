@@ -54,6 +54,7 @@ class Choice:
     call_ids: list[str] = field(default_factory=list)  # the id of each call, in order
     text: list[str] = field(default_factory=list)  # content
     num_tokens: int = 0
+    num_cached_tokens: int = 0  # of prompt_len, read from the prefix cache (the engine's TokenOut says)
     finish: str | None = None
     pending: list[TokenOut] = field(default_factory=list)  # tokens whose logprobs are not yet sent
     logprobs: list[TokenOut] = field(default_factory=list)  # every token, for the non-streamed answer
@@ -69,6 +70,7 @@ class Choice:
             if o.token_id >= 0:
                 self.first_token_at = self.first_token_at or time.monotonic()
                 self.num_tokens += 1
+                self.num_cached_tokens = o.num_cached_tokens
                 self.pending.append(o)
                 self.logprobs.append(o)
                 hidden = o.token_id in self.hidden_ids or (o.finish_reason == "stop" and o.token_id in self.stop_ids)
@@ -207,6 +209,21 @@ class Job:
     @property
     def done(self) -> bool:
         return all(c.finish is not None for c in self.choices)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """The prompt tokens usage reports: each prompt once, however many choices it has (as OpenAI)."""
+        return sum(len(p) for p in self.spec.prompts)
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """The part of num_prompt_tokens read from the prefix cache, the one count every dialect's
+        usage reports: for each prompt, the count of its first choice (its first engine request).
+        Not a sum over the n choices: usage counts a prompt once, so its cached part is that
+        prompt's, as the request found the cache; the n choices are admitted together and rarely
+        hit each other's blocks. The engine decides what a request's count is (first admission,
+        whole blocks: tl/core/request.py TokenOut.num_cached_tokens)."""
+        return sum(c.num_cached_tokens for c in self.choices[:: self.spec.n])
 
     def _observe(self, c: Choice) -> None:
         now = time.monotonic()

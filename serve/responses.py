@@ -249,9 +249,9 @@ def response_doc(
 
 
 def usage(job: Job) -> ResponsesUsage:
-    c = job.choices[0]
+    prompt, output = job.num_prompt_tokens, job.choices[0].num_tokens
     return ResponsesUsage(
-        c.prompt_len, ResponsesInputDetails(0), c.num_tokens, ResponsesOutputDetails(0), c.prompt_len + c.num_tokens
+        prompt, ResponsesInputDetails(job.num_cached_tokens), output, ResponsesOutputDetails(0), prompt + output
     )
 
 

@@ -174,10 +174,27 @@ class DetokenizeRequest(Struct, kw_only=True):
     tokens: list[TokenId]
 
 
+CachedTokens = Annotated[
+    int,
+    Meta(
+        ge=0,
+        description="Prompt tokens whose KV came from the prefix cache for this request (whole KV blocks, "
+        "found when the request first ran); 0 when nothing was cached",
+    ),
+]
+
+
+class PromptTokensDetails(Struct, frozen=True):
+    cached_tokens: CachedTokens
+
+
 class Usage(Struct, frozen=True):
+    """Chat Completions' and Completions' usage; prompt_tokens includes the cached ones."""
+
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
 
 
 class TopLogprob(Struct, frozen=True):
@@ -409,8 +426,15 @@ class CountTokensRequest(Struct, kw_only=True):
 
 
 class AnthropicUsage(Struct, frozen=True):
-    input_tokens: int
+    """Anthropic's split of the prompt: input_tokens + cache_read_input_tokens +
+    cache_creation_input_tokens is the whole prompt. Cache reads are the prefix cache's hits;
+    nothing is ever written at a charge (tl caches every computed block by itself), so
+    cache_creation_input_tokens is always 0."""
+
+    input_tokens: Annotated[int, Meta(ge=0, description="Prompt tokens not read from the cache")]
     output_tokens: int
+    cache_creation_input_tokens: Annotated[int, Meta(ge=0, description="Always 0: tl writes its cache at no charge")]
+    cache_read_input_tokens: CachedTokens
 
 
 class AnthropicTextOut(Struct, frozen=True, tag="text", tag_field="type"):
@@ -453,9 +477,13 @@ class AnthropicDelta(Struct, frozen=True, kw_only=True):
 
 
 class AnthropicOutputUsage(Struct, frozen=True):
-    """message_delta's usage: the output tokens so far."""
+    """message_delta's usage, cumulative as Anthropic sends it: the output tokens so far and the
+    prompt's split (as AnthropicUsage's)."""
 
     output_tokens: int
+    input_tokens: Annotated[int, Meta(ge=0, description="Prompt tokens not read from the cache")]
+    cache_creation_input_tokens: Annotated[int, Meta(ge=0, description="Always 0: tl writes its cache at no charge")]
+    cache_read_input_tokens: CachedTokens
 
 
 class AnthropicEvent(Struct, frozen=True, kw_only=True):
@@ -573,7 +601,7 @@ class ResponsesIncomplete(Struct, frozen=True):
 
 
 class ResponsesInputDetails(Struct, frozen=True):
-    cached_tokens: int
+    cached_tokens: CachedTokens
 
 
 class ResponsesOutputDetails(Struct, frozen=True):

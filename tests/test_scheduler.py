@@ -190,6 +190,28 @@ def test_preemption_takes_the_lowest_priority_then_latest_and_keeps_its_tokens()
     assert update(s, plan, res(0, 43)) == [TokenOut(1, -1, finish_reason="abort"), TokenOut(0, 43, -0.5)]
 
 
+def test_num_cached_tokens_is_what_the_first_admission_found_in_the_prefix_cache() -> None:
+    s, _ = make(num_blocks=5, prefix_cache="radix", max_num_batched_tokens=32, token_buckets=(32,))
+    add(s, 1, list(range(1, 10)), priority=0)  # 9 tokens: blocks 2, 3, 4
+    add(s, 2, list(range(60, 68)), SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True), priority=5)
+    plan = schedule(s)
+    assert shape(plan) == [(2, 0, 8, (0, 1), True), (1, 0, 9, (2, 3, 4), True)]
+    assert [o.num_cached_tokens for o in update(s, plan, res(1, 50), res(2, 70))] == [0, 0]  # nothing cached yet
+    plan = schedule(s)  # seq 2 needs a third block: seq 1 (lower priority) is preempted
+    assert shape(plan) == [(2, 8, 1, (0, 1, 4), True)] and s.seqs[1].num_preemptions == 1
+    update(s, plan, res(2, 71))  # seq 2 finishes (max_tokens 2), its blocks freed
+    plan = schedule(s)  # seq 1 recomputes from its own two indexed blocks, 8 tokens
+    assert shape(plan) == [(1, 8, 2, (2, 3, 4), True)] and s.counters.prefix_cache_hits == 8
+    assert update(s, plan, res(1, 51))[0].num_cached_tokens == 0  # the request's own count: first admission
+    add(s, 3, [*range(1, 9), 77, 78])  # shares two whole blocks (8 tokens) with seq 1's prompt
+    plan = schedule(s)
+    assert shape(plan)[-1] == (3, 8, 2, (2, 3, 1), True)
+    outs = update(s, plan, res(1, 52), res(3, 90))
+    assert [(o.request_id, o.num_cached_tokens) for o in outs] == [(1, 0), (3, 8)]
+    s.abort(3)
+    assert update(s, schedule(s), res(1, 53))[0] == TokenOut(3, -1, finish_reason="abort", num_cached_tokens=8)
+
+
 def test_preemption_of_an_already_scheduled_victim_drops_its_work() -> None:
     s, _ = make(num_blocks=3, prefill_chunk=4)
     add(s, 0, list(range(10, 22)), priority=5)  # 12 tokens in chunks of 4

@@ -120,7 +120,12 @@ def test_hand_example_chat_completion(kind: str) -> None:
                     "finish_reason": "length",
                 }
             ],
-            "usage": {"prompt_tokens": 1, "completion_tokens": 3, "total_tokens": 4},
+            "usage": {
+                "prompt_tokens": 1,
+                "completion_tokens": 3,
+                "total_tokens": 4,
+                "prompt_tokens_details": {"cached_tokens": 0},
+            },
         }
 
     run(make_app(kind), body)
@@ -142,6 +147,7 @@ def test_stream_framing_role_first_then_done(kind: str) -> None:
             "prompt_tokens": 1,
             "completion_tokens": 3,
             "total_tokens": 4,
+            "prompt_tokens_details": {"cached_tokens": 0},
         }
 
     run(make_app(kind), body)
@@ -258,7 +264,12 @@ def test_completions_endpoint_and_usage(kind: str) -> None:
         assert doc["object"] == "text_completion" and doc["id"].startswith("cmpl-")
         text = "".join(chr(c) for c in range(98, 98 + 16))
         assert doc["choices"] == [{"index": 0, "text": text, "logprobs": None, "finish_reason": "length"}]
-        assert doc["usage"] == {"prompt_tokens": 1, "completion_tokens": 16, "total_tokens": 17}
+        assert doc["usage"] == {
+            "prompt_tokens": 1,
+            "completion_tokens": 16,
+            "total_tokens": 17,
+            "prompt_tokens_details": {"cached_tokens": 0},
+        }
         doc = (
             await call(
                 app,
@@ -550,7 +561,12 @@ def test_n_choices_logprobs_priority_and_engine_failure(kind: str) -> None:
         lp = doc["choices"][0]["logprobs"]["content"]
         assert [t["token"] for t in lp] == ["b", "c", "d"] and lp[0]["bytes"] == [98]
         assert [t["token"] for t in lp[0]["top_logprobs"]] == ["b", "c"]
-        assert doc["usage"] == {"prompt_tokens": 1, "completion_tokens": 6, "total_tokens": 7}
+        assert doc["usage"] == {
+            "prompt_tokens": 1,
+            "completion_tokens": 6,
+            "total_tokens": 7,
+            "prompt_tokens_details": {"cached_tokens": 0},
+        }
         r = await call(app, "POST", CHAT, chat(n=2, stream=True))
         chunks = [json.loads(e)["choices"][0] for e in r.events()[:-1]]
         for i in (0, 1):

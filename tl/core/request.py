@@ -230,6 +230,14 @@ class TokenOut:
     A finished request with no new token (abort, no_capacity, error) has token_id -1; so has a
     finished embeddings input, whose `embedding` is its mean-pooled, L2-normalised vector.
     `error` says why a request finished with "error".
+
+    `num_cached_tokens`: how many of the request's prompt tokens had their KV read from the prefix
+    cache rather than computed, counted once, when the scheduler first admitted the request
+    (whole blocks; at most the prompt minus one token). A recompute after preemption does not
+    change it: usage reports what the request's prompt found cached when it first ran, not the
+    engine's later bookkeeping. Every TokenOut of the request carries the same count (0 for an
+    embeddings input, never looked up). The engine's totals over all admissions, recomputes
+    included, are EngineStats.prefix_cache_hits and prefix_cache_queries.
     """
 
     request_id: int
@@ -239,6 +247,7 @@ class TokenOut:
     finish_reason: FinishReason | None = None
     embedding: tuple[float, ...] = ()
     error: str = ""
+    num_cached_tokens: int = 0
 
 
 def check_context(req: GenRequest | EmbedRequest, max_model_len: int) -> None:

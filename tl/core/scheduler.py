@@ -12,9 +12,11 @@ tokens, and a step lets computed catch up with known within a token budget
 (max_num_batched_tokens) and a sequence limit (max_num_seqs). Order: running sequences
 that are decoding, then running sequences mid-prompt (chunks of at most prefill_chunk
 tokens), then waiting ones by priority and arrival. A waiting sequence starts at its
-longest cached prefix. Drafts are just extra known-but-unverified tokens after the last
-one; update() advances num_computed_tokens only over those the runner accepted, so the
-rejected drafts' KV slots are simply rewritten later (their blocks stay in the table).
+longest cached prefix; the tokens its first start found cached are the request's
+num_cached_tokens on every TokenOut (usage's cached tokens; a recompute leaves it).
+Drafts are just extra known-but-unverified tokens after the last one; update() advances
+num_computed_tokens only over those the runner accepted, so the rejected drafts' KV slots
+are simply rewritten later (their blocks stay in the table).
 
 Steady cadence: while a step carries decodes, the prompt work beside them (chunks of
 prompts, recomputes, embeddings inputs) is capped at prompt_tokens_while_decoding tokens,
@@ -132,7 +134,9 @@ class Scheduler:
         seq = self.seqs.get(seq_id)
         if seq is not None:
             self._finish(seq, "abort")
-            self._finished_outs.append(TokenOut(seq_id, -1, finish_reason="abort"))
+            self._finished_outs.append(
+                TokenOut(seq_id, -1, finish_reason="abort", num_cached_tokens=seq.num_cached_tokens)
+            )
 
     def has_work(self) -> bool:
         return bool(self.seqs) or bool(self._finished_outs)
@@ -199,6 +203,8 @@ class Scheduler:
         if self.block_manager.enable_prefix_cache and not seq.pool:
             self.counters.prefix_cache_queries += seq.num_tokens
             self.counters.prefix_cache_hits += num_cached
+        if not seq.started:  # the request's own count: its first admission, not a recompute's
+            seq.num_cached_tokens = num_cached
         self.waiting.pop(index)
         self.running.append(seq)
         seq.status, seq.started, seq.num_computed_tokens = SeqStatus.RUNNING, True, num_cached
@@ -367,12 +373,18 @@ class Scheduler:
         for i, token in enumerate(result.token_ids):
             if seq.guide is not None and not seq.guide.accept(token):
                 error = f"the structured-output matcher refused token {token}: {seq.guide.error}"
-                outs.append(TokenOut(seq.seq_id, -1, finish_reason="error", error=error))
+                outs.append(
+                    TokenOut(
+                        seq.seq_id, -1, finish_reason="error", error=error, num_cached_tokens=seq.num_cached_tokens
+                    )
+                )
                 break
             seq.token_ids.append(token)
             reason = self._stop_reason(seq, token)
             top = result.top_logprobs[i] if i < len(result.top_logprobs) else ()
-            outs.append(TokenOut(seq.seq_id, token, result.logprobs[i], top, reason))
+            outs.append(
+                TokenOut(seq.seq_id, token, result.logprobs[i], top, reason, num_cached_tokens=seq.num_cached_tokens)
+            )
             if reason is not None:
                 break
         return outs
