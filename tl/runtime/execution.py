@@ -308,7 +308,10 @@ def plan_execution(
     max_blocks = -(-blocks_per_seq // chunk_blocks) * chunk_blocks
     kv_dtype = jnp.uint16 if bf16_kv else jnp.dtype(dtype)
     probe = _attention_probe(cfg, ec, jnp.dtype(dtype), kv_dtype, chunk_blocks, max_blocks)
-    attention = kernel_select.select(ec.attention_kernel, platform, mesh, layout.kv_sharded, probe, native, why_native)
+    windows = tuple(sorted({cfg.window(i) for i in range(cfg.num_hidden_layers)} - {0}))
+    attention = kernel_select.select(
+        ec.attention_kernel, platform, mesh, layout.kv_sharded, probe, native, why_native, windows=windows
+    )
     if attention.measured and jax.process_count() > 1:
         # Each process would time (or find cached) its own verdicts, and its timing runs would
         # have to meet the others' collectives: every process of a group must run one program.
