@@ -33,7 +33,7 @@ import numpy as np
 from flax import struct
 from jax import lax
 
-from tl.model.config import ModelConfig
+from tl.model.config import ModelConfig, ModelDirError
 from tl.model.encodings.ggml_formats import dequantize
 from tl.model.files import HostTensor, Packed
 from tl.model.weights import Axes, Bf16x3, Blocks, Dense, Int8, Linear, Tensor
@@ -107,7 +107,7 @@ def _stack(
         return enc(stack([[x.data for x in g if isinstance(x, Packed)] for g in srcs]), axes)
     w = stack([[get(n) for n in names] for names in groups])
     if w.shape[-1] % enc.in_block:
-        raise ValueError(
+        raise ModelDirError(
             f"weights: tensor {groups[0][0]!r} of shape {w.shape[1:]}: {enc.__name__} stores blocks of "
             f"{enc.in_block} inputs, and its input axis ({w.shape[-1]}) is not a multiple"
         )
@@ -151,16 +151,18 @@ TILE_ROWS = 128
 
 
 def choose_form(num_tokens: int, top_k: int, num_experts: int, backend: str | None = None) -> Form:
-    """The form `moe_mlp` runs for these static sizes (measured on XLA:CPU, AMD EPYC, 2 cores;
-    tests/test_moe.py docstring has the numbers):
-    - "gather" while the pairs are at most half the experts (T*k <= E/2): it reads only the
-      chosen experts' weights (decode is bound by weight reads);
+    """The form `moe_mlp` runs for these static sizes, from timings on XLA:CPU (tests/test_moe.py
+    lists them):
+    - "gather" while the pairs are at most a quarter of the experts (4*T*k <= E): it reads only
+      the chosen experts' weights (decode is bound by weight reads: 0.6 vs 3.3 ms at T=1,
+      E=64, k=8, D=512, Fm=256); at T*k = E/2 the gathers already cost 4x the dense form;
     - off CPU, "ragged": lax.ragged_dot lowers to a native grouped matmul on GPU and TPU;
-    - on CPU ragged_dot lowers to a masked dense product over every expert for every pair
-      (k times the dense form's work), so: "tiled" where its padded rows (T*k + E*(TILE_ROWS-1))
-      are at most half of the dense form's T*E, else "dense" (every expert on every token)."""
+    - on CPU ragged_dot lowers to a masked product of every pair with every expert (k times the
+      dense form's work: 2-10x slower than "dense" measured), so "tiled" where its padded rows
+      (T*k + E*(TILE_ROWS-1)) are at most half of the dense form's T*E (per-tile matmuls run
+      at about half the dense form's rate), else "dense" (every expert on every token)."""
     pairs = num_tokens * top_k
-    if 2 * pairs <= num_experts:
+    if 4 * pairs <= num_experts:
         return "gather"
     if (backend or jax.default_backend()) != "cpu":
         return "ragged"
@@ -180,12 +182,23 @@ def moe_mlp(x: jax.Array, e: Experts, act: Activation = jax.nn.silu, form: Form 
 
 
 def _gathered(x: jax.Array, e: Experts, ids: jax.Array, act: Activation) -> jax.Array:
-    """Few tokens: each pair's expert weights gathered ([T,k,Fm,2,D], [T,k,D,Fm]) -> [T, k, D]."""
-    wgu = floats(take(e.w_gate_up, ids))
-    gu = jnp.einsum("td,tkfcd->tkfc", x.astype(wgu.dtype), wgu, preferred_element_type=jnp.float32)
-    h = _swiglu(gu.astype(x.dtype), act)
-    wd = floats(take(e.w_down, ids))
-    return jnp.einsum("tkf,tkdf->tkd", h.astype(wd.dtype), wd, preferred_element_type=jnp.float32).astype(x.dtype)
+    """Few tokens: each of the P = T*k pairs gathers its expert's weights ([P,Fm,2,D], [P,D,Fm])
+    for a batched matrix-vector product -> [T, k, D]. The weights are the dots' left operands in
+    their stored [out, in] layout (as einsum "td,tkfcd" XLA:CPU copied them transposed first:
+    1.5x slower at T=1, E=64, k=8, D=512, Fm=256)."""
+    T, k = ids.shape
+    pairs = ids.reshape(-1)
+    xs = jnp.repeat(x, k, axis=0)  # [P, D]: pair p is token p // k
+    wgu = floats(take(e.w_gate_up, pairs))
+    gu = _batched(wgu.reshape(T * k, -1, wgu.shape[-1]), xs.astype(wgu.dtype))
+    h = _swiglu(gu.reshape(T * k, -1, 2).astype(x.dtype), act)  # [P, Fm]
+    wd = floats(take(e.w_down, pairs))
+    return _batched(wd, h.astype(wd.dtype)).astype(x.dtype).reshape(T, k, -1)
+
+
+def _batched(w: jax.Array, v: jax.Array) -> jax.Array:
+    """w [P, out, in] . v [P, in] -> [P, out] float32."""
+    return lax.dot_general(w, v, (((2,), (1,)), ((0,), (0,))), preferred_element_type=jnp.float32)
 
 
 def _grouped(x: jax.Array, e: Experts, ids: jax.Array, act: Activation) -> jax.Array:
@@ -221,14 +234,17 @@ def _swiglu(gu: jax.Array, act: Activation) -> jax.Array:
 
 
 def _dense(x: jax.Array, e: Experts, weights: jax.Array, ids: jax.Array, act: Activation) -> jax.Array:
-    """Every expert on every token ([T, E, Fm, 2] in one matmul), then the chosen ones weighted
-    and summed -> [T, D]."""
+    """Every expert on every token (gate-up as one [T, E*Fm*2] matmul, down batched over
+    experts with the weights the left operand), then the chosen ones weighted and summed."""
     wgu, wd = floats(e.w_gate_up), floats(e.w_down)
-    gu = jnp.einsum("td,efcd->tefc", x.astype(wgu.dtype), wgu, preferred_element_type=jnp.float32)
-    h = _swiglu(gu.astype(x.dtype), act)  # [T, E, Fm]
-    y = jnp.einsum("tef,edf->ted", h.astype(wd.dtype), wd, preferred_element_type=jnp.float32).astype(x.dtype)
-    sel = jnp.sum(jax.nn.one_hot(ids, e.num_experts, dtype=x.dtype) * weights[..., None], axis=1)  # [T, E]
-    return jnp.einsum("ted,te->td", y, sel).astype(x.dtype)
+    E, fm, _, D = wgu.shape
+    gu = lax.dot_general(
+        x.astype(wgu.dtype), wgu.reshape(-1, D), (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+    )
+    h = _swiglu(gu.reshape(-1, E, fm, 2).astype(x.dtype), act)  # [T, E, Fm]
+    y = _tile_dot(wd, jnp.swapaxes(h, 0, 1).astype(wd.dtype)).astype(x.dtype)  # [E, T, D]
+    sel = jnp.sum(jax.nn.one_hot(ids, E, dtype=x.dtype) * weights[..., None], axis=1)  # [T, E]
+    return jnp.einsum("etd,te->td", y, sel).astype(x.dtype)
 
 
 def _tiled(x: jax.Array, e: Experts, ids: jax.Array, act: Activation, rows: int = TILE_ROWS) -> jax.Array:
@@ -250,12 +266,19 @@ def _tiled(x: jax.Array, e: Experts, ids: jax.Array, act: Activation, rows: int 
     xs = jnp.zeros((num_tiles * rows, x.shape[1]), x.dtype).at[row].set(x[order // k])
     xs = xs.reshape(num_tiles, rows, -1)
     wgu = _tile_weights(e.w_gate_up, tile_expert)  # [n, Fm, 2, D]
-    gu = jnp.einsum("nbd,nfcd->nbfc", xs.astype(wgu.dtype), wgu, preferred_element_type=jnp.float32)
-    h = _swiglu(gu.astype(x.dtype), act)
+    gu = _tile_dot(wgu.reshape(num_tiles, -1, wgu.shape[-1]), xs.astype(wgu.dtype))
+    h = _swiglu(gu.reshape(num_tiles, rows, -1, 2).astype(x.dtype), act)  # [n, rows, Fm]
     wd = _tile_weights(e.w_down, tile_expert)  # [n, D, Fm]
-    y = jnp.einsum("nbf,ndf->nbd", h.astype(wd.dtype), wd, preferred_element_type=jnp.float32).astype(x.dtype)
-    y = y.reshape(num_tiles * rows, -1)[row]
+    y = _tile_dot(wd, h.astype(wd.dtype)).astype(x.dtype).reshape(num_tiles * rows, -1)[row]
     return jnp.zeros_like(y).at[order].set(y).reshape(T, k, -1)
+
+
+def _tile_dot(w: jax.Array, a: jax.Array) -> jax.Array:
+    """w [n, out, in] . a [n, rows, in] -> [n, rows, out] float32, the weights the left operand
+    in their stored layout (with them on the right XLA:CPU copied them transposed: 1.2-1.8x
+    slower at T=256..1024, E=8..64)."""
+    y = lax.dot_general(w, a, (((2,), (2,)), ((0,), (0,))), preferred_element_type=jnp.float32)
+    return jnp.swapaxes(y, 1, 2)
 
 
 def _tile_weights(w: Linear, tile_expert: jax.Array) -> jax.Array:
