@@ -14,9 +14,11 @@ from typing import Any
 import pytest
 
 from tests.differential import assert_concurrent_equals_alone
-from tests.test_engine import BASE_CFG, check_engine, workload
+from tests.test_engine import BASE_CFG, check_engine, greedy, run, workload
 from tl.core.config import EngineConfig
+from tl.core.engine import Engine
 from tl.core.plan import Runner
+from tl.core.request import GenRequest, TokenOut
 
 jax = pytest.importorskip("jax")
 
@@ -72,6 +74,27 @@ def test_each_request_gets_exactly_what_it_gets_alone(runners: dict[str, Any], v
     assert engine.stats().kv_blocks_used == 0
     if cfg.num_kv_blocks == 14:
         assert engine.stats().preemptions > 0
+
+
+def test_a_prefix_hit_is_reported_and_changes_no_token(runners: dict[str, Any]) -> None:
+    """A request sharing 14 prompt tokens with a finished one reads their 3 whole 4-token
+    blocks from the prefix cache: every TokenOut says num_cached_tokens 12 (the first's 0), and
+    its tokens are those it gets with no cache at all."""
+    shared = run(14, start=20)
+
+    def outs(engine: Engine, prompt: tuple[int, ...]) -> list[TokenOut]:
+        rid = engine.add_request(GenRequest(prompt, greedy(4)))
+        got: list[TokenOut] = []
+        while engine.has_work():
+            got += [o for o in engine.step() if o.request_id == rid]
+        return got
+
+    cached = Engine(runners["none"], CFG.replace(prefix_cache="radix"))
+    first, second = outs(cached, (*shared, 5)), outs(cached, (*shared, 6, 7, 8))
+    assert [o.num_cached_tokens for o in first] == [0] * 4
+    assert [o.num_cached_tokens for o in second] == [4 * (14 // 4)] * 4
+    alone = outs(Engine(runners["none"], CFG), (*shared, 6, 7, 8))
+    assert [o.token_id for o in second] == [o.token_id for o in alone]
 
 
 def test_constraints_in_the_compiled_step(runners: dict[str, Any]) -> None:
