@@ -1,11 +1,16 @@
 """tl.text.chat_template: SmolLM2's real template byte for byte, the jinja features chat
 templates use, errors at construction and at render, template discovery in a model
 dir, and a differential check against transformers' own renderer
-(transformers.utils.chat_template_utils.render_jinja_template) over several templates."""
+(transformers.utils.chat_template_utils.render_jinja_template) over several templates, and over
+the official templates of every family tl serves (tests/templates/, sources in its README.md):
+Llama 3.1/3.2 (tools, builtin tools, date via strftime_now pinned on both sides), Qwen3 (tools,
+multi-step tool loop, reasoning_content and its aliases, enable_thinking), Gemma 3 and Mistral v0.3
+(their raise_exception cases raise TemplateError with transformers' message)."""
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -263,3 +268,250 @@ def test_from_model_dir_precedence(tmp_path: Path) -> None:
     for name in ("generation_config.json", "chat_template.jinja", "tokenizer_config.json"):
         (d / name).unlink()
     assert ChatTemplate.from_model_dir(d).render(msgs) == "<|user|>\nHi\n<|assistant|>\n"
+
+
+# --- The real templates of the families tl serves, against transformers' apply_chat_template ---
+
+TEMPLATES_DIR = Path(__file__).parent / "templates"
+FAMILY_TOKENS = {  # bos/eos of each family's tokenizer_config.json
+    "llama3_1": ("<|begin_of_text|>", "<|eot_id|>"),
+    "llama3_2": ("<|begin_of_text|>", "<|eot_id|>"),
+    "qwen3": (None, "<|im_end|>"),
+    "gemma3": ("<bos>", "<eos>"),
+    "mistral_v0_3": ("<s>", "</s>"),
+}
+WEATHER_TOOLS = [
+    *TOOLS,
+    {
+        "type": "function",
+        "function": {
+            "name": "get_time",
+            "description": "Local time",
+            "parameters": {"type": "object", "properties": {"tz": {"type": "string", "enum": ["UTC", "CET"]}}},
+        },
+    },
+]
+
+
+def _call(call_id: str, name: str, arguments: object) -> dict[str, object]:
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+PLAIN = [
+    {"role": "system", "content": "  Be brief.\n"},
+    {"role": "user", "content": "  2+2? "},
+    {"role": "assistant", "content": "4, naïve <b> "},
+    {"role": "user", "content": "Sûr? 🙂"},
+]
+NO_SYSTEM = [
+    {"role": "user", "content": "Hi"},
+    {"role": "assistant", "content": "Hello!"},
+    {"role": "user", "content": "x"},
+]
+ONE_TOOL_CALL = [
+    {"role": "system", "content": "You can look things up."},
+    {"role": "user", "content": "Weather in Zürich?"},
+    {"role": "assistant", "content": None, "tool_calls": [_call("call00001", "get_weather", {"city": "Zürich"})]},
+    {"role": "tool", "tool_call_id": "call00001", "content": '{"t": 21, "unit": "°C"}'},
+]
+ONE_TOOL_CALL_ANSWERED = [*ONE_TOOL_CALL, {"role": "assistant", "content": "21 °C."}, {"role": "user", "content": "ok"}]
+# Qwen3's first template reads an assistant's content unguarded: a tool call without content fails
+# there as in transformers (the "qwen3-tools" cases), so clients send "" (the "qwen3-tools_empty" ones).
+QWEN3_TOOL_CALL = [{**m, "content": m["content"] or ""} for m in ONE_TOOL_CALL]
+QWEN3_MULTI_STEP = [  # two tool rounds after the last real user query, reasoning on each step
+    {"role": "system", "content": "sys"},
+    {"role": "user", "content": "first question"},
+    {"role": "assistant", "content": "<think>\nold thoughts\n</think>\n\nfirst answer"},
+    {"role": "user", "content": "weather and time?"},
+    {
+        "role": "assistant",
+        "content": "Let me check.",
+        "reasoning_content": "\nneed two tools\n",
+        "tool_calls": [_call("a", "get_weather", {"city": "Bern"}), _call("b", "get_time", '{"tz": "CET"}')],
+    },
+    {"role": "tool", "content": '{"t": 3}'},
+    {"role": "tool", "content": "12:00"},
+    {
+        "role": "assistant",
+        "content": "",
+        "reasoning": "one more",
+        "tool_calls": [_call("c", "get_time", {"tz": "UTC"})],
+    },
+    {"role": "user", "content": "<tool_response>\n11:00\n</tool_response>"},
+]
+QWEN3_THINKING = [
+    {"role": "user", "content": "q1"},
+    {"role": "assistant", "content": "a1", "reasoning_content": "r1"},
+    {"role": "user", "content": "q2"},
+    {"role": "assistant", "content": "<think>r2</think>a2"},
+]
+GEMMA_PARTS = [
+    {"role": "system", "content": [{"type": "text", "text": "Sys "}]},
+    {
+        "role": "user",
+        "content": [{"type": "text", "text": " look "}, {"type": "image"}, {"type": "text", "text": "here"}],
+    },
+]
+MISTRAL_TOOLS = [
+    {"role": "system", "content": "sys"},
+    {"role": "user", "content": "weather?"},
+    {"role": "assistant", "tool_calls": [_call("abc123XYZ", "get_weather", {"city": "Paris"})]},
+    {"role": "tool", "tool_call_id": "abc123XYZ", "content": "sunny"},
+    {"role": "assistant", "content": " Sunny. "},
+    {"role": "user", "content": "thanks"},
+]
+
+FAMILY_CASES: list[tuple[str, str, list[dict[str, object]], dict[str, object]]] = [
+    # (id, template, messages, extra kwargs; "tools" among them goes to the tools argument)
+    *[
+        (f"{t}-{name}", t, msgs, {})
+        for t in FAMILY_TOKENS
+        for name, msgs in [("plain", PLAIN), ("no_system", NO_SYSTEM)]
+    ],
+    *[(f"{t}-tools", t, ONE_TOOL_CALL, {"tools": WEATHER_TOOLS}) for t in ("llama3_1", "llama3_2", "qwen3")],
+    *[(f"{t}-tools_answered", t, ONE_TOOL_CALL_ANSWERED, {"tools": TOOLS}) for t in ("llama3_1", "llama3_2", "qwen3")],
+    ("qwen3-tools_empty", "qwen3", QWEN3_TOOL_CALL, {"tools": WEATHER_TOOLS}),
+    ("qwen3-tools_empty_no_tools", "qwen3", QWEN3_TOOL_CALL, {}),
+    ("llama3_1-tools_in_system", "llama3_1", ONE_TOOL_CALL, {"tools": TOOLS, "tools_in_user_message": False}),
+    ("llama3_1-builtin", "llama3_1", ONE_TOOL_CALL, {"builtin_tools": ["brave_search", "code_interpreter"]}),
+    (
+        "llama3_1-builtin_call",
+        "llama3_1",
+        [
+            {"role": "user", "content": "news?"},
+            {"role": "assistant", "tool_calls": [_call("x", "brave_search", {"query": "q"})]},
+        ],
+        {"builtin_tools": ["brave_search"], "date_string": "01 Jan 2025"},
+    ),
+    ("llama3_2-date_string", "llama3_2", PLAIN, {"date_string": "01 Jan 2025"}),
+    ("llama3_2-custom_tools", "llama3_2", ONE_TOOL_CALL, {"custom_tools": TOOLS, "tools_in_user_message": False}),
+    ("llama3_2-tool_dict_content", "llama3_2", [*ONE_TOOL_CALL[:3], {"role": "tool", "content": {"t": 21}}], {}),
+    ("qwen3-multi_step", "qwen3", QWEN3_MULTI_STEP, {"tools": WEATHER_TOOLS}),
+    ("qwen3-thinking", "qwen3", QWEN3_THINKING, {}),
+    ("qwen3-no_thinking", "qwen3", QWEN3_THINKING[:3], {"enable_thinking": False}),
+    ("qwen3-thinking_on", "qwen3", QWEN3_THINKING[:3], {"enable_thinking": True}),
+    ("qwen3-system_mid", "qwen3", [*NO_SYSTEM, {"role": "system", "content": "late"}], {}),
+    ("gemma3-parts", "gemma3", GEMMA_PARTS, {}),
+    ("mistral_v0_3-tools", "mistral_v0_3", MISTRAL_TOOLS, {"tools": WEATHER_TOOLS}),
+    # Each template's raise_exception (tl must raise TemplateError with transformers' message)
+    ("gemma3-bad_order", "gemma3", [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}], {}),
+    (
+        "gemma3-assistant_first",
+        "gemma3",
+        [{"role": "system", "content": "s"}, {"role": "assistant", "content": "a"}],
+        {},
+    ),
+    ("gemma3-bad_content", "gemma3", [{"role": "user", "content": 7}], {}),
+    ("mistral_v0_3-bad_order", "mistral_v0_3", [{"role": "assistant", "content": "a"}], {}),
+    (
+        "mistral_v0_3-two_users",
+        "mistral_v0_3",
+        [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}],
+        {},
+    ),
+    (
+        "mistral_v0_3-bad_call_id",
+        "mistral_v0_3",
+        [MISTRAL_TOOLS[1], {"role": "assistant", "tool_calls": [_call("short", "get_weather", {})]}],
+        {},
+    ),
+    (
+        "mistral_v0_3-bad_role",
+        "mistral_v0_3",
+        [{"role": "user", "content": "a"}, {"role": "developer", "content": "b"}],
+        {},
+    ),
+    ("llama3_1-no_user_for_tools", "llama3_1", [{"role": "system", "content": "s"}], {"tools": TOOLS}),
+    (
+        "llama3_2-two_calls",
+        "llama3_2",
+        [
+            {"role": "user", "content": "u"},
+            {"role": "assistant", "tool_calls": [_call("a", "f", {}), _call("b", "g", {})]},
+        ],
+        {},
+    ),
+    ("qwen3-content_none", "qwen3", [{"role": "user", "content": "u"}, {"role": "assistant", "content": None}], {}),
+]
+
+
+@pytest.fixture
+def pinned_now(monkeypatch: pytest.MonkeyPatch) -> None:
+    """strftime_now reads datetime.now() on both sides; pin it so the dated templates compare."""
+    import datetime as dt
+
+    import transformers.utils.chat_template_utils as hf
+
+    import tl.text.chat_template as ours
+
+    class Pinned(dt.datetime):
+        @classmethod
+        def now(cls, tz: dt.tzinfo | None = None) -> Pinned:
+            return cls(2025, 3, 5, 13, 7, tzinfo=tz)
+
+    monkeypatch.setattr(hf, "datetime", Pinned)
+    monkeypatch.setattr(ours, "datetime", Pinned)
+
+
+def _transformers_render(source: str, messages: list[dict[str, object]], **kwargs: object) -> str:
+    """What tokenizer.apply_chat_template(..., tokenize=False) does: None-valued keys dropped, special
+    tokens as variables (overridden by kwargs), then render_jinja_template."""
+    from transformers.utils.chat_template_utils import _normalize_chat_messages, render_jinja_template
+
+    rendered, _ = render_jinja_template([_normalize_chat_messages(messages)], chat_template=source, **kwargs)
+    return rendered[0]
+
+
+@pytest.mark.usefixtures("pinned_now")
+@pytest.mark.parametrize("case", FAMILY_CASES, ids=[c[0] for c in FAMILY_CASES])
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_family_templates_match_transformers(
+    case: tuple[str, str, list[dict[str, object]], dict[str, object]], add_generation_prompt: bool
+) -> None:
+    import jinja2
+
+    _, family, messages, extra = case
+    source = (TEMPLATES_DIR / f"{family}.jinja").read_text(encoding="utf-8")
+    bos, eos = FAMILY_TOKENS[family]
+    tokens = {k: v for k, v in (("bos_token", bos), ("eos_token", eos)) if v is not None}
+    kwargs = {"add_generation_prompt": add_generation_prompt, **extra}
+    ours = ChatTemplate(source, bos_token=bos, eos_token=eos)
+    try:
+        want = _transformers_render(source, messages, **tokens, **kwargs)
+    except jinja2.TemplateError as e:
+        with pytest.raises(TemplateError, match=re.escape(str(e.message))):
+            ours.render(messages, **kwargs)  # type: ignore[arg-type]
+        return
+    except (TypeError, AttributeError, KeyError, IndexError, ValueError):
+        with pytest.raises(TemplateError):
+            ours.render(messages, **kwargs)  # type: ignore[arg-type]
+        return
+    assert ours.render(messages, **kwargs) == want  # type: ignore[arg-type]
+
+
+@pytest.mark.usefixtures("pinned_now")
+def test_pinned_date_reaches_llama32_and_raises_are_exercised() -> None:
+    """The differential test above is only as good as its cases: the pinned date shows, and
+    every family's raise_exception fires."""
+    source = (TEMPLATES_DIR / "llama3_2.jinja").read_text(encoding="utf-8")
+    got = ChatTemplate(source, "<|begin_of_text|>").render([{"role": "user", "content": "x"}])
+    assert "Today Date: 05 Mar 2025\n\n" in got
+    gemma = ChatTemplate((TEMPLATES_DIR / "gemma3.jinja").read_text(encoding="utf-8"), "<bos>")
+    with pytest.raises(TemplateError, match="Conversation roles must alternate user/assistant"):
+        gemma.render([{"role": "assistant", "content": "a"}])
+    mistral = ChatTemplate((TEMPLATES_DIR / "mistral_v0_3.jinja").read_text(encoding="utf-8"), "<s>", "</s>")
+    with pytest.raises(TemplateError, match="After the optional system message, conversation roles must alternate"):
+        mistral.render([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])
+
+
+def test_reasoning_aliases_as_transformers() -> None:
+    from transformers.utils.chat_template_utils import _alias_reasoning_fields
+
+    from tl.text.chat_template import normalize_messages
+
+    for key in ("reasoning_content", "thinking", "reasoning"):
+        msgs = [{"role": "assistant", "content": "a", key: "r", "tool_calls": None}, {"role": "user", "content": "u"}]
+        got = normalize_messages(msgs)
+        want = _alias_reasoning_fields([{k: v for k, v in m.items() if v is not None} for m in msgs])
+        assert got == want and [list(m) for m in got] == [list(m) for m in want]
+        assert got[0]["reasoning_content"] == got[0]["thinking"] == "r"

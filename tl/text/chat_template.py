@@ -4,7 +4,7 @@ Owns: the jinja2 environment transformers uses for chat templates
 (ImmutableSandboxedEnvironment with trim_blocks/lstrip_blocks, loopcontrols, the
 `{% generation %}` block, its tojson, raise_exception, strftime_now, dict and a
 namespace that refuses underscore names), message normalization (None-valued keys
-dropped), choosing among named templates, and finding a model dir's template.
+dropped, reasoning aliased), choosing among named templates, and finding a model dir's template.
 Must not tokenize (the rendered prompt is encoded by tl/text/tokenizer.py without adding
 special tokens) and must not import jax. Tested by tests/test_chat_template.py
 (SmolLM2's real template byte for byte, jinja features, errors).
@@ -133,13 +133,24 @@ def _check_names(env: ImmutableSandboxedEnvironment, ast: jinja2.nodes.Template)
             raise jinja2.TemplateSyntaxError(f"No {kind} named {node.name!r}.", node.lineno)
 
 
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+"""The names a message's reasoning comes under, the one templates read (Qwen3's) first."""
+
+
 def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Plain dicts with None-valued keys dropped, as transformers passes them."""
+    """Plain dicts with None-valued keys dropped, and a message's reasoning under every name in
+    REASONING_FIELDS: transformers' apply_chat_template does both (its _alias_reasoning_fields), so
+    `reasoning` from an API client reaches a template reading `reasoning_content` (Qwen3) or
+    `thinking` (gpt-oss), with the keys in the same order as there."""
     out = []
     for m in messages:
         if not isinstance(m, Mapping):
             raise TemplateError(f"chat messages must be objects, got {type(m).__name__}")
-        out.append({k: v for k, v in m.items() if v is not None})
+        message = {k: v for k, v in m.items() if v is not None}
+        reasoning = next((message[k] for k in REASONING_FIELDS if k in message), None)
+        if reasoning is not None:
+            message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
+        out.append(message)
     return out
 
 
