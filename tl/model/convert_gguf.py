@@ -1,18 +1,21 @@
 """GGUF -> Hugging Face model directory (`tl convert-gguf`), and a GGUF served as it is.
 
-Owns: reading a llama.cpp GGUF file (llama and qwen2 architectures, BPE "gpt2"
-tokenizers) and writing config.json, model.safetensors (float32, HF tensor names),
-tokenizer.json, tokenizer_config.json and generation_config.json. Dequantizes with
-`gguf.quants.dequantize` and undoes llama.cpp's q/k row permutation for llama.
+Owns: reading a llama.cpp GGUF file (architectures llama, with Llama 3's rope scaling;
+qwen2; qwen3; qwen3moe; gemma3) into a ModelConfig built the way config.json is
+(`gguf_model_config` writes the HF config keys and parses them with ModelConfig.from_dict, so a
+GGUF and its HF directory agree), its tensors under HF names with llama.cpp's storage
+conventions undone (`to_hf`: llama's q/k row permutation, Gemma's norms stored as 1 + w, MoE
+experts stacked in one 3-D tensor), and writing config.json, model.safetensors (float32),
+the tokenizer's files (tl/model/gguf_tokenizer.py) and generation_config.json.
 Serving a GGUF as it is: `packed_tensors` (its tensors under HF names, block formats kept as
-the file's bytes, `Packed`, rows un-permuted; a type tl does not serve refused naming the
-tensor, its type and the types served) and `gguf_model_dir` (a `.gguf` model_dir becomes a
-directory of the side files with a link to the GGUF, so every reader of a model directory
-serves it).
+the file's bytes, `Packed`, each expert its own slice of the packed rows; a type tl does not
+serve refused naming the tensor, its type and the types served) and `gguf_model_dir` (a
+`.gguf` model_dir becomes a directory of the side files with a link to the GGUF, so every
+reader of a model directory serves it).
 Must not import jax and must not know the runner's parameter layout (HF names only).
-Errors (not a GGUF, unsupported architecture, tokenizer or tensor type) are GGUFError
-naming the file. Tested by tests/test_convert_gguf.py (small GGUFs written with
-gguf.GGUFWriter, plus the real SmolLM2 file, marked slow).
+Errors (not a GGUF, unsupported architecture, tokenizer or tensor type, a missing tensor) are
+GGUFError naming the file. Tested by tests/test_convert_gguf.py and tests/test_gguf_families.py
+(small GGUFs written with gguf.GGUFWriter, plus the real SmolLM2 and Gemma 3 files, slow).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import json
 import re
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,12 +34,29 @@ import numpy as np
 from safetensors.numpy import save_file
 from tqdm import tqdm
 
-from tl.model.config import ModelConfig
+from tl.model.config import FULL, SLIDING, ModelConfig, ModelDirError, hf_shapes
 from tl.model.files import GGUF_FILE, Packed
+from tl.model.gguf_tokenizer import (
+    PRE_TOKENIZERS,
+    GGUFError,
+    tokenizer_config,
+    tokenizer_json,
+    tokenizer_meta,
+)
+
+__all__ = ["PRE_TOKENIZERS", "GGUFError", "convert_gguf", "gguf_model_config", "gguf_model_dir", "packed_tensors"]
 
 Q = gguf.GGMLQuantizationType
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED = 3, 4
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+}
+GEMMA3_SWA_PATTERN = 6  # llama.cpp's gemma3 loader: every 6th layer full unless the file says otherwise
+GEMMA3_LOCAL_ROPE_BASE = 10000.0  # llama.cpp's default for `{arch}.rope.freq_base_swa`
+EXPERT = "{e}"  # stands for the expert index in the HF names of a stacked expert tensor
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -44,60 +65,68 @@ _LAYER_NAMES = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": f"mlp.experts.{EXPERT}.gate_proj",
+    "ffn_up_exps": f"mlp.experts.{EXPERT}.up_proj",
+    "ffn_down_exps": f"mlp.experts.{EXPERT}.down_proj",
+}
+# Gemma 3 has four norms a layer: llama.cpp calls the HF post_attention_layernorm
+# post_attention_norm, and the MLP's pre-norm ffn_norm (the name other families give
+# post_attention_layernorm, which feeds their MLP).
+_GEMMA3_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
 }
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
-# Pre-tokenizers by `tokenizer.ggml.pre`, as the Hugging Face tokenizer.json of those models has them.
-_BYTE_LEVEL = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
-_BYTE_LEVEL_NO_REGEX = {**_BYTE_LEVEL, "use_regex": False}
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-PRE_TOKENIZERS: dict[str, dict[str, Any]] = {
-    "smollm": {"type": "Sequence", "pretokenizers": [{"type": "Digits", "individual_digits": True}, _BYTE_LEVEL]},
-    "gpt-2": _BYTE_LEVEL,
-    "default": _BYTE_LEVEL,
-    "qwen2": {
-        "type": "Sequence",
-        "pretokenizers": [
-            {"type": "Split", "pattern": {"Regex": _QWEN2_SPLIT}, "behavior": "Isolated", "invert": False},
-            _BYTE_LEVEL_NO_REGEX,
-        ],
-    },
-}
 
-
-class GGUFError(ValueError):
-    """The GGUF file cannot be converted; the message names the file and the reason."""
-
-
-def convert_gguf(gguf_path: str | Path, out_dir: str | Path, progress: bool = True, *, keep: bool = False) -> Path:
+def convert_gguf(
+    gguf_path: str | Path, out_dir: str | Path, progress: bool = True, *, keep: bool = False, float_weights: bool = True
+) -> Path:
     """Write a Hugging Face model directory for `gguf_path` into `out_dir` (created); `keep`:
-    move the GGUF in as well (`GGUF_FILE`), for weight_dtype "auto" to serve as it is."""
+    move the GGUF in as well (`GGUF_FILE`), for weight_dtype "auto" to serve as it is;
+    `float_weights` False (only with `keep`): no model.safetensors, the GGUF is the weights."""
+    if not (float_weights or keep):
+        raise ValueError("convert_gguf: float_weights=False needs keep=True (the GGUF is then the only weights)")
     path = Path(gguf_path)
     reader = open_gguf(path)
     cfg = gguf_model_config(reader, path)
-    tensors = hf_tensors(reader, cfg, path, progress=progress)
+    tensors = hf_tensors(reader, cfg, path, progress=progress) if float_weights else _check_served(reader, cfg, path)
     out = _side_files(reader, cfg, path, Path(out_dir))
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "model.safetensors").chmod(0o644)  # safetensors creates it 0600
+    if tensors:
+        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+        (out / "model.safetensors").chmod(0o644)  # safetensors creates it 0600
+    del tensors
     if keep:
-        del reader, tensors  # the mapping closes before the move
+        del reader  # the mapping closes before the move
         path.replace(out / GGUF_FILE)
     return out
 
 
+def _check_served(reader: gguf.GGUFReader, cfg: ModelConfig, path: Path) -> dict[str, np.ndarray]:
+    """GGUFError unless every tensor has a type tl serves and none the config needs is missing
+    (what serving the GGUF as it is would find); {} (no float tensors)."""
+    for t in reader.tensors:
+        if Q(t.tensor_type).name not in served_types():
+            dequantize_tensor(t, path)  # raises, naming the tensor, its type and the served types
+    _check_names({n for t in reader.tensors for n in _expand(hf_name(t.name, cfg.architecture), cfg)}, cfg, path)
+    return {}
+
+
 def _side_files(reader: gguf.GGUFReader, cfg: ModelConfig, path: Path, out: Path) -> Path:
     """config.json, the tokenizer's files and generation_config.json of the GGUF into `out`."""
-    tok = _tokenizer_metadata(reader, path)
+    tok = tokenizer_meta(reader, path)
     out.mkdir(parents=True, exist_ok=True)
     _write_json(out / "config.json", cfg.to_dict())
     _write_json(out / "tokenizer.json", tokenizer_json(tok, path))
-    _write_json(out / "tokenizer_config.json", tokenizer_config(tok, cfg))
+    _write_json(out / "tokenizer_config.json", tokenizer_config(tok, cfg.max_position_embeddings))
     _write_json(out / "generation_config.json", _generation_config(cfg))
     return out
 
@@ -150,37 +179,28 @@ def served_types() -> tuple[str, ...]:
 
 def packed_tensors(path: Path) -> dict[str, np.ndarray | Packed]:
     """Every tensor of the GGUF at `path` under its HF name, as the file stores it: block formats
-    as `Packed` (views of the mapped file where no rows move), F32 as float32, F16 and BF16
-    widened to float32; llama's q/k rows un-permuted. A tensor type tl does not serve raises
-    GGUFError naming the tensor, its type and the served types."""
+    as `Packed` (views of the mapped file where no rows move; each expert of a stacked expert
+    tensor its own slice), F32 as float32, F16 and BF16 widened to float32; llama.cpp's
+    conventions undone as `to_hf` does. A tensor type tl does not serve raises GGUFError naming
+    the tensor, its type and the served types; a missing tensor, its GGUF name."""
     from tl.model.encodings.ggml_formats import by_ggml_type
 
     reader = open_gguf(path)
     cfg = gguf_model_config(reader, path)
     out: dict[str, np.ndarray | Packed] = {}
     for t in reader.tensors:
-        name = hf_name(t.name)
+        name = hf_name(t.name, cfg.architecture)
         if name is None:
             continue
-        ttype = Q(t.tensor_type)
-        fmt = by_ggml_type(int(ttype))
+        fmt = by_ggml_type(int(Q(t.tensor_type)))
         w: np.ndarray | Packed
-        if fmt is not None:
-            w = Packed(fmt.name, t.data.reshape(-1, t.data.shape[-1]), int(t.shape[0]))
-            w = w.with_rows(w.data.reshape(*(int(n) for n in reversed(t.shape[1:])), w.data.shape[-1]))
+        if fmt is not None:  # data: uint8 [*reversed(shape[1:]), row_bytes]
+            rows = tuple(int(n) for n in reversed(t.shape[1:]))
+            w = Packed(fmt.name, t.data.reshape(*rows, t.data.shape[-1]), int(t.shape[0]))
         else:  # F32, F16 and BF16 as float32; any other type refused there
             w = dequantize_tensor(t, path)
-        heads = {"q_proj": cfg.num_attention_heads, "k_proj": cfg.num_key_value_heads}
-        part = name.split(".")[-2]
-        if cfg.architecture == "LlamaForCausalLM" and part in heads:
-            w = (
-                w.with_rows(unpermute_qk(w.data, heads[part]))
-                if isinstance(w, Packed)
-                else unpermute_qk(w, heads[part])
-            )
-        out[name] = w
-    if "model.embed_tokens.weight" not in out:
-        raise GGUFError(f"{path}: tensor 'token_embd.weight' is missing")
+        out |= dict(to_hf(cfg, name, w, path))
+    _check_names(set(out), cfg, path)
     return out
 
 
@@ -215,42 +235,237 @@ def _f32_round(x: float) -> float:
 
 
 def gguf_model_config(reader: gguf.GGUFReader, path: Path) -> ModelConfig:
+    """The GGUF's architecture as a ModelConfig: its metadata written as the config.json keys
+    (`gguf_config_dict`) and parsed as config.json is, errors naming the file."""
+    try:
+        return ModelConfig.from_dict(gguf_config_dict(reader, path), source=str(path))
+    except ModelDirError as e:
+        raise GGUFError(str(e)) from None
+
+
+def gguf_config_dict(reader: gguf.GGUFReader, path: Path) -> dict[str, Any]:
+    """config.json of the GGUF's model, from `{arch}.*` metadata as llama.cpp's loaders read it."""
     arch = field(reader, "general.architecture")
     if arch not in ARCHITECTURES:
         raise GGUFError(f"{path}: architecture {arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})")
     hidden = int(_need(reader, f"{arch}.embedding_length", path))
     heads = int(_need(reader, f"{arch}.attention.head_count", path))
+    head_dim = int(field(reader, f"{arch}.attention.key_length", hidden // heads))
+    rope_dims = field(reader, f"{arch}.rope.dimension_count")
+    if rope_dims is not None and int(rope_dims) != head_dim:
+        raise GGUFError(f"{path}: {arch}.rope.dimension_count {rope_dims} (partial RoPE) is not supported")
     tokens = field(reader, "tokenizer.ggml.tokens") or []
     eos = [field(reader, "tokenizer.ggml.eos_token_id"), field(reader, "tokenizer.ggml.eot_token_id")]
     names = {t.name for t in reader.tensors}
-    return ModelConfig(
-        architecture=ARCHITECTURES[arch],
-        vocab_size=int(field(reader, f"{arch}.vocab_size", len(tokens))),
-        hidden_size=hidden,
-        intermediate_size=int(_need(reader, f"{arch}.feed_forward_length", path)),
-        num_hidden_layers=int(_need(reader, f"{arch}.block_count", path)),
-        num_attention_heads=heads,
-        num_key_value_heads=int(field(reader, f"{arch}.attention.head_count_kv", heads)),
-        head_dim=int(field(reader, f"{arch}.attention.key_length", hidden // heads)),
-        rope_theta=_f32_round(field(reader, f"{arch}.rope.freq_base", 10000.0)),
-        rms_norm_eps=_f32_round(_need(reader, f"{arch}.attention.layer_norm_rms_epsilon", path)),
-        max_position_embeddings=int(field(reader, f"{arch}.context_length", 2048)),
-        tie_word_embeddings="output.weight" not in names,
-        attention_bias="blk.0.attn_q.bias" in names,
-        bos_token_id=field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
-    )
+    eos_ids = list(dict.fromkeys(int(e) for e in eos if e is not None))
+    d: dict[str, Any] = {
+        "architectures": [ARCHITECTURES[arch]],
+        "vocab_size": int(field(reader, f"{arch}.vocab_size", len(tokens))),
+        "hidden_size": hidden,
+        "intermediate_size": int(field(reader, f"{arch}.feed_forward_length", 0)),
+        "num_hidden_layers": int(_need(reader, f"{arch}.block_count", path)),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(field(reader, f"{arch}.attention.head_count_kv", heads)),
+        "head_dim": head_dim,
+        "rope_theta": _f32_round(field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        "rms_norm_eps": _f32_round(_need(reader, f"{arch}.attention.layer_norm_rms_epsilon", path)),
+        "max_position_embeddings": int(field(reader, f"{arch}.context_length", 2048)),
+        "tie_word_embeddings": "output.weight" not in names,
+        "attention_bias": "blk.0.attn_q.bias" in names,
+        "bos_token_id": field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": eos_ids[0] if len(eos_ids) == 1 else eos_ids,
+    }
+    scaling = _rope_scaling(reader, arch, d, path)
+    if scaling:
+        d["rope_scaling"] = scaling
+    if arch == "gemma3":
+        d |= _gemma3_keys(reader, d, path)
+    if arch == "qwen3moe":
+        d |= _qwen3moe_keys(reader, d, path)
+    if not d["intermediate_size"]:
+        raise GGUFError(f"{path}: missing metadata key '{arch}.feed_forward_length'")
+    return d
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """The HF tensor name of a GGUF tensor name, or None for tensors HF does not store (rope_freqs)."""
+def _gemma3_keys(reader: gguf.GGUFReader, d: dict[str, Any], path: Path) -> dict[str, Any]:
+    """Gemma 3's config keys as llama.cpp's gemma3 loader derives them: sliding layers when
+    `gemma3.attention.sliding_window` is set, every GEMMA3_SWA_PATTERN-th layer full (or the
+    per-layer `sliding_window_pattern` array / the pattern it gives), their RoPE base
+    `rope.freq_base_swa` (default 10000); the softmax scale head_dim**-0.5, except the 62-layer
+    (27B) model's (hidden / heads)**-0.5."""
+    layers, window = d["num_hidden_layers"], int(field(reader, "gemma3.attention.sliding_window", 0))
+    pattern = field(reader, "gemma3.attention.sliding_window_pattern", GEMMA3_SWA_PATTERN)
+    if not window:
+        types = [FULL] * layers
+    elif isinstance(pattern, list):
+        if len(pattern) != layers:
+            raise GGUFError(
+                f"{path}: gemma3.attention.sliding_window_pattern lists {len(pattern)} layers, not {layers}"
+            )
+        types = [SLIDING if swa else FULL for swa in pattern]
+    else:  # llama.cpp's set_swa_pattern(n): layer i slides when i % n < n - 1 (n == 0: all slide)
+        n = int(pattern)
+        types = [SLIDING if n == 0 or i % n < n - 1 else FULL for i in range(layers)]
+    scalar = d["hidden_size"] // d["num_attention_heads"] if layers == 62 else d["head_dim"]
+    return {
+        "sliding_window": window or None,
+        "layer_types": types,
+        "rope_local_base_freq": _f32_round(field(reader, "gemma3.rope.freq_base_swa", GEMMA3_LOCAL_ROPE_BASE)),
+        "query_pre_attn_scalar": scalar,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "final_logit_softcapping": field(reader, "gemma3.final_logit_softcapping"),
+        "attn_logit_softcapping": field(reader, "gemma3.attn_logit_softcapping"),
+    }
+
+
+def _qwen3moe_keys(reader: gguf.GGUFReader, d: dict[str, Any], path: Path) -> dict[str, Any]:
+    """Qwen3-MoE: every layer a MoE layer, top-k weights renormalized (llama.cpp's qwen3moe
+    graph always normalizes them)."""
+    moe_size = int(_need(reader, "qwen3moe.expert_feed_forward_length", path))
+    return {
+        "num_experts": int(_need(reader, "qwen3moe.expert_count", path)),
+        "num_experts_per_tok": int(_need(reader, "qwen3moe.expert_used_count", path)),
+        "moe_intermediate_size": moe_size,
+        "intermediate_size": d["intermediate_size"] or moe_size,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    }
+
+
+def _rope_scaling(reader: gguf.GGUFReader, arch: str, d: dict[str, Any], path: Path) -> dict[str, Any] | None:
+    """The config's rope_scaling: `{arch}.rope.scaling.type` linear (factor), or Llama 3's
+    scaling, which llama.cpp's converter writes as a `rope_freqs.weight` tensor of per-frequency
+    divisors (`llama3_from_rope_freqs`); other scaling types are refused by ModelConfig."""
+    kind = field(reader, f"{arch}.rope.scaling.type")
+    factor = field(reader, f"{arch}.rope.scaling.factor", field(reader, f"{arch}.rope.scale_linear"))
+    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if freqs is not None:
+        if kind not in (None, "none") or factor not in (None, 1.0):
+            raise GGUFError(
+                f"{path}: tensor 'rope_freqs.weight' together with {arch}.rope.scaling "
+                f"({kind!r}, factor {factor!r}) is not supported"
+            )
+        return llama3_from_rope_freqs(dequantize_tensor(freqs, path), d["rope_theta"], d["head_dim"], path)
+    if kind == "none" or (kind is None and factor in (None, 1.0)):
+        return None
+    if factor is None:
+        raise GGUFError(f"{path}: {arch}.rope.scaling.type {kind!r} without {arch}.rope.scaling.factor")
+    return {"rope_type": kind or "linear", "factor": _f32_round(factor)}
+
+
+def llama3_rope_factors(scaling: dict[str, Any], theta: float, head_dim: int) -> np.ndarray:
+    """The per-frequency divisors llama.cpp's converter writes as rope_freqs.weight for Llama 3's
+    rope_scaling (float32 [head_dim // 2]): 1 for short wavelengths, `factor` for long, a smooth
+    blend between."""
+    freqs = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    wavelen = 2 * np.pi / freqs
+    lo, hi, ctx = scaling["low_freq_factor"], scaling["high_freq_factor"], scaling["original_max_position_embeddings"]
+    smooth = (ctx / wavelen - lo) / (hi - lo)
+    blend = 1 / ((1 - smooth) / scaling["factor"] + smooth)
+    out = np.where(wavelen < ctx / hi, 1.0, np.where(wavelen > ctx / lo, scaling["factor"], blend))
+    return out.astype(np.float32)
+
+
+def llama3_from_rope_freqs(factors: np.ndarray, theta: float, head_dim: int, path: Path) -> dict[str, Any] | None:
+    """Llama 3's rope_scaling from the rope_freqs divisors. Only the ratios of
+    original_max_position_embeddings to the two freq factors show in them, so low_freq_factor is
+    taken as 1 (Llama 3's) and the rest solved from the blended entries (Llama 3.1's 4 and 8192
+    where none are blended); refused, naming the tensor, unless the result rebuilds the tensor."""
+    factors = np.asarray(factors, np.float64).reshape(-1)
+    if len(factors) * 2 != head_dim:
+        raise GGUFError(
+            f"{path}: tensor 'rope_freqs.weight' has {len(factors)} entries, expected head_dim/2 = {head_dim // 2}"
+        )
+    if np.allclose(factors, 1.0):
+        return None
+    factor = float(np.float32(factors.max()))
+    lo, hi, ctx = 1.0, 4.0, 8192.0
+    blended = (factors > 1 + 1e-6) & (factors < factor * (1 - 1e-6))
+    if blended.sum() >= 2:  # 1/r = (1 - s)/factor + s with s = ctx/wavelen/(hi - lo) - lo/(hi - lo)
+        inv_wavelen = (1.0 / (theta ** (np.arange(0, head_dim, 2) / head_dim)) / (2 * np.pi))[blended]
+        s = (1 / factors[blended] - 1 / factor) / (1 - 1 / factor)
+        slope, icept = np.polyfit(inv_wavelen, s, 1)
+        if icept < 0:
+            hi = round(lo - lo / icept, 4)
+            ctx = round(slope * (hi - lo))
+    scaling = {
+        "rope_type": "llama3",
+        "factor": factor,
+        "low_freq_factor": lo,
+        "high_freq_factor": hi,
+        "original_max_position_embeddings": int(ctx),
+    }
+    if not np.allclose(llama3_rope_factors(scaling, theta, head_dim), factors, rtol=1e-4, atol=1e-6):
+        raise GGUFError(
+            f"{path}: tensor 'rope_freqs.weight' does not follow Llama 3's rope scaling "
+            f"(closest: {scaling}), and tl serves no other per-frequency RoPE factors"
+        )
+    return scaling
+
+
+def hf_name(gguf_name: str, architecture: str = "LlamaForCausalLM") -> str | None:
+    """The HF tensor name of a GGUF tensor name (experts: with EXPERT for the expert index), or
+    None for tensors HF does not store (rope_freqs)."""
     stem, _, kind = gguf_name.rpartition(".")
     if stem in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[stem]}.{kind}"
+    names = _GEMMA3_LAYER_NAMES if architecture == "Gemma3ForCausalLM" else _LAYER_NAMES
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)", stem)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{kind}"
+    if m and m.group(2) in names:
+        return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{kind}"
     return None
+
+
+def gguf_name(hf: str, architecture: str = "LlamaForCausalLM") -> str:
+    """The GGUF name of an HF tensor name (for messages; experts name their stacked tensor)."""
+    for stem, name in _GLOBAL_NAMES.items():
+        if hf.startswith(name + "."):
+            return stem + hf[len(name) :]
+    names = _GEMMA3_LAYER_NAMES if architecture == "Gemma3ForCausalLM" else _LAYER_NAMES
+    m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.(\w+)", re.sub(r"experts\.\d+\.", f"experts.{EXPERT}.", hf))
+    by_hf = {v: k for k, v in names.items()}
+    return f"blk.{m.group(1)}.{by_hf[m.group(2)]}.{m.group(3)}" if m and m.group(2) in by_hf else hf
+
+
+def _expand(name: str | None, cfg: ModelConfig) -> list[str]:
+    if name is None:
+        return []
+    return [name.replace(EXPERT, str(e)) for e in range(cfg.num_experts)] if EXPERT in name else [name]
+
+
+def _check_names(names: set[str], cfg: ModelConfig, path: Path) -> None:
+    """GGUFError naming the GGUF tensor of the first HF tensor the config needs and `names` lacks."""
+    for hf in hf_shapes(cfg):
+        if hf not in names:
+            raise GGUFError(f"{path}: tensor {gguf_name(hf, cfg.architecture)!r} is missing (HF {hf!r})")
+
+
+def to_hf(cfg: ModelConfig, name: str, w: np.ndarray | Packed, path: Path) -> Iterator[tuple[str, Any]]:
+    """(HF name, tensor) pairs of one GGUF tensor already named `name` (hf_name) with llama.cpp's
+    conventions undone: llama's q/k rows un-permuted; Gemma's norms, which llama.cpp stores as
+    1 + w, back to HF's w (ModelConfig.norm_offset adds the 1); a stacked expert tensor
+    [E, out, in] split per expert (Packed: a slice of the expert axis, each stays packed)."""
+    heads = {"q_proj": cfg.num_attention_heads, "k_proj": cfg.num_key_value_heads}
+    part = name.split(".")[-2]
+    if cfg.architecture == "LlamaForCausalLM" and part in heads:
+        w = w.with_rows(unpermute_qk(w.data, heads[part])) if isinstance(w, Packed) else unpermute_qk(w, heads[part])
+    if cfg.norm_offset and name.endswith("norm.weight"):
+        if isinstance(w, Packed):
+            raise GGUFError(
+                f"{path}: norm tensor {gguf_name(name, cfg.architecture)!r} is block-quantized ({w.format})"
+            )
+        w = w - np.float32(cfg.norm_offset)
+    if EXPERT not in name:
+        yield name, w
+        return
+    if w.shape[0] != cfg.num_experts:
+        raise GGUFError(
+            f"{path}: tensor {gguf_name(name, cfg.architecture)!r} stacks {w.shape[0]} experts, "
+            f"expected {cfg.num_experts}"
+        )
+    for e in range(cfg.num_experts):
+        yield name.replace(EXPERT, str(e)), w.with_rows(w.data[e]) if isinstance(w, Packed) else w[e]
 
 
 def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -276,105 +491,14 @@ def dequantize_tensor(t: gguf.ReaderTensor, path: Path) -> np.ndarray:
 
 
 def hf_tensors(reader: gguf.GGUFReader, cfg: ModelConfig, path: Path, progress: bool = True) -> dict[str, np.ndarray]:
-    """All tensors, dequantized, renamed to HF names, q/k un-permuted for llama."""
+    """All tensors, dequantized, under HF names, llama.cpp's conventions undone (`to_hf`)."""
     out: dict[str, np.ndarray] = {}
     for t in tqdm(reader.tensors, desc=f"convert {path.name}", unit="tensor", file=sys.stderr, disable=not progress):
-        name = hf_name(t.name)
-        if name is None:
-            continue
-        w = dequantize_tensor(t, path)
-        if cfg.architecture == "LlamaForCausalLM" and name.endswith(("q_proj.weight", "q_proj.bias")):
-            w = unpermute_qk(w, cfg.num_attention_heads)
-        elif cfg.architecture == "LlamaForCausalLM" and name.endswith(("k_proj.weight", "k_proj.bias")):
-            w = unpermute_qk(w, cfg.num_key_value_heads)
-        out[name] = w
-    if "model.embed_tokens.weight" not in out:
-        raise GGUFError(f"{path}: tensor 'token_embd.weight' is missing")
+        name = hf_name(t.name, cfg.architecture)
+        if name is not None:
+            out |= {n: np.ascontiguousarray(w) for n, w in to_hf(cfg, name, dequantize_tensor(t, path), path)}
+    _check_names(set(out), cfg, path)
     return out
-
-
-def _tokenizer_metadata(reader: gguf.GGUFReader, path: Path) -> dict[str, Any]:
-    model = field(reader, "tokenizer.ggml.model")
-    if model != "gpt2":
-        raise GGUFError(f"{path}: tokenizer.ggml.model {model!r} is not supported (only BPE 'gpt2')")
-    pre = field(reader, "tokenizer.ggml.pre", "default")
-    if pre not in PRE_TOKENIZERS:
-        raise GGUFError(f"{path}: tokenizer.ggml.pre {pre!r} is not supported (supported: {', '.join(PRE_TOKENIZERS)})")
-    tokens = _need(reader, "tokenizer.ggml.tokens", path)
-    return {
-        "tokens": tokens,
-        "pre": pre,
-        "merges": field(reader, "tokenizer.ggml.merges", []),
-        "types": field(reader, "tokenizer.ggml.token_type", [1] * len(tokens)),
-        "chat_template": field(reader, "tokenizer.chat_template"),
-        "ids": {k: field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos", "unknown", "padding")},
-    }
-
-
-def _added_tokens(tok: dict[str, Any]) -> list[dict[str, Any]]:
-    return [
-        {
-            "id": i,
-            "content": s,
-            "single_word": False,
-            "lstrip": False,
-            "rstrip": False,
-            "normalized": False,
-            "special": ty == TOKEN_TYPE_CONTROL,
-        }
-        for i, (s, ty) in enumerate(zip(tok["tokens"], tok["types"], strict=False))
-        if ty in (TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED)
-    ]
-
-
-def tokenizer_json(tok: dict[str, Any], path: Path) -> dict[str, Any]:
-    """A `tokenizers` BPE with the GGUF vocab and merges, ByteLevel decoder."""
-    vocab = {s: i for i, s in enumerate(tok["tokens"])}
-    if len(vocab) != len(tok["tokens"]):
-        raise GGUFError(f"{path}: tokenizer.ggml.tokens has duplicate entries")
-    return {
-        "version": "1.0",
-        "truncation": None,
-        "padding": None,
-        "added_tokens": _added_tokens(tok),
-        "normalizer": None,
-        "pre_tokenizer": PRE_TOKENIZERS[tok["pre"]],
-        "post_processor": None,
-        "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
-        "model": {
-            "type": "BPE",
-            "dropout": None,
-            "unk_token": None,
-            "continuing_subword_prefix": None,
-            "end_of_word_suffix": None,
-            "fuse_unk": False,
-            "byte_fallback": False,
-            "ignore_merges": False,
-            "vocab": vocab,
-            "merges": list(tok["merges"]),
-        },
-    }
-
-
-def tokenizer_config(tok: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
-    def name(key: str) -> str | None:
-        i = tok["ids"][key]
-        return tok["tokens"][i] if isinstance(i, int) and 0 <= i < len(tok["tokens"]) else None
-
-    decoder = {str(a["id"]): {k: v for k, v in a.items() if k != "id"} for a in _added_tokens(tok)}
-    return {
-        "add_bos_token": False,
-        "add_eos_token": False,
-        "added_tokens_decoder": decoder,
-        "bos_token": name("bos"),
-        "eos_token": name("eos"),
-        "unk_token": name("unknown"),
-        "pad_token": name("padding"),
-        "chat_template": tok["chat_template"],
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": cfg.max_position_embeddings,
-        "tokenizer_class": "GPT2Tokenizer",
-    }
 
 
 def _generation_config(cfg: ModelConfig) -> dict[str, Any]:

@@ -2,12 +2,15 @@
 
 Owns: loading tokenizer.json with the `tokenizers` library; encoding without adding
 special tokens (chat templates carry BOS) while matching special tokens written in
-the text; the per-token byte table (`token_bytes`) that lets a streamer join bytes and
-decode UTF-8 incrementally. Must not import jax, render chat templates (tl/text/chat_template.py
-does) or decide which ids end generation (the engine's `eos_token_ids`, by tl.model.files'
-rule). Tested by
+the text, and a prompt's encoding (`encode_prompt`: BOS first where tokenizer_config.json's
+add_bos_token asks, as llama.cpp adds it for Gemma's and Llama 2's vocabularies, unless the
+text already begins with it); the per-token byte table (`token_bytes`) that lets a streamer
+join bytes and decode UTF-8 incrementally (SentencePiece pieces: '▁' a space, <0xNN> a byte).
+Must not import jax, render chat templates (tl/text/chat_template.py does) or decide which
+ids end generation (the engine's `eos_token_ids`, by tl.model.files' rule). Tested by
 tests/test_tokenizer.py (byte tokenizer of tests/models.py, and SmolLM2's tokenizer
-against transformers' independent GGUF tokenizer, marked slow).
+against transformers' independent GGUF tokenizer, marked slow) and
+tests/test_gguf_tokenizer.py (SentencePiece vocabularies, BOS on prompts).
 """
 
 from __future__ import annotations
@@ -77,9 +80,12 @@ class Tokenizer:
         *,
         bos_token: str | None = None,
         eos_token: str | None = None,
+        add_bos_token: bool = False,
     ) -> None:
         self._tok = tok
         self._bos_token, self._eos_token = bos_token, eos_token
+        bos_id = None if bos_token is None else tok.token_to_id(bos_token)
+        self._bos_prefix = [bos_id] if add_bos_token and bos_id is not None else []
         self._byte_level = _has_type(spec.get("decoder"), "ByteLevel")
         added = {int(i): t for i, t in tok.get_added_tokens_decoder().items()}
         self._special = {t.content: i for i, t in added.items() if t.special}
@@ -108,11 +114,23 @@ class Tokenizer:
         except Exception as e:  # noqa: BLE001 (tokenizers raises a bare Exception on a bad spec)
             raise ModelDirError(f"{path}: cannot build the tokenizer ({e})") from None
         tcfg = load_tokenizer_config(d)
-        return cls(tok, spec, bos_token=tcfg.bos_token, eos_token=tcfg.eos_token)
+        add_bos = read_json(d / "tokenizer_config.json", required=False).get("add_bos_token") is True
+        return cls(tok, spec, bos_token=tcfg.bos_token, eos_token=tcfg.eos_token, add_bos_token=add_bos)
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`; no BOS/EOS added; special tokens in the text match as one token."""
         return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """Token ids of a prompt: `encode`, after the BOS token where the model's tokenizer adds
+        it (add_bos_token) and the text (a rendered chat template, say) does not begin with it."""
+        ids = self.encode(text)
+        return self._bos_prefix + ids if self._bos_prefix and ids[:1] != self._bos_prefix else ids
+
+    @property
+    def add_bos_token(self) -> bool:
+        """Whether prompts begin with the BOS token (`encode_prompt`)."""
+        return bool(self._bos_prefix)
 
     def token_bytes(self, token_id: int) -> bytes:
         """The exact bytes `token_id` adds to the output; b"" for ids outside the vocab
