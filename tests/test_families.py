@@ -93,7 +93,8 @@ def test_paged_chunked_batched_runner_matches_dense(name: str) -> None:
 
     cfg = family_config(name)
     tensors = family_tensors(cfg)
-    runner = ModelRunner(start(cfg, tensors, ENGINE))
+    kernels = {"attention_kernel": "cpu_native", "matmul_kernel": "xla"}  # forced: no per-shape timing runs
+    runner = ModelRunner(start(cfg, tensors, ENGINE.replace(**kernels)))
     ids = family_token_ids().tolist()
     seqs = [Seq(0, ids[:30], 12), Seq(1, ids[30:51], 12), Seq(2, ids[51:54], 12)]
     Driver(runner, seed=1).run(seqs)
@@ -116,7 +117,8 @@ def test_engine_prefix_cache_preemption_speculation_chunking(name: str) -> None:
     from tl.runtime.startup import start
 
     cfg = family_config(name)
-    runner = ModelRunner(start(cfg, family_tensors(cfg), CFG.replace(speculative="prompt_lookup")))
+    kernels = {"attention_kernel": "cpu_native", "matmul_kernel": "xla"}  # forced: no per-shape timing runs
+    runner = ModelRunner(start(cfg, family_tensors(cfg), CFG.replace(speculative="prompt_lookup", **kernels)))
     everything = CFG.replace(num_kv_blocks=14, prefix_cache="radix", prefill_chunk=4, speculative="prompt_lookup")
     # The reference drafts too: a sampled row that verifies a draft draws from the same
     # distribution as without drafts, but not the same token (tl/runtime/sampler.py `sample`).
