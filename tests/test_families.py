@@ -132,3 +132,40 @@ def test_engine_prefix_cache_preemption_speculation_chunking(name: str) -> None:
     stats = engine.stats()
     assert stats.preemptions > 0 and stats.prefix_cache_hits > 0 and stats.spec_drafts_proposed > 0
     assert stats.kv_blocks_used == 0
+
+
+def test_every_layer_sliding_frees_the_blocks_behind_the_window() -> None:
+    """Mistral-style (every layer sliding, window 16, blocks of 4): a sequence holds at most
+    window / block_size + 2 blocks however long it grows, the freed blocks serve the next
+    requests, and the tokens are those of an engine that keeps every block."""
+    from differential import drive, token_ids
+    from test_engine import check_engine
+    from test_engine_runner import CFG
+
+    from tl.core.engine import Engine
+    from tl.core.request import GenRequest, SamplingParams
+    from tl.runtime.runner import ModelRunner
+    from tl.runtime.startup import start
+
+    cfg = family_config("mistral")
+    assert cfg.attention_window == 16 and family_config("gemma3").attention_window == 0
+    kernels = {"attention_kernel": "cpu_native", "matmul_kernel": "xla"}
+    runner = ModelRunner(start(cfg, family_tensors(cfg), CFG.replace(**kernels)))
+    assert runner.attention_window == 16
+    ids = tuple(int(t) for t in family_token_ids())
+    greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    held: list[int] = []
+
+    def books(engine: Engine) -> None:
+        check_engine(engine)
+        held.extend(engine.block_manager.num_held(s.seq_id) for s in engine.scheduler.running)
+
+    cfg_engine = CFG.replace(num_kv_blocks=12, prefill_chunk=8)  # 12 blocks: 48 tokens, less than one sequence
+    from differential import Arrival
+
+    arrivals = [Arrival(0, GenRequest(ids[:30], greedy)), Arrival(2, GenRequest(ids[30:50], greedy))]
+    got = drive(Engine(runner, cfg_engine), arrivals, check=books)
+    want = [drive(Engine(runner, CFG), [a])[0] for a in arrivals]  # 64 blocks: nothing needs freeing
+    assert [token_ids(o) for o in got] == [token_ids(o) for o in want]
+    assert all(len(token_ids(o)) == 40 for o in got)
+    assert max(held) <= 16 // 4 + 2

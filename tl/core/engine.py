@@ -59,6 +59,7 @@ class Engine:
             eos_token_ids=self.eos_token_ids,
             max_model_len=self.max_model_len,
             clock=clock,
+            attention_window=getattr(runner, "attention_window", 0),
         )
         self._clock = clock
         self._rng = random.Random(seed)

@@ -89,6 +89,8 @@ class Runner(Protocol):
     num_kv_blocks: int
     max_model_len: int
     eos_token_ids: tuple[int, ...]
+    # attention_window (optional, default 0): W when every layer attends to its last W positions
+    # only; the scheduler then releases the blocks behind each sequence's window.
 
     @property
     def backend_info(self) -> BackendInfo | None:

@@ -96,9 +96,13 @@ class Scheduler:
         eos_token_ids: Iterable[int],
         max_model_len: int,
         clock: Callable[[], float],
+        attention_window: int = 0,
     ) -> None:
+        """attention_window: W when every layer of the model attends to its last W positions
+        only (Mistral v0.1): blocks behind a sequence's window are released after each step."""
         self.config = config
         self.block_manager = block_manager
+        self.attention_window = attention_window
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
         self.clock = clock
@@ -341,7 +345,7 @@ class Scheduler:
             return self._pool(seq, work, result)
         if not work.sample:
             seq.num_computed_tokens += num_fed
-            self.block_manager.cache_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+            self._computed(seq)
             return []
         result = _checked(work, result)
         self.counters.spec_drafts_proposed += len(work.draft_ids)
@@ -349,10 +353,20 @@ class Scheduler:
         seq.num_computed_tokens += num_fed + result.num_accepted  # rejected drafts' KV is stale: recomputed later
         outs = self._append_tokens(seq, result)
         seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens)  # a stop may cut the accepted run
-        self.block_manager.cache_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
         if outs[-1].finish_reason is not None:
+            self.block_manager.cache_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
             self._finish(seq, outs[-1].finish_reason)
+        else:
+            self._computed(seq)
         return outs
+
+    def _computed(self, seq: Sequence) -> None:
+        """seq's KV now covers num_computed_tokens: index its full blocks; behind an every-layer
+        sliding window, release the blocks its next tokens can no longer see (their keys lie
+        before position num_computed_tokens - window + 1)."""
+        self.block_manager.cache_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+        if self.attention_window:
+            self.block_manager.release_behind(seq.seq_id, seq.num_computed_tokens - self.attention_window + 1)
 
     def _pool(self, seq: Sequence, work: SeqWork, result: SeqResult | None) -> list[TokenOut]:
         """Add a pooled chunk's sum in; the input's last chunk finishes it with its vector."""

@@ -112,6 +112,12 @@ class ModelConfig:
         """The layer's attention window (0: full causal)."""
         return self.sliding_window if self.is_sliding(layer) else 0
 
+    @property
+    def attention_window(self) -> int:
+        """W when every layer attends to its last W positions only (KV behind it is dead), else 0."""
+        n = self.num_hidden_layers
+        return self.sliding_window if n and all(self.is_sliding(i) for i in range(n)) else 0
+
     def layer_rope(self, layer: int) -> tuple[float, RopeScaling | None]:
         """(RoPE base, scaling) of the layer: Gemma 3's sliding layers have their own, unscaled."""
         if self.is_sliding(layer) and self.rope_local_theta:

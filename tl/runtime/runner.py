@@ -51,6 +51,7 @@ class ModelRunner:
         self.block_size = started.engine_config.block_size
         self.num_kv_blocks = started.engine_config.num_kv_blocks
         self.max_model_len = started.packer.max_model_len
+        self.attention_window = started.model_config.attention_window  # the scheduler frees KV behind it
         self.eos_token_ids = started.eos_token_ids
         self.mesh: Mesh = started.mesh
         self.plan = started.plan
