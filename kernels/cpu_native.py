@@ -7,7 +7,8 @@ contracts: `paged_attention` with the reference's contract (one call for small s
 native local and cached parts, merged by log-sum-exp), the matmuls over arrays, each saying
 by None what it does not take (`gemv`: float32, up to max_rows() rows; `gemv_int8`: one row of
 W8A8; `qgemm`: up to qgemm_max_rows() rows over ggml's q8_0 / q4_0 / q4_1 / q5_0 / q5_1 blocks
-as a GGUF stores them; `matmul_bf16x3`: three bf16 products on AMX over weights `pack_bf16x3` packed at load,
+and q4_k / q5_k / q6_k super-blocks as a GGUF stores them;
+`matmul_bf16x3`: three bf16 products on AMX over weights `pack_bf16x3` packed at load,
 matmul_precision "high", worth it from HIGH_MIN_ROWS rows), `matmul` (a weight that says which
 of them runs it, `NativeLinear`; None: the caller's own dot) and `argmax_lse` (the sampler's
 greedy token and logsumexp of each logits row in one pass).
@@ -88,12 +89,15 @@ HANDLERS = {  # FFI target base name -> the library's handler symbol
     "tl_argmax_lse": "TlArgmaxLse",
     "tl_qgemm": "TlQGemm",
 }
-QUANT_KINDS = {  # ggml block format -> (quant.cc Kind, bytes a block of 32 weights)
-    "q8_0": (0, 34),
-    "q4_0": (1, 18),
-    "q4_1": (2, 20),
-    "q5_0": (3, 22),
-    "q5_1": (4, 24),
+QUANT_KINDS = {  # ggml block format -> (quant.cc Kind, bytes a block, weights a block)
+    "q8_0": (0, 34, 32),
+    "q4_0": (1, 18, 32),
+    "q4_1": (2, 20, 32),
+    "q5_0": (3, 22, 32),
+    "q5_1": (4, 24, 32),
+    "q4_k": (5, 144, 256),
+    "q5_k": (6, 176, 256),
+    "q6_k": (7, 210, 256),
 }
 
 
@@ -169,14 +173,15 @@ class NativeLib:
     def qgemm(self, x: jax.Array, w: jax.Array, kind: str) -> jax.Array | None:
         """float32 x [N,K] times uint8 w [*out, row_bytes], each output's row the raw ggml blocks of
         its K weights as a GGUF stores them (`kind`: a QUANT_KINDS key) -> float32 [N,*out], with
-        llama.cpp's arithmetic (x quantized to int8 per block of 32, integer block dots, float
-        scaling; kernels/cpu/quant.cc). None where it does not take the call: another kind or
-        dtype, more than qgemm_max_rows() rows, K not a multiple of 32 or rows not K/32 blocks."""
+        llama.cpp's arithmetic (x quantized to int8 per block of 32, or 256 for the K-quants,
+        integer block dots, float scaling; kernels/cpu/quant.cc). None where it does not take the
+        call: another kind or dtype, more than qgemm_max_rows() rows, K not a multiple of the
+        block's weights (32, 256) or rows not K / that many blocks."""
         if kind not in QUANT_KINDS or x.dtype != jnp.float32 or w.dtype != jnp.uint8 or x.ndim != 2 or w.ndim < 2:
             return None
-        code, block = QUANT_KINDS[kind]
+        code, block, size = QUANT_KINDS[kind]
         n, k = x.shape
-        if n > self.qgemm_max_rows() or k % 32 != 0 or w.shape[-1] != k // 32 * block:
+        if n > self.qgemm_max_rows() or k % size != 0 or w.shape[-1] != k // size * block:
             return None
         out = jax.ShapeDtypeStruct((n, *w.shape[:-1]), jnp.float32)
         return self._call("tl_qgemm", out)(x, w, kind=np.int32(code))

@@ -1,5 +1,6 @@
 """kernels/cpu_native.py `qgemm` (kernels/cpu/quant.cc): matmuls over llama.cpp's q8_0, q4_0, q4_1,
-q5_0 and q5_1 blocks, once per build this CPU runs (as tests/test_cpu_native.py's `lib`).
+q5_0 and q5_1 blocks and q4_k, q5_k, q6_k super-blocks, once per build this CPU runs (as
+tests/test_cpu_native.py's `lib`).
 
 Weights are real ggml blocks (gguf.quants.quantize), x random. Two checks a case:
 - against float64: the product of gguf's own dequantized weights with x, within the error of
@@ -12,6 +13,13 @@ Weights are real ggml blocks (gguf.quants.quantize), x random. Two checks a case
   |w_k q_k| + |m_w d_x sum(q)|: each of at most K lane or block terms is rounded twice (by d_x,
   by d_w) before a sum of at most K terms in any order. This one is tight: a wrong nibble,
   sign or rounding moves some output by a whole d_w d_x w q, far beyond it.
+The K-quants the same two ways, on random raw super-blocks (gguf-py has no K quantizer): x
+quantized per 256; each super-block's integer sums (isum = sum sc u q over its groups of 16, msum
+= sum mn bsum) exact, the float terms d_w d_x isum and dmin d_x msum (or the int32 lanes they are
+summed from) rounded at most four times before a sum of at most K/8 of them (16 lanes each of
+isum and msum a super-block on AVX-512, fewer elsewhere), so gamma_{K/8+8} T with T = sum |d_w
+d_x| sum |sc u q| + |dmin d_x| sum |mn bsum|; against float64 the same x quantization bound, and gguf's one rounding of
+each d sc u - dmin mn (U (|d sc u| + |dmin mn|), not U |w|: the difference can cancel).
 """
 
 from __future__ import annotations
@@ -65,9 +73,10 @@ def blocks(raw: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray, np.ndarr
     return w - {"q4_0": 8, "q5_0": 16}.get(kind, 0), d, m
 
 
-def quantize_x(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """ggml's quantize_row_q8_0_ref with a float32 d: x [N, K] -> (q [N, nb, 32] int64, d [N, nb])."""
-    xb = x.reshape(x.shape[0], -1, 32).astype(np.float32)
+def quantize_x(x: np.ndarray, size: int = 32) -> tuple[np.ndarray, np.ndarray]:
+    """ggml's quantize_row_q8_0_ref with a float32 d, per block of `size` (256: the K-quants' Q8_K
+    geometry, same rule): x [N, K] -> (q [N, nb, size] int64, d [N, nb])."""
+    xb = x.reshape(x.shape[0], -1, size).astype(np.float32)
     d = np.abs(xb).max(-1) / np.float32(127)
     inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d != 0)
     v = (xb * inv[..., None]).astype(np.float64)  # the float32 product, exactly
@@ -133,6 +142,122 @@ def test_qgemm_matches_float64_and_llama_cpp_arithmetic(
         assert err64.max() > 0  # the x quantization is really there
 
 
+K_KINDS = ("q4_k", "q5_k", "q6_k")
+K_ROWS = (1, 3, 16, 64)
+K_SHAPES = [((37,), 256), ((3, 40), 768), ((24,), 2048)]  # (out, K): 1, 3 and 8 super-blocks
+
+
+def scale_min_k4(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """ggml's get_scale_min_k4, sub-block by sub-block: 12 bytes [..., 12] -> (scales, mins) [..., 8]."""
+    sc, mn = np.empty(s.shape[:-1] + (8,), np.int64), np.empty(s.shape[:-1] + (8,), np.int64)
+    for j in range(8):
+        if j < 4:
+            sc[..., j], mn[..., j] = s[..., j] & 63, s[..., j + 4] & 63
+        else:
+            sc[..., j] = (s[..., j + 4] & 0xF) | ((s[..., j - 4] >> 6) << 4)
+            mn[..., j] = (s[..., j + 4] >> 4) | ((s[..., j] >> 6) << 4)
+    return sc, mn
+
+
+def k_blocks(raw: np.ndarray, kind: str) -> tuple[np.ndarray, ...]:
+    """Raw ggml rows [O, row_bytes] -> (codes u [O, ns, 256], scale sc and min mn per 16 inputs
+    [O, ns, 16] int64, d, dmin [O, ns]) with weight = d sc u - dmin mn (q6_k: d sc (u - 32), so
+    mn = 32 sc and dmin = d), read from the bytes as ggml's block_q*_K structs lay them out."""
+    o = raw.shape[0]
+    raw = raw.reshape(o, -1, cpu_native.QUANT_KINDS[kind][1])
+    b = raw.astype(np.int64)
+    u = np.empty(b.shape[:-1] + (256,), np.int64)
+    if kind == "q6_k":  # ql[128], qh[64], int8 scales[16], f16 d
+        for h in range(2):
+            for c in range(4):  # quarter c of half h: ql's low (c < 2) or high nibbles, qh's bits 2c, 2c+1
+                ql = b[..., 64 * h + 32 * (c & 1) : 64 * h + 32 * (c & 1) + 32]
+                qh = b[..., 128 + 32 * h : 128 + 32 * h + 32]
+                at = 128 * h + 32 * c
+                u[..., at : at + 32] = ((ql >> 4 * (c >> 1)) & 15) | (((qh >> 2 * c) & 3) << 4)
+        sc = np.ascontiguousarray(raw[..., 192:208]).view(np.int8).astype(np.int64)
+        d = _half(raw[..., 208:210])
+        return u, sc, 32 * sc, d, d
+    qs = b[..., 16:144] if kind == "q4_k" else b[..., 48:176]
+    for s in range(8):  # sub-block s: the low (even s) or high nibbles of 32 bytes, q5_k's bit s of qh on top
+        u[..., 32 * s : 32 * s + 32] = (qs[..., 32 * (s // 2) : 32 * (s // 2) + 32] >> 4 * (s & 1)) & 15
+        if kind == "q5_k":
+            u[..., 32 * s : 32 * s + 32] |= ((b[..., 16:48] >> s) & 1) << 4
+    sc, mn = scale_min_k4(b[..., 4:16])
+    return u, np.repeat(sc, 2, -1), np.repeat(mn, 2, -1), _half(raw[..., 0:2]), _half(raw[..., 2:4])
+
+
+def k_case(rng: np.random.Generator, kind: str, out: tuple[int, ...], k: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """x [n, k] float32 and random raw super-blocks [*out, row_bytes] (every byte random, the float16
+    d and dmin random normal * 0.01, either sign)."""
+    _, bb, size = cpu_native.QUANT_KINDS[kind]
+    raw = rng.integers(0, 256, (*out, k // size, bb), dtype=np.uint8)
+    scales = (rng.standard_normal((*out, k // size, 2)) * 0.01).astype(np.float16).view(np.uint8)
+    if kind == "q6_k":
+        raw[..., 208:210] = scales[..., :2]
+    else:
+        raw[..., 0:4] = scales
+    x = rng.standard_normal((n, k)).astype(np.float32)
+    x[:, :16] *= 100  # groups of very different scales
+    if k > 256:
+        x[:, 256:512] = 0  # an all-zero super-block: d = 0
+    return x, raw.reshape(*out, -1)
+
+
+def emulated_k(x: np.ndarray, raw: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray]:
+    """(y [N, O] of the K-quant arithmetic, integer sums exact and scaling in float64; its float32
+    rounding bound [N, O] as the module docstring derives it)."""
+    u, sc, mn, d, dmin = k_blocks(raw, kind)
+    q, dx = quantize_x(x, 256)
+    o, ns = u.shape[:2]
+    qg, ug = q.reshape(len(x), ns, 16, 16), u.reshape(o, ns, 16, 16)
+    gsum = np.einsum("nsgi,osgi->nosg", qg, ug)  # exact int64 group sums
+    gabs = np.einsum("nsgi,osgi->nosg", np.abs(qg), ug)
+    bs = qg.sum(-1)  # [N, ns, 16]: ggml's bsums
+    isum = (gsum * sc[None]).sum(-1).astype(np.float64)  # [N, O, ns]
+    msum = np.einsum("nsg,osg->nos", bs, mn).astype(np.float64)
+    scale, mscale = d[None] * dx[:, None], dmin[None] * dx[:, None]
+    y = (scale * (isum - msum)).sum(-1) if kind == "q6_k" else (scale * isum - mscale * msum).sum(-1)
+    iabs = (gabs * np.abs(sc[None])).sum(-1)
+    mabs = np.einsum("nsg,osg->nos", np.abs(bs), np.abs(mn))
+    t = (np.abs(scale) * iabs + np.abs(mscale) * mabs).sum(-1)
+    return y, gamma(x.shape[1] // 8 + 8) * t
+
+
+@pytest.mark.parametrize("out,k", K_SHAPES, ids=[f"K{k}" for _, k in K_SHAPES])
+@pytest.mark.parametrize("kind", K_KINDS)
+def test_qgemm_k_quants_match_float64_and_llama_cpp_arithmetic(
+    lib: cpu_native.NativeLib, kind: str, out: tuple[int, ...], k: int
+) -> None:
+    rng = np.random.default_rng(k + 7 * len(kind) + K_KINDS.index(kind))
+    x, raw = k_case(rng, kind, out, k, max(K_ROWS))
+    rows = raw.reshape(-1, raw.shape[-1])
+    u, sc, mn, d, dmin = k_blocks(rows, kind)
+    parts = np.abs(np.repeat(d[..., None] * sc, 16, -1) * u) + np.abs(np.repeat(dmin[..., None] * mn, 16, -1))
+    exact_w = np.repeat(d[..., None] * sc, 16, -1) * u - np.repeat(dmin[..., None] * mn, 16, -1)
+    exact_w, parts = exact_w.reshape(len(rows), k), parts.reshape(len(rows), k)
+    deq = dequantize(rows, gguf.GGMLQuantizationType[kind.upper()]).astype(np.float64)
+    assert (np.abs(deq - exact_w) <= U * parts).all()  # our reading of the bytes is gguf's
+    for n in K_ROWS:
+        xn = x[:n]
+        got = lib.qgemm(jnp.asarray(xn), jnp.asarray(raw), kind)
+        assert got is not None
+        got = np.asarray(got)
+        assert got.shape == (n, *out) and got.dtype == np.float32
+        got = got.reshape(n, -1).astype(np.float64)
+
+        want, fp_bound = emulated_k(xn, rows, kind)
+        err = np.abs(got - want)
+        assert (err <= fp_bound).all(), f"n={n}: {err.max():.3g} from the emulation, bound {fp_bound.min():.3g}"
+
+        _, dx = quantize_x(xn, 256)
+        quant_bound = np.einsum("ok,nk->no", np.abs(deq), np.repeat(dx, 256, axis=1)) * (0.5 + 256 * U)
+        deq_bound = U * np.abs(xn.astype(np.float64)) @ parts.T
+        err64 = np.abs(got - xn.astype(np.float64) @ deq.T)
+        bound = quant_bound + fp_bound + deq_bound
+        assert (err64 <= bound).all(), f"n={n}: {err64.max():.3g} from float64, bound {bound.min():.3g}"
+        assert err64.max() > 0
+
+
 def test_qgemm_declines_what_it_does_not_take(lib: cpu_native.NativeLib) -> None:
     rng = np.random.default_rng(0)
     x, raw = case(rng, "q4_0", (8,), 64, 2)
@@ -145,3 +270,5 @@ def test_qgemm_declines_what_it_does_not_take(lib: cpu_native.NativeLib) -> None
     many = jnp.zeros((lib.qgemm_max_rows() + 1, 64), jnp.float32)
     assert lib.qgemm(many, wj, "q4_0") is None
     assert lib.qgemm(jnp.zeros((1, 48), jnp.float32), jnp.zeros((8, 27), jnp.uint8), "q4_0") is None  # K % 32
+    assert lib.qgemm(jnp.zeros((1, 288), jnp.float32), jnp.zeros((8, 162), jnp.uint8), "q4_k") is None  # K % 256
+    assert lib.qgemm(jnp.zeros((1, 256), jnp.float32), jnp.zeros((8, 145), jnp.uint8), "q4_k") is None  # not 144

@@ -1,8 +1,8 @@
 // Matmuls of a few rows over llama.cpp's quantized block formats, read as a GGUF stores them.
 //
 // Owns: TlQGemm, y [N, O] = x [N, K] @ W^T for W [O, row_bytes] whose rows are the raw ggml
-// blocks (32 weights each) of q8_0, q4_0, q4_1, q5_0 or q5_1 (the `kind` attribute, Kind
-// below), N <= kQMaxRows; TlQGemmMaxRows. Must not: write anything but y. Built by
+// blocks (32 weights each) of q8_0, q4_0, q4_1, q5_0 or q5_1, or super-blocks (256 weights) of
+// q4_k, q5_k or q6_k (the `kind` attribute, Kind below), N <= kQMaxRows; TlQGemmMaxRows. Must not: write anything but y. Built by
 // kernels/cpu_build.py, called by kernels/cpu_native.py (`qgemm`), tested by
 // tests/test_cpu_native_quant.py against float64 products of gguf's dequantized weights and a
 // numpy emulation of the integer arithmetic below.
@@ -22,6 +22,17 @@
 // vectorizes. Each weight block is unpacked once per tile of up to kTileRows rows of x and
 // dotted against all of them; a row's blocks stream front to back, each thread one contiguous
 // range of outputs, its helper lingering after one-row calls as TlGemv's does (threads.h).
+//
+// The K-quants as llama.cpp's ggml_vec_dot_q{4,5,6}_K_q8_K: x quantized per super-block of 256
+// (Q8_K's geometry: one float d, and bsums, each 16 values' sum; the rounding rule above), the
+// weights taken as unsigned codes u (q4_k 0..15, q5_k 0..31, q6_k 0..63) with an int scale sc
+// per 16 inputs (q4_k / q5_k: per sub-block of 32, 6 bits, with a 6-bit min mn) and a min per 16
+// (q6_k: mn = 32 sc, its codes' offset). A super-block's isum = sum sc u q and msum = sum mn bsum
+// are exact int32 sums (|isum| < 2^28); it adds d_w d_x isum - dmin d_x msum in float32 (q6_k:
+// d_w d_x (isum - msum)). u <= 63 is a valid u8 operand against s8 x everywhere: AVX-512 VNNI
+// vpmaddubsw then vpdpwssd with the pairs' scales, 64 inputs a vector; AVX2 (and AVX-512 without
+// VNNI) vpmaddubsw then vpmaddwd, 32 a vector; aarch64 dotprod vdotq_s32 a group of 16 scaled by
+// vmlaq; scalar elsewhere.
 
 #include <algorithm>
 #include <cmath>
@@ -48,7 +59,12 @@ namespace {
 constexpr int64_t kQMaxRows = 64;  // the most rows TlQGemm takes
 constexpr int64_t kQK = 32;        // weights a block
 
-enum Kind : int32_t { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2, kQ5_0 = 3, kQ5_1 = 4 };
+constexpr int64_t kQKK = 256;     // weights a K-quant super-block
+
+enum Kind : int32_t { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2, kQ5_0 = 3, kQ5_1 = 4, kQ4_K = 5, kQ5_K = 6, kQ6_K = 7 };
+
+template <int KIND>
+constexpr bool kSuper = KIND == kQ4_K || KIND == kQ5_K || KIND == kQ6_K;  // super-blocks of 256
 
 template <int KIND>
 struct Fmt;
@@ -78,6 +94,20 @@ struct Fmt<kQ5_1> {
   static constexpr bool kSigned = false, kHasM = true;
 };
 
+// The K-quants (ggml's block_q4_K / block_q5_K / block_q6_K), a super-block of 256 weights each.
+template <>
+struct Fmt<kQ4_K> {
+  static constexpr int64_t kBytes = 144;  // f16 d, f16 dmin, 12 bytes of 6-bit scales / mins, qs[128]
+};
+template <>
+struct Fmt<kQ5_K> {
+  static constexpr int64_t kBytes = 176;  // f16 d, f16 dmin, 12 bytes of scales / mins, qh[32], qs[128]
+};
+template <>
+struct Fmt<kQ6_K> {
+  static constexpr int64_t kBytes = 210;  // ql[128], qh[64], int8 scales[16], f16 d
+};
+
 int64_t block_bytes(int32_t kind) {
   switch (kind) {
     case kQ8_0: return Fmt<kQ8_0>::kBytes;
@@ -85,9 +115,14 @@ int64_t block_bytes(int32_t kind) {
     case kQ4_1: return Fmt<kQ4_1>::kBytes;
     case kQ5_0: return Fmt<kQ5_0>::kBytes;
     case kQ5_1: return Fmt<kQ5_1>::kBytes;
+    case kQ4_K: return Fmt<kQ4_K>::kBytes;
+    case kQ5_K: return Fmt<kQ5_K>::kBytes;
+    case kQ6_K: return Fmt<kQ6_K>::kBytes;
     default: return 0;
   }
 }
+
+int64_t block_inputs(int32_t kind) { return kind >= kQ4_K ? kQKK : kQK; }
 
 // IEEE half at p (unaligned) -> float, exactly.
 inline float half(const uint8_t* p) {
@@ -151,11 +186,18 @@ inline void unpack_scalar(const uint8_t* b, int8_t w[kQK], float& d, float& m) {
 // x quantized once a call: row n's int8 values at q + n * K (then kQK bytes of padding past the
 // last row, for the masked tail loads), each block's d eight times (one per int32 lane of a
 // block's dot) at d8 + (n * nb + b) * 8, and s = d * sum(q) at s + n * nb + b.
+//
+// A K-quant call quantizes x per super-block of 256 instead (ggml's Q8_K geometry): q as above,
+// each super-block's d at dk + n * ns + b, and the sum of each 16 of its values (ggml's bsums, for
+// the mins) at bs + (n * ns + b) * 16; d8, s and nb unused.
 struct XQ {
   const int8_t* q;
   const float* d8;
   const float* s;
   int64_t K, nb;
+  const float* dk = nullptr;
+  const int16_t* bs = nullptr;
+  int64_t ns = 0;
 };
 
 #define TL_STRICT_MATH __attribute__((optimize("no-fast-math")))
@@ -187,6 +229,93 @@ TL_STRICT_MATH void quantize_x(const float* X, int64_t N, int64_t K, int8_t* q, 
       for (int l = 0; l < 8; ++l) d8[(n * nb + b) * 8 + l] = d;
       s[n * nb + b] = d * static_cast<float>(sum);
     }
+}
+
+// Q8_K's geometry (a float d a super-block of 256, bsums: each 16 values' sum) with the rule
+// above (d = amax / 127, roundf). ggml's quantize_row_q8_K scales by -127 / the signed max and
+// rounds half to even: another int8 vector within the same |x - d q| <= d / 2.
+TL_STRICT_MATH void quantize_x_k(const float* X, int64_t N, int64_t K, int8_t* q, float* dk, int16_t* bs) {
+  const int64_t ns = K / kQKK;
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t b = 0; b < ns; ++b) {
+      const float* x = X + n * K + b * kQKK;
+      float amax = 0.0f;
+      for (int i = 0; i < kQKK; ++i) {
+        const float a = x[i] < 0.0f ? -x[i] : x[i];
+        amax = a > amax ? a : amax;
+      }
+      const float d = amax / 127.0f;
+      const float id = d != 0.0f ? 1.0f / d : 0.0f;
+      int8_t* qb = q + n * K + b * kQKK;
+      for (int g = 0; g < 16; ++g) {
+        int32_t sum = 0;
+        for (int i = 16 * g; i < 16 * g + 16; ++i) {
+          const float v = x[i] * id;
+          int32_t t = static_cast<int32_t>(v);
+          const float frac = v - static_cast<float>(t);
+          t += (frac >= 0.5f) - (frac <= -0.5f);
+          qb[i] = static_cast<int8_t>(t);
+          sum += t;
+        }
+        bs[(n * ns + b) * 16 + g] = static_cast<int16_t>(sum);
+      }
+      dk[n * ns + b] = d;
+    }
+}
+
+// ggml's get_scale_min_k4 for all eight sub-blocks of 32 at once: the 12 bytes at s -> out[0..7]
+// the 6-bit scales, out[8..15] the 6-bit mins. Sub-blocks 0-3 keep their low 6 bits in bytes 0-3
+// (scales) and 4-7 (mins); sub-blocks 4-7 their low 4 bits in the nibbles of bytes 8-11 and their
+// top 2 in the top bits of bytes 0-3 / 4-7: each 32-bit word moves four sub-blocks' bits at once.
+inline void scales_mins_k4(const uint8_t* s, uint8_t out[16]) {
+  uint32_t a[3];
+  std::memcpy(a, s, sizeof a);
+  constexpr uint32_t low6 = 0x3f3f3f3f, low4 = 0x0f0f0f0f, top2 = 0x03030303;
+  const uint32_t o[4] = {a[0] & low6, (a[2] & low4) | (((a[0] >> 6) & top2) << 4), a[1] & low6,
+                         ((a[2] >> 4) & low4) | (((a[1] >> 6) & top2) << 4)};
+  std::memcpy(out, o, sizeof o);
+}
+
+// A super-block's codes u[256] (unsigned, in input order), a scale and a min a group of 16 inputs,
+// d and dmin: weight = d sc u - dmin mn. q4_k / q5_k: a sub-block of 32 is 32 bytes' low (even
+// sub-block) or high (odd) nibbles, q5_k's 5th bit of input 32 s + l bit s of qh[l]; q6_k (codes
+// 0..63, weight = d sc (u - 32): mn = 32 sc, taken out of the integer sum, dmin unused): input
+// 128 h + 32 c + l has the low (c < 2) or high nibble of ql[64 h + 32 (c & 1) + l] and bits 2c..2c+1
+// of qh[32 h + l] on top, and a signed scale per 16 inputs.
+template <int KIND>
+inline void unpack_k_scalar(const uint8_t* b, uint8_t u[kQKK], int32_t sc[16], int32_t mn[16], float& d,
+                            float& dmin) {
+  if constexpr (KIND == kQ6_K) {
+    const uint8_t *ql = b, *qh = b + 128;
+    for (int h = 0; h < 2; ++h)
+      for (int c = 0; c < 4; ++c)
+        for (int l = 0; l < 32; ++l) {
+          const uint8_t lo = (ql[64 * h + 32 * (c & 1) + l] >> (4 * (c >> 1))) & 15;
+          u[128 * h + 32 * c + l] = static_cast<uint8_t>(lo | (((qh[32 * h + l] >> (2 * c)) & 3) << 4));
+        }
+    for (int g = 0; g < 16; ++g) sc[g] = static_cast<int8_t>(b[192 + g]), mn[g] = 32 * sc[g];
+    d = half(b + 208), dmin = 0.0f;
+  } else {
+    const uint8_t* qs = b + (KIND == kQ4_K ? 16 : 48);
+    for (int s = 0; s < 8; ++s)
+      for (int l = 0; l < 32; ++l) {
+        uint8_t v = (qs[32 * (s / 2) + l] >> (4 * (s & 1))) & 15;
+        if (KIND == kQ5_K) v = static_cast<uint8_t>(v | (((b[16 + l] >> s) & 1) << 4));
+        u[32 * s + l] = v;
+      }
+    uint8_t sm[16];
+    scales_mins_k4(b + 4, sm);
+    for (int g = 0; g < 16; ++g) sc[g] = sm[g / 2], mn[g] = sm[8 + g / 2];
+    d = half(b), dmin = half(b + 2);
+  }
+}
+
+// A super-block's share of a row's dot from its exact integer sums isum = sum sc u q and msum =
+// sum mn bsum: d_w d_x isum - dmin d_x msum (q6_k: d_w d_x (isum - msum), one integer).
+template <int KIND>
+inline float k_share(float d, float dmin, float dx, int32_t isum, int32_t msum) {
+  if constexpr (KIND == kQ6_K) return d * dx * static_cast<float>(isum - msum);
+  return d * dx * static_cast<float>(isum) - dmin * dx * static_cast<float>(msum);
 }
 
 #if defined(__AVX2__)
@@ -361,6 +490,229 @@ inline void dot_rows(const uint8_t* w, const XQ& x, int64_t n0, float out[R]) {
       for (int i = 0; i < kQK; ++i) isum += static_cast<int32_t>(wb[i]) * static_cast<int32_t>(q[i]);
       acc[r] += d * x.d8[((n0 + r) * x.nb + b) * 8] * static_cast<float>(isum);
       if (Fmt<KIND>::kHasM) acc[r] += m * x.s[(n0 + r) * x.nb + b];
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = acc[r];
+}
+#endif
+
+// The K-quants, each target's way: a weight super-block is unpacked once per tile of up to
+// kTileRows rows of x and dotted against all of them (codes u <= 63 unsigned, x signed: u8 x s8
+// products with no sign juggling, the q6_k offset and the q4_k / q5_k mins by bsums).
+#if defined(__AVX2__)
+// The 16 scale bytes (q4_k / q5_k: the 8 scales, then the 8 mins; q6_k: its 16 int8 scales).
+template <int KIND>
+inline __m128i k_scale_bytes(const uint8_t* b, float& d, float& dmin) {
+  if constexpr (KIND == kQ6_K) {
+    d = half(b + 208), dmin = 0.0f;
+    return _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192));
+  } else {
+    alignas(16) uint8_t sm[16];
+    scales_mins_k4(b + 4, sm);
+    d = half(b), dmin = half(b + 2);
+    return _mm_load_si128(reinterpret_cast<const __m128i*>(sm));
+  }
+}
+
+// The min of each group of 16 inputs as int16 (q6_k: 32 sc, its codes' offset).
+template <int KIND>
+inline __m256i k_mins16(__m128i sb) {
+  if constexpr (KIND == kQ6_K) return _mm256_slli_epi16(_mm256_cvtepi8_epi16(sb), 5);
+  const __m128i pick = _mm_set_epi8(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8);
+  return _mm256_cvtepu8_epi16(_mm_shuffle_epi8(sb, pick));
+}
+
+// Byte i of the result: byte idx(i / 8) of sb (int16 lanes of 8 a group of 16 inputs, after
+// vpmaddubsw's pairing): the scale bytes of four groups, g0..g3.
+inline __m256i k_pick4(__m128i sb, int64_t g0, int64_t g1, int64_t g2, int64_t g3) {
+  constexpr int64_t k8 = 0x0101010101010101;
+  const __m256i idx = _mm256_set_epi64x(g3 * k8, g2 * k8, g1 * k8, g0 * k8);
+  return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(sb), idx);
+}
+#endif
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// Inputs 64 j .. 64 j + 63 of a super-block as unsigned codes, in input order.
+template <int KIND>
+inline __m512i k_codes512(const uint8_t* b, int j) {
+  const __m512i m4 = _mm512_set1_epi8(15);
+  if constexpr (KIND == kQ6_K) {  // quarters 2 (j % 2), 2 (j % 2) + 1 of half j / 2
+    const int h = j / 2, sh = 4 * (j % 2);
+    const __m512i lo = _mm512_and_si512(_mm512_srli_epi16(_mm512_loadu_si512(b + 64 * h), sh), m4);
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h));
+    const __m512i hb = __builtin_shufflevector(_mm256_srli_epi16(qh, sh), _mm256_srli_epi16(qh, sh + 2), 0, 1, 2, 3, 4, 5, 6, 7);
+    return _mm512_or_si512(lo, _mm512_slli_epi16(_mm512_and_si512(hb, _mm512_set1_epi8(3)), 4));
+  } else {  // sub-blocks 2 j (low nibbles), 2 j + 1 (high) of the same 32 bytes
+    const __m256i t = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + (KIND == kQ4_K ? 16 : 48) + 32 * j));
+    __m512i u = _mm512_and_si512(__builtin_shufflevector(t, _mm256_srli_epi16(t, 4), 0, 1, 2, 3, 4, 5, 6, 7), m4);
+    if constexpr (KIND == kQ5_K) {
+      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
+      const __m512i hb = __builtin_shufflevector(_mm256_srli_epi16(qh, 2 * j), _mm256_srli_epi16(qh, 2 * j + 1), 0, 1, 2, 3, 4, 5, 6, 7);
+      u = _mm512_or_si512(u, _mm512_slli_epi16(_mm512_and_si512(hb, _mm512_set1_epi8(1)), 4));
+    }
+    return u;
+  }
+}
+
+// The int16 scale of each pair of inputs 64 j .. 64 j + 63 (groups 4 j .. 4 j + 3).
+template <int KIND>
+inline __m512i k_scales512(__m128i sb, int j) {
+  const __m256i b = KIND == kQ6_K ? k_pick4(sb, 4 * j, 4 * j + 1, 4 * j + 2, 4 * j + 3) : k_pick4(sb, 2 * j, 2 * j, 2 * j + 1, 2 * j + 1);
+  return _mm512_cvtepi8_epi16(b);
+}
+
+// AVX-512 VNNI: 64 inputs a vector, vpmaddubsw (u x q pairs, |.| <= 2 * 63 * 127: no int16
+// saturation) then vpdpwssd with the pairs' scales into int32 lanes, exact over the super-block.
+template <int KIND, int R>
+inline void dot_rows_k(const uint8_t* w, const XQ& x, int64_t n0, float out[R]) {
+  constexpr int64_t BB = Fmt<KIND>::kBytes;
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < x.ns; ++b) {
+    const uint8_t* blk = w + b * BB;
+    float d, dmin;
+    const __m128i sb = k_scale_bytes<KIND>(blk, d, dmin);
+    __m512i isum[R];
+    for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      const __m512i u = k_codes512<KIND>(blk, j), sc = k_scales512<KIND>(sb, j);
+      for (int r = 0; r < R; ++r) {
+        const __m512i xv = _mm512_loadu_si512(x.q + (n0 + r) * x.K + b * kQKK + 64 * j);
+        isum[r] = _mm512_dpwssd_epi32(isum[r], _mm512_maddubs_epi16(u, xv), sc);
+      }
+    }
+    const __m256i mn = k_mins16<KIND>(sb);
+    for (int r = 0; r < R; ++r) {
+      const int64_t at = (n0 + r) * x.ns + b;
+      const __m256i m8 = _mm256_madd_epi16(mn, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.bs + at * 16)));
+      const __m512i msum = __builtin_shufflevector(m8, _mm256_setzero_si256(), 0, 1, 2, 3, 4, 5, 6, 7);
+      const float dx = x.dk[at];
+      if constexpr (KIND == kQ6_K) {
+        acc[r] = _mm512_fmadd_ps(__builtin_convertvector(i16(_mm512_sub_epi32(isum[r], msum)), v16), _mm512_set1_ps(d * dx), acc[r]);
+      } else {
+        acc[r] = _mm512_fmadd_ps(__builtin_convertvector(i16(isum[r]), v16), _mm512_set1_ps(d * dx), acc[r]);
+        acc[r] = _mm512_fnmadd_ps(__builtin_convertvector(i16(msum), v16), _mm512_set1_ps(dmin * dx), acc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = hsum(v16(acc[r]));
+}
+
+#elif defined(__AVX2__)
+// Sub-block s (inputs 32 s .. 32 s + 31) as unsigned codes, in input order.
+template <int KIND>
+inline __m256i k_codes256(const uint8_t* b, int s) {
+  const __m256i m4 = _mm256_set1_epi8(15);
+  if constexpr (KIND == kQ6_K) {
+    const int h = s / 4, c = s % 4;
+    const __m256i l = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h + 32 * (c & 1)));
+    const __m256i lo = _mm256_and_si256(_mm256_srli_epi16(l, 4 * (c >> 1)), m4);
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h));
+    const __m256i hb = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * c), _mm256_set1_epi8(3));
+    return _mm256_or_si256(lo, _mm256_slli_epi16(hb, 4));
+  } else {
+    const __m256i t = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + (KIND == kQ4_K ? 16 : 48) + 32 * (s / 2)));
+    __m256i u = _mm256_and_si256(_mm256_srli_epi16(t, 4 * (s & 1)), m4);
+    if constexpr (KIND == kQ5_K) {
+      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
+      u = _mm256_or_si256(u, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, s), _mm256_set1_epi8(1)), 4));
+    }
+    return u;
+  }
+}
+
+// AVX2 (and AVX-512 without VNNI): 32 inputs a vector, vpmaddubsw then vpmaddwd with the pairs'
+// int16 scales (lanes 0-7 group 2 s, 8-15 group 2 s + 1).
+template <int KIND, int R>
+inline void dot_rows_k(const uint8_t* w, const XQ& x, int64_t n0, float out[R]) {
+  constexpr int64_t BB = Fmt<KIND>::kBytes;
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < x.ns; ++b) {
+    const uint8_t* blk = w + b * BB;
+    float d, dmin;
+    const __m128i sb = k_scale_bytes<KIND>(blk, d, dmin);
+    __m256i isum[R];
+    for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int s = 0; s < 8; ++s) {
+      const __m256i u = k_codes256<KIND>(blk, s);
+      const __m256i sc = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(
+          KIND == kQ6_K ? k_pick4(sb, 2 * s, 2 * s + 1, 0, 0) : k_pick4(sb, s, s, 0, 0)));
+      for (int r = 0; r < R; ++r) {
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + (n0 + r) * x.K + b * kQKK + 32 * s));
+        isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(u, xv), sc));
+      }
+    }
+    const __m256i mn = k_mins16<KIND>(sb);
+    for (int r = 0; r < R; ++r) {
+      const int64_t at = (n0 + r) * x.ns + b;
+      const __m256i msum = _mm256_madd_epi16(mn, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.bs + at * 16)));
+      const float dx = x.dk[at];
+      if constexpr (KIND == kQ6_K) {
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(isum[r], msum)), _mm256_set1_ps(d * dx), acc[r]);
+      } else {
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_set1_ps(d * dx), acc[r]);
+        acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_set1_ps(dmin * dx), acc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = hsum256(acc[r]);
+}
+
+#elif defined(__aarch64__) && defined(__ARM_FEATURE_DOTPROD)
+// aarch64 with dotprod: the super-block unpacked the scalar way (codes <= 63: valid int8), one
+// vdotq_s32 a group of 16, its four lanes scaled by the group's scale into int32 lanes.
+template <int KIND, int R>
+inline void dot_rows_k(const uint8_t* w, const XQ& x, int64_t n0, float out[R]) {
+  constexpr int64_t BB = Fmt<KIND>::kBytes;
+  float acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = 0.0f;
+  for (int64_t b = 0; b < x.ns; ++b) {
+    alignas(16) uint8_t u[kQKK];
+    int32_t sc[16], mn[16];
+    float d, dmin;
+    unpack_k_scalar<KIND>(w + b * BB, u, sc, mn, d, dmin);
+    for (int r = 0; r < R; ++r) {
+      const int64_t at = (n0 + r) * x.ns + b;
+      const int8_t* q = x.q + (n0 + r) * x.K + b * kQKK;
+      int32x4_t ai = vdupq_n_s32(0);
+      for (int g = 0; g < 16; ++g) {
+        const int32x4_t p = vdotq_s32(vdupq_n_s32(0), vreinterpretq_s8_u8(vld1q_u8(u + 16 * g)), vld1q_s8(q + 16 * g));
+        ai = vmlaq_n_s32(ai, p, sc[g]);
+      }
+      int32_t msum = 0;
+      for (int g = 0; g < 16; ++g) msum += mn[g] * x.bs[at * 16 + g];
+      acc[r] += k_share<KIND>(d, dmin, x.dk[at], vaddvq_s32(ai), msum);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = acc[r];
+}
+
+#else
+// SSE2, armv8-a without dotprod: scalar super-blocks (the compiler vectorizes the products).
+template <int KIND, int R>
+inline void dot_rows_k(const uint8_t* w, const XQ& x, int64_t n0, float out[R]) {
+  constexpr int64_t BB = Fmt<KIND>::kBytes;
+  float acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = 0.0f;
+  for (int64_t b = 0; b < x.ns; ++b) {
+    uint8_t u[kQKK];
+    int32_t sc[16], mn[16];
+    float d, dmin;
+    unpack_k_scalar<KIND>(w + b * BB, u, sc, mn, d, dmin);
+    for (int r = 0; r < R; ++r) {
+      const int64_t at = (n0 + r) * x.ns + b;
+      const int8_t* q = x.q + (n0 + r) * x.K + b * kQKK;
+      int32_t isum = 0, msum = 0;
+      for (int g = 0; g < 16; ++g) {
+        int32_t gs = 0;
+        for (int i = 16 * g; i < 16 * g + 16; ++i) gs += static_cast<int32_t>(u[i]) * static_cast<int32_t>(q[i]);
+        isum += sc[g] * gs;
+        msum += mn[g] * x.bs[at * 16 + g];
+      }
+      acc[r] += k_share<KIND>(d, dmin, x.dk[at], isum, msum);
     }
   }
   for (int r = 0; r < R; ++r) out[r] = acc[r];
@@ -565,7 +917,10 @@ void qgemm_vnni(ffi::ThreadPool& pool, const uint8_t* W, const XQ& xq, int64_t N
 template <int KIND, int R>
 inline void tile(const uint8_t* W, int64_t row_bytes, const XQ& x, int64_t O, float* Y, int64_t o, int64_t n0) {
   float out[R];
-  dot_rows<KIND, R>(W + o * row_bytes, x, n0, out);
+  if constexpr (kSuper<KIND>)
+    dot_rows_k<KIND, R>(W + o * row_bytes, x, n0, out);
+  else
+    dot_rows<KIND, R>(W + o * row_bytes, x, n0, out);
   for (int r = 0; r < R; ++r) Y[(n0 + r) * O + o] = out[r];
 }
 
@@ -592,7 +947,7 @@ void outputs(const uint8_t* W, int64_t row_bytes, const XQ& x, int64_t N, int64_
 
 template <int KIND>
 void qgemm(ffi::ThreadPool& pool, const uint8_t* W, const XQ& x, int64_t N, int64_t O, float* Y) {
-  const int64_t row_bytes = x.nb * Fmt<KIND>::kBytes;
+  const int64_t row_bytes = (kSuper<KIND> ? x.ns : x.nb) * Fmt<KIND>::kBytes;
   // One contiguous range of outputs a thread (one stream of weights each); after a one-row
   // call the helper lingers for the next (threads.h).
   const int64_t tasks = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), O / 16));
@@ -605,12 +960,12 @@ ffi::Error QGemm(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi:
                  ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
-  const int64_t bb = block_bytes(kind);
+  const int64_t bb = block_bytes(kind), bi = block_inputs(kind);
   if (bb == 0) return ffi::Error::InvalidArgument("unknown block kind");
   if (xd.size() != 2 || wd.size() < 2) return ffi::Error::InvalidArgument("expected x [N,K] and w [...,row_bytes]");
   const int64_t N = xd[0], K = xd[1], row_bytes = wd[wd.size() - 1];
-  if (K % kQK != 0 || row_bytes != K / kQK * bb)
-    return ffi::Error::InvalidArgument("w's rows are not K / 32 blocks of this kind");
+  if (K % bi != 0 || row_bytes != K / bi * bb)
+    return ffi::Error::InvalidArgument("w's rows are not K / 32 blocks (K / 256 for the K-quants) of this kind");
   if (N > kQMaxRows) return ffi::Error::InvalidArgument("qgemm takes at most qgemm_max_rows() rows");
   const int64_t O = row_bytes > 0 ? static_cast<int64_t>(w.element_count()) / row_bytes : 0;
   float* Y = y->typed_data();
@@ -619,15 +974,31 @@ ffi::Error QGemm(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi:
     std::fill(Y, Y + N * O, 0.0f);
     return ffi::Error::Success();
   }
-  const int64_t nb = K / kQK;
+  const uint8_t* W = w.typed_data();
   thread_local std::vector<int8_t> q;
-  thread_local std::vector<float> d8, s;
   q.resize(static_cast<size_t>(N * K + kQK));
+  if (bi == kQKK) {
+    const int64_t ns = K / kQKK;
+    thread_local std::vector<float> dk;
+    thread_local std::vector<int16_t> bs;
+    dk.resize(static_cast<size_t>(N * ns));
+    bs.resize(static_cast<size_t>(N * ns * 16));
+    quantize_x_k(x.typed_data(), N, K, q.data(), dk.data(), bs.data());
+    const XQ xk{q.data(), nullptr, nullptr, K, 0, dk.data(), bs.data(), ns};
+    switch (kind) {
+      case kQ4_K: qgemm<kQ4_K>(pool, W, xk, N, O, Y); break;
+      case kQ5_K: qgemm<kQ5_K>(pool, W, xk, N, O, Y); break;
+      case kQ6_K: qgemm<kQ6_K>(pool, W, xk, N, O, Y); break;
+      default: break;
+    }
+    return ffi::Error::Success();
+  }
+  const int64_t nb = K / kQK;
+  thread_local std::vector<float> d8, s;
   d8.resize(static_cast<size_t>(N * nb * 8 + 8));
   s.resize(static_cast<size_t>(N * nb));
   quantize_x(x.typed_data(), N, K, q.data(), d8.data(), s.data());
   const XQ xq{q.data(), d8.data(), s.data(), K, nb};
-  const uint8_t* W = w.typed_data();
 #if defined(TL_QDOT_512)
   switch (kind) {
     case kQ8_0: qgemm_vnni<kQ8_0>(pool, W, xq, N, O, Y); break;
@@ -660,5 +1031,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TlQGemm, tl::QGemm,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()   // x [N, K]
                                   .Arg<ffi::Buffer<ffi::U8>>()    // w [..., row_bytes]: raw ggml blocks
-                                  .Attr<int32_t>("kind")          // Kind: 0 q8_0, 1 q4_0, 2 q4_1, 3 q5_0, 4 q5_1
+                                  .Attr<int32_t>("kind")          // Kind: 0 q8_0, 1 q4_0, 2 q4_1, 3 q5_0, 4 q5_1, 5 q4_k, 6 q5_k, 7 q6_k
                                   .Ret<ffi::Buffer<ffi::F32>>()); // y [N, ...]

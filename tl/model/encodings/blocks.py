@@ -8,9 +8,9 @@ matrix (`encode`, gguf-py's reference quantizers: the formats it can make), XLA'
 (the rows dequantized inside the step into XLA's float32 dot: runs on CPU, GPU and TPU, and is
 the reference the native kernels are tested against), lookups (only the looked-up rows
 dequantized), the native CPU kernel (kernels/cpu_native.py `qgemm`: activations quantized per
-block of 32 to int8 and integer dot products, as llama.cpp computes; the formats it reads and
-the rows it takes are its own to say, None elsewhere), and sharding (the byte axis split only
-at block boundaries: `in_block`).
+block of 32, or of 256 for the K formats, to int8 and integer dot products, as llama.cpp
+computes; the formats it reads and the rows it takes are its own to say, None elsewhere), and
+sharding (the byte axis split only at block boundaries: `in_block`).
 A GGUF's tensors arrive packed already (tl/model/files.py `Packed`) and are wrapped as they
 are, never expanded to float: the resident bytes of a weight are the file's.
 Must not: place arrays on devices. Tested by tests/test_blocks.py (against gguf-py's
