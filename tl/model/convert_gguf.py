@@ -370,8 +370,9 @@ def llama3_rope_factors(scaling: dict[str, Any], theta: float, head_dim: int) ->
 def llama3_from_rope_freqs(factors: np.ndarray, theta: float, head_dim: int, path: Path) -> dict[str, Any] | None:
     """Llama 3's rope_scaling from the rope_freqs divisors. Only the ratios of
     original_max_position_embeddings to the two freq factors show in them, so low_freq_factor is
-    taken as 1 (Llama 3's) and the rest solved from the blended entries (Llama 3.1's 4 and 8192
-    where none are blended); refused, naming the tensor, unless the result rebuilds the tensor."""
+    taken as 1 (Llama 3's) and the rest solved from the blended entries, or, with fewer than two,
+    the first of a few usual values that rebuilds the tensor; refused, naming the tensor, unless
+    the result rebuilds it (then the forward computes the same divisors)."""
     factors = np.asarray(factors, np.float64).reshape(-1)
     if len(factors) * 2 != head_dim:
         raise GGUFError(
@@ -380,28 +381,32 @@ def llama3_from_rope_freqs(factors: np.ndarray, theta: float, head_dim: int, pat
     if np.allclose(factors, 1.0):
         return None
     factor = float(np.float32(factors.max()))
-    lo, hi, ctx = 1.0, 4.0, 8192.0
     blended = (factors > 1 + 1e-6) & (factors < factor * (1 - 1e-6))
-    if blended.sum() >= 2:  # 1/r = (1 - s)/factor + s with s = ctx/wavelen/(hi - lo) - lo/(hi - lo)
+    candidates = [
+        (hi, ctx) for ctx in (8192, 4096, 2048, 16384, 32768, 65536, 131072) for hi in (4.0, 2.0, 8.0, 3.0, 16.0)
+    ]
+    if blended.sum() >= 2:  # 1/r = (1 - s)/factor + s with s = ctx/wavelen/(hi - 1) - 1/(hi - 1)
         inv_wavelen = (1.0 / (theta ** (np.arange(0, head_dim, 2) / head_dim)) / (2 * np.pi))[blended]
         s = (1 / factors[blended] - 1 / factor) / (1 - 1 / factor)
         slope, icept = np.polyfit(inv_wavelen, s, 1)
         if icept < 0:
-            hi = round(lo - lo / icept, 4)
-            ctx = round(slope * (hi - lo))
-    scaling = {
-        "rope_type": "llama3",
-        "factor": factor,
-        "low_freq_factor": lo,
-        "high_freq_factor": hi,
-        "original_max_position_embeddings": int(ctx),
-    }
-    if not np.allclose(llama3_rope_factors(scaling, theta, head_dim), factors, rtol=1e-4, atol=1e-6):
-        raise GGUFError(
-            f"{path}: tensor 'rope_freqs.weight' does not follow Llama 3's rope scaling "
-            f"(closest: {scaling}), and tl serves no other per-frequency RoPE factors"
-        )
-    return scaling
+            hi = round(1 - 1 / icept, 4)
+            candidates = [(hi, round(slope * (hi - 1)))]
+    for hi, ctx in candidates:
+        scaling = {
+            "rope_type": "llama3",
+            "factor": factor,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": hi,
+            "original_max_position_embeddings": int(ctx),
+        }
+        if np.allclose(llama3_rope_factors(scaling, theta, head_dim), factors, rtol=1e-4, atol=1e-6):
+            return scaling
+    raise GGUFError(
+        f"{path}: tensor 'rope_freqs.weight' does not follow Llama 3's rope scaling for any "
+        "low/high_freq_factor and original_max_position_embeddings, and tl serves no other "
+        "per-frequency RoPE factors"
+    )
 
 
 def hf_name(gguf_name: str, architecture: str = "LlamaForCausalLM") -> str | None:
