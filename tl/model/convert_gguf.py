@@ -254,13 +254,13 @@ def gguf_config_dict(reader: gguf.GGUFReader, path: Path) -> dict[str, Any]:
     rope_dims = field(reader, f"{arch}.rope.dimension_count")
     if rope_dims is not None and int(rope_dims) != head_dim:
         raise GGUFError(f"{path}: {arch}.rope.dimension_count {rope_dims} (partial RoPE) is not supported")
-    tokens = field(reader, "tokenizer.ggml.tokens") or []
+    tokens = reader.fields.get("tokenizer.ggml.tokens")  # counted, not decoded (262k strings for Gemma)
     eos = [field(reader, "tokenizer.ggml.eos_token_id"), field(reader, "tokenizer.ggml.eot_token_id")]
     names = {t.name for t in reader.tensors}
     eos_ids = list(dict.fromkeys(int(e) for e in eos if e is not None))
     d: dict[str, Any] = {
         "architectures": [ARCHITECTURES[arch]],
-        "vocab_size": int(field(reader, f"{arch}.vocab_size", len(tokens))),
+        "vocab_size": int(field(reader, f"{arch}.vocab_size", 0 if tokens is None else len(tokens.data))),
         "hidden_size": hidden,
         "intermediate_size": int(field(reader, f"{arch}.feed_forward_length", 0)),
         "num_hidden_layers": int(_need(reader, f"{arch}.block_count", path)),
