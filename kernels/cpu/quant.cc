@@ -506,11 +506,14 @@ inline __m128i k_scale_bytes(const uint8_t* b, float& d, float& dmin) {
   if constexpr (KIND == kQ6_K) {
     d = half(b + 208), dmin = 0.0f;
     return _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192));
-  } else {
-    alignas(16) uint8_t sm[16];
-    scales_mins_k4(b + 4, sm);
+  } else {  // scales_mins_k4 in 32-bit lanes (no store and reload): a = the 12 bytes (and 4 of qs)
     d = half(b), dmin = half(b + 2);
-    return _mm_load_si128(reinterpret_cast<const __m128i*>(sm));
+    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 4));
+    const __m128i p = _mm_shuffle_epi32(a, 0x98), q = _mm_shuffle_epi32(a, 0x50);  // a0 a2 a1 a2, a0 a0 a1 a1
+    const __m128i lo = _mm_and_si128(p, _mm_set1_epi8(0x3f));
+    const __m128i top = _mm_slli_epi32(_mm_and_si128(_mm_srli_epi32(q, 6), _mm_set1_epi8(3)), 4);
+    const __m128i nib = _mm_and_si128(_mm_srlv_epi32(p, _mm_set_epi32(4, 0, 0, 0)), _mm_set1_epi8(15));
+    return _mm_blend_epi32(lo, _mm_or_si128(nib, top), 0xa);
   }
 }
 
@@ -554,11 +557,15 @@ inline __m512i k_codes512(const uint8_t* b, int j) {
   }
 }
 
-// The int16 scale of each pair of inputs 64 j .. 64 j + 63 (groups 4 j .. 4 j + 3).
+// The int16 scale of each pair of inputs 64 j .. 64 j + 63 (groups 4 j .. 4 j + 3), picked from
+// the 16 scale bytes widened once a super-block (s16).
 template <int KIND>
-inline __m512i k_scales512(__m128i sb, int j) {
-  const __m256i b = KIND == kQ6_K ? k_pick4(sb, 4 * j, 4 * j + 1, 4 * j + 2, 4 * j + 3) : k_pick4(sb, 2 * j, 2 * j, 2 * j + 1, 2 * j + 1);
-  return _mm512_cvtepi8_epi16(b);
+inline __m512i k_scales512(__m512i s16, int j) {
+  const int g = KIND == kQ6_K ? 4 * j : 2 * j;
+  const int g1 = KIND == kQ6_K ? g + 1 : g, g2 = KIND == kQ6_K ? g + 2 : g + 1, g3 = KIND == kQ6_K ? g + 3 : g + 1;
+  const __m512i idx = _mm512_set_epi16(g3, g3, g3, g3, g3, g3, g3, g3, g2, g2, g2, g2, g2, g2, g2, g2, g1, g1, g1, g1,
+                                       g1, g1, g1, g1, g, g, g, g, g, g, g, g);
+  return _mm512_permutexvar_epi16(idx, s16);
 }
 
 // AVX-512 VNNI: 64 inputs a vector, vpmaddubsw (u x q pairs, |.| <= 2 * 63 * 127: no int16
@@ -572,11 +579,12 @@ inline void dot_rows_k(const uint8_t* w, const XQ& x, int64_t n0, float out[R]) 
     const uint8_t* blk = w + b * BB;
     float d, dmin;
     const __m128i sb = k_scale_bytes<KIND>(blk, d, dmin);
+    const __m512i s16 = __builtin_shufflevector(_mm256_cvtepi8_epi16(sb), _mm256_setzero_si256(), 0, 1, 2, 3, 4, 5, 6, 7);
     __m512i isum[R];
     for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
 #pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) {
-      const __m512i u = k_codes512<KIND>(blk, j), sc = k_scales512<KIND>(sb, j);
+      const __m512i u = k_codes512<KIND>(blk, j), sc = k_scales512<KIND>(s16, j);
       for (int r = 0; r < R; ++r) {
         const __m512i xv = _mm512_loadu_si512(x.q + (n0 + r) * x.K + b * kQKK + 64 * j);
         isum[r] = _mm512_dpwssd_epi32(isum[r], _mm512_maddubs_epi16(u, xv), sc);
