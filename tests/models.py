@@ -301,7 +301,9 @@ def succ_logits(token_id: int) -> np.ndarray:
 # The families (issue 32): one tiny config each, random weights drawn from hf_shapes, the same
 # byte tokenizer. bench/families_reference.py runs transformers on these very directories and
 # commits its logits (tests/golden/families/); tests/test_families.py checks tl against them.
-FAMILIES = ("llama3", "mistral", "qwen3", "qwen3_moe", "gemma3")
+FAMILIES = ("llama3", "mistral", "qwen3", "qwen3_moe", "gemma3", "qwen3_moe_gguf", "gemma3_gguf")
+"""The last two: what a GGUF can state (llama.cpp's qwen3moe has no dense layers; its gemma3
+takes query_pre_attn_scalar = head_dim), for tests/test_families.py's GGUF forms."""
 FAMILY_SEQ_LEN = 72  # positions compared: past every window below, and across a chunk boundary
 
 
@@ -312,8 +314,8 @@ def family_config(name: str) -> ModelConfig:
     base = tiny_config()
     common: dict[str, Any] = {"bos_token_id": IM_START_ID, "eos_token_ids": (IM_END_ID,)}
     if name == "llama3":  # Llama 3.1's rope scaling, untied head
-        scaling = RopeScaling("llama3", 8.0, 1.0, 4.0, 64)
-        return _replace(base, rope_scaling=scaling, tie_word_embeddings=False, rope_theta=500000.0)
+        scaling = RopeScaling("llama3", 8.0, 1.0, 8.0, 1024)  # two blended frequencies: rope_freqs fits it
+        return _replace(base, rope_scaling=scaling, tie_word_embeddings=False, rope_theta=500000.0, max_position_embeddings=4096)
     if name == "mistral":  # every layer sliding
         return _replace(base, architecture="MistralForCausalLM", sliding_window=16, layer_types=(SLIDING, SLIDING))
     if name == "qwen3":  # q/k norms; head_dim independent of hidden (4 x 32 != 64)
@@ -352,6 +354,10 @@ def family_config(name: str) -> ModelConfig:
                 "rope_local_theta": 10000.0,
             }
         )
+    if name == "qwen3_moe_gguf":
+        return _replace(family_config("qwen3_moe"), mlp_only_layers=())
+    if name == "gemma3_gguf":
+        return _replace(family_config("gemma3"), query_scale=32**-0.5)
     raise ValueError(f"unknown family {name!r} (known: {', '.join(FAMILIES)})")
 
 

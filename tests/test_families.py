@@ -169,3 +169,33 @@ def test_every_layer_sliding_frees_the_blocks_behind_the_window() -> None:
     assert [token_ids(o) for o in got] == [token_ids(o) for o in want]
     assert all(len(token_ids(o)) == 40 for o in got)
     assert max(held) <= 16 // 4 + 2
+
+
+GGUF_FORMS = {"llama3": "llama", "qwen3": "qwen3", "qwen3_moe_gguf": "qwen3moe", "gemma3_gguf": "gemma3"}
+
+
+@pytest.mark.parametrize("name", GGUF_FORMS)
+def test_gguf_form_matches_transformers(name: str, tmp_path: Path) -> None:
+    """The same tiny model written as llama.cpp's converter writes a GGUF of its family (tensor
+    names, llama's q/k row permutation, Gemma's 1 + w norms, stacked experts, Llama 3's
+    rope_freqs; tests/test_gguf_families.py), served as it is: transformers' logits again."""
+    from test_gguf_families import family_gguf
+
+    from tl.model.convert_gguf import model_dir_of
+    from tl.model.files import read_tensors
+
+    cfg = family_config(name)
+    meta: dict[str, object] = {}
+    if name == "gemma3_gguf":
+        meta = {
+            "gemma3.attention.sliding_window_pattern": [t == "sliding_attention" for t in cfg.layer_types],
+            "gemma3.rope.scaling.type": "linear",
+            "gemma3.rope.scaling.factor": 2.0,
+        }
+    path = family_gguf(tmp_path / f"{name}.gguf", cfg, family_tensors(cfg), GGUF_FORMS[name], meta=meta)
+    model_dir = model_dir_of(str(path))
+    got_cfg = load_model_config(model_dir)
+    weights = llama.load_weights(read_tensors(model_dir, packed=True), got_cfg, np.float32, "auto")
+    got = np.asarray(_dense(weights, got_cfg, jnp.asarray(family_token_ids()))[1])
+    want = golden(name)
+    assert np.abs(got - want).max() <= REL_BOUND * np.abs(want).max()
