@@ -38,7 +38,7 @@ def _generate(args: argparse.Namespace) -> int:
         prompt = ChatTemplate.from_model_dir(args.model).render(
             [{"role": "user", "content": prompt}], add_generation_prompt=True
         )
-    ids = tokenizer.encode(prompt)
+    ids = tokenizer.encode_prompt(prompt)  # BOS first where the tokenizer adds it (Gemma)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed, max_tokens=args.max_tokens)
 
     from tl.ops.build import build_engine
