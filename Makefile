@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 MODEL  := artifacts/models/smol-135m/model.gguf  # tl pull adds it to a directory pulled before it was kept
 
-.PHONY: setup model serve generate test bench check cross
+.PHONY: setup model serve generate test bench check cross browser
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -40,13 +40,26 @@ $(CROSS):
 
 cross: | $(CROSS)
 
+# The chat page's test (tests/test_chat_page.py) drives a headless Chromium through Playwright:
+# Debian's package, installed here where apt-get can (as root); elsewhere that test says how and skips.
+CHROMIUM := /usr/bin/chromium
+
+$(CHROMIUM):
+	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  apt-get install -y -q chromium >/dev/null 2>&1 || \
+	  (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium >/dev/null 2>&1) || \
+	  echo "could not install chromium: the chat page test will skip"; \
+	fi
+
+browser: | $(CHROMIUM)
+
 # Lint, format and types (config in pyproject.toml): part of `make test`.
 check: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
-test: $(STAMP) $(MODEL) check | $(CROSS)
+test: $(STAMP) $(MODEL) check | $(CROSS) $(CHROMIUM)
 	$(BIN)/python -m pytest -q
 
 bench: $(STAMP) $(MODEL)

@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from serve import errors, memwatch
+from serve import errors, memwatch, page
 from serve.asgi import (
     ClientGone,
     DisconnectWatcher,
@@ -255,7 +255,7 @@ class App:
         req = Request(scope, receive)
         out = Sender(send, req.request_id)
         route = match(req.path)
-        endpoint = route[0] if route else ("/healthz" if req.path == "/healthz" else "other")
+        endpoint = route[0] if route else page.endpoint(req.path) or ("/healthz" if req.path == "/healthz" else "other")
         watcher: DisconnectWatcher | None = None
         counted = False
         try:
@@ -263,6 +263,9 @@ class App:
                 if req.method != "GET":
                     raise _method_not_allowed("GET")
                 await out.whole(200, b'{"status":"ok"}')
+                return
+            if page.endpoint(req.path) is not None:  # the chat page: static, needs no key (serve/page.py)
+                await page.answer(req, out)
                 return
             if route is None:
                 raise ApiError(
