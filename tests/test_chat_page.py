@@ -4,7 +4,7 @@ The server is granian serving tests/chat_page_app.py: the real engine over a run
 a markdown script (one byte a step, a few ms each), with an API key required. The page is
 loaded without the key, given it, and checked to: show the model, its context length and its
 backend card; stream an answer (text seen while the stream is open) and render its markdown
-safely (no element from the model's HTML, no javascript: link); send the system prompt,
+safely (no element from the model's HTML, no javascript: link; markdown.js on small cases); send the system prompt,
 temperature, max tokens and the whole conversation; show reasoning deltas (reasoning_content
 and reasoning, from a stream the test scripts through Playwright's routing) collapsed; and stop
 a long answer, after which /metrics shows the request's sequence and KV blocks freed, long
@@ -120,6 +120,33 @@ def check_static_answers(api: str) -> None:
     assert httpx.get(f"{api}/v1/models").status_code == 401
 
 
+LINK_ATTRS = 'rel="noopener noreferrer" target="_blank"'
+MARKDOWN = {
+    "snake_case_word and 2*3*4": "<p>snake_case_word and 2<em>3</em>4</p>",
+    "<script>alert(1)</script> & **unclosed": "<p>&lt;script&gt;alert(1)&lt;/script&gt; &amp; **unclosed</p>",
+    "a\\*b\\* `` x ` y ``": "<p>a*b* <code>x ` y</code></p>",
+    "[x](data:text/html,hi) [y](mailto:a@b.c)": f'<p>x <a href="mailto:a@b.c" {LINK_ATTRS}>y</a></p>',
+    "see https://example.com/a_b.": f'<p>see <a href="https://example.com/a_b" {LINK_ATTRS}>https://example.com/a_b</a>.</p>',
+    "1. a\n\n3. b\n   more\n\n---\n# H *i*": "<ol><li>a</li><li>b<br>more</li></ol><hr><h1>H <em>i</em></h1>",
+    "```js\nlet a = 1;": '<pre><code class="language-js">let a = 1;</code></pre>',  # unclosed: mid-stream
+}
+
+
+def check_markdown(page: Page) -> None:
+    """markdown.js on small cases: what it builds, as HTML (a code block's header left out)."""
+    got = page.evaluate(
+        """cases => cases.map(text => {
+            const div = document.createElement('div');
+            div.appendChild(window.tlMarkdown.render(text));
+            div.querySelectorAll('.code-head').forEach(h => h.remove());
+            div.querySelectorAll('.code').forEach(c => c.replaceWith(...c.childNodes));
+            return div.innerHTML;
+        })""",
+        list(MARKDOWN),
+    )
+    assert dict(zip(MARKDOWN, got, strict=True)) == MARKDOWN
+
+
 def scripted_reasoning_stream(route: Route) -> None:
     """A chat stream whose reasoning comes first, as a thinking model's does (one delta in each field name)."""
 
@@ -144,7 +171,7 @@ def send(page: Page, text: str) -> None:
 
 
 def test_chat_page_streams_renders_reasons_stops_and_stays_offline(tmp_path: Path) -> None:
-    with server(tmp_path) as (api, health), chromium() as browser:
+    with chromium() as browser, server(tmp_path) as (api, health):
         check_static_answers(api)
         page = browser.new_page(viewport={"width": 1200, "height": 860}, color_scheme="light")
         urls: list[str] = []
@@ -163,6 +190,7 @@ def test_chat_page_streams_renders_reasons_stops_and_stays_offline(tmp_path: Pat
         expect(page.locator("#backend summary")).to_have_text("Backend: cpu test runner \u00d71")
         expect(page.locator("#backend-list")).to_contain_text("reference (scripted)")
         assert page.evaluate("localStorage.getItem('tl.api-key')") == KEY
+        check_markdown(page)
 
         # turn 1: the script exactly (max tokens = its length), streamed, rendered as markdown
         page.fill("#system", "Answer in markdown.")
