@@ -148,7 +148,8 @@ def check_markdown(page: Page) -> None:
 
 
 def scripted_reasoning_stream(route: Route) -> None:
-    """A chat stream whose reasoning comes first, as a thinking model's does (one delta in each field name)."""
+    """A chat stream whose reasoning comes first, as a thinking model's does: in reasoning_content,
+    in both names at once (tl's chunks, read once), and in reasoning."""
 
     def chunk(delta: dict[str, str], finish: str | None = None) -> str:
         doc = {"id": "c1", "object": "chat.completion.chunk", "created": 0, "model": "tiny-chat"}
@@ -156,7 +157,8 @@ def scripted_reasoning_stream(route: Route) -> None:
 
     events = [
         chunk({"role": "assistant", "content": ""}),
-        chunk({"reasoning_content": "The user wants a short answer, "}),
+        chunk({"reasoning_content": "The user wants "}),
+        chunk({"reasoning_content": "a short answer, ", "reasoning": "a short answer, "}),  # as tl sends it
         chunk({"reasoning": "so one line."}),
         chunk({"content": "Sure: **done**."}, "stop"),
         ": ping",
