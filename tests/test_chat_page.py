@@ -278,5 +278,29 @@ def test_chat_page_streams_renders_reasons_stops_and_stays_offline(tmp_path: Pat
         assert metric(health, 'tl_http_requests_total{endpoint="/v1/chat/completions",status="200"}') == 2
         assert metric(health, 'tl_http_requests_total{endpoint="/",status="200"}') >= 1
 
+        # the stopped answer stays in the conversation; "New chat" mid-stream aborts and forgets it all
+        page.route("**/v1/chat/completions", reasoning)
+        send(page, "Continue")
+        expect(page.locator(".msg.assistant").nth(3)).to_have_attribute("data-state", "done")
+        partial = sent[1]["messages"][-2]  # type: ignore[index]
+        assert partial["role"] == "assistant" and len(partial["content"]) > 60
+        assert (SCRIPT * 3).startswith(partial["content"])
+        page.unroute("**/v1/chat/completions")
+        send(page, "Long again")
+        page.wait_for_function("() => document.querySelector('.msg.assistant.streaming')?.textContent.length > 40")
+        page.click("#new-chat")
+        expect(page.locator(".msg")).to_have_count(0)
+        t0 = time.monotonic()
+        while metric(health, "tl_engine_active_sequences"):
+            assert time.monotonic() - t0 < 2.0, "New chat left its stream running"
+            time.sleep(0.02)
+        page.route("**/v1/chat/completions", reasoning)
+        send(page, "Fresh start")
+        expect(page.locator(".msg.assistant")).to_have_attribute("data-state", "done")
+        assert sent[2]["messages"] == [
+            {"role": "system", "content": "Answer in markdown."},
+            {"role": "user", "content": "Fresh start"},
+        ]
+
         assert problems == []
         assert urls and all(u.startswith(f"{api}/") for u in urls), [u for u in urls if not u.startswith(api)]

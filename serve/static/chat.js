@@ -11,7 +11,7 @@
 
 (function () {
   const SETTINGS = ["system", "temperature", "max-tokens", "api-key"];
-  const state = { model: null, messages: [], controller: null };
+  const state = { model: null, messages: [], controller: null, conversation: 0 };
 
   function $(id) {
     return document.getElementById(id);
@@ -247,6 +247,7 @@
   async function send(text) {
     if (!state.model) await loadModel();
     if (!state.model) return false;
+    const conversation = state.conversation;
     state.messages.push({ role: "user", content: text });
     const userBox = userView(text);
     const turn = { role: "assistant", content: "", reasoning: "", usage: null, finish: null, firstAt: 0, lastAt: 0 };
@@ -281,6 +282,7 @@
       setBusy(false);
     }
     view.finish(turn, note, failed);
+    if (conversation !== state.conversation) return true; // "New chat" while it streamed: this turn is gone
     if (turn.content) {
       state.messages.push({ role: "assistant", content: turn.content });
     } else if (failed || note) {
@@ -297,6 +299,7 @@
 
   function newChat() {
     stop();
+    state.conversation++;
     state.messages = [];
     $("log").replaceChildren();
     setStatus("");
