@@ -202,10 +202,57 @@ struct XQ {
 
 #define TL_STRICT_MATH __attribute__((optimize("no-fast-math")))
 
+#if defined(__AVX2__)
+// One block of L (32, 256) values by the rule below, 8 a vector: the same IEEE operations (|x|
+// max, d, id, v = x * id, its integer part, its fraction against one half), so the same q and d;
+// and each 16 values' sum. (The scalar loops did not vectorize: 1.5 ns a value, 50 us of a 16-row
+// 640 x 2048 q4_k call.)
+template <int L>
+TL_STRICT_MATH void quantize_block(const float* x, int8_t* q, float& d, int16_t* bs) {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 m = _mm256_setzero_ps();
+  for (int i = 0; i < L; i += 8) m = _mm256_max_ps(m, _mm256_and_ps(_mm256_loadu_ps(x + i), abs_mask));
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  const float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+  d = amax / 127.0f;
+  const __m256 id = _mm256_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
+  for (int g = 0; g < L / 16; ++g) {
+    __m256i t[2];
+    for (int k = 0; k < 2; ++k) {
+      const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(x + 16 * g + 8 * k), id);
+      const __m256i i = _mm256_cvttps_epi32(v);  // toward zero
+      const __m256 frac = _mm256_sub_ps(v, _mm256_cvtepi32_ps(i));
+      const __m256i up = _mm256_castps_si256(_mm256_cmp_ps(frac, _mm256_set1_ps(0.5f), _CMP_GE_OQ));
+      const __m256i down = _mm256_castps_si256(_mm256_cmp_ps(frac, _mm256_set1_ps(-0.5f), _CMP_LE_OQ));
+      t[k] = _mm256_add_epi32(_mm256_sub_epi32(i, up), down);  // masks are -1
+    }
+    const __m256i w = _mm256_permute4x64_epi64(_mm256_packs_epi32(t[0], t[1]), 0xd8);  // 16 int16, in order
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16 * g),
+                     _mm_packs_epi16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1)));
+    const __m256i s8 = _mm256_madd_epi16(w, _mm256_set1_epi16(1));
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+    bs[g] = static_cast<int16_t>(_mm_cvtsi128_si32(_mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1))));
+  }
+}
+#endif
+
 // ggml's quantize_row_q8_0_ref with a float d: roundf (half away from zero) done exactly in
-// integers (v's integer part, then its fraction against one half), so that it vectorizes.
+// integers (v's integer part, then its fraction against one half): quantize_block's vectors on
+// AVX2 and up, scalar code elsewhere.
 TL_STRICT_MATH void quantize_x(const float* X, int64_t N, int64_t K, int8_t* q, float* d8, float* s) {
   const int64_t nb = K / kQK;
+#if defined(__AVX2__)
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t b = 0; b < nb; ++b) {
+      float d;
+      int16_t bs[2];
+      quantize_block<kQK>(X + n * K + b * kQK, q + n * K + b * kQK, d, bs);
+      for (int l = 0; l < 8; ++l) d8[(n * nb + b) * 8 + l] = d;
+      s[n * nb + b] = d * static_cast<float>(bs[0] + bs[1]);
+    }
+#else
   for (int64_t n = 0; n < N; ++n)
     for (int64_t b = 0; b < nb; ++b) {
       const float* x = X + n * K + b * kQK;
@@ -229,51 +276,18 @@ TL_STRICT_MATH void quantize_x(const float* X, int64_t N, int64_t K, int8_t* q, 
       for (int l = 0; l < 8; ++l) d8[(n * nb + b) * 8 + l] = d;
       s[n * nb + b] = d * static_cast<float>(sum);
     }
+#endif
 }
 
 // Q8_K's geometry (a float d a super-block of 256, bsums: each 16 values' sum) with the rule
 // above (d = amax / 127, roundf). ggml's quantize_row_q8_K scales by -127 / the signed max and
 // rounds half to even: another int8 vector within the same |x - d q| <= d / 2.
-#if defined(__AVX2__)
-// One super-block by that rule, 8 values a vector: the same IEEE operations (|x| max, d, id, v = x
-// * id, its integer part, its fraction against one half), so the same q and d. (The scalar loop
-// did not vectorize: 50 us of a 16-row 640 x 2048 call, 1.5 ns a value.)
-TL_STRICT_MATH void quantize_super(const float* x, int8_t* q, float& d, int16_t* bs) {
-  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-  __m256 m = _mm256_setzero_ps();
-  for (int i = 0; i < kQKK; i += 8) m = _mm256_max_ps(m, _mm256_and_ps(_mm256_loadu_ps(x + i), abs_mask));
-  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-  const float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
-  d = amax / 127.0f;
-  const __m256 id = _mm256_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
-  for (int g = 0; g < 16; ++g) {
-    __m256i t[2];
-    for (int k = 0; k < 2; ++k) {
-      const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(x + 16 * g + 8 * k), id);
-      const __m256i i = _mm256_cvttps_epi32(v);  // toward zero
-      const __m256 frac = _mm256_sub_ps(v, _mm256_cvtepi32_ps(i));
-      const __m256i up = _mm256_castps_si256(_mm256_cmp_ps(frac, _mm256_set1_ps(0.5f), _CMP_GE_OQ));
-      const __m256i down = _mm256_castps_si256(_mm256_cmp_ps(frac, _mm256_set1_ps(-0.5f), _CMP_LE_OQ));
-      t[k] = _mm256_add_epi32(_mm256_sub_epi32(i, up), down);  // masks are -1
-    }
-    const __m256i w = _mm256_permute4x64_epi64(_mm256_packs_epi32(t[0], t[1]), 0xd8);  // 16 int16, in order
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16 * g),
-                     _mm_packs_epi16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1)));
-    const __m256i s8 = _mm256_madd_epi16(w, _mm256_set1_epi16(1));
-    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
-    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
-    bs[g] = static_cast<int16_t>(_mm_cvtsi128_si32(_mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1))));
-  }
-}
-#endif
-
 TL_STRICT_MATH void quantize_x_k(const float* X, int64_t N, int64_t K, int8_t* q, float* dk, int16_t* bs) {
   const int64_t ns = K / kQKK;
 #if defined(__AVX2__)
   for (int64_t n = 0; n < N; ++n)
     for (int64_t b = 0; b < ns; ++b)
-      quantize_super(X + n * K + b * kQKK, q + n * K + b * kQKK, dk[n * ns + b], bs + (n * ns + b) * 16);
+      quantize_block<kQKK>(X + n * K + b * kQKK, q + n * K + b * kQKK, dk[n * ns + b], bs + (n * ns + b) * 16);
 #else
   for (int64_t n = 0; n < N; ++n)
     for (int64_t b = 0; b < ns; ++b) {
