@@ -104,7 +104,7 @@
     summary.textContent = "Backend: " + b.platform + " " + b.device_kind + " \u00d7" + b.device_count;
     for (const [key, value] of Object.entries(b)) {
       el("dt", list, null, key.replace(/_/g, " "));
-      const dd = el("dd", list, "mono");
+      const dd = el("dd", list, Array.isArray(value) && value.length ? "mono wide" : "mono");
       const items = Array.isArray(value) ? value : [value];
       if (!items.length || (items.length === 1 && items[0] === "")) dd.textContent = "\u2014";
       for (const item of items) el("div", dd, null, String(item));
