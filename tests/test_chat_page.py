@@ -6,9 +6,10 @@ loaded without the key, given it, and checked to: show the model, its context le
 backend card; stream an answer (text seen while the stream is open) and render its markdown
 safely (no element from the model's HTML, no javascript: link; markdown.js on small cases); send the system prompt,
 temperature, max tokens and the whole conversation; show reasoning deltas (reasoning_content
-and reasoning, from a stream the test scripts through Playwright's routing) collapsed; and stop
+and reasoning, from a stream the test scripts through Playwright's routing) collapsed; stop
 a long answer, after which /metrics shows the request's sequence and KV blocks freed, long
-before its max_tokens could have run. Every request the page makes is to the server's own
+before its max_tokens could have run, and the partial answer stays in the conversation; and
+start a new chat mid-stream (aborted too, and forgotten). Every request the page makes is to the server's own
 origin. A screenshot is taken; TL_SCREENSHOTS=1 (or a missing docs/chat-page.png) writes it
 to docs/chat-page.png for the README.
 
