@@ -1,14 +1,16 @@
 """Anthropic's Messages API on the one generation path: /v1/messages and /v1/messages/count_tokens.
 
 Owns translation only: a MessagesRequest becomes the ChatRequest it means (system, text blocks,
-tool_use blocks as an assistant's tool_calls, tool_result blocks as tool turns, tools and
-tool_choice, stop_sequences, temperature/top_p/top_k) and goes through serve/params.py's
+tool_use blocks as an assistant's tool_calls, tool_result blocks as tool turns, thinking blocks
+as an assistant's reasoning_content, tools and tool_choice, stop_sequences, temperature/top_p/
+top_k, `thinking` as enable_thinking and the thinking budget) and goes through serve/params.py's
 chat_spec and serve/generate.py's Job like any chat request (the same admission, disconnects,
 drain, metrics, API keys, request id); the finished Job becomes Anthropic's message document,
 or, streamed, Anthropic's event sequence (message_start, content_block_start / delta / stop per
-text or tool_use block, message_delta with stop_reason and usage, message_stop; an `error`
-event if it fails after the first byte). Errors on these routes take Anthropic's shape
-(serve/errors.py anthropic_doc). Tested with the anthropic client by tests/test_anthropic.py.
+thinking, text or tool_use block, the thinking first; message_delta with stop_reason and usage,
+message_stop; an `error` event if it fails after the first byte). Errors on these routes take Anthropic's shape
+(serve/errors.py anthropic_doc). Tested with the anthropic client by tests/test_anthropic.py
+and tests/test_reasoning.py.
 """
 
 from __future__ import annotations
@@ -22,12 +24,15 @@ from serve.errors import ApiError, log_server_error
 from serve.params import GenSpec, chat_spec, render_chat, tool_request
 from serve.wire import (
     AnthropicBlock,
+    AnthropicBlockOut,
     AnthropicDelta,
     AnthropicEvent,
     AnthropicMessage,
     AnthropicMessageDoc,
     AnthropicOutputUsage,
     AnthropicTextOut,
+    AnthropicThinking,
+    AnthropicThinkingOut,
     AnthropicTool,
     AnthropicToolChoice,
     AnthropicToolUseOut,
@@ -46,11 +51,12 @@ from serve.wire import (
     encoder,
 )
 from tl.ops.served import ServedModel
-from tl.text.tools import CallArgs, CallStart, Event
+from tl.text.reasoning import ReasoningText
+from tl.text.tools import CallArgs, CallStart
 
 if TYPE_CHECKING:
     from serve.asgi import Sender
-    from serve.generate import Choice, Job
+    from serve.generate import Choice, Item, Job
 
 STOP_REASONS: dict[str, StopReason] = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 
@@ -70,11 +76,15 @@ def _messages(system: str | list[AnthropicBlock] | None, messages: list[Anthropi
         if isinstance(m.content, str):
             out.append(ChatMessage(role=m.role, content=m.content))
             continue
-        text, calls = [], []
+        text, calls, thought = [], [], []
         for j, b in enumerate(m.content):
             param = f"messages[{i}].content[{j}]"
             if b.type == "text":
                 text.append(b.text or "")
+            elif b.type == "thinking" and m.role == "assistant":
+                thought.append(b.thinking or "")
+            elif b.type == "redacted_thinking" and m.role == "assistant":
+                continue  # encrypted elsewhere: nothing a template can show
             elif b.type == "tool_use" and m.role == "assistant":
                 arguments = json.dumps(b.input or {})
                 calls.append(ToolCall(id=b.id or f"toolu_{i}_{j}", function=CallFunction(b.name or "", arguments)))
@@ -84,7 +94,10 @@ def _messages(system: str | list[AnthropicBlock] | None, messages: list[Anthropi
             else:
                 raise errors.unsupported(f"{param}.type", f"content block {b.type!r} in a {m.role} turn")
         if text or calls or m.role == "assistant":
-            out.append(ChatMessage(role=m.role, content="".join(text), tool_calls=calls or None))
+            reasoning = "".join(thought) if thought else None
+            out.append(
+                ChatMessage(role=m.role, content="".join(text), tool_calls=calls or None, reasoning_content=reasoning)
+            )
     return out
 
 
@@ -110,6 +123,17 @@ def _tools(tools: list[AnthropicTool] | None, choice: AnthropicToolChoice | None
     return kw
 
 
+def _thinking(thinking: AnthropicThinking | None) -> dict[str, Any]:
+    """`thinking` as chat fields: enable_thinking for the template, budget_tokens as the
+    thinking budget (absent: the model's and the server's defaults)."""
+    if thinking is None:
+        return {}
+    kw: dict[str, Any] = {"chat_template_kwargs": {"enable_thinking": thinking.type != "disabled"}}
+    if thinking.type == "enabled" and thinking.budget_tokens is not None:
+        kw["thinking_token_budget"] = thinking.budget_tokens
+    return kw
+
+
 def messages_spec(req: MessagesRequest, info: ServedModel) -> GenSpec:
     """The chat request a Messages request means, as a GenSpec of kind "messages"."""
     if req.top_k == 0:
@@ -124,6 +148,7 @@ def messages_spec(req: MessagesRequest, info: ServedModel) -> GenSpec:
         stop=req.stop_sequences or None,
         stream=bool(req.stream),
         **_tools(req.tools, req.tool_choice),
+        **_thinking(req.thinking),
     )
     spec = chat_spec(chat, info)
     return dataclasses.replace(spec, kind="messages", stream=bool(req.stream))
@@ -145,7 +170,9 @@ def _stop(c: Choice) -> tuple[StopReason, str | None]:
 
 def document(job: Job) -> bytes:
     c = job.choices[0]
-    content: list[AnthropicTextOut | AnthropicToolUseOut] = []
+    content: list[AnthropicBlockOut] = []
+    if c.reasoning:
+        content.append(AnthropicThinkingOut("".join(c.reasoning)))
     text = "".join(c.text)
     if text:
         content.append(AnthropicTextOut(text))
@@ -189,7 +216,7 @@ class Stream:
     def __init__(self, job: Job) -> None:
         self.job = job
         self.block = -1  # index of the open block
-        self.kind = ""  # "text" or "tool_use"
+        self.kind = ""  # "thinking", "text" or "tool_use"
         self.started = False
 
     def start(self) -> bytes:
@@ -199,10 +226,14 @@ class Stream:
         )
         return _event(AnthropicEvent(type="message_start", message=message))
 
-    def deliver(self, c: Choice, events: list[Event]) -> list[bytes]:
+    def deliver(self, c: Choice, events: list[Item]) -> list[bytes]:
         out: list[bytes] = [] if self.started else [self.start()]
         for e in events:
-            if isinstance(e, str):
+            if isinstance(e, ReasoningText):
+                if self.kind != "thinking":
+                    out += self._open(AnthropicThinkingOut(""), "thinking")
+                out.append(self._delta(AnthropicDelta(type="thinking_delta", thinking=e.text)))
+            elif isinstance(e, str):
                 if not e:
                     continue
                 if self.kind != "text":
@@ -224,7 +255,7 @@ class Stream:
             out.append(_event(AnthropicEvent(type="message_stop")))
         return out
 
-    def _open(self, block: AnthropicTextOut | AnthropicToolUseOut, kind: str) -> list[bytes]:
+    def _open(self, block: AnthropicBlockOut, kind: str) -> list[bytes]:
         out = self._close()
         self.block, self.kind = self.block + 1, kind
         out.append(_event(AnthropicEvent(type="content_block_start", index=self.block, content_block=block)))

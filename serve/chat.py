@@ -1,10 +1,12 @@
 """OpenAI's chat completions and completions shapes for a Job: two Presenters (serve/generate.py).
 
 Owns: the chat.completion and text_completion documents, their streamed chunks (chat's first
-chunk per choice carries the role; with tools, one chunk per content piece, call opening and
-arguments fragment, the finish reason on the last; logprobs on the first chunk of a
-delivery), the usage chunk (`stream_options.include_usage`), the error event after the
-stream started, and `[DONE]`. Every document is a msgspec Struct of serve/wire.py.
+chunk per choice carries the role; a reasoning model's thinking as reasoning_content and
+reasoning, in its own chunks before the content's; with tools, one chunk per content piece, call
+opening and arguments fragment; the finish reason on the last; logprobs on the first chunk of a
+delivery), the usage chunk (`stream_options.include_usage`; a reasoning model's reasoning-token
+count in it), the error event after the stream started, and `[DONE]`. Every document is a
+msgspec Struct of serve/wire.py.
 Tested through tests/test_serve_app.py, tests/test_serve_tools.py and tests/test_serve_http.py.
 """
 
@@ -15,7 +17,7 @@ from collections.abc import Callable
 from serve import errors, sse
 from serve.asgi import Sender
 from serve.errors import ApiError
-from serve.generate import Choice, Job, pump
+from serve.generate import Choice, Item, Job, pump
 from serve.wire import (
     AssistantMessage,
     ChatChoice,
@@ -26,6 +28,7 @@ from serve.wire import (
     Completion,
     CompletionChoice,
     CompletionLogprobs,
+    CompletionTokensDetails,
     Delta,
     FunctionCallOut,
     FunctionDelta,
@@ -38,7 +41,8 @@ from serve.wire import (
     encoder,
 )
 from tl.core.request import TokenOut
-from tl.text.tools import CallArgs, CallStart, Event
+from tl.text.reasoning import ReasoningText
+from tl.text.tools import CallArgs, CallStart
 
 
 class ChatPresenter:
@@ -92,7 +96,7 @@ async def _stream(
     out: Sender,
     ping_s: float,
     first: list[bytes],
-    deliver: Callable[[Choice, list[Event]], list[bytes]],
+    deliver: Callable[[Choice, list[Item]], list[bytes]],
     usage: Callable[[], ChatCompletionChunk | Completion],
 ) -> None:
     """The event stream (after admission): `first`, each delivery's chunks (a delivery with no
@@ -120,19 +124,24 @@ async def _stream(
 def _usage(job: Job) -> Usage:
     prompt = job.num_prompt_tokens
     completion = sum(c.num_tokens for c in job.choices)
-    return Usage(prompt, completion, prompt + completion, PromptTokensDetails(job.num_cached_tokens))
+    details = None
+    if job.spec.thinking is not None:
+        details = CompletionTokensDetails(sum(c.num_reasoning_tokens for c in job.choices))
+    return Usage(prompt, completion, prompt + completion, PromptTokensDetails(job.num_cached_tokens), details)
 
 
 def _message(c: Choice) -> AssistantMessage:
-    """The non-streamed answer: content (null when only calls came) and the tool calls."""
+    """The non-streamed answer: content (null when only calls came), the tool calls, and the
+    thinking under both names (absent when there was none)."""
     text = "".join(c.text)
+    thought = "".join(c.reasoning) or None
     if c.parser is None or not c.parser.calls:
-        return AssistantMessage("assistant", text)
+        return AssistantMessage("assistant", text, None, thought, thought)
     calls = [
         ToolCallOut(i, "function", FunctionCallOut(call.name, call.arguments_text))
         for i, call in zip(c.call_ids, c.parser.calls, strict=True)
     ]
-    return AssistantMessage("assistant", text or None, calls)
+    return AssistantMessage("assistant", text or None, calls, thought, thought)
 
 
 def _chat_chunk(job: Job, choice: ChunkChoice) -> bytes:
@@ -140,16 +149,18 @@ def _chat_chunk(job: Job, choice: ChunkChoice) -> bytes:
     return sse.event(encoder.encode(doc))
 
 
-def _chat_chunks(job: Job, c: Choice, events: list[Event]) -> list[bytes]:
-    """The chunks of one delivery: one for its text; with tools, one per event (content text, a
-    call opening with its id, type and name, an arguments fragment), the finish reason on the
-    last. The delivery's logprobs go on its first chunk."""
-    if c.parser is None or not events:
-        text = "".join(e for e in events if isinstance(e, str))
-        return [_chat_chunk(job, ChunkChoice(c.index, Delta(content=text or None), _pending(job, c), c.finish))]
+def _chat_chunks(job: Job, c: Choice, events: list[Item]) -> list[bytes]:
+    """The chunks of one delivery: one per event (a piece of the thinking, content text, with
+    tools a call opening with its id, type and name, an arguments fragment), the finish reason
+    on the last (on a chunk of its own when the delivery has no event). The delivery's
+    logprobs go on its first chunk."""
+    if not events:
+        return [_chat_chunk(job, ChunkChoice(c.index, Delta(), _pending(job, c), c.finish))]
     out = []
     for k, e in enumerate(events):
-        if isinstance(e, str):
+        if isinstance(e, ReasoningText):
+            delta = Delta(reasoning_content=e.text, reasoning=e.text)
+        elif isinstance(e, str):
             delta = Delta(content=e)
         elif isinstance(e, CallStart):
             fn = FunctionDelta(name=e.name, arguments="")
@@ -168,7 +179,7 @@ def _pending(job: Job, c: Choice) -> ChatLogprobs | None:
     return _chat_logprobs(job, outs)
 
 
-def _completion_chunks(job: Job, c: Choice, events: list[Event]) -> list[bytes]:
+def _completion_chunks(job: Job, c: Choice, events: list[Item]) -> list[bytes]:
     piece = "".join(e for e in events if isinstance(e, str))
     outs, c.pending = c.pending, []
     offset = sum(len(t) for t in c.text) - len(piece)

@@ -3,7 +3,8 @@
 Owns: the Job (submitting one engine request per choice, all refused together on a full
 queue; every choice's outputs into the request's one asyncio queue, an Outbox of
 tl/core/async_engine.py; aborting them all), each choice's text through a TextStream (stop
-strings abort the engine request) and, with tools, its call parser; the latency histograms;
+strings abort the engine request), a reasoning model's thinking split from the answer (then,
+with tools, the answer through the call parser) and its reasoning-token count; the latency histograms;
 `respond`, which answers through the dialect's Presenter (serve/chat.py for chat and
 completions, serve/anthropic.py, serve/responses.py), and `pump`, the streamed loop every
 Presenter runs (the 15 s ping, the client leaving). Documents and chunks are the Presenters'.
@@ -28,7 +29,11 @@ from serve.textstream import TextStream
 from tl.core.async_engine import AsyncEngine, EngineError, Outbox, Output, RequestHandle, settled
 from tl.core.request import Constraint, GenRequest, RequestError, TokenOut
 from tl.ops.served import ServedModel, TextTokenizer
+from tl.text.reasoning import Markers, ReasoningParser, ReasoningText, Thinking
 from tl.text.tools import CallStart, Event, ToolCallParser
+
+Item = Event | ReasoningText
+"""What a delivery yields to its Presenter: answer text, a call's events, or a piece of the thinking."""
 
 PING_INTERVAL_S = 15.0
 _GONE_KEY = -1
@@ -51,18 +56,24 @@ class Choice:
     stop_ids: frozenset[int]
     hidden_ids: frozenset[int]  # special tokens: counted, never shown (vLLM's skip_special_tokens)
     parser: ToolCallParser | None = None  # tools: the shown text goes through it (content and calls)
+    thinker: ReasoningParser | None = None  # a reasoning model: thinking and answer split (first)
+    thinking: Thinking | None = None  # its token-level state, for num_reasoning_tokens
+    markers: Markers | None = None
     call_ids: list[str] = field(default_factory=list)  # the id of each call, in order
     text: list[str] = field(default_factory=list)  # content
+    reasoning: list[str] = field(default_factory=list)  # the thinking
     num_tokens: int = 0
+    num_reasoning_tokens: int = 0  # of num_tokens, the thinking's (markers included)
     num_cached_tokens: int = 0  # of prompt_len, read from the prefix cache (the engine's TokenOut says)
     finish: str | None = None
     pending: list[TokenOut] = field(default_factory=list)  # tokens whose logprobs are not yet sent
     logprobs: list[TokenOut] = field(default_factory=list)  # every token, for the non-streamed answer
     first_token_at: float | None = None
 
-    def feed(self, outs: list[TokenOut], tok: TextTokenizer) -> list[Event]:
-        """Consume one delivery; return what may be sent now: content text and, with tools, call
-        events. Raises ApiError on abort, no_capacity or a constraint's failure."""
+    def feed(self, outs: list[TokenOut], tok: TextTokenizer) -> list[Item]:
+        """Consume one delivery; return what may be sent now: thinking (a reasoning model),
+        content text and, with tools, call events. Raises ApiError on abort, no_capacity or a
+        constraint's failure."""
         pieces = []
         for o in outs:
             if self.finish is not None:
@@ -70,6 +81,7 @@ class Choice:
             if o.token_id >= 0:
                 self.first_token_at = self.first_token_at or time.monotonic()
                 self.num_tokens += 1
+                self._count_thinking(o.token_id)
                 self.num_cached_tokens = o.num_cached_tokens
                 self.pending.append(o)
                 self.logprobs.append(o)
@@ -90,6 +102,20 @@ class Choice:
             elif o.finish_reason == "error":
                 raise errors.constraint_failed(o.error or "the structured-output matcher failed")
         piece = "".join(pieces)
+        end = self.finish is not None
+        split = [piece] if self.thinker is None else self.thinker.push(piece) + (self.thinker.finish() if end else [])
+        thought = [p for p in split if isinstance(p, ReasoningText)]  # the thinking comes first
+        self.reasoning += [p.text for p in thought]
+        items: list[Item] = [*thought, *self._answer("".join(p for p in split if isinstance(p, str)))]
+        return items
+
+    def _count_thinking(self, token_id: int) -> None:
+        if self.thinking is not None and self.markers is not None:
+            self.num_reasoning_tokens += self.thinking.is_reasoning(token_id, self.markers)
+            self.thinking = self.thinking.after(token_id, self.markers)
+
+    def _answer(self, piece: str) -> list[Event]:
+        """The answer's text: content, or with tools content and call events."""
         if self.parser is None:
             self.text.append(piece)
             return [piece] if piece else []
@@ -139,12 +165,17 @@ class Job:
         fmt = self.spec.tool_format
         if fmt is not None:  # a marker that is a special token (Qwen's <tool_call>) must reach the parser
             hidden_ids -= {tok.token_to_id(fmt.start), tok.token_to_id(fmt.end)}
+        thinking = self.spec.thinking
+        constraint = self.constraint
+        if thinking is not None:  # the markers reach the reasoning parser; an answer's constraint waits for </think>
+            hidden_ids -= {thinking.markers.start_id, thinking.markers.end_id}
+            constraint = thinking.constraint(constraint)
         choices: list[Choice] = []
         try:
             for prompt in self.spec.prompts:
                 for params in self.spec.params:
                     outbox = Outbox(self.queue, len(choices))
-                    handle = self.engine.submit(GenRequest(prompt, params, priority, self.constraint), outbox)
+                    handle = self.engine.submit(GenRequest(prompt, params, priority, constraint), outbox)
                     stops = stop_ids | set(params.stop_token_ids)
                     choices.append(
                         Choice(
@@ -155,6 +186,9 @@ class Job:
                             stops,
                             hidden_ids,
                             None if fmt is None else ToolCallParser(fmt),
+                            None if thinking is None else thinking.parser(),
+                            None if thinking is None else thinking.initial(),
+                            None if thinking is None else thinking.markers,
                         )
                     )
         except RequestError as e:  # the engine's refusal (context, queue): nothing of this request runs
@@ -194,7 +228,7 @@ class Job:
     def gone(self) -> None:
         self.queue.put_nowait((_GONE_KEY, GONE))
 
-    def feed(self, choice: Choice, item: Output) -> list[Event]:
+    def feed(self, choice: Choice, item: Output) -> list[Item]:
         if isinstance(item, RequestError):
             raise errors.from_request_error(item, self.spec.context_param)
         if isinstance(item, EngineError):
@@ -274,7 +308,7 @@ async def _finish(job: Job) -> bool:
 
 
 async def pump(
-    job: Job, out: Sender, ping_s: float, deliver: Callable[[Choice, list[Event]], list[bytes]], ping: bytes = sse.PING
+    job: Job, out: Sender, ping_s: float, deliver: Callable[[Choice, list[Item]], list[bytes]], ping: bytes = sse.PING
 ) -> bool:
     """Every output of a streamed Job fed in and its chunks (as `deliver` frames them) sent,
     `ping` after ping_s without one; False if the client left. Raises ApiError from an output."""

@@ -29,6 +29,7 @@ from serve.wire import (
 )
 from tl.core.request import MAX_SEED, ConstraintSpec, RequestError, SamplingParams
 from tl.ops.served import ServedModel
+from tl.text.reasoning import ThinkSpec
 from tl.text.tools import ToolFormat, ToolSpec, tool_grammar
 
 Kind = Literal["chat", "completion", "messages", "responses"]
@@ -47,6 +48,7 @@ class GenSpec:
     constraint: ConstraintSpec | None = None  # structured output: what every choice must match
     tool_format: ToolFormat | None = None  # answers are parsed for tool calls in this format
     checks: tuple[ConstraintSpec, ...] = ()  # compiled first, so an error names its own field (a tool's parameters)
+    thinking: ThinkSpec | None = None  # a reasoning model's chat: thinking split from the answer, its budget
 
     @property
     def n(self) -> int:
@@ -129,8 +131,10 @@ def constraint(req: SamplingFields) -> ConstraintSpec | None:
 
 def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     """Messages as the template sees them (as transformers' apply_chat_template gets them): text
-    parts joined (any other part is a 422), an assistant's tool_calls with their arguments as a
-    dict (empty tool_calls: absent), a tool turn's tool_call_id."""
+    parts joined (any other part is a 422; null content is ""), the developer role as system
+    (templates know only system), an assistant's tool_calls with their arguments as a dict
+    (empty tool_calls: absent), its replayed thinking as reasoning_content (from either wire
+    name; tl/text/chat_template.py gives templates every alias), a tool turn's tool_call_id."""
     out = []
     for i, m in enumerate(messages):
         content = m.content
@@ -139,7 +143,7 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
                 if part.type != "text":
                     raise errors.unsupported(f"messages[{i}].content[{j}].type", f"content part {part.type!r}")
             content = "".join(p.text or "" for p in content)
-        d: dict[str, Any] = {"role": m.role, "content": content or ""}
+        d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": content or ""}
         if m.name is not None:
             d["name"] = m.name
         if m.tool_calls:
@@ -154,8 +158,9 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
                     {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": arguments}}
                 )
             d["tool_calls"] = calls
-            if not content:
-                d["content"] = None
+        reasoning = m.reasoning_content if m.reasoning_content is not None else m.reasoning
+        if reasoning is not None:
+            d["reasoning_content"] = reasoning
         if m.tool_call_id is not None:
             d["tool_call_id"] = m.tool_call_id
         out.append(d)
@@ -167,17 +172,47 @@ def render_chat(
     info: ServedModel,
     add_generation_prompt: bool = True,
     tools: list[dict[str, Any]] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
     """The prompt's token ids. With tools, or a conversation that already called tools, the
-    model's tool template renders it (its own, or tl's for a model whose template has none)."""
+    model's tool template renders it (its own, or tl's for a model whose template has none).
+    template_kwargs: extra template variables (template_kwargs below)."""
     dicts = message_dicts(messages)
     tooled = tools is not None or any("tool_calls" in d or d["role"] == "tool" for d in dicts)
     template = info.tools.template if tooled and info.tools is not None else info.chat_template
     try:
-        text = template.render(dicts, add_generation_prompt=add_generation_prompt, tools=tools)
+        text = template.render(
+            dicts, add_generation_prompt=add_generation_prompt, tools=tools, **(template_kwargs or {})
+        )
     except Exception as e:  # noqa: BLE001 - TemplateError, or raise_exception() inside any template
         raise errors.bad_request(f"The chat template could not render these messages: {e}", "messages") from None
     return info.tokenizer.encode(text)
+
+
+_RENDER_ARGS = ("messages", "tools", "documents", "add_generation_prompt")
+
+
+def template_kwargs(
+    given: dict[str, Any] | None, thinking: bool | None, param: str = "chat_template_kwargs"
+) -> dict[str, Any]:
+    """The extra chat-template variables of a request: its chat_template_kwargs (the variables
+    render sets itself are a 400), and `enable_thinking` from `thinking` (reasoning_effort "none",
+    Anthropic's thinking type) unless chat_template_kwargs set it."""
+    kw = dict(given or {})
+    taken = next((k for k in _RENDER_ARGS if k in kw), None)
+    if taken is not None:
+        raise errors.bad_request(f"{param} may not set {taken!r} (the request itself gives it)", param)
+    if thinking is not None:
+        kw.setdefault("enable_thinking", thinking)
+    return kw
+
+
+def think_spec(info: ServedModel, ids: list[int], budget: int | None) -> ThinkSpec | None:
+    """A reasoning model's thinking for this prompt (None: the model's answers are not split);
+    budget: the request's, else the server's default."""
+    if info.reasoning is None:
+        return None
+    return ThinkSpec.of(info.reasoning, ids, info.thinking_token_budget if budget is None else budget)
 
 
 @dataclass(frozen=True, slots=True)
@@ -324,7 +359,10 @@ def chat_spec(req: ChatRequest, info: ServedModel) -> GenSpec:
             "output; give only one of them (or tool_choice 'none')",
             fmt_constraint.param.split(".")[0],
         )
-    ids = render_chat(req.messages, info, tools=tools.dicts)
+    thinking = False if req.reasoning_effort == "none" else None
+    ids = render_chat(
+        req.messages, info, tools=tools.dicts, template_kwargs=template_kwargs(req.chat_template_kwargs, thinking)
+    )
     _check_tokens(ids, info, "messages")
     asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
@@ -343,6 +381,7 @@ def chat_spec(req: ChatRequest, info: ServedModel) -> GenSpec:
         tools.constraint or fmt_constraint,
         tools.format,
         tools.checks,
+        think_spec(info, ids, req.thinking_token_budget),
     )
 
 

@@ -4,15 +4,18 @@
 Owns translation and the store: a ResponsesRequest becomes the ChatRequest it means
 (`instructions` as the system turn, `input` items as turns: messages with input_text /
 output_text parts, function_call items as an assistant's tool_calls, function_call_output
-items as tool turns; function tools, tool_choice, parallel_tool_calls, max_output_tokens,
-temperature, top_p, `text.format` as response_format) and runs through serve/params.py's
+items as tool turns, reasoning items as the next assistant turn's reasoning_content; function
+tools, tool_choice, parallel_tool_calls, max_output_tokens, temperature, top_p, `text.format` as
+response_format, `reasoning.effort` "none" as reasoning_effort) and runs through serve/params.py's
 chat_spec and serve/generate.py's Job like any chat request; the finished Job becomes a
-response object (output items `message` with `output_text` and `function_call` with its
-`call_id`; status `completed`, or `incomplete` with `incomplete_details.reason` on a length
-cut; usage), or, streamed, the typed event sequence with a `sequence_number` on every event.
+response object (output items `reasoning` with `reasoning_text` content before the others,
+`message` with `output_text` and `function_call` with its `call_id`; status `completed`,
+or `incomplete` with `incomplete_details.reason` on a length cut; usage, its reasoning tokens
+counted), or, streamed, the typed event sequence with a `sequence_number` on every event.
 ResponseStore keeps stored responses (`store`, default true) per replica, bounded by count
 (LRU) and age, so `previous_response_id` continues a conversation and GET / DELETE work; an id
-past the bound is a 404. Tested with the openai client by tests/test_responses.py.
+past the bound is a 404. Tested with the openai client by tests/test_responses.py and
+tests/test_reasoning.py.
 """
 
 from __future__ import annotations
@@ -47,6 +50,8 @@ from serve.wire import (
     ResponsesOutputDetails,
     ResponsesOutputItem,
     ResponsesOutputText,
+    ResponsesReasoningItem,
+    ResponsesReasoningText,
     ResponsesRequest,
     ResponsesText,
     ResponsesTextFormat,
@@ -58,11 +63,12 @@ from serve.wire import (
     encoder,
 )
 from tl.ops.served import ServedModel
-from tl.text.tools import CallArgs, CallStart, Event
+from tl.text.reasoning import ReasoningText
+from tl.text.tools import CallArgs, CallStart
 
 if TYPE_CHECKING:
     from serve.asgi import Sender
-    from serve.generate import Choice, Job
+    from serve.generate import Choice, Item, Job
 
 
 @dataclasses.dataclass
@@ -113,18 +119,24 @@ class ResponseStore:
 def _turns(req: ResponsesRequest) -> list[ChatMessage]:
     items = [ResponsesItem(role="user", content=req.input)] if isinstance(req.input, str) else req.input
     out: list[ChatMessage] = []
+    thought: str | None = None  # a reasoning item's text, for the assistant turn that follows
     for i, it in enumerate(items):
         if it.type == "message":
             if it.role is None:
                 raise errors.bad_request(f"input[{i}].role is required for a message", f"input[{i}].role")
-            out.append(ChatMessage(role=it.role, content=_text(it.content, i)))
+            reasoning, thought = (thought, None) if it.role == "assistant" else (None, thought)
+            out.append(ChatMessage(role=it.role, content=_text(it.content, i), reasoning_content=reasoning))
         elif it.type == "function_call":
             call = ToolCall(id=it.call_id or f"call_{i}", function=CallFunction(it.name or "", it.arguments or "{}"))
             last = out[-1] if out else None
-            if last is not None and last.role == "assistant" and last.tool_calls:
+            if last is not None and last.role == "assistant" and last.tool_calls and thought is None:
                 last.tool_calls.append(call)
             else:
-                out.append(ChatMessage(role="assistant", content=None, tool_calls=[call]))
+                out.append(ChatMessage(role="assistant", content=None, tool_calls=[call], reasoning_content=thought))
+                thought = None
+        elif it.type == "reasoning":
+            parts = it.content if isinstance(it.content, list) else []
+            thought = "".join(p.text or "" for p in parts if p.type == "reasoning_text") or None
         elif it.type == "function_call_output":
             out.append(ChatMessage(role="tool", content=it.output or "", tool_call_id=it.call_id))
         else:
@@ -188,12 +200,27 @@ def responses_spec(req: ResponsesRequest, info: ServedModel, turns: list[ChatMes
         top_p=req.top_p,
         stream=bool(req.stream),
         **_tools(req),
+        **_effort(req),
     )
     return dataclasses.replace(chat_spec(chat, info), kind="responses")
 
 
+def _effort(req: ResponsesRequest) -> dict[str, Any]:
+    effort = req.reasoning.effort if req.reasoning is not None else None
+    return {} if effort is None else {"reasoning_effort": effort}
+
+
 def _message_id(job: Job) -> str:
     return job.id.replace("resp_", "msg_")
+
+
+def _reasoning_id(job: Job) -> str:
+    return job.id.replace("resp_", "rs_")
+
+
+def _reasoning_item(item_id: str, text: str, status: str) -> ResponsesReasoningItem:
+    parts = [ResponsesReasoningText(text)] if status == "completed" else []
+    return ResponsesReasoningItem(item_id, [], parts, status)
 
 
 def _call_item_id(job: Job, index: int) -> str:
@@ -206,8 +233,10 @@ def _message_item(item_id: str, text: str, status: str) -> ResponsesMessageItem:
 
 
 def output_items(job: Job, c: Choice) -> list[ResponsesOutputItem]:
-    text = "".join(c.text)
-    items: list[ResponsesOutputItem] = [_message_item(_message_id(job), text, "completed")] if text else []
+    text, thought = "".join(c.text), "".join(c.reasoning)
+    items: list[ResponsesOutputItem] = [_reasoning_item(_reasoning_id(job), thought, "completed")] if thought else []
+    if text:
+        items.append(_message_item(_message_id(job), text, "completed"))
     for i, (call_id, call) in enumerate(zip(c.call_ids, c.parser.calls if c.parser else [], strict=True)):
         items.append(ResponsesFunctionCall(_call_item_id(job, i), call_id, call.name, call.arguments_text, "completed"))
     return items
@@ -249,9 +278,14 @@ def response_doc(
 
 
 def usage(job: Job) -> ResponsesUsage:
-    prompt, output = job.num_prompt_tokens, job.choices[0].num_tokens
+    c = job.choices[0]
+    prompt, output = job.num_prompt_tokens, c.num_tokens
     return ResponsesUsage(
-        prompt, ResponsesInputDetails(job.num_cached_tokens), output, ResponsesOutputDetails(0), prompt + output
+        prompt,
+        ResponsesInputDetails(job.num_cached_tokens),
+        output,
+        ResponsesOutputDetails(c.num_reasoning_tokens),
+        prompt + output,
     )
 
 
@@ -261,7 +295,7 @@ def finished(job: Job, req: ResponsesRequest, store: ResponseStore, turns: list[
     status = "incomplete" if c.finish == "length" else "completed"
     doc = response_doc(job, req, status, output_items(job, c), usage(job))
     if req.store is not False:
-        reply = ChatMessage(role="assistant", content="".join(c.text))
+        reply = ChatMessage(role="assistant", content="".join(c.text), reasoning_content="".join(c.reasoning) or None)
         if c.parser is not None and c.parser.calls:
             reply.tool_calls = [
                 ToolCall(id=i, function=CallFunction(call.name, call.arguments_text))
@@ -279,7 +313,7 @@ class Stream:
         self.seq = 0
         self.index = -1  # output index of the open item
         self.open: ResponsesOutputItem | None = None  # the open item, as it was added
-        self.text = ""  # the open message's text so far
+        self.text = ""  # the open message's (or reasoning item's) text so far
         self.arguments = ""  # the open call's arguments so far
 
     def event(self, **fields: Any) -> bytes:
@@ -295,10 +329,25 @@ class Stream:
             self.event(type="response.in_progress", response=doc),
         ]
 
-    def deliver(self, c: Choice, events: list[Event]) -> list[bytes]:
+    def deliver(self, c: Choice, events: list[Item]) -> list[bytes]:
         out: list[bytes] = []
         for e in events:
-            if isinstance(e, str):
+            if isinstance(e, ReasoningText):
+                if not isinstance(self.open, ResponsesReasoningItem):
+                    out += self._close()
+                    out += self._add(_reasoning_item(_reasoning_id(self.job), "", "in_progress"))
+                    out.append(self._part("response.content_part.added", ResponsesReasoningText("")))
+                self.text += e.text
+                out.append(
+                    self.event(
+                        type="response.reasoning_text.delta",
+                        item_id=self.open_id,
+                        output_index=self.index,
+                        content_index=0,
+                        delta=e.text,
+                    )
+                )
+            elif isinstance(e, str):
                 if not e:
                     continue
                 if not isinstance(self.open, ResponsesMessageItem):
@@ -341,7 +390,7 @@ class Stream:
         assert self.open is not None
         return self.open.id
 
-    def _part(self, kind: str, part: ResponsesOutputText) -> bytes:
+    def _part(self, kind: str, part: ResponsesOutputText | ResponsesReasoningText) -> bytes:
         return self.event(type=kind, item_id=self.open_id, output_index=self.index, content_index=0, part=part)
 
     def _add(self, item: ResponsesOutputItem) -> list[bytes]:
@@ -355,7 +404,20 @@ class Stream:
             return []
         out = []
         done: ResponsesOutputItem
-        if isinstance(item, ResponsesMessageItem):
+        if isinstance(item, ResponsesReasoningItem):
+            out.append(
+                self.event(
+                    type="response.reasoning_text.done",
+                    item_id=item.id,
+                    output_index=self.index,
+                    content_index=0,
+                    text=self.text,
+                )
+            )
+            out.append(self._part("response.content_part.done", ResponsesReasoningText(self.text)))
+            done = _reasoning_item(item.id, self.text, "completed")
+            self.text = ""
+        elif isinstance(item, ResponsesMessageItem):
             out.append(
                 self.event(
                     type="response.output_text.done",

@@ -32,6 +32,7 @@ from serve.params import (
     completion_spec,
     prompt_token_lists,
     render_chat,
+    template_kwargs,
 )
 from serve.responses import ResponsesPresenter, ResponseStore, conversation, responses_spec
 from serve.wire import (
@@ -234,7 +235,8 @@ async def tokenize(ctx: Ctx) -> None:
     if (req.prompt is None) == (req.messages is None):
         raise errors.bad_request("give exactly one of prompt or messages", "prompt")
     if req.messages is not None:
-        ids = render_chat(req.messages, ctx.info, req.add_generation_prompt)
+        kw = template_kwargs(req.chat_template_kwargs, None)
+        ids = render_chat(req.messages, ctx.info, req.add_generation_prompt, template_kwargs=kw)
     else:
         ids = ctx.info.tokenizer.encode(req.prompt or "")
     await ctx.out.whole(200, encoder.encode(TokenizeResponse(ids, len(ids), ctx.info.max_model_len)))

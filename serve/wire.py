@@ -27,6 +27,7 @@ Seed = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
 TokenId = Annotated[int, Meta(ge=0, le=2**31 - 1)]
 NumChoices = Annotated[int, Meta(ge=1, le=16)]
 TopLogprobs = Annotated[int, Meta(ge=0, le=20)]
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
 Stop = str | Annotated[list[str], Meta(max_length=4)]
 
 
@@ -52,6 +53,8 @@ class ChatMessage(Struct, kw_only=True):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # assistant turns that called tools
     tool_call_id: str | None = None  # a tool turn: the call it answers
+    reasoning_content: str | None = None  # an assistant turn's thinking, replayed (vLLM's name)
+    reasoning: str | None = None  # the same, under OpenRouter's / newer vLLM's name
 
 
 class FunctionDef(Struct, kw_only=True, omit_defaults=True):
@@ -138,6 +141,9 @@ class ChatRequest(SamplingFields, kw_only=True):
     max_completion_tokens: PosInt | None = None
     logprobs: bool | None = None
     top_logprobs: TopLogprobs | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the chat template
+    reasoning_effort: ReasoningEffort | None = None  # "none": enable_thinking false; others change nothing
+    thinking_token_budget: Annotated[int, Meta(ge=0)] | None = None  # most thinking tokens, then </think>
 
 
 PromptItem = str | TokenId | list[TokenId]
@@ -167,6 +173,7 @@ class TokenizeRequest(Struct, kw_only=True):
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
     add_special_tokens: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(Struct, kw_only=True):
@@ -188,13 +195,21 @@ class PromptTokensDetails(Struct, frozen=True):
     cached_tokens: CachedTokens
 
 
-class Usage(Struct, frozen=True):
-    """Chat Completions' and Completions' usage; prompt_tokens includes the cached ones."""
+class CompletionTokensDetails(Struct, frozen=True):
+    reasoning_tokens: Annotated[
+        int, Meta(ge=0, description="Tokens of the thinking, its <think> and </think> markers included")
+    ]
+
+
+class Usage(Struct, frozen=True, omit_defaults=True):
+    """Chat Completions' and Completions' usage; prompt_tokens includes the cached ones,
+    completion_tokens the reasoning ones (details given for a reasoning model's chat answer)."""
 
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
+    completion_tokens_details: CompletionTokensDetails | None = None
 
 
 class TopLogprob(Struct, frozen=True):
@@ -229,6 +244,8 @@ class AssistantMessage(Struct, frozen=True, omit_defaults=True):
     role: str
     content: str | None  # null when the answer is only tool calls
     tool_calls: list[ToolCallOut] | None = None
+    reasoning_content: str | None = None  # a reasoning model's thinking (absent when it did not think)
+    reasoning: str | None = None  # the same text, under the other name clients read
 
 
 class ChatChoice(Struct, frozen=True):
@@ -266,6 +283,8 @@ class Delta(Struct, frozen=True, omit_defaults=True):
     role: str | None = None
     content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
+    reasoning_content: str | None = None  # a piece of the thinking (streamed before the content)
+    reasoning: str | None = None  # the same piece
 
 
 class ChunkChoice(Struct, frozen=True):
@@ -384,6 +403,8 @@ class AnthropicBlock(Struct, kw_only=True):
     tool_use_id: str | None = None
     content: str | list[AnthropicBlock] | None = None
     is_error: bool | None = None
+    thinking: str | None = None  # a thinking block replayed
+    signature: str | None = None
 
 
 class AnthropicMessage(Struct, kw_only=True):
@@ -403,6 +424,14 @@ class AnthropicToolChoice(Struct, kw_only=True):
     disable_parallel_tool_use: bool | None = None
 
 
+class AnthropicThinking(Struct, kw_only=True):
+    """Anthropic's `thinking`: enabled (budget_tokens: most thinking tokens), disabled, or
+    adaptive (the model's own choice: no budget)."""
+
+    type: Literal["enabled", "disabled", "adaptive"]
+    budget_tokens: Annotated[int, Meta(ge=0)] | None = None
+
+
 class MessagesRequest(Struct, kw_only=True):
     model: str
     messages: Annotated[list[AnthropicMessage], Meta(min_length=1)]
@@ -416,6 +445,7 @@ class MessagesRequest(Struct, kw_only=True):
     tools: list[AnthropicTool] | None = None
     tool_choice: AnthropicToolChoice | None = None
     metadata: dict[str, Any] | None = None
+    thinking: AnthropicThinking | None = None
 
 
 class CountTokensRequest(Struct, kw_only=True):
@@ -447,6 +477,14 @@ class AnthropicToolUseOut(Struct, frozen=True, tag="tool_use", tag_field="type")
     input: dict[str, Any]
 
 
+class AnthropicThinkingOut(Struct, frozen=True, tag="thinking", tag_field="type"):
+    thinking: str
+    signature: str = ""  # tl signs nothing; a replayed block is accepted as it comes
+
+
+AnthropicBlockOut = AnthropicThinkingOut | AnthropicTextOut | AnthropicToolUseOut
+
+
 StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
 
 
@@ -455,7 +493,7 @@ class AnthropicMessageDoc(Struct, frozen=True):
     type: str  # "message"
     role: str  # "assistant"
     model: str
-    content: list[AnthropicTextOut | AnthropicToolUseOut]
+    content: list[AnthropicBlockOut]
     stop_reason: StopReason | None
     stop_sequence: str | None
     usage: AnthropicUsage
@@ -466,11 +504,13 @@ class TokenCount(Struct, frozen=True):
 
 
 class AnthropicDelta(Struct, frozen=True, kw_only=True):
-    """What a streamed event adds: a text block's text (type text_delta), a tool_use block's
-    input JSON (input_json_delta), or, in message_delta, why the message ended (no type)."""
+    """What a streamed event adds: a text block's text (type text_delta), a thinking block's
+    thinking (thinking_delta), a tool_use block's input JSON (input_json_delta), or, in
+    message_delta, why the message ended (no type)."""
 
-    type: Literal["text_delta", "input_json_delta"] | UnsetType = UNSET
+    type: Literal["text_delta", "thinking_delta", "input_json_delta"] | UnsetType = UNSET
     text: str | UnsetType = UNSET
+    thinking: str | UnsetType = UNSET
     partial_json: str | UnsetType = UNSET
     stop_reason: StopReason | None | UnsetType = UNSET
     stop_sequence: str | None | UnsetType = UNSET
@@ -494,7 +534,7 @@ class AnthropicEvent(Struct, frozen=True, kw_only=True):
     type: str
     message: AnthropicMessageDoc | UnsetType = UNSET
     index: int | UnsetType = UNSET
-    content_block: AnthropicTextOut | AnthropicToolUseOut | UnsetType = UNSET
+    content_block: AnthropicBlockOut | UnsetType = UNSET
     delta: AnthropicDelta | UnsetType = UNSET
     usage: AnthropicOutputUsage | UnsetType = UNSET
     error: AnthropicError | UnsetType = UNSET
@@ -508,8 +548,9 @@ class ResponsesPart(Struct, kw_only=True):
 
 
 class ResponsesItem(Struct, kw_only=True):
-    """An input item: a message (type "message" or just a role), a function_call, or a
-    function_call_output; any other type is refused with 422 naming it."""
+    """An input item: a message (type "message" or just a role), a function_call, a
+    function_call_output, or a reasoning item (its reasoning_text parts go with the next
+    assistant turn); any other type is refused with 422 naming it."""
 
     type: str = "message"
     role: Literal["user", "assistant", "system", "developer"] | None = None
@@ -520,6 +561,7 @@ class ResponsesItem(Struct, kw_only=True):
     output: str | None = None
     id: str | None = None
     status: str | None = None
+    summary: list[ResponsesPart] | None = None  # a reasoning item replayed
 
 
 class ResponsesTool(Struct, kw_only=True):
@@ -549,6 +591,13 @@ class ResponsesText(Struct, kw_only=True):
     format: ResponsesTextFormat | None = None
 
 
+class ResponsesReasoning(Struct, kw_only=True):
+    """`reasoning`: effort "none" turns thinking off where the template supports it (enable_thinking)."""
+
+    effort: ReasoningEffort | None = None
+    summary: str | None = None
+
+
 class ResponsesRequest(Struct, kw_only=True):
     model: str
     input: str | Annotated[list[ResponsesItem], Meta(min_length=1)]
@@ -565,6 +614,7 @@ class ResponsesRequest(Struct, kw_only=True):
     metadata: dict[str, str] | None = None
     previous_response_id: str | None = None
     user: str | None = None
+    reasoning: ResponsesReasoning | None = None
 
 
 class ResponsesOutputText(Struct, frozen=True, tag="output_text", tag_field="type"):
@@ -593,7 +643,26 @@ class ResponsesFunctionCall(Struct, frozen=True, tag="function_call", tag_field=
     status: str  # "in_progress" | "completed"
 
 
-ResponsesOutputItem = ResponsesMessageItem | ResponsesFunctionCall
+class ResponsesReasoningText(Struct, frozen=True, tag="reasoning_text", tag_field="type"):
+    """A reasoning item's content part: the thinking, as the model wrote it."""
+
+    text: str
+
+
+class ResponsesSummaryText(Struct, frozen=True, tag="summary_text", tag_field="type"):
+    text: str
+
+
+class ResponsesReasoningItem(Struct, frozen=True, tag="reasoning", tag_field="type"):
+    """An output item: the model's thinking before its answer (`content`; no summary is made)."""
+
+    id: str
+    summary: list[ResponsesSummaryText]
+    content: list[ResponsesReasoningText]
+    status: str  # "in_progress" | "completed"
+
+
+ResponsesOutputItem = ResponsesReasoningItem | ResponsesMessageItem | ResponsesFunctionCall
 
 
 class ResponsesIncomplete(Struct, frozen=True):
@@ -654,7 +723,7 @@ class ResponsesEvent(Struct, frozen=True, kw_only=True):
     output_index: int | UnsetType = UNSET
     item: ResponsesOutputItem | UnsetType = UNSET
     content_index: int | UnsetType = UNSET
-    part: ResponsesOutputText | UnsetType = UNSET
+    part: ResponsesOutputText | ResponsesReasoningText | UnsetType = UNSET
     delta: str | UnsetType = UNSET
     text: str | UnsetType = UNSET
     arguments: str | UnsetType = UNSET

@@ -3,12 +3,14 @@
 `fake_app:app` (tests/ on PYTHONPATH) is the real tl.core.engine.Engine over the succ runner of
 tests/fake_engine.py (`make_real_async_engine`; FAKE_STEP_DELAY_S and FAKE_MAX_LEN tune it),
 handed to the App as its engine factory: the server's engine is an explicit argument, never
-an import path from the environment. Used by tests/test_serve_http.py.
+an import path from the environment. Used by tests/test_serve_http.py (and `think_app` by
+tests/test_reasoning.py).
 """
 
 from __future__ import annotations
 
 from fake_engine import make_real_async_engine, make_script_async_engine
+from fake_think import make_think_async_engine
 
 from serve.app import App
 
@@ -16,3 +18,6 @@ app = App(engine_factory=make_real_async_engine)
 
 script_app = App(engine_factory=make_script_async_engine)
 """`fake_app:script_app`: every answer is FAKE_SCRIPT (tests/fake_engine.py ScriptEngine)."""
+
+think_app = App(engine_factory=make_think_async_engine)
+"""`fake_app:think_app`: a scripted reasoning model (tests/fake_think.py ThinkEngine)."""

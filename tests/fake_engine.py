@@ -87,7 +87,11 @@ class ConcatTemplate:
     """Renders the content of every message, nothing else (the seed's succ template)."""
 
     def render(
-        self, messages: Sequence[Mapping[str, object]], add_generation_prompt: bool = True, tools: object = None
+        self,
+        messages: Sequence[Mapping[str, object]],
+        add_generation_prompt: bool = True,
+        tools: object = None,
+        **kwargs: object,
     ) -> str:
         return "".join(str(m.get("content") or "") for m in messages)
 
@@ -96,7 +100,11 @@ class RoleTemplate:
     """The seed's default template: <|role|>\\ncontent\\n per message, then <|assistant|>\\n."""
 
     def render(
-        self, messages: Sequence[Mapping[str, object]], add_generation_prompt: bool = True, tools: object = None
+        self,
+        messages: Sequence[Mapping[str, object]],
+        add_generation_prompt: bool = True,
+        tools: object = None,
+        **kwargs: object,
     ) -> str:
         text = "".join(f"<|{m['role']}|>\n{m.get('content') or ''}\n" for m in messages)
         return text + ("<|assistant|>\n" if add_generation_prompt else "")

@@ -70,11 +70,12 @@ SERVE_API = (
     "tl.ops.build",
     "tl.ops.served",
     "tl.text.tools",
+    "tl.text.reasoning",
 )
 """What serve/ may import of tl: configuration, the request records and their errors, the
 AsyncEngine, the stats records, the one function that builds the engine, the record of the
 served model it builds beside it (tl.ops.served: tokenizer and template behind protocols), and
-the tool-call formats with their parser."""
+the tool-call formats with their parser, and the reasoning markers with theirs."""
 ENV_READERS = {"tl/ops/build.py"}
 PACKAGES = ("tl", "serve", "kernels")
 

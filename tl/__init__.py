@@ -8,7 +8,8 @@ those before it; tests/test_layering.py checks it):
   pure forward), converting GGUF.
 - tl/runtime: the device side: the execution plan, placement, compiling, running and sampling
   the step.
-- tl/text: the text side: tokenizer, chat template, tool-call formats, structured-output grammars.
+- tl/text: the text side: tokenizer, chat template, tool-call formats, reasoning (thinking)
+  markers, structured-output grammars.
 - tl/ops: the operational entry points: building a served engine, the CLI, pulling models,
   the multi-host group.
 """

@@ -26,6 +26,7 @@ MatmulPrecision = Literal["highest", "high"]
 WeightPages = Literal["huge", "default"]
 Backend = Literal["auto", "cpu", "gpu", "tpu"]
 ToolParser = Literal["auto", "hermes", "smollm2"]
+ReasoningParser = Literal["auto", "none", "think"]
 AttentionKernel = Literal["auto", "reference", "cpu_native", "pallas_tpu", "pallas_gpu"]
 MatmulKernel = Literal["auto", "xla", "cpu_native"]
 NativeTarget = Literal[
@@ -154,6 +155,13 @@ class EngineConfig:
     """How tool calls are written and parsed: "auto" detects it from the chat template (Hermes
     blocks where the template writes <tool_call>; else SmolLM2's JSON array with tl's own tool
     template), or "hermes" / "smollm2"."""
+    reasoning_parser: ReasoningParser = "auto"
+    """Whether answers are split into thinking (<think>...</think>) and answer: "auto" when the
+    chat template writes <think> or the vocabulary holds <think> and </think>; "think": always
+    (both must be single tokens); "none": never (the markers stay in the text)."""
+    thinking_token_budget: int = -1
+    """Most tokens a reasoning model may think before </think> is forced, for requests that set no
+    budget of their own; -1: no limit."""
     grammar_timeout_s: float = 5.0
     """Longest a structured-output constraint may take to compile; a slower one is a 400."""
     grammar_cache_size: int = 128
@@ -234,6 +242,10 @@ class EngineConfig:
             f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {self.prompt_lookup_min}, {self.prompt_lookup_max}",
         )
         _check(0 <= self.max_logprobs <= 20, f"max_logprobs must be in 0..20, got {self.max_logprobs}")
+        _check(
+            self.thinking_token_budget >= -1,
+            f"thinking_token_budget must be >= 0 (or -1: no limit), got {self.thinking_token_budget}",
+        )
         _check(self.grammar_timeout_s > 0, f"grammar_timeout_s must be > 0, got {self.grammar_timeout_s}")
         _check(self.grammar_cache_size >= 1, f"grammar_cache_size must be >= 1, got {self.grammar_cache_size}")
         _check(self.responses_store_size >= 1, f"responses_store_size must be >= 1, got {self.responses_store_size}")

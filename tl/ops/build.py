@@ -186,12 +186,13 @@ def run_follower(cfg: EngineConfig, on_ready: Callable[[Callable[[], bool]], Non
 def build_async_engine(cfg: EngineConfig, warmup: bool = True) -> tuple[AsyncEngine, ServedModel]:
     """The serving form: an Engine behind the engine thread (with the grammar compiler of
     structured output), and the record of the model it serves (tokenizer, chat template, tool
-    calling, limits; the vocabulary size from the model's config as the runner loaded it)."""
+    calling, reasoning, limits; the vocabulary size from the model's config as the runner loaded it)."""
     from tl.core.async_engine import AsyncEngine
     from tl.model.convert_gguf import model_dir_of
     from tl.ops.served import ServedModel
     from tl.text.chat_template import ChatTemplate
     from tl.text.grammar import GrammarCompiler
+    from tl.text.reasoning import setup as reasoning_setup
     from tl.text.tokenizer import Tokenizer
     from tl.text.tools import setup
 
@@ -200,6 +201,8 @@ def build_async_engine(cfg: EngineConfig, warmup: bool = True) -> tuple[AsyncEng
     template = ChatTemplate.from_model_dir(cfg.model_dir)
     tools = setup(cfg.tool_parser, template)
     log.info("%s", tools.reason)
+    reasoning = reasoning_setup(cfg.reasoning_parser, "\n".join(template.sources.values()), tokenizer)
+    log.info("%s", reasoning.reason)
     built: list[AsyncEngine] = []
     # A multi-host group losing a process: every request fails with 503, then the exit (status 3).
     runner, engine = _runner_and_engine(
@@ -211,6 +214,14 @@ def build_async_engine(cfg: EngineConfig, warmup: bool = True) -> tuple[AsyncEng
     )
     built.append(AsyncEngine(engine, grammars))
     model = ServedModel(
-        cfg.served_model_id(), engine.max_model_len, vocab_size, cfg.max_logprobs, tokenizer, template, tools
+        cfg.served_model_id(),
+        engine.max_model_len,
+        vocab_size,
+        cfg.max_logprobs,
+        tokenizer,
+        template,
+        tools,
+        reasoning.markers,
+        None if cfg.thinking_token_budget < 0 else cfg.thinking_token_budget,
     )
     return built[0], model

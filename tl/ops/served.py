@@ -2,7 +2,7 @@
 AsyncEngine, and the protocols its tokenizer and chat template are used through.
 
 Owns: ServedModel (model id, context length, the vocabulary size from the model's config, the
-largest top_logprobs, tokenizer, chat template, tool calling) and the two protocols, each
+largest top_logprobs, tokenizer, chat template, tool calling, reasoning) and the two protocols, each
 naming every member serve/ calls (tl/text/tokenizer.py's Tokenizer and tl/text/chat_template.py's
 ChatTemplate implement them, as do the fakes of tests/fake_engine.py). Pure data: must not
 import jax, the runner or the engine. Tested through tests/test_serve_app.py and
@@ -15,6 +15,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from tl.text.reasoning import Markers
 from tl.text.tools import ToolSetup
 
 
@@ -51,7 +52,10 @@ class ChatRenderer(Protocol):
         messages: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
-    ) -> str: ...
+        **kwargs: Any,
+    ) -> str:
+        """kwargs: extra template variables (a request's chat_template_kwargs, enable_thinking)."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,3 +75,9 @@ class ServedModel:
     tools: ToolSetup | None = None
     """How the model calls tools: the format its calls are parsed in and the template that
     renders a request with tools (None: requests with tools are refused)."""
+    reasoning: Markers | None = None
+    """The thinking markers when the model's answers are split into thinking and answer
+    (tl/text/reasoning.py setup; None: never split)."""
+    thinking_token_budget: int | None = None
+    """Most tokens a request may think when it sets no budget itself
+    (EngineConfig.thinking_token_budget; None: no limit)."""
