@@ -114,6 +114,14 @@ def test_guide_gates_the_answer_grammar_and_forces_the_end_on_budget() -> None:
     for t in answer:
         assert not g.done and g.accept(t)
     assert g.done
+    fresh = guide.matcher()  # drafts that answer at once: the answer's grammar from the first token
+    assert fresh.valid_prefix(answer) == len(answer) and fresh.valid_prefix([ord("{"), ord("x")]) == 1
+    rows = np.zeros((3, (VOCAB + 31) // 32), np.int32)
+    fresh.fill(rows, 0, answer[:2])
+    for k, t in enumerate(answer[:2]):
+        assert _ids(rows[k]) == allowed(fresh), k
+        assert fresh.accept(t)
+    assert _ids(rows[2]) == allowed(fresh)
     spent = ThinkSpec(MARKERS, opened=True, budget=0).constraint(None).matcher()  # type: ignore[union-attr]
     assert allowed(spent) == [END_ID] and not spent.accept(ord("a")) and "budget" in spent.error
 

@@ -163,9 +163,9 @@ class ThinkingGuide:
     def valid_prefix(self, tokens: Sequence[int]) -> int:
         state = self._state
         for k, t in enumerate(tokens):
-            if state.phase is Phase.ANSWER:
+            if state.phase is Phase.ANSWER or (state.phase is Phase.MAYBE and t != self._spec.markers.start_id):
                 rest = len(tokens) - k if self._answer is None else self._answer.valid_prefix(tokens[k:])
-                return k + rest
+                return k + rest  # the answer from this token on
             if not self._allows(state, t):
                 return k
             state = state.after(t, self._spec.markers)
@@ -186,8 +186,11 @@ class ThinkingGuide:
             elif state.phase is Phase.THINKING or self._answer is None:
                 mask[row + k] = -1
             else:  # MAYBE under the answer's constraint: it, or <think>
-                self._answer.fill(mask, row + k, ())
+                answering = k < len(drafts) and drafts[k] != m.start_id  # the rest of the drafts are answer
+                self._answer.fill(mask, row + k, drafts[k:] if answering else ())
                 _allow(mask, row + k, m.start_id)
+                if answering:
+                    return
             if k < len(drafts):
                 state = state.after(drafts[k], m)
 
