@@ -70,6 +70,7 @@ class _EngineCollector(Collector):
             ("tl_engine_spec_draft_tokens", "Speculative draft tokens proposed", s.spec_drafts_proposed),
             ("tl_engine_spec_accepted_tokens", "Speculative draft tokens accepted", s.spec_drafts_accepted),
             ("tl_engine_capped_steps", "Steps whose prompt work prompt_tokens_while_decoding cut", s.capped_steps),
+            ("tl_engine_aborted_sequences", "Sequences aborted: the client disconnected or stopped", s.aborts),
         ):
             yield CounterMetricFamily(name, doc, value=value)
         for name, doc, h in (

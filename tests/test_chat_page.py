@@ -276,6 +276,7 @@ def test_chat_page_streams_renders_reasons_stops_and_stays_offline(tmp_path: Pat
             assert time.monotonic() - t0 < 2.0, "the stopped request still holds its sequence or blocks"
             time.sleep(0.02)
         assert len(third.locator(".content").inner_text()) < 1000  # of the 3000 tokens asked for
+        assert metric(health, "tl_engine_aborted_sequences_total") == 1  # the engine saw the abort
         assert metric(health, 'tl_http_requests_total{endpoint="/v1/chat/completions",status="200"}') == 2
         assert metric(health, 'tl_http_requests_total{endpoint="/",status="200"}') >= 1
 

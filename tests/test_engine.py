@@ -185,11 +185,13 @@ def test_abort_frees_blocks_before_the_next_schedule() -> None:
     used = engine.stats().kv_blocks_used
     engine.abort(a)
     assert engine.stats().kv_blocks_used == used - 3 and engine.stats().running == 1
+    assert engine.stats().aborts == 1
     outs = engine.step()
     assert outs[0] == TokenOut(a, -1, finish_reason="abort")
     assert [o.request_id for o in outs[1:]] == [b]
     engine.abort_all()
-    assert engine.stats().kv_blocks_used == 0 and engine.has_work()
+    engine.abort(a)  # gone already: not counted again
+    assert engine.stats().kv_blocks_used == 0 and engine.has_work() and engine.stats().aborts == 2
     assert engine.step() == [TokenOut(b, -1, finish_reason="abort")]
     assert not engine.has_work() and engine.step() == []
 

@@ -159,6 +159,7 @@ class Engine:
             compilations=self.runner.num_compilations,
             compile_pending=self.runner.num_pending_compiles,
             capped_steps=c.capped_steps,
+            aborts=c.aborts,
             step_seconds=self._step_seconds.snapshot(),
             prompt_tokens_per_step=self._prompt_tokens.snapshot(),
             mask_seconds=self._mask_seconds.snapshot(),

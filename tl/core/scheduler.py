@@ -70,6 +70,7 @@ class SchedulerCounters:
     spec_drafts_proposed: int = 0
     spec_drafts_accepted: int = 0
     capped_steps: int = 0  # steps whose prompt work prompt_tokens_while_decoding cut
+    aborts: int = 0  # live sequences finished by abort() (a client gone or stopped)
 
 
 def _is_decode(seq: Sequence) -> bool:
@@ -137,6 +138,7 @@ class Scheduler:
         """Free the sequence's blocks now; its TokenOut(-1, "abort") comes with the next update()."""
         seq = self.seqs.get(seq_id)
         if seq is not None:
+            self.counters.aborts += 1
             self._finish(seq, "abort")
             self._finished_outs.append(
                 TokenOut(seq_id, -1, finish_reason="abort", num_cached_tokens=seq.num_cached_tokens)

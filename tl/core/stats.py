@@ -71,6 +71,7 @@ class EngineStats:
     compilations: int = 0  # compiled step variants so far (flat once the background compilation is done)
     compile_pending: int = 0  # step variants not compiled yet (tl/runtime/compiler.py compiles them in the background)
     capped_steps: int = 0  # steps whose prompt work prompt_tokens_while_decoding cut
+    aborts: int = 0  # live sequences aborted (client disconnected or stopped, or cancelled)
     step_seconds: HistogramSnapshot = HistogramSnapshot()  # runner time of each step
     prompt_tokens_per_step: HistogramSnapshot = HistogramSnapshot()  # prompt-work tokens of each step
     mask_seconds: HistogramSnapshot = HistogramSnapshot()  # host time per constrained token's bitmask
