@@ -1,7 +1,8 @@
 """Reasoning models: the thinking apart from the answer in every API.
 
 Pure tests of tl/text/reasoning.py (the text split at every cut, the detection, the guide that
-gates an answer's grammar and forces `</think>` on a spent budget), then the official `openai`
+gates an answer's grammar and forces `</think>` on a spent budget, also under the real Engine's
+scheduler), then the official `openai`
 and `anthropic` clients over real HTTP against one granian server of tests/fake_app.py's
 `think_app` (tests/fake_think.py: a scripted model, 3 tokens a step, `<think>`/`</think>` special
 tokens): reasoning_content and reasoning, streamed before the content and equal to the document,
@@ -24,13 +25,18 @@ import jsonschema
 import numpy as np
 import openai
 import pytest
+from fake_engine import SuccRunner
+from fake_runner import pick_allowed
 from fake_think import END_ID, SCRIPTS, THINK_ID, TOKENIZER, VOCAB, allowed, think_grammars
+from models import IM_END_ID
 from test_serve_http import Server, server
 
 from serve.params import message_dicts
 from serve.wire import CallFunction, ChatMessage, ToolCall
 from tl.core.config import ConfigError, EngineConfig
-from tl.core.request import ConstraintSpec
+from tl.core.engine import Engine
+from tl.core.plan import RunnerOutput, SchedulerOutput, SeqResult
+from tl.core.request import ConstraintSpec, GenRequest, SamplingParams, TokenOut
 from tl.text.reasoning import Markers, ReasoningParser, ReasoningText, ThinkSpec, setup
 
 MARKERS = Markers(THINK_ID, END_ID)
@@ -124,6 +130,47 @@ def test_guide_gates_the_answer_grammar_and_forces_the_end_on_budget() -> None:
     assert _ids(rows[2]) == allowed(fresh)
     spent = ThinkSpec(MARKERS, opened=True, budget=0).constraint(None).matcher()  # type: ignore[union-attr]
     assert allowed(spent) == [END_ID] and not spent.accept(ord("a")) and "budget" in spent.error
+
+
+class ScriptRunner(SuccRunner):
+    """A Runner for the real Engine: the script's next token, or what the guide's mask allows
+    (the forced </think>: the script goes on after its own)."""
+
+    def __init__(self, script: list[int]) -> None:
+        super().__init__(block_size=4, num_kv_blocks=256, max_model_len=512)
+        self.script = script
+
+    def execute(self, plan: SchedulerOutput) -> RunnerOutput:
+        results = []
+        for w in plan.work:
+            if not w.sample:
+                continue
+            n = w.num_generated
+            tok = self.script[n] if n < len(self.script) else IM_END_ID
+            if w.guide is not None:
+                mask = np.zeros((1, (VOCAB + 31) // 32), np.int32)
+                w.guide.fill(mask, 0, ())
+                tok = pick_allowed(mask[0], tok, VOCAB)
+                if tok == END_ID and END_ID in self.script[n:]:
+                    del self.script[n : self.script.index(END_ID, n)]
+            results.append(SeqResult(w.seq_id, (tok,), (0.0,), ()))
+        return RunnerOutput(tuple(results))
+
+
+def test_the_real_engine_forces_the_end_and_gates_the_answer() -> None:
+    """tl.core.engine.Engine's scheduler feeds the guide: 5 thought tokens, the forced </think>,
+    then the answer under its schema, finished by the grammar."""
+    cfg = EngineConfig(model_dir="m", block_size=4, num_kv_blocks=256)
+    script = TOKENIZER.encode("<think>\n" + "abc " * 10 + '</think>{"city":"Rome"}')
+    engine = Engine(ScriptRunner(script), cfg)
+    grammar = think_grammars(cfg).compile(ConstraintSpec("json", json.dumps(CITY), "x")).grammar
+    constraint = ThinkSpec(MARKERS, opened=False, budget=5).constraint(grammar)
+    engine.add_request(GenRequest((1, 2), SamplingParams(temperature=0, max_tokens=100), 0, constraint))
+    outs: list[TokenOut] = []
+    while not outs or outs[-1].finish_reason is None:
+        outs += engine.step()
+    assert outs[-1].finish_reason == "stop"
+    assert TOKENIZER.decode(o.token_id for o in outs) == '<think>\nabc </think>{"city":"Rome"}'
 
 
 def _ids(row: np.ndarray) -> list[int]:
