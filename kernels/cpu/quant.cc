@@ -28,8 +28,8 @@
 // weights taken as unsigned codes u (q4_k 0..15, q5_k 0..31, q6_k 0..63) with an int scale sc
 // per 16 inputs (q4_k / q5_k: per sub-block of 32, 6 bits, with a 6-bit min mn) and a min per 16
 // (q6_k: mn = 32 sc, its codes' offset). A super-block's isum = sum sc u q and msum = sum mn bsum
-// are exact int32 sums (|isum| < 2^28); it adds d_w d_x isum - dmin d_x msum in float32 (q6_k:
-// d_w d_x (isum - msum)). u <= 63 is a valid u8 operand against s8 x everywhere: AVX-512 VNNI
+// are exact int32 sums (|isum| < 2^28); it adds (d_w isum - dmin msum) d_x in float32 (q6_k:
+// d_w (isum - msum) d_x; on x86 lane by lane, d_x last as a broadcast operand of the fma). u <= 63 is a valid u8 operand against s8 x everywhere: AVX-512 VNNI
 // vpmaddubsw then vpdpwssd with the pairs' scales, 64 inputs a vector; AVX2 (and AVX-512 without
 // VNNI) vpmaddubsw then vpmaddwd, 32 a vector; aarch64 dotprod vdotq_s32 a group of 16 scaled by
 // vmlaq; scalar elsewhere.
@@ -645,17 +645,19 @@ inline void dot_rows_k(const uint8_t* w, const XQ& x, int64_t n0, float out[R]) 
       }
     }
     const __m256i mn = k_mins16<KIND>(sb);
+    const __m512 dw = _mm512_set1_ps(d), dmw = _mm512_set1_ps(dmin);
     for (int r = 0; r < R; ++r) {
       const int64_t at = (n0 + r) * x.ns + b;
       const __m256i m8 = _mm256_madd_epi16(mn, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.bs + at * 16)));
       const __m512i msum = __builtin_shufflevector(m8, _mm256_setzero_si256(), 0, 1, 2, 3, 4, 5, 6, 7);
-      const float dx = x.dk[at];
+      __m512 f;  // the super-block's lanes times d_w (and less dmin msum), then times d_x
       if constexpr (KIND == kQ6_K) {
-        acc[r] = _mm512_fmadd_ps(__builtin_convertvector(i16(_mm512_sub_epi32(isum[r], msum)), v16), _mm512_set1_ps(d * dx), acc[r]);
+        f = _mm512_mul_ps(__builtin_convertvector(i16(_mm512_sub_epi32(isum[r], msum)), v16), dw);
       } else {
-        acc[r] = _mm512_fmadd_ps(__builtin_convertvector(i16(isum[r]), v16), _mm512_set1_ps(d * dx), acc[r]);
-        acc[r] = _mm512_fnmadd_ps(__builtin_convertvector(i16(msum), v16), _mm512_set1_ps(dmin * dx), acc[r]);
+        f = _mm512_fmsub_ps(__builtin_convertvector(i16(isum[r]), v16), dw,
+                            _mm512_mul_ps(__builtin_convertvector(i16(msum), v16), dmw));
       }
+      acc[r] = _mm512_fmadd_ps(f, _mm512_set1_ps(x.dk[at]), acc[r]);
     }
   }
   for (int r = 0; r < R; ++r) out[r] = hsum(v16(acc[r]));
@@ -708,16 +710,17 @@ inline void dot_rows_k(const uint8_t* w, const XQ& x, int64_t n0, float out[R]) 
       }
     }
     const __m256i mn = k_mins16<KIND>(sb);
+    const __m256 dw = _mm256_set1_ps(d), dmw = _mm256_set1_ps(dmin);
     for (int r = 0; r < R; ++r) {
       const int64_t at = (n0 + r) * x.ns + b;
       const __m256i msum = _mm256_madd_epi16(mn, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.bs + at * 16)));
-      const float dx = x.dk[at];
+      __m256 f;  // as the AVX-512 path's
       if constexpr (KIND == kQ6_K) {
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(isum[r], msum)), _mm256_set1_ps(d * dx), acc[r]);
+        f = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(isum[r], msum)), dw);
       } else {
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_set1_ps(d * dx), acc[r]);
-        acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_set1_ps(dmin * dx), acc[r]);
+        f = _mm256_fmsub_ps(_mm256_cvtepi32_ps(isum[r]), dw, _mm256_mul_ps(_mm256_cvtepi32_ps(msum), dmw));
       }
+      acc[r] = _mm256_fmadd_ps(f, _mm256_broadcast_ss(x.dk + at), acc[r]);
     }
   }
   for (int r = 0; r < R; ++r) out[r] = hsum256(acc[r]);
