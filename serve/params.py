@@ -186,7 +186,7 @@ def render_chat(
         )
     except Exception as e:  # noqa: BLE001 - TemplateError, or raise_exception() inside any template
         raise errors.bad_request(f"The chat template could not render these messages: {e}", "messages") from None
-    return info.tokenizer.encode(text)
+    return info.tokenizer.encode_prompt(text)  # <bos> first where the tokenizer adds it and the template did not
 
 
 _RENDER_ARGS = ("messages", "tools", "documents", "add_generation_prompt")
@@ -270,11 +270,11 @@ def tool_request(req: ChatRequest, info: ServedModel) -> ToolRequest:
 def prompt_token_lists(prompt: str | list[PromptItem], info: ServedModel, param: str) -> list[list[int]]:
     """A string, a list of strings, a list of token ids, or a list of token-id lists."""
     if isinstance(prompt, str):
-        return [info.tokenizer.encode(prompt)]
+        return [info.tokenizer.encode_prompt(prompt)]
     if all(isinstance(x, int) for x in prompt):
         return [[x for x in prompt if isinstance(x, int)]]
     if all(isinstance(x, str) for x in prompt):
-        return [info.tokenizer.encode(x) for x in prompt if isinstance(x, str)]
+        return [info.tokenizer.encode_prompt(x) for x in prompt if isinstance(x, str)]
     if all(isinstance(x, list) for x in prompt):
         return [list(x) for x in prompt if isinstance(x, list)]
     raise errors.bad_request(

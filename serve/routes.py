@@ -238,7 +238,7 @@ async def tokenize(ctx: Ctx) -> None:
         kw = template_kwargs(req.chat_template_kwargs, None)
         ids = render_chat(req.messages, ctx.info, req.add_generation_prompt, template_kwargs=kw)
     else:
-        ids = ctx.info.tokenizer.encode(req.prompt or "")
+        ids = ctx.info.tokenizer.encode_prompt(req.prompt or "")
     await ctx.out.whole(200, encoder.encode(TokenizeResponse(ids, len(ids), ctx.info.max_model_len)))
 
 

@@ -76,6 +76,9 @@ class ByteTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
+    def encode_prompt(self, text: str) -> list[int]:
+        return self.encode(text)  # no BOS
+
     def decode(self, ids: Sequence[int]) -> str:
         return bytes(ids).decode("utf-8", errors="replace")
 

@@ -75,6 +75,9 @@ class ThinkTokenizer:
                 text = text[1:]
         return ids
 
+    def encode_prompt(self, text: str) -> list[int]:
+        return self.encode(text)  # no BOS
+
     def decode(self, ids: Iterable[int]) -> str:
         return b"".join(self.token_bytes(i) for i in ids).decode("utf-8", errors="replace")
 

@@ -26,6 +26,10 @@ class TextTokenizer(Protocol):
         """Token ids of text (no BOS/EOS added)."""
         ...
 
+    def encode_prompt(self, text: str) -> list[int]:
+        """Token ids of a prompt: BOS first where the model's tokenizer adds it (Gemma)."""
+        ...
+
     def decode(self, ids: Iterable[int]) -> str:
         """Text of ids."""
         ...
