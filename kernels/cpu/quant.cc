@@ -999,14 +999,21 @@ inline void rest(const uint8_t* W, int64_t row_bytes, const XQ& x, int64_t O, fl
 }
 
 // Outputs [o0, o1) against every row of x: each weight row once per tile of kTileRows rows
-// (from L1 after the first), each block unpacked once per tile.
+// (from L1 after the first), each block unpacked once per tile. The K-quants take the rows of x
+// in runs of at most 32 KB of int8 (an L1's worth), the outputs' weights streamed again for each
+// run (from L2): a whole 64-row x (128 KB at K = 2048) read from L2 for every output ran a
+// 640 x 1024 q4_k call 3.3x slower at 64 rows than at 32.
 template <int KIND>
 void outputs(const uint8_t* W, int64_t row_bytes, const XQ& x, int64_t N, int64_t O, float* Y, int64_t o0,
              int64_t o1) {
-  for (int64_t o = o0; o < o1; ++o) {
-    int64_t n = 0;
-    for (; n + kTileRows <= N; n += kTileRows) tile<KIND, kTileRows>(W, row_bytes, x, O, Y, o, n);
-    if (n < N) rest<KIND, kTileRows - 1>(W, row_bytes, x, O, Y, o, n, N - n);
+  const int64_t run = kSuper<KIND> ? std::max<int64_t>(kTileRows, 32768 / x.K / kTileRows * kTileRows) : N;
+  for (int64_t n0 = 0; n0 < N; n0 += run) {
+    const int64_t n1 = std::min(N, n0 + run);
+    for (int64_t o = o0; o < o1; ++o) {
+      int64_t n = n0;
+      for (; n + kTileRows <= n1; n += kTileRows) tile<KIND, kTileRows>(W, row_bytes, x, O, Y, o, n);
+      if (n < n1) rest<KIND, kTileRows - 1>(W, row_bytes, x, O, Y, o, n, n1 - n);
+    }
   }
 }
 
