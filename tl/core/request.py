@@ -238,6 +238,12 @@ class TokenOut:
     engine's later bookkeeping. Every TokenOut of the request carries the same count (0 for an
     embeddings input, never looked up). The engine's totals over all admissions, recomputes
     included, are EngineStats.prefix_cache_hits and prefix_cache_queries.
+
+    `scheduled_s`: the engine's clock (time.monotonic unless the Engine was handed another) when
+    the scheduler first admitted the request into a step, taken with num_cached_tokens; every
+    TokenOut of a token (or of a matcher's error) carries it: where the request's queue wait ends
+    and its prefill starts (serve/tracing.py's spans). 0.0 on the others (abort, no_capacity) and
+    for a request never scheduled.
     """
 
     request_id: int
@@ -248,6 +254,7 @@ class TokenOut:
     embedding: tuple[float, ...] = ()
     error: str = ""
     num_cached_tokens: int = 0
+    scheduled_s: float = 0.0
 
 
 def check_context(req: GenRequest | EmbedRequest, max_model_len: int) -> None:

@@ -13,7 +13,8 @@ tokens, and a step lets computed catch up with known within a token budget
 that are decoding, then running sequences mid-prompt (chunks of at most prefill_chunk
 tokens), then waiting ones by priority and arrival. A waiting sequence starts at its
 longest cached prefix; the tokens its first start found cached are the request's
-num_cached_tokens on every TokenOut (usage's cached tokens; a recompute leaves it).
+num_cached_tokens on every TokenOut (usage's cached tokens; a recompute leaves it), and the
+clock then its scheduled_s (where its queue wait ends and its prefill starts: serve's traces).
 Drafts are just extra known-but-unverified tokens after the last one; update() advances
 num_computed_tokens only over those the runner accepted, so the rejected drafts' KV slots
 are simply rewritten later (their blocks stay in the table).
@@ -209,8 +210,9 @@ class Scheduler:
         if self.block_manager.enable_prefix_cache and not seq.pool:
             self.counters.prefix_cache_queries += seq.num_tokens
             self.counters.prefix_cache_hits += num_cached
-        if not seq.started:  # the request's own count: its first admission, not a recompute's
+        if not seq.started:  # the request's own count and time: its first admission, not a recompute's
             seq.num_cached_tokens = num_cached
+            seq.scheduled_s = self.clock()
         self.waiting.pop(index)
         self.running.append(seq)
         seq.status, seq.started, seq.num_computed_tokens = SeqStatus.RUNNING, True, num_cached
@@ -391,7 +393,12 @@ class Scheduler:
                 error = f"the structured-output matcher refused token {token}: {seq.guide.error}"
                 outs.append(
                     TokenOut(
-                        seq.seq_id, -1, finish_reason="error", error=error, num_cached_tokens=seq.num_cached_tokens
+                        seq.seq_id,
+                        -1,
+                        finish_reason="error",
+                        error=error,
+                        num_cached_tokens=seq.num_cached_tokens,
+                        scheduled_s=seq.scheduled_s,
                     )
                 )
                 break
@@ -399,7 +406,15 @@ class Scheduler:
             reason = self._stop_reason(seq, token)
             top = result.top_logprobs[i] if i < len(result.top_logprobs) else ()
             outs.append(
-                TokenOut(seq.seq_id, token, result.logprobs[i], top, reason, num_cached_tokens=seq.num_cached_tokens)
+                TokenOut(
+                    seq.seq_id,
+                    token,
+                    result.logprobs[i],
+                    top,
+                    reason,
+                    num_cached_tokens=seq.num_cached_tokens,
+                    scheduled_s=seq.scheduled_s,
+                )
             )
             if reason is not None:
                 break
