@@ -4,7 +4,8 @@ Owns: lifespan (config from TL_CONFIG + TL_ENGINE__* overrides; the health port 
 first; the engine built in a worker thread, started and warmed before ready; any failure
 becomes lifespan.startup.failed), request dispatch (404/405, X-Request-Id, api keys, body
 limit, 503 while draining, the one catch-all that always finishes a response, every 5xx
-logged once with its request id and cause) and the stop (README, "Stopping"): a first SIGTERM
+logged once with its request id and cause, each API request's trace when tracing is on:
+serve/tracing.py, which the start-up asks, and serve/otel.py) and the stop (README, "Stopping"): a first SIGTERM
 or SIGINT (serve/signals.py decides which is which) during start-up gives the start-up up
 (the engine is built on a daemon thread, which never holds the process); after it, the drain:
 readyz 503, new requests 503 with Connection: close, in-flight requests finish until
@@ -28,9 +29,9 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
-from serve import errors, memwatch, page
+from serve import errors, memwatch, page, tracing
 from serve.asgi import (
     ClientGone,
     DisconnectWatcher,
@@ -54,6 +55,9 @@ from tl.core.stats import BackendInfo, EngineStats
 from tl.ops.build import build_async_engine
 from tl.ops.served import ServedModel
 
+if TYPE_CHECKING:
+    from serve.otel import Tracing
+
 log = logging.getLogger("serve")
 EngineFactory = Callable[[EngineConfig], tuple[AsyncEngine, ServedModel]]
 T = TypeVar("T")
@@ -64,6 +68,8 @@ STOP_NOW_GRACE_S = 1.0
 """After a second signal aborts everything, this long for the error events to go out."""
 ENGINE_STOP_S = 5.0
 """The lifespan shutdown waits this long for the engine thread (it stops between steps)."""
+TRACING_STOP_S = 2.0
+"""The lifespan shutdown waits this long for the last spans to be exported (tracing on)."""
 STOP_BOUND_S = 10.0
 """A stop takes at most drain_timeout_s plus this: the grace above, the shutdown, margin.
 granian's main process kills a worker still alive then (serve/launch.py)."""
@@ -112,6 +118,7 @@ class App:
         self.jobs: set[Job | EmbedHandle] = set()
         self.responses = _response_store(config or EngineConfig())  # again at start-up, from the loaded config
         self.ping_interval_s = PING_INTERVAL_S
+        self.tracing: Tracing | None = None  # serve/tracing.py: None unless OTEL_TRACES_EXPORTER asks
         self._drain_task: asyncio.Task[None] | None = None
         self._stop_heard = asyncio.Event()
 
@@ -152,6 +159,10 @@ class App:
         if self.config is None:
             self.config = load_config()
         cfg = self.config
+        if self.tracing is None:  # tests hand the App a tracer of their own
+            self.tracing = tracing.start(os.environ)
+        if self.tracing is not None:
+            log.info("tracing requests: OTEL_TRACES_EXPORTER=%s", os.environ.get("OTEL_TRACES_EXPORTER"))
         self.responses = _response_store(cfg)
         if self.handle_signals:
             STOP.on(self._stop_requested, self.stop_now)
@@ -193,12 +204,27 @@ class App:
             else:
                 _timed("shutdown: engine stopped", t0)
         t1 = time.monotonic()
+        # the last spans' export runs beside the health port's close: the stop's bound is unchanged
+        flushed = asyncio.ensure_future(self._stop_tracing(self.tracing)) if self.tracing is not None else None
         try:
             await asyncio.wait_for(self.health.close(), 2.0)
         except TimeoutError:
             log.warning("shutdown: the health port did not close within 2 s; exiting anyway")
         _timed("shutdown: health port closed", t1)
+        if flushed is not None:
+            await flushed
         log.info("shutdown complete in %.1f s", time.monotonic() - t0)
+
+    async def _stop_tracing(self, tracer: Tracing) -> None:
+        """The spans still buffered exported (at most TRACING_STOP_S: a collector that does not
+        answer is left behind on a daemon thread)."""
+        t0 = time.monotonic()
+        try:
+            await asyncio.wait_for(_in_daemon_thread("tl-tracing-stop", tracer.shutdown), TRACING_STOP_S)
+        except TimeoutError:
+            log.warning("shutdown: spans not exported within %.1f s; exiting anyway", TRACING_STOP_S)
+        else:
+            _timed("shutdown: spans exported", t0)
 
     def _stop_requested(self) -> None:
         """A first stop signal: give the start-up up, or drain."""
@@ -252,10 +278,12 @@ class App:
             await STOP.hand_over()
 
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        arrived = time.monotonic()  # the request's arrival: TTFT and e2e count from it, its trace starts at it
         req = Request(scope, receive)
         out = Sender(send, req.request_id)
         route = match(req.path)
         endpoint = route[0] if route else page.endpoint(req.path) or ("/healthz" if req.path == "/healthz" else "other")
+        trace = self.tracing.request(req, endpoint, arrived) if self.tracing is not None and route else None
         watcher: DisconnectWatcher | None = None
         counted = False
         try:
@@ -291,19 +319,24 @@ class App:
                 req,
                 out,
                 body,
-                time.monotonic(),
+                arrived,
                 lambda: self.ping_interval_s,
                 self.jobs,
                 self.responses,
                 watcher,
+                trace,
             )
             await r.handler(ctx)
         except ClientGone:
             pass
         except ApiError as e:
+            if trace is not None:
+                trace.fail(e)
             await self._fail(out, e, route is not None and route[1][0].anthropic)
-        except Exception:
+        except Exception as e:
             log.exception("request %s: unhandled error in %s %s", req.request_id, req.method, req.path)
+            if trace is not None:
+                trace.fail(e)
             await self._fail(out, errors.internal(), logged=True)
         finally:
             if watcher is not None:
@@ -313,6 +346,8 @@ class App:
             if not out.finished and out.started:
                 await out.end()
             self.metrics.requests.labels(endpoint, str(out.status or 499)).inc()
+            if trace is not None:
+                trace.end(out.status or 499)
 
     async def _fail(self, out: Sender, err: ApiError, anthropic: bool = False, logged: bool = False) -> None:
         if not logged:

@@ -4,7 +4,9 @@ Owns: the Job (submitting one engine request per choice, all refused together on
 queue; every choice's outputs into the request's one asyncio queue, an Outbox of
 tl/core/async_engine.py; aborting them all), each choice's text through a TextStream (stop
 strings abort the engine request), a reasoning model's thinking split from the answer (then,
-with tools, the answer through the call parser) and its reasoning-token count; the latency histograms;
+with tools, the answer through the call parser) and its reasoning-token count; the latency histograms
+and the times they are taken from (each choice's first token and finish, which its trace's spans
+reuse: serve/otel.py), and each choice's failure;
 `respond`, which answers through the dialect's Presenter (serve/chat.py for chat and
 completions, serve/anthropic.py, serve/responses.py), and `pump`, the streamed loop every
 Presenter runs (the 15 s ping, the client leaving). Documents and chunks are the Presenters'.
@@ -68,7 +70,10 @@ class Choice:
     finish: str | None = None
     pending: list[TokenOut] = field(default_factory=list)  # tokens whose logprobs are not yet sent
     logprobs: list[TokenOut] = field(default_factory=list)  # every token, for the non-streamed answer
-    first_token_at: float | None = None
+    first_token_at: float | None = None  # time.monotonic() its first token reached serve (TTFT's)
+    scheduled_s: float = 0.0  # the engine's clock when it was first scheduled (TokenOut.scheduled_s)
+    finished_at: float | None = None  # time.monotonic() its finish was fed (Job._observe)
+    failure: errors.ApiError | None = None  # what ended it otherwise (Job.feed raised it)
 
     def feed(self, outs: list[TokenOut], tok: TextTokenizer) -> list[Item]:
         """Consume one delivery; return what may be sent now: thinking (a reasoning model),
@@ -83,6 +88,7 @@ class Choice:
                 self.num_tokens += 1
                 self._count_thinking(o.token_id)
                 self.num_cached_tokens = o.num_cached_tokens
+                self.scheduled_s = o.scheduled_s
                 self.pending.append(o)
                 self.logprobs.append(o)
                 hidden = o.token_id in self.hidden_ids or (o.finish_reason == "stop" and o.token_id in self.stop_ids)
@@ -229,13 +235,18 @@ class Job:
         self.queue.put_nowait((_GONE_KEY, GONE))
 
     def feed(self, choice: Choice, item: Output) -> list[Item]:
-        if isinstance(item, RequestError):
-            raise errors.from_request_error(item, self.spec.context_param)
-        if isinstance(item, EngineError):
-            raise errors.from_engine_error(item)
-        if isinstance(item, BaseException):
-            raise errors.internal(f"engine failure: {item}")
-        events = choice.feed(item, self.model.tokenizer)  # the engine's batch of outputs
+        """One output of `choice` in; raises the ApiError that ends it (kept as choice.failure)."""
+        try:
+            if isinstance(item, RequestError):
+                raise errors.from_request_error(item, self.spec.context_param)
+            if isinstance(item, EngineError):
+                raise errors.from_engine_error(item)
+            if isinstance(item, BaseException):
+                raise errors.internal(f"engine failure: {item}")
+            events = choice.feed(item, self.model.tokenizer)  # the engine's batch of outputs
+        except errors.ApiError as e:
+            choice.failure = e
+            raise
         if choice.finish is not None:
             self._observe(choice)
         return events
@@ -260,7 +271,7 @@ class Job:
         return sum(c.num_cached_tokens for c in self.choices[:: self.spec.n])
 
     def _observe(self, c: Choice) -> None:
-        now = time.monotonic()
+        now = c.finished_at = time.monotonic()
         self.metrics.e2e.observe(now - self.arrived)
         if c.handle.admitted_at is not None:
             self.metrics.queue_time.observe(c.handle.admitted_at - c.handle.submitted_at)

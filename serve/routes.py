@@ -15,7 +15,7 @@ import struct
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 
@@ -67,6 +67,9 @@ from tl.core.async_engine import AsyncEngine, EmbedHandle, EngineError
 from tl.core.request import MAX_EMBED_INPUTS, Constraint, ConstraintSpec, EmbedRequest, RequestError
 from tl.ops.served import ServedModel
 
+if TYPE_CHECKING:
+    from serve.otel import RequestTrace
+
 S = TypeVar("S")
 STARTED_AT = int(time.time())
 
@@ -84,6 +87,7 @@ class Ctx:
     jobs: set[Job | EmbedHandle]  # in flight, aborted at the drain deadline
     store: ResponseStore  # the Responses API's stored responses (per replica)
     watcher: DisconnectWatcher | None = None
+    trace: RequestTrace | None = None  # tracing on: the request's spans (serve/otel.py)
 
 
 _DECODERS: dict[type, msgspec.json.Decoder[Any]] = {
@@ -137,6 +141,8 @@ async def _generate(ctx: Ctx, spec_fn: Callable[[], GenSpec], present: Presenter
     grammar = await _compile(ctx, spec.constraint) if spec.constraint is not None else None
     job = Job(spec, ctx.engine, ctx.info, prio, ctx.metrics, ctx.arrived, grammar, present.id_prefix)
     ctx.jobs.add(job)
+    if ctx.trace is not None:
+        ctx.trace.job(job)
     try:
         assert ctx.watcher is not None
         await respond(job, ctx.out, ctx.watcher, ctx.ping_interval_s, present)
