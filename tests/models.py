@@ -315,7 +315,9 @@ def family_config(name: str) -> ModelConfig:
     common: dict[str, Any] = {"bos_token_id": IM_START_ID, "eos_token_ids": (IM_END_ID,)}
     if name == "llama3":  # Llama 3.1's rope scaling, untied head
         scaling = RopeScaling("llama3", 8.0, 1.0, 8.0, 1024)  # two blended frequencies: rope_freqs fits it
-        return _replace(base, rope_scaling=scaling, tie_word_embeddings=False, rope_theta=500000.0, max_position_embeddings=4096)
+        return _replace(
+            base, rope_scaling=scaling, tie_word_embeddings=False, rope_theta=500000.0, max_position_embeddings=4096
+        )
     if name == "mistral":  # every layer sliding
         return _replace(base, architecture="MistralForCausalLM", sliding_window=16, layer_types=(SLIDING, SLIDING))
     if name == "qwen3":  # q/k norms; head_dim independent of hidden (4 x 32 != 64)

@@ -16,9 +16,10 @@ Weights are real ggml blocks (gguf.quants.quantize), x random. Two checks a case
 The K-quants the same two ways, on random raw super-blocks (gguf-py has no K quantizer): x
 quantized per 256; each super-block's integer sums (isum = sum sc u q over its groups of 16, msum
 = sum mn bsum) exact, the float terms d_w d_x isum and dmin d_x msum (or those of the int32 lanes
-they are summed from, (d_w lane - dmin lane') d_x) rounded at most four times before a sum of at most K/8 of them (16 lanes each of
-isum and msum a super-block on AVX-512, fewer elsewhere), so gamma_{K/8+8} T with T = sum |d_w
-d_x| sum |sc u q| + |dmin d_x| sum |mn bsum|; against float64 the same x quantization bound, and gguf's one rounding of
+they are summed from, (d_w lane - dmin lane') d_x) rounded at most four times before a sum of
+at most K/8 of them (16 lanes each of isum and msum a super-block on AVX-512, fewer elsewhere),
+so gamma_{K/8+8} T with T = sum |d_w d_x| sum |sc u q| + |dmin d_x| sum |mn bsum|; against
+float64 the same x quantization bound, and gguf's one rounding of
 each d sc u - dmin mn (U (|d sc u| + |dmin mn|), not U |w|: the difference can cancel).
 """
 

@@ -70,7 +70,9 @@ def test_greedy_continuations_are_llama_cpps(gemma_dir: Path) -> None:
             theirs, ours = dict(map(tuple, case["top5_logprobs"][k])), dict(outs[rid][k].top_logprobs)
             band += [abs(theirs[t] - ours[t]) for t in theirs if t in ours]
         if n < len(want):
-            parted.append((case["prompt"], n, want[n], got[n], dict(map(tuple, case["top5_logprobs"][n])), outs[rid][n]))
+            parted.append(
+                (case["prompt"], n, want[n], got[n], dict(map(tuple, case["top5_logprobs"][n])), outs[rid][n])
+            )
     band.sort()
     limit = 2 * band[int(0.95 * len(band))]
     assert len(parted) <= 3 and limit < 1.0, (parted, limit)

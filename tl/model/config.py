@@ -302,12 +302,16 @@ def _rope(d: dict[str, Any], source: str, gemma: bool) -> tuple[float, float, Ro
         factor = float(full["factor"])
         if kind == "linear":
             return theta, local_theta, RopeScaling("linear", factor)
-        return theta, local_theta, RopeScaling(
-            "llama3",
-            factor,
-            float(full["low_freq_factor"]),
-            float(full["high_freq_factor"]),
-            int(full["original_max_position_embeddings"]),
+        return (
+            theta,
+            local_theta,
+            RopeScaling(
+                "llama3",
+                factor,
+                float(full["low_freq_factor"]),
+                float(full["high_freq_factor"]),
+                int(full["original_max_position_embeddings"]),
+            ),
         )
     except (KeyError, TypeError, ValueError) as e:
         raise ModelDirError(f"{source}: rope scaling {full!r} lacks or mistypes {e}") from None
@@ -359,7 +363,11 @@ def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[p + "mlp.gate.weight"] = (cfg.num_experts, d)
             for e in range(cfg.num_experts):
                 x = f"{p}mlp.experts.{e}."
-                shapes |= {x + "gate_proj.weight": (fe, d), x + "up_proj.weight": (fe, d), x + "down_proj.weight": (d, fe)}
+                shapes |= {
+                    x + "gate_proj.weight": (fe, d),
+                    x + "up_proj.weight": (fe, d),
+                    x + "down_proj.weight": (d, fe),
+                }
         else:
             shapes |= {p + "mlp.gate_proj.weight": (f, d), p + "mlp.up_proj.weight": (f, d)}
             shapes |= {p + "mlp.down_proj.weight": (d, f)}
