@@ -214,6 +214,26 @@ def test_errors_are_recorded_on_the_spans() -> None:
         assert "tl.decode" not in spans
         assert last.status.status_code is StatusCode.ERROR and [e.name for e in last.events] == ["exception"]
 
+        exporter.clear()  # mid-stream: a 200 whose error event is a 500: still ERROR, on the decode span too
+        steps = 0
+
+        def boom_at_third_step(plan: Any) -> Any:
+            nonlocal steps
+            steps += 1
+            if steps < 3:
+                return original(plan)
+            return boom(plan)
+
+        eng.runner.execute = boom_at_third_step  # type: ignore[method-assign]
+        streamed = await call(app, "POST", CHAT, chat(max_tokens=300, stream=True))
+        assert streamed.status == 200 and "server_error" in streamed.events()[-2]
+        spans = by_name(exporter.get_finished_spans())
+        server = spans["POST /v1/chat/completions"]
+        assert (server.attributes or {})["http.response.status_code"] == 200
+        assert server.status.status_code is StatusCode.ERROR and [e.name for e in server.events] == ["exception"]
+        decode = spans["tl.decode"]
+        assert decode.status.status_code is StatusCode.ERROR and "tl.finish_reason" not in (decode.attributes or {})
+
     run(app, body)
 
 
