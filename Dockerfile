@@ -21,7 +21,7 @@ COPY kernels kernels
 COPY serve serve
 COPY bench bench
 COPY configs configs
-RUN pip install --no-cache-dir . \
+RUN pip install --no-cache-dir ".[tracing]" \
     && if [ -n "$JAX_EXTRA" ]; then pip install --no-cache-dir "$JAX_EXTRA"; fi
 
 USER tl
