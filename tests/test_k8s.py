@@ -81,3 +81,23 @@ def test_the_dockerfile_runs_tl_serve_as_a_non_root_user() -> None:
     text = (ROOT / "Dockerfile").read_text()
     assert "USER tl" in text and 'CMD ["tl", "serve"' in text and "ARG JAX_EXTRA" in text
     assert "TL_ENGINE__COMPILE_CACHE_DIR=/cache/jax" in text
+
+
+def test_the_installed_package_carries_every_file_the_code_reads() -> None:
+    """`pip install .` (the Dockerfile's) ships only the package data pyproject.toml names: the
+    native kernels' headers, the tool template and the chat page must match its globs (the
+    headers and the template once did not, and the image could not build kernels or serve)."""
+    import fnmatch
+    import tomllib
+
+    data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    needed = [*(ROOT / "kernels" / "cpu").iterdir(), *(ROOT / "tl" / "text" / "templates").iterdir()]
+    needed += list((ROOT / "serve" / "static").iterdir())
+    for path in needed:
+        rel = path.relative_to(ROOT)
+        shipped = any(
+            rel.parts[: len(pkg.split("."))] == tuple(pkg.split("."))
+            and any(fnmatch.fnmatch("/".join(rel.parts[len(pkg.split(".")) :]), g) for g in globs)
+            for pkg, globs in data.items()
+        )
+        assert shipped, f"{rel} is not in pyproject.toml's package-data"
