@@ -157,8 +157,9 @@ class EngineConfig:
     template), or "hermes" / "smollm2"."""
     reasoning_parser: ReasoningParser = "auto"
     """Whether answers are split into thinking (<think>...</think>) and answer: "auto" when the
-    chat template writes <think> or the vocabulary holds <think> and </think>; "think": always
-    (both must be single tokens); "none": never (the markers stay in the text)."""
+    vocabulary holds <think> and </think> as single tokens (a template that merely writes <think>
+    is not enough); "think": always (both must be single tokens, else start-up fails); "none":
+    never (the markers stay in the text)."""
     thinking_token_budget: int = -1
     """Most tokens a reasoning model may think before </think> is forced, for requests that set no
     budget of their own; -1: no limit."""

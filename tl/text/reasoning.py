@@ -53,8 +53,9 @@ class ReasoningSetup:
 
 def setup(parser: ReasoningParserName, template_source: str, tokenizer: TokenIds) -> ReasoningSetup:
     """`[engine] reasoning_parser` applied to the model: "none" never splits; "think" always does
-    (the markers must be single tokens, else ConfigError); "auto" does when the chat template
-    mentions `<think>` or the vocabulary holds both markers as tokens."""
+    (the markers must be single tokens, else ConfigError); "auto" does when the vocabulary holds
+    both markers as single tokens (the reason logged names the chat template when it writes
+    `<think>`)."""
     if parser == "none":
         return ReasoningSetup(None, "reasoning: off (reasoning_parser)")
     ids = tokenizer.token_to_id(START), tokenizer.token_to_id(END)
