@@ -314,33 +314,32 @@ Rope = tuple[jax.Array, jax.Array]
 """cos, sin [T, hd] of one RoPE base and scaling at the step's positions."""
 
 
-def inv_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> np.ndarray:
-    """RoPE's inverse frequencies [hd/2] (float32, as transformers computes them), scaled:
-    "linear" divides all by factor; "llama3" (Llama 3.1) divides the long wavelengths (beyond
-    original_max_position_embeddings / low_freq_factor) by factor, keeps the short ones (below
-    .. / high_freq_factor) and blends linearly in wavelength-inverse between."""
-    inv = (1.0 / (np.float32(theta) ** (np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)))).astype(
-        np.float32
-    )
+def inv_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> jax.Array:
+    """RoPE's inverse frequencies [hd/2] (float32, computed under the trace as tl always has:
+    SmolLM2's golden answers depend on these roundings), scaled: "linear" divides all by factor;
+    "llama3" (Llama 3.1) divides the long wavelengths (beyond original_max_position_embeddings /
+    low_freq_factor) by factor, keeps the short ones (below .. / high_freq_factor) and blends
+    linearly in wavelength-inverse between."""
+    inv = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
     if scaling is None:
         return inv
-    factor = np.float32(scaling.factor)
+    factor = jnp.float32(scaling.factor)
     if scaling.rope_type == "linear":
-        return (inv / factor).astype(np.float32)
-    old = np.float32(scaling.original_max_position_embeddings)
-    lo, hi = np.float32(scaling.low_freq_factor), np.float32(scaling.high_freq_factor)
-    wavelen = np.float32(2 * np.pi) / inv
-    scaled = np.where(wavelen > old / lo, inv / factor, inv).astype(np.float32)
+        return inv / factor
+    old = jnp.float32(scaling.original_max_position_embeddings)
+    lo, hi = jnp.float32(scaling.low_freq_factor), jnp.float32(scaling.high_freq_factor)
+    wavelen = jnp.float32(2 * np.pi) / inv
+    scaled = jnp.where(wavelen > old / lo, inv / factor, inv)
     smooth = (old / wavelen - lo) / (hi - lo)
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     medium = ~(wavelen < old / hi) & ~(wavelen > old / lo)
-    return np.where(medium, smoothed, scaled).astype(np.float32)
+    return jnp.where(medium, smoothed, scaled)
 
 
 def rope_tables(positions: jax.Array, head_dim: int, theta: float, scaling: RopeScaling | None = None) -> Rope:
     """cos, sin [T, hd] for rotate-half RoPE; computed once per step, shared by all layers of
     the same base and scaling."""
-    inv_freq = jnp.asarray(inv_frequencies(head_dim, theta, scaling))
+    inv_freq = inv_frequencies(head_dim, theta, scaling)
     angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
     angles = jnp.concatenate([angles, angles], axis=-1)
     return jnp.cos(angles), jnp.sin(angles)
