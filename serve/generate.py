@@ -245,7 +245,9 @@ class Job:
                 raise errors.internal(f"engine failure: {item}")
             events = choice.feed(item, self.model.tokenizer)  # the engine's batch of outputs
         except errors.ApiError as e:
-            choice.failure = e
+            # a copy never raised: e's traceback holds this frame, which holds the choice (a cycle
+            # that would keep every finished request alive until the collector runs)
+            choice.failure = errors.ApiError(e.status, e.message, e.type, e.param, e.code, e.headers)
             raise
         if choice.finish is not None:
             self._observe(choice)

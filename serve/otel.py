@@ -136,18 +136,20 @@ class RequestTrace:
             start_time=to_ns(self._arrived),
         )
         inside = trace.set_span_in_context(span)
-        failures = dict.fromkeys(self._failures)  # ordered, each once (a choice's is often raised too)
+        # ordered, each once: a choice's failure is often the error the request raised too (kept
+        # as a copy without its traceback, serve/generate.py Job.feed), so one per type and message
+        failures = {(type(e), str(e)): e for e in self._failures}
         for job in self._jobs:
             for c in job.choices:
                 _choice_spans(self._tracer, inside, c, end_s, to_ns)
                 if c.failure is not None:
-                    failures[c.failure] = None
-        for err in failures:
+                    failures.setdefault((type(c.failure), str(c.failure)), c.failure)
+        for err in failures.values():
             span.record_exception(err, timestamp=to_ns(end_s))
-        worst = max([status, *(_status_of(e) for e in failures)])
+        worst = max([status, *(_status_of(e) for e in failures.values())])
         if worst >= 500:
             span.set_attribute("error.type", str(worst))
-            span.set_status(Status(StatusCode.ERROR, _describe(failures) or f"HTTP {worst}"))
+            span.set_status(Status(StatusCode.ERROR, _describe(failures.values()) or f"HTTP {worst}"))
         span.end(end_time=to_ns(end_s))
 
 

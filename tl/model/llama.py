@@ -323,7 +323,7 @@ def inv_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = N
     inv = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
     if scaling is None:
         return inv
-    factor = jnp.float32(scaling.factor)
+    factor = jnp.asarray(scaling.factor, jnp.float32)
     if scaling.rope_type == "linear":
         return inv / factor
     old = jnp.float32(scaling.original_max_position_embeddings)
