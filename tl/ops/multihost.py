@@ -318,6 +318,8 @@ class Leader(_Peer):
             time.sleep(0.01)
         if self.failure is None:
             self.fail(f"a step failed on process 0: {type(error).__name__}: {error}")
+        else:  # another thread's fail(): its on_failure may still be running (flaked in CI)
+            self._closed.wait(max(0.0, deadline - time.monotonic()) + 1.0)
         return GroupFailed(self.failure or f"{type(error).__name__}: {error}")
 
     def stop(self) -> None:
