@@ -417,9 +417,13 @@ class ScriptEngine(FakeEngine):
                     break
         return outs
 
-    def _scripted(self, s: _Seq) -> TokenOut:
+    def _next_token(self, s: _Seq) -> int:
+        """The script's token at s's position, then EOS (subclasses script per request)."""
         n = len(s.out)
-        tok = self.script[n] if n < len(self.script) else IM_END_ID
+        return self.script[n] if n < len(self.script) else IM_END_ID
+
+    def _scripted(self, s: _Seq) -> TokenOut:
+        tok = self._next_token(s)
         s.out.append(tok)
         finish = None
         if s.guide is not None and not s.guide.accept(tok):
@@ -432,7 +436,7 @@ class ScriptEngine(FakeEngine):
             del self._running[s.rid]
             self._free += s.blocks
         if finish == "error":
-            return TokenOut(s.rid, -1, finish_reason="error", error="the script left the grammar")
+            return TokenOut(s.rid, -1, finish_reason="error", error=f"the script left the grammar at {tok}")
         return TokenOut(s.rid, tok, 0.0, (), finish)  # type: ignore[arg-type]
 
 

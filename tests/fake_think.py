@@ -18,12 +18,12 @@ import json
 from collections.abc import Iterable
 
 import numpy as np
-from fake_engine import FakeEngine, FakeRunner, _Seq, byte_tools
+from fake_engine import ScriptEngine, _Seq, byte_tools
 from models import IM_END_ID, SPECIAL_TOKENS, byte_tokenizer_json
 
 from tl.core.async_engine import AsyncEngine
 from tl.core.config import EngineConfig
-from tl.core.request import GenRequest, Guide, TokenOut
+from tl.core.request import GenRequest, Guide
 from tl.ops.served import ServedModel
 from tl.text.chat_template import ChatTemplate
 from tl.text.grammar import GrammarCompiler
@@ -110,10 +110,13 @@ def allowed(guide: Guide) -> list[int]:
     return [int(i) for i in np.flatnonzero(bits)]
 
 
-class ThinkEngine(FakeEngine):
+class ThinkEngine(ScriptEngine):
+    """ScriptEngine scripted per request from its prompt (`script_for`); a guide that allows one
+    token only (the thinking budget's forced </think>) gets it, and the script then skips to the
+    answer after its own </think>."""
+
     def __init__(self, config: EngineConfig, per_step: int = 3) -> None:
-        super().__init__(FakeRunner(num_kv_blocks=4096, max_model_len=8192, eos_token_ids=(IM_END_ID,)), config)
-        self.per_step = per_step
+        super().__init__(config, b"", per_step)
         self.scripts: dict[int, list[int]] = {}
         self.prompts: list[str] = []  # every rendered prompt, in order
 
@@ -124,20 +127,7 @@ class ThinkEngine(FakeEngine):
         self.scripts[rid] = script_for(prompt)
         return rid
 
-    def step(self) -> list[TokenOut]:
-        self._steps += 1
-        outs = [TokenOut(rid, -1, finish_reason="abort") for rid in self._aborted]
-        self._aborted.clear()
-        self._admit(outs)
-        for s in list(self._running.values()):
-            for _ in range(self.per_step):
-                out = self._scripted(s)
-                outs.append(out)
-                if out.finish_reason is not None:
-                    break
-        return outs
-
-    def _scripted(self, s: _Seq) -> TokenOut:
+    def _next_token(self, s: _Seq) -> int:
         script = self.scripts[s.rid]
         pos = len(s.out)
         tok = script[pos] if pos < len(script) else IM_END_ID
@@ -147,20 +137,7 @@ class ThinkEngine(FakeEngine):
                 tok = ok[0]
                 if tok == END_ID and END_ID in script:  # the model goes on after its thought
                     del script[pos : script.index(END_ID)]
-        s.out.append(tok)
-        finish = None
-        if s.guide is not None and not s.guide.accept(tok):
-            finish = "error"
-        elif tok == IM_END_ID or (s.guide is not None and s.guide.done):
-            finish = "stop"
-        elif len(s.out) >= s.req.params.max_tokens:
-            finish = "length"
-        if finish is not None:
-            del self._running[s.rid]
-            self._free += s.blocks
-        if finish == "error":
-            return TokenOut(s.rid, -1, finish_reason="error", error=f"the script left the grammar at {tok}")
-        return TokenOut(s.rid, tok, 0.0, (), finish)  # type: ignore[arg-type]
+        return tok
 
 
 def think_grammars(cfg: EngineConfig) -> GrammarCompiler:
