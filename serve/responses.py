@@ -227,9 +227,24 @@ def _call_item_id(job: Job, index: int) -> str:
     return f"fc_{job.id[5:]}_{index}"
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class _TextKind:
+    """What a streamed text item is: the thinking (a reasoning item) or the answer (a message)."""
+
+    event: str  # response.<event>.delta / .done
+    part: Callable[[str], ResponsesOutputText | ResponsesReasoningText]
+    item: Callable[[str, str, str], ResponsesOutputItem]  # (id, text, status)
+    item_type: type
+    new_id: Callable[[Job], str]
+
+
 def _message_item(item_id: str, text: str, status: str) -> ResponsesMessageItem:
     parts = [ResponsesOutputText(text)] if text or status == "completed" else []
     return ResponsesMessageItem(item_id, status, "assistant", parts)
+
+
+_REASONING = _TextKind("reasoning_text", ResponsesReasoningText, _reasoning_item, ResponsesReasoningItem, _reasoning_id)
+_MESSAGE = _TextKind("output_text", ResponsesOutputText, _message_item, ResponsesMessageItem, _message_id)
 
 
 def output_items(job: Job, c: Choice) -> list[ResponsesOutputItem]:
@@ -333,37 +348,10 @@ class Stream:
         out: list[bytes] = []
         for e in events:
             if isinstance(e, ReasoningText):
-                if not isinstance(self.open, ResponsesReasoningItem):
-                    out += self._close()
-                    out += self._add(_reasoning_item(_reasoning_id(self.job), "", "in_progress"))
-                    out.append(self._part("response.content_part.added", ResponsesReasoningText("")))
-                self.text += e.text
-                out.append(
-                    self.event(
-                        type="response.reasoning_text.delta",
-                        item_id=self.open_id,
-                        output_index=self.index,
-                        content_index=0,
-                        delta=e.text,
-                    )
-                )
+                out += self._text(_REASONING, e.text)
             elif isinstance(e, str):
-                if not e:
-                    continue
-                if not isinstance(self.open, ResponsesMessageItem):
-                    out += self._close()
-                    out += self._add(_message_item(_message_id(self.job), "", "in_progress"))
-                    out.append(self._part("response.content_part.added", ResponsesOutputText("")))
-                self.text += e
-                out.append(
-                    self.event(
-                        type="response.output_text.delta",
-                        item_id=self.open_id,
-                        output_index=self.index,
-                        content_index=0,
-                        delta=e,
-                    )
-                )
+                if e:
+                    out += self._text(_MESSAGE, e)
             elif isinstance(e, CallStart):
                 out += self._close()
                 call_id = c.call_ids[e.index]
@@ -390,6 +378,18 @@ class Stream:
         assert self.open is not None
         return self.open.id
 
+    def _text(self, kind: _TextKind, text: str) -> list[bytes]:
+        """A delta of reasoning or answer text, opening its item (closing the open one) first."""
+        out: list[bytes] = []
+        if not isinstance(self.open, kind.item_type):
+            out += self._close()
+            out += self._add(kind.item(kind.new_id(self.job), "", "in_progress"))
+            out.append(self._part("response.content_part.added", kind.part("")))
+        self.text += text
+        event = f"response.{kind.event}.delta"
+        out.append(self.event(type=event, item_id=self.open_id, output_index=self.index, content_index=0, delta=text))
+        return out
+
     def _part(self, kind: str, part: ResponsesOutputText | ResponsesReasoningText) -> bytes:
         return self.event(type=kind, item_id=self.open_id, output_index=self.index, content_index=0, part=part)
 
@@ -404,31 +404,14 @@ class Stream:
             return []
         out = []
         done: ResponsesOutputItem
-        if isinstance(item, ResponsesReasoningItem):
+        if isinstance(item, ResponsesReasoningItem | ResponsesMessageItem):
+            kind = _REASONING if isinstance(item, ResponsesReasoningItem) else _MESSAGE
+            event = f"response.{kind.event}.done"
             out.append(
-                self.event(
-                    type="response.reasoning_text.done",
-                    item_id=item.id,
-                    output_index=self.index,
-                    content_index=0,
-                    text=self.text,
-                )
+                self.event(type=event, item_id=item.id, output_index=self.index, content_index=0, text=self.text)
             )
-            out.append(self._part("response.content_part.done", ResponsesReasoningText(self.text)))
-            done = _reasoning_item(item.id, self.text, "completed")
-            self.text = ""
-        elif isinstance(item, ResponsesMessageItem):
-            out.append(
-                self.event(
-                    type="response.output_text.done",
-                    item_id=item.id,
-                    output_index=self.index,
-                    content_index=0,
-                    text=self.text,
-                )
-            )
-            out.append(self._part("response.content_part.done", ResponsesOutputText(self.text)))
-            done = _message_item(item.id, self.text, "completed")
+            out.append(self._part("response.content_part.done", kind.part(self.text)))
+            done = kind.item(item.id, self.text, "completed")
             self.text = ""
         else:
             out.append(
