@@ -219,14 +219,13 @@ def make_tiny_llama(
     if vocab_size < BYTE_VOCAB_SIZE:
         raise ValueError(f"vocab_size must be >= {BYTE_VOCAB_SIZE} (the byte tokenizer), got {vocab_size}")
     cfg = tiny_config(vocab_size, tie=tie, qwen2=qwen2)
+    return _write_chatml_dir(Path(path), cfg, tiny_tensors(cfg, seed), sharded)
+
+
+def _write_chatml_dir(path: Path, cfg: ModelConfig, tensors: dict[str, np.ndarray], sharded: bool) -> Path:
+    """A model directory with the byte tokenizer, bos <|im_start|>, eos <|im_end|> and ChatML."""
     return _write_dir(
-        Path(path),
-        cfg,
-        tiny_tensors(cfg, seed),
-        sharded=sharded,
-        bos="<|im_start|>",
-        eos="<|im_end|>",
-        chat_template=CHATML_TEMPLATE,
+        path, cfg, tensors, sharded=sharded, bos="<|im_start|>", eos="<|im_end|>", chat_template=CHATML_TEMPLATE
     )
 
 
@@ -396,15 +395,7 @@ def family_tensors(cfg: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
 def make_family(path: str | Path, name: str, seed: int = 0) -> Path:
     """A tiny random-weight model directory of the family (the byte tokenizer, ChatML)."""
     cfg = family_config(name)
-    return _write_dir(
-        Path(path),
-        cfg,
-        family_tensors(cfg, seed),
-        sharded=False,
-        bos="<|im_start|>",
-        eos="<|im_end|>",
-        chat_template=CHATML_TEMPLATE,
-    )
+    return _write_chatml_dir(Path(path), cfg, family_tensors(cfg, seed), sharded=False)
 
 
 def family_token_ids(seed: int = 1) -> np.ndarray:

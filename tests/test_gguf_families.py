@@ -17,7 +17,7 @@ from typing import Any
 import gguf
 import numpy as np
 import pytest
-from test_convert_gguf import byte_vocab_metadata, write_gguf
+from test_convert_gguf import LAYER_NAMES, byte_vocab_metadata, write_gguf
 
 from tl.model.config import FULL, SLIDING, ModelConfig, RopeScaling, hf_shapes, load_model_config
 from tl.model.convert_gguf import GGUFError, convert_gguf, packed_tensors, permute_qk
@@ -81,17 +81,9 @@ CONFIGS: dict[str, dict[str, Any]] = {
 # llama.cpp's tensor names (gguf-py's tensor_mapping), HF module -> GGUF, per family.
 GLOBAL = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 LAYER = {
-    "input_layernorm": "attn_norm",
-    "post_attention_layernorm": "ffn_norm",
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
+    **LAYER_NAMES,  # Llama 2's (tests/test_convert_gguf.py), then the new families'
     "self_attn.q_norm": "attn_q_norm",
     "self_attn.k_norm": "attn_k_norm",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
     "mlp.gate": "ffn_gate_inp",
 }
 GEMMA3_LAYER = {
