@@ -57,6 +57,7 @@ class BlockManager:
         self._index: dict[BlockKey, int] = {}  # key -> indexed block
         self._tables: dict[int, list[int]] = {}  # seq id -> block ids, position p in table[p // block_size]
         self._chains: dict[int, list[int]] = {}  # seq id -> chain hashes of its leading computed full blocks
+        self._released: dict[int, int] = {}  # seq id -> its table's leading RELEASED slots (absent: none)
         self.num_evictions = 0
 
     @property
@@ -76,13 +77,12 @@ class BlockManager:
     def block_table(self, seq_id: int) -> tuple[int, ...]:
         """seq's block ids by position; a released slot shows the table's last block (never read)."""
         table = self._tables.get(seq_id, [])
-        if not table or table[0] != RELEASED:
-            return tuple(table)
-        return tuple(table[-1] if b == RELEASED else b for b in table)
+        gone = self._released.get(seq_id, 0)
+        return (table[-1],) * gone + tuple(table[gone:]) if gone else tuple(table)
 
     def num_held(self, seq_id: int) -> int:
         """Blocks seq holds (its table less the released slots)."""
-        return sum(1 for b in self._tables.get(seq_id, ()) if b != RELEASED)
+        return len(self._tables.get(seq_id, ())) - self._released.get(seq_id, 0)
 
     def release_behind(self, seq_id: int, position: int) -> int:
         """Release seq's blocks that lie wholly before `position` (the first position any of
@@ -91,15 +91,13 @@ class BlockManager:
         table = self._tables.get(seq_id)
         if not table:
             return 0
-        released = 0
-        for i in range(min(max(position, 0) // self.block_size, len(table) - 1)):
-            block = table[i]
-            if block == RELEASED:
-                continue
+        start, end = self._released.get(seq_id, 0), min(max(position, 0) // self.block_size, len(table) - 1)
+        for i in range(start, end):  # released slots are a prefix: each step looks at new ones only
+            self._unref(table[i])
             table[i] = RELEASED
-            released += 1
-            self._unref(block)
-        return released
+        if end > start:
+            self._released[seq_id] = end
+        return max(0, end - start)
 
     def _unref(self, block: int) -> None:
         self.ref_counts[block] -= 1
@@ -168,6 +166,7 @@ class BlockManager:
     def free(self, seq_id: int) -> None:
         """Release all of seq's blocks, tail first, so its tail is evicted before its head."""
         self._chains.pop(seq_id, None)
+        self._released.pop(seq_id, None)
         for block in reversed(self._tables.pop(seq_id, [])):
             if block != RELEASED:
                 self._unref(block)
@@ -194,6 +193,7 @@ class BlockManager:
             held = [b for b in table if b != RELEASED]
             assert len(set(held)) == len(held), f"seq {seq_id} holds a block twice: {table}"
             assert table[-1] != RELEASED and held == table[len(table) - len(held) :], f"seq {seq_id}: {table}"
+            assert len(table) - len(held) == self._released.get(seq_id, 0), f"seq {seq_id}: released count"
             for block in held:
                 counts[block] += 1
         assert counts == self.ref_counts, f"refcounts {self.ref_counts} != table counts {counts}"
@@ -208,3 +208,4 @@ class BlockManager:
         assert all(self._index[k] == b for b, k in self._key_of.items()), "index and keys disagree"
         assert len(self._index) == len(self._key_of), "index and keys differ in size"
         assert set(self._chains) <= set(self._tables), "a chain outlived its table"
+        assert set(self._released) <= set(self._tables), "a released count outlived its table"
