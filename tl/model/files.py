@@ -241,6 +241,7 @@ class TokenizerConfig:
     pad_token: str | None = None
     unk_token: str | None = None
     chat_template: str | dict[str, str] | None = None
+    add_bos_token: bool = False  # prompts begin with bos_token (Gemma, Llama 2): Tokenizer.encode_prompt
 
 
 def _ids(value: Any, source: str, key: str) -> tuple[int, ...]:
@@ -337,4 +338,5 @@ def load_tokenizer_config(model_dir: str | Path) -> TokenizerConfig:
     return TokenizerConfig(
         **{k: _token_str(d.get(k), src, k) for k in ("bos_token", "eos_token", "pad_token", "unk_token")},
         chat_template=_chat_template(d.get("chat_template"), src),
+        add_bos_token=d.get("add_bos_token") is True,
     )

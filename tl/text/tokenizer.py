@@ -114,8 +114,7 @@ class Tokenizer:
         except Exception as e:  # noqa: BLE001 (tokenizers raises a bare Exception on a bad spec)
             raise ModelDirError(f"{path}: cannot build the tokenizer ({e})") from None
         tcfg = load_tokenizer_config(d)
-        add_bos = read_json(d / "tokenizer_config.json", required=False).get("add_bos_token") is True
-        return cls(tok, spec, bos_token=tcfg.bos_token, eos_token=tcfg.eos_token, add_bos_token=add_bos)
+        return cls(tok, spec, bos_token=tcfg.bos_token, eos_token=tcfg.eos_token, add_bos_token=tcfg.add_bos_token)
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`; no BOS/EOS added; special tokens in the text match as one token."""
