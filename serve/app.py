@@ -67,12 +67,20 @@ ABORT_GRACE_S = 2.0
 STOP_NOW_GRACE_S = 1.0
 """After a second signal aborts everything, this long for the error events to go out."""
 ENGINE_STOP_S = 5.0
-"""The lifespan shutdown waits this long for the engine thread (it stops between steps)."""
+"""The engine thread's own bound on its stop (it stops between steps)."""
+ENGINE_STOP_WAIT_S = ENGINE_STOP_S + 1.0
+"""The lifespan shutdown waits this long for the engine's stop (its own bound, 1 s to return)."""
+HEALTH_CLOSE_S = 2.0
+"""The lifespan shutdown waits this long for the health port to close."""
 TRACING_STOP_S = 2.0
-"""The lifespan shutdown waits this long for the last spans to be exported (tracing on)."""
-STOP_BOUND_S = 10.0
-"""A stop takes at most drain_timeout_s plus this: the grace above, the shutdown, margin.
-granian's main process kills a worker still alive then (serve/launch.py)."""
+"""The last spans' export (tracing on), beside the health port's close: at most this long."""
+STOP_MARGIN_S = 3.0
+"""Unbounded here, given a margin: granian stopping its HTTP server after the hand-over (and
+signals.py's PARENT_GRACE_S before it, with a drain_timeout_s under it), the interpreter's exit."""
+STOP_BOUND_S = ABORT_GRACE_S + ENGINE_STOP_WAIT_S + max(HEALTH_CLOSE_S, TRACING_STOP_S) + STOP_MARGIN_S
+"""A stop takes at most drain_timeout_s plus this (13 s): the abort grace, the engine's stop, the
+health port's close (the spans' export beside it), the margin. granian's main process kills a
+worker still alive then (serve/launch.py); README, "Stopping", lists the same parts."""
 
 
 def parse_listen(addr: str) -> tuple[str, int]:
@@ -198,7 +206,7 @@ class App:
         if self.engine is not None:
             stopping = _in_daemon_thread("tl-engine-stop", self.engine.shutdown, ENGINE_STOP_S)
             try:
-                await asyncio.wait_for(asyncio.shield(stopping), ENGINE_STOP_S + 1.0)
+                await asyncio.wait_for(asyncio.shield(stopping), ENGINE_STOP_WAIT_S)
             except TimeoutError:
                 log.warning("shutdown: the engine thread did not stop within %.1f s; exiting anyway", ENGINE_STOP_S)
             else:
@@ -207,9 +215,9 @@ class App:
         # the last spans' export runs beside the health port's close: the stop's bound is unchanged
         flushed = asyncio.ensure_future(self._stop_tracing(self.tracing)) if self.tracing is not None else None
         try:
-            await asyncio.wait_for(self.health.close(), 2.0)
+            await asyncio.wait_for(self.health.close(), HEALTH_CLOSE_S)
         except TimeoutError:
-            log.warning("shutdown: the health port did not close within 2 s; exiting anyway")
+            log.warning("shutdown: the health port did not close within %.1f s; exiting anyway", HEALTH_CLOSE_S)
         _timed("shutdown: health port closed", t1)
         if flushed is not None:
             await flushed

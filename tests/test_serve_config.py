@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from serve import app
 from serve.app import parse_listen
 from serve.config_load import load_config, parse_runtime_toml
 from serve.launch import granian_argv
@@ -124,7 +125,20 @@ def test_launch_argv_uses_http_listen(tmp_path: Path) -> None:
         "1",
         "--no-ws",
         "--workers-kill-timeout",
-        "18",  # drain_timeout_s + STOP_BOUND_S, rounded up: a wedged worker is killed then
+        "21",  # drain_timeout_s + STOP_BOUND_S (7.5 + 13), rounded up: a wedged worker is killed then
         "serve.app:app",
     ]
     assert granian_argv(str(p), "fake_app:app")[-1] == "fake_app:app"  # the tests' own target
+
+
+def test_the_stop_bound_is_its_parts_plus_a_margin() -> None:
+    """STOP_BOUND_S covers every bounded step after the drain deadline (README, "Stopping") and
+    leaves a margin for what has no bound of ours (granian's server stop, the process exit)."""
+    after_deadline = (
+        app.ABORT_GRACE_S,
+        app.ENGINE_STOP_WAIT_S,  # the engine thread's own ENGINE_STOP_S and the wait's extra second
+        max(app.HEALTH_CLOSE_S, app.TRACING_STOP_S),  # the spans' export runs beside the close
+    )
+    assert app.ENGINE_STOP_WAIT_S > app.ENGINE_STOP_S
+    assert app.STOP_MARGIN_S >= 2.0
+    assert app.STOP_BOUND_S == sum(after_deadline) + app.STOP_MARGIN_S == 13.0
