@@ -7,7 +7,8 @@ model load or each step variant's compile sleep and logs it, and the test signal
 line appears (or once /readyz is 200 while the background compiles are still sleeping). Each
 case asserts the exit status (0) and the time from the signal to the exit: within the worker's
 own bound (serve/app.py's grace and shutdown bounds), far below drain_timeout_s plus
-STOP_BOUND_S, after which granian would kill the worker. Streams open at the stop either
+STOP_BOUND_S, after which granian would kill the worker; one case drains to a short
+drain_timeout_s's deadline and asserts that whole bound. Streams open at the stop either
 complete or end with an error event and [DONE]. Every server is killed at the end whatever
 happened.
 """
@@ -30,6 +31,8 @@ from pathlib import Path
 import httpx
 import pytest
 from granian_server import ROOT, free_port
+
+from serve.app import STOP_BOUND_S
 
 DRAIN_S = 20.0  # long: a case that ends quickly did not wait for the drain deadline
 QUICK_S = 8.0  # a stop with nothing in flight: the parent's grace, the engine's stop, the exit
@@ -84,14 +87,16 @@ class Served:
 
 
 @contextmanager
-def tl_serve(model_dir: Path, tmp_path: Path, delays: str, extra: str = "") -> Iterator[Served]:
+def tl_serve(
+    model_dir: Path, tmp_path: Path, delays: str, extra: str = "", drain_s: float = DRAIN_S
+) -> Iterator[Served]:
     port, hport = free_port(), free_port()
     cfg = tmp_path / f"stop-{port}.toml"
     cfg.write_text(
         "[engine]\n"
         f'model_dir = "{model_dir}"\n'
         f'http_listen = "127.0.0.1:{port}"\nhealth_listen = "127.0.0.1:{hport}"\n'
-        f"drain_timeout_s = {DRAIN_S}\n"
+        f"drain_timeout_s = {drain_s}\n"
         "block_size = 4\nnum_kv_blocks = 256\nmax_num_seqs = 4\nmax_num_batched_tokens = 32\n"
         "prefill_chunk = 32\ntoken_buckets = [1, 8, 32]\nseq_buckets = [1, 4]\n"
         'attention_kernel = "reference"\nmatmul_kernel = "xla"\nweight_pages = "default"\n'
@@ -130,6 +135,7 @@ CASES = [
     ("start-up compiles", "compile=30", signal.SIGTERM, False),
     ("background compiles", "compile=4", signal.SIGTERM, False),
     ("background compiles", "compile=4", signal.SIGTERM, True),
+    ("background compiles", "compile=4", signal.SIGINT, False),
 ]
 
 
@@ -207,6 +213,31 @@ def test_a_second_signal_during_a_drain_stops_at_once(tiny_dir: Path, tmp_path: 
         error = json.loads(long[-2][6:])
         assert error["error"]["code"] == "aborted", long[-3:]
         assert "stopping at once" in srv.log()
+
+
+def test_a_drain_that_reaches_its_deadline_stops_within_the_bound(tiny_dir: Path, tmp_path: Path) -> None:
+    """The drain-deadline path over real granian: a stream far too long to finish (480 tokens,
+    every step slowed to 0.05 s: 24 s) is open at SIGTERM to the main process alone, with a 1 s
+    drain_timeout_s. At the deadline it is aborted (an error event, then [DONE]) and the process
+    exits 0 within drain_timeout_s + STOP_BOUND_S (the bound README's "Stopping" states), plus a
+    little for this test's own polling."""
+    drain_s = 1.0
+    with tl_serve(tiny_dir, tmp_path, "step=0.05", drain_s=drain_s) as srv:
+        srv.wait_ready(120)
+        out: list[str] = []
+        t = _stream(srv.api, 480, out)
+        while not out:
+            time.sleep(0.01)
+        sent = srv.signal(signal.SIGTERM, False)
+        status, took = srv.exited_within(sent, drain_s + STOP_BOUND_S + 1.0)
+        t.join(10)
+        assert status == 0, srv.log()
+        assert took >= drain_s, f"exited after {took:.1f} s, before the drain deadline"
+        text = srv.log()
+        assert "draining: 1 requests in flight" in text and "drain deadline: aborting 1 requests" in text, text
+        assert out[-1] == "data: [DONE]", out[-3:]
+        assert json.loads(out[-2][6:])["error"]["code"] == "aborted", out[-3:]
+        assert "Unexpected exit" not in text, text  # (no "Killing worker" check: see above)
 
 
 def test_work_admitted_during_the_background_compiles_is_served(tiny_dir: Path, tmp_path: Path) -> None:
