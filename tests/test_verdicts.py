@@ -132,3 +132,31 @@ def test_a_real_measurement_covers_every_class_and_is_saved() -> None:
     )
     saved = json.loads(path.read_text())
     assert len(saved["verdicts"]) == 6 and saved["shapes"]["classes"] == sorted([list(c) for c in got])
+
+
+def test_the_start_up_compiles_run_on_daemon_threads_in_order() -> None:
+    """measure()'s prepares: results in order, every item run, the first item's error raised, and
+    on daemon threads (an executor's would be joined at the exit, holding a stop)."""
+    import threading
+
+    from tl.runtime.verdicts import _map_on_daemon_threads
+
+    seen: list[tuple[int, bool]] = []
+
+    def square(x: int) -> int:
+        seen.append((x, threading.current_thread().daemon))
+        return x * x
+
+    assert _map_on_daemon_threads(square, [3, 1, 2], 2) == [9, 1, 4]
+    assert sorted(seen) == [(1, True), (2, True), (3, True)]
+
+    def fails(x: int) -> int:
+        seen.append((x, True))
+        if x in (2, 4):
+            raise ValueError(f"item {x}")
+        return x
+
+    seen.clear()
+    with pytest.raises(ValueError, match="item 2"):
+        _map_on_daemon_threads(fails, [1, 2, 3, 4], 2)
+    assert len(seen) == 4

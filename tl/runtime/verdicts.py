@@ -28,12 +28,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -111,13 +111,13 @@ def _fastest_s(fns: Timed, min_s: float = 0.02, min_reps: int = 5) -> dict[str, 
     for at least min_reps rounds and until each has run min_s in all. The fastest, not the
     median: on a shared machine a neighbour's burst only ever slows a run down, so the fastest
     of alternated runs is the least disturbed reading of each."""
-    for fn in fns.values():
+    for fn in fns.values():  # no bound: start-up's own measurement, on the build's daemon thread (a stop leaves it)
         jax.block_until_ready(fn())
     times: dict[str, list[float]] = {k: [] for k in fns}
     while min(len(t) for t in times.values()) < min_reps or min(sum(t) for t in times.values()) < min_s:
         for k, fn in fns.items():
             t0 = time.perf_counter()
-            jax.block_until_ready(fn())
+            jax.block_until_ready(fn())  # one kernel call, timed: as above
             times[k].append(time.perf_counter() - t0)
         if len(times[next(iter(fns))]) >= 50:
             break
@@ -274,6 +274,45 @@ def save(path: Path, verdicts: Verdicts, shape_key: dict[str, Any]) -> None:
     tmp.replace(path)
 
 
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+def _map_on_daemon_threads(fn: Callable[[T], R], items: Sequence[T], threads: int) -> list[R]:
+    """[fn(item) for item in items], on up to `threads` daemon threads (not an executor's: those
+    are joined at the process's exit, so a stop during the start-up measurement would wait for
+    every queued compile; tl/runtime/compiler.py does the same for the step compiles). All items
+    run; the first item's error, in items' order, is raised here, as an executor's map would."""
+    todo = list(enumerate(items))
+    results: list[tuple[bool, Any]] = [(False, None)] * len(todo)
+    lock = threading.Lock()
+
+    def work() -> None:
+        while True:
+            with lock:
+                if not todo:
+                    return
+                i, item = todo.pop(0)
+            try:
+                results[i] = (True, fn(item))
+            except BaseException as e:  # noqa: BLE001 -- raised on the calling thread
+                results[i] = (False, e)
+
+    pool = [
+        threading.Thread(target=work, name="tl-verdicts", daemon=True) for _ in range(max(1, min(threads, len(todo))))
+    ]
+    for t in pool:
+        t.start()
+    for t in pool:  # every prepare's compile: start-up needs them; a stop leaves the build's daemon thread here
+        t.join()
+    out: list[R] = []
+    for ok, value in results:
+        if not ok:
+            raise value
+        out.append(value)
+    return out
+
+
 def measure(
     path: Path, shape_key: dict[str, Any], classes: Sequence[tuple[str, int]], prepare: Callable[[str, int], Timed]
 ) -> Verdicts:
@@ -284,8 +323,7 @@ def measure(
     if cached is not None and sorted((v.kernel, v.rows) for v in cached.verdicts) == want:
         return cached
     t0 = time.perf_counter()
-    with ThreadPoolExecutor(2) as pool:
-        prepared = list(pool.map(lambda c: prepare(*c), want))
+    prepared = _map_on_daemon_threads(lambda c: prepare(*c), want, 2)
     out = []
     for (kernel, rows), fns in zip(want, prepared, strict=True):
         t = _fastest_s(fns)
