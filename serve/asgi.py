@@ -49,6 +49,8 @@ class Request:
         parts: list[bytes] = []
         size = 0
         while True:
+            # no bound of ours: the client paces its upload (counted in flight, a drain waits for it
+            # up to drain_timeout_s; then granian's stop ends the connection, its kill timeout at worst)
             msg = await self.receive()
             if msg["type"] == "http.disconnect":
                 raise ClientGone

@@ -3,8 +3,9 @@
 Owns the follower's process: the health port (GET /healthz always; /readyz 200 once the runner
 is built, its start-up variants compiled and the leader reachable; /metrics), no API, and the
 exit status: 0 when the leader stops the group (the end of its drain), 3 when the group failed
-(tl/ops/multihost.py). SIGTERM alone does not stop a follower: the leader is draining on the same
-signal and still needs it for the requests in flight; the leader's stop (or its loss) ends it.
+(tl/ops/multihost.py), 1 when its health port did not start (one ERROR line names the cause).
+SIGTERM alone does not stop a follower: the leader is draining on the same signal and still
+needs it for the requests in flight; the leader's stop (or its loss) ends it.
 Must not touch the engine's internals: tl.ops.build's run_follower does the work.
 Tested by tests/test_multihost.py.
 """
@@ -25,6 +26,8 @@ from tl.core.config import EngineConfig
 from tl.ops.build import run_follower
 
 log = logging.getLogger("serve.follower")
+HEALTH_START_S = 10.0
+"""The follower's health port must listen within this, or the follower exits with status 1."""
 
 
 def follower_main(cfg: EngineConfig) -> int:
@@ -35,15 +38,27 @@ def follower_main(cfg: EngineConfig) -> int:
     host, port = parse_listen(cfg.health_listen)
     loop = asyncio.new_event_loop()
     started = threading.Event()
+    failed: list[BaseException] = []
 
     def serve_health() -> None:
         asyncio.set_event_loop(loop)
-        loop.run_until_complete(health.start(host, port))
-        started.set()
+        try:
+            loop.run_until_complete(health.start(host, port))
+        except BaseException as e:  # noqa: BLE001 -- reported on the main thread
+            failed.append(e)
+            return
+        finally:
+            started.set()
         loop.run_forever()
 
     threading.Thread(target=serve_health, name="tl-health", daemon=True).start()
-    started.wait(10)
+    if not started.wait(HEALTH_START_S) or failed:  # a listen that fails fails at once; 10 s is a wedge
+        cause = failed[0] if failed else f"not listening within {HEALTH_START_S:.0f} s"
+        log.error("follower: the health port %s did not start (%s); exiting with status 1", cfg.health_listen, cause)
+        if failed:  # its thread is done with the loop
+            loop.close()
+        logging.shutdown()
+        return 1
     log.info("follower: health port listening on %s", cfg.health_listen)
     signal.signal(signal.SIGTERM, lambda *_: log.info("follower: SIGTERM; waiting for the leader to stop the group"))
     code = run_follower(cfg, ready.append)

@@ -211,6 +211,9 @@ class Job:
         """Wait until the engine thread took every choice; its refusal becomes an ApiError."""
         for c in self.choices:
             try:
+                # no bound: the engine thread settles each Add in order (admitted or refused), before
+                # any later command (an abort too); a failed engine settles every open one
+                # (AsyncEngine.fail); a wedged thread is left to the stop's bound (serve/app.py)
                 await settled(c.handle.admitted)
             except RequestError as e:
                 raise errors.from_request_error(e, self.spec.context_param) from None

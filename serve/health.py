@@ -28,6 +28,8 @@ class HealthServer:
     async def close(self) -> None:
         if self._server is not None:
             self._server.close()
+            # no bound here: the lifespan shutdown's wait_for (HEALTH_CLOSE_S) is it; on Python 3.12+
+            # this waits for open connections too, each bounded in _serve (read and write, 10 s each)
             await self._server.wait_closed()
             self._server = None
 
@@ -44,8 +46,8 @@ class HealthServer:
                 "connection: close\r\n\r\n".encode("latin-1")
                 + body
             )
-            await writer.drain()
-        except ConnectionError:
+            await asyncio.wait_for(writer.drain(), timeout=10)  # a client that does not read
+        except (ConnectionError, TimeoutError):
             pass
         finally:
             writer.close()

@@ -528,3 +528,17 @@ def test_a_leader_failing_start_up_under_granian_exits_non_zero(tiny_dir: Path, 
     assert "ConfigError: the server of a multi-host job is process 0 and needs" in text, text[-3000:]
     assert "got process_id 0 and num_processes unknown" in text
     assert "ASGI lifespan startup failed" in text and "continuing without Lifespan" not in text
+
+
+def test_a_follower_whose_health_port_cannot_listen_exits_1(caplog: pytest.LogCaptureFixture) -> None:
+    """The port taken: one ERROR line naming the port and the cause, status 1, nothing followed."""
+    from serve.follower import follower_main
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cfg = EngineConfig(health_listen=f"127.0.0.1:{port}", process_id=1, num_processes=2)
+        with caplog.at_level("ERROR", logger="serve.follower"):
+            assert follower_main(cfg) == 1
+    assert f"health port 127.0.0.1:{port} did not start" in caplog.text, caplog.text

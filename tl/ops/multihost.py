@@ -442,6 +442,8 @@ class Follower(_Peer):
         GroupFailed (the exit is on its way)."""
         assert self.conn is not None, "connect() first"
         while True:
+            # no bound here: the beat watchdog is it (a leader silent past timeout_s fails the group,
+            # and the reader then puts None), as is the leader's stop (None too)
             frame = self._inbox.get()
             if frame is None:
                 if self.failure is not None:
