@@ -19,6 +19,7 @@ from fake_engine import (
     fake_embedding,
 )
 
+from tl.core import async_engine
 from tl.core.async_engine import Abort, Add, AddEmbedding, AsyncEngine, EngineError, Outbox
 from tl.core.config import EngineConfig
 from tl.core.engine import Engine
@@ -234,36 +235,38 @@ SLOW_SCHEMAS = [  # llguidance alone, idle 2-core Zen 5 (the fastest CPU here): 
 ]
 
 
-def test_slow_schemas_do_not_starve_a_plain_one() -> None:
-    """Three schemas far slower than a 0.25 s bound, all in flight, then a plain one: the three are
-    refused as too slow (and remembered as refused while they still compile), the plain one
-    compiles at once instead of queueing behind them, and shutdown waits for none of them."""
+def test_slow_schemas_do_not_starve_a_plain_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three schemas far slower than a 0.25 s bound, more than the pool's places (two here): at the
+    bound each is refused as too slow (and remembered as refused while it still compiles) and its
+    place given back, so a plain one sent then compiles at once. Without the give-back it would
+    queue behind compiles that run for seconds and be refused. Shutdown waits for none of them."""
+    monkeypatch.setattr(async_engine, "NUM_GRAMMAR_WORKERS", 2)
     cfg = EngineConfig(block_size=4, grammar_timeout_s=0.25)
     field = "response_format.json_schema.schema"
 
     async def body() -> None:
         eng = AsyncEngine(FakeEngine(FakeRunner(), cfg), byte_grammars(cfg))
+        assert eng._grammar_pool.num_workers == 2 < len(SLOW_SCHEMAS) <= eng._grammar_pool.max_overdue
         eng.start()
         await eng.compile_constraint(ConstraintSpec("regex", "warm", "p"))  # llguidance's tokenizer, built
         slow = [
             asyncio.create_task(eng.compile_constraint(ConstraintSpec("json", json.dumps(s), field)))
             for s in SLOW_SCHEMAS
         ]
-        await asyncio.sleep(0.01)  # all three compiling
-        t0 = time.perf_counter()
-        plain = await eng.compile_constraint(
-            ConstraintSpec("json", json.dumps(many_properties(2, {"type": "integer"})), field)
-        )
-        assert time.perf_counter() - t0 < cfg.grammar_timeout_s and not plain.cached
         for task in slow:
             with pytest.raises(GrammarError) as e:
                 await task
             assert e.value.param == field and "grammar_timeout_s" in str(e.value)
         t0 = time.perf_counter()
+        plain = await eng.compile_constraint(
+            ConstraintSpec("json", json.dumps(many_properties(2, {"type": "integer"})), field)
+        )
+        assert time.perf_counter() - t0 < cfg.grammar_timeout_s and not plain.cached
+        assert eng._grammar_pool.num_overdue > 0  # still compiling, written off
+        t0 = time.perf_counter()
         with pytest.raises(GrammarError, match="grammar_timeout_s"):  # from the cache: no fourth compile
             await eng.compile_constraint(ConstraintSpec("json", json.dumps(SLOW_SCHEMAS[0]), "other.field"))
         assert time.perf_counter() - t0 < cfg.grammar_timeout_s
-        assert eng._grammar_pool.num_overdue > 0  # still compiling, written off
         t0 = time.perf_counter()
         eng.shutdown()
         assert time.perf_counter() - t0 < 1.0
