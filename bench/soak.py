@@ -5,7 +5,9 @@ free 127.0.0.1 ports) and stopping it, and four scenarios, each a list of named 
 - mixed: minutes of mixed load (streams and non-streams of mixed lengths, n > 1, embeddings,
   cancellations at random points, a few bad requests), sampling the server's RSS, queue depth,
   KV blocks, compile count and every stream's inter-token gaps: zero 5xx, no block used once
-  idle, RSS flat within 5% after warm-up, no compile after warm-up, and a plot of them;
+  idle, RSS flat within 5% after warm-up, no compile after warm-up, and a plot of them; a run
+  with whole minutes after minute 5 (over 7 minutes) also checks the memory criterion: from
+  minute 5's median on, RSS grows less than 1% per 10 minutes (`rss_growth_pct_per_10min`);
 - storm: 100 streams cut at random points: every block free within a second, the next request
   served;
 - sigterm: SIGTERM under 64 streams: every admitted stream reaches [DONE], new requests get
@@ -400,6 +402,15 @@ async def mixed(
         )
         comp = {s["compilations"] for s in warm}
         rep.check("no compile after warm-up", len(comp) == 1, f"compile counts seen {sorted(comp)}")
+    per_minute = _per_minute(samples)
+    growth = rss_growth_per_10min(per_minute)
+    if growth is not None:
+        rep.check(
+            f"RSS grows < {MAX_RSS_GROWTH_PCT_PER_10MIN}% per 10 min after minute {RSS_SETTLED_MINUTE}",
+            growth < MAX_RSS_GROWTH_PCT_PER_10MIN,
+            f"{growth:+.2f}% per 10 min: {per_minute[RSS_SETTLED_MINUTE]} MiB at minute {RSS_SETTLED_MINUTE},"
+            f" {per_minute[-1]} MiB at minute {len(per_minute) - 1} (per-minute medians)",
+        )
     gaps = [g for o in streams for g in o.gaps]
     rep.figures = {
         "seconds": seconds,
@@ -410,11 +421,27 @@ async def mixed(
         "itl_max_ms": max(gaps, default=0.0) * 1e3,
         "samples": len(samples),
         "rss_mib_first_last": [samples[0]["rss"] / 2**20, samples[-1]["rss"] / 2**20] if samples else [],
-        "rss_mib_per_minute": _per_minute(samples),
+        "rss_mib_per_minute": per_minute,
+        "rss_growth_pct_per_10min": None if growth is None else round(growth, 3),
     }
     if out_dir is not None and samples:
         rep.figures["plot"] = str(_plot(samples, streams, t0, out_dir / "soak-mixed.png"))
     return rep
+
+
+RSS_SETTLED_MINUTE = 5
+"""The memory criterion counts RSS growth from this minute's median on (warm-up before it)."""
+MAX_RSS_GROWTH_PCT_PER_10MIN = 1.0
+"""The memory criterion: RSS grows less than this, in % per 10 minutes, after RSS_SETTLED_MINUTE."""
+
+
+def rss_growth_per_10min(per_minute: Sequence[float], since: int = RSS_SETTLED_MINUTE) -> float | None:
+    """RSS growth in % per 10 minutes from minute `since`'s median to the last whole minute's
+    (per_minute: `_per_minute`'s medians, index = minute); None without a minute after `since`."""
+    if len(per_minute) < since + 2 or per_minute[since] <= 0:
+        return None
+    minutes = len(per_minute) - 1 - since
+    return (per_minute[-1] / per_minute[since] - 1.0) * 100.0 * 10.0 / minutes
 
 
 def _per_minute(samples: Sequence[dict[str, float]]) -> list[float]:

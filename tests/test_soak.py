@@ -67,3 +67,14 @@ def test_kv_exhaustion_completes_every_request_with_uncontended_outputs(config: 
             _assert_ok(await soak.kv_exhaustion(srv, requests=24, max_out=48))
 
     asyncio.run(main())
+
+
+def test_rss_growth_per_10_minutes_from_minute_5() -> None:
+    """The memory criterion's figure from the per-minute medians: the 30-minute soak's
+    (docs/soak-mixed-30min.png: 3900.5 MiB at minute 5, 3937.7 at minute 29) is +0.40% per 10
+    min; a soak without a minute after minute 5 has none (its check is the warm-up one)."""
+    per_minute = [3800.0] * 5 + [3900.5] + [3920.0] * 23 + [3937.7]
+    growth = soak.rss_growth_per_10min(per_minute)
+    assert growth is not None and round(growth, 2) == 0.40
+    assert soak.rss_growth_per_10min([100.0, 101.0, 102.0, 103.0, 104.0, 105.0]) is None
+    assert soak.rss_growth_per_10min([100.0] * 5 + [100.0, 101.0]) == pytest.approx(10.0)
