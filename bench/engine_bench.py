@@ -6,6 +6,9 @@ Workloads (seeded):
 - `repetitive`: code-editing prompts whose answer repeats the prompt: speculative acceptance.
 Reports output tokens/s, mean batch size (sequences and tokens per step), step time
 percentiles, prefix hit ratio and speculative acceptance. Run: `python -m bench engine`.
+`--host-split 1,16,64` instead decodes that many streams at once and reports where each
+step's wall time goes (schedule, pack, launch, waiting for results, unpack, update, between
+steps) and the host gap between one step's results and the next launch.
 """
 
 from __future__ import annotations
@@ -97,6 +100,38 @@ def run_workload(engine: object, reqs: list[GenRequest]) -> dict[str, object]:
     }
 
 
+def host_split(engine: object, streams: int, tokens: int, vocab: int, seed: int) -> dict[str, object]:
+    """`streams` requests of 16 prompt tokens decoding `tokens` each (ignore_eos), all at once:
+    output tokens/s and, per busy step, where the wall time went (tl.core.stats.HOST_PARTS from
+    EngineStats' sums), the host gap's mean and the host's share of the step."""
+    from tl.core.engine import Engine
+
+    assert isinstance(engine, Engine)
+    rng = random.Random(seed)
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    for _ in range(streams):
+        engine.add_request(GenRequest(tuple(rng.randrange(100, vocab) for _ in range(16)), params))
+    before = engine.stats()
+    n_out, t0 = 0, time.perf_counter()
+    while engine.has_work():
+        n_out += sum(1 for o in engine.step() if o.token_id >= 0)
+    wall = time.perf_counter() - t0
+    after = engine.stats()
+    steps = after.timed_steps - before.timed_steps
+    parts = {k: (v - dict(before.step_part_seconds).get(k, 0.0)) / max(1, steps) for k, v in after.step_part_seconds}
+    total = sum(parts.values())
+    gaps = after.host_gap_seconds.count - before.host_gap_seconds.count
+    gap = (after.host_gap_seconds.total - before.host_gap_seconds.total) / max(1, gaps)
+    return {
+        "streams": streams,
+        "output tok/s": round(n_out / wall, 1),
+        "steps": steps,
+        **{f"{k} ms": round(v * 1e3, 3) for k, v in parts.items()},
+        "host gap ms": round(gap * 1e3, 3),
+        "host share": round(1 - parts["device"] / total, 3) if total else 0.0,
+    }
+
+
 def run(argv: Sequence[str]) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench engine")
     ap.add_argument("--model", default="artifacts/models/smol-135m")
@@ -105,10 +140,32 @@ def run(argv: Sequence[str]) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--speculative", default="prompt_lookup", help="used for the repetitive workload")
     ap.add_argument("--json", default="")
+    ap.add_argument(
+        "--host-split",
+        default="",
+        help="streams counts, e.g. 1,16,64: instead of the workloads, where each decode step's time goes",
+    )
+    ap.add_argument("--decode-tokens", type=int, default=128, help="tokens each --host-split stream decodes")
+    ap.add_argument("--weight-dtype", default="auto", help="[engine] weight_dtype (auto: a GGUF as it is)")
     args = ap.parse_args(argv)
     print("config:", json.dumps(vars(args)))
 
     from tl.ops.build import build_engine
+
+    if args.host_split:
+        counts = [int(n) for n in args.host_split.split(",")]
+        cfg = EngineConfig(model_dir=args.model, speculative="none", weight_dtype=args.weight_dtype)  # type: ignore[arg-type]
+        cfg = cfg.replace(max_num_seqs=max(cfg.max_num_seqs, *counts))
+        engine = build_engine(cfg, warmup=True)
+        vocab = engine.runner.model_config.vocab_size
+        host_split(engine, max(counts), 4, vocab, args.seed)  # every variant these steps take, run once
+        split = [host_split(engine, n, args.decode_tokens, vocab, args.seed) for n in counts]
+        print_table(split)
+        if args.json:
+            with open(args.json, "a") as f:
+                for r in split:
+                    f.write(json.dumps({"bench": "engine-host", **r}) + "\n")
+        return 0
 
     rows = []
     for name in args.workloads.split(","):

@@ -31,6 +31,15 @@ def _timed(fn: object, repeat: int) -> list[float]:
     return out
 
 
+def _host_ms(r: object, plan: SchedulerOutput) -> tuple[float, float]:
+    """One execute of plan: (host ms: packing, launching and unpacking; ms waiting for the results)."""
+    t = r.execute(plan).times  # type: ignore[attr-defined]
+    if t is None:
+        return 0.0, 0.0
+    host = (t.packed - t.started) + (t.launched - t.packed) + (t.unpacked - t.fetched)
+    return host * 1e3, (t.fetched - t.launched) * 1e3
+
+
 def _decode_plan(batch: int, ctx: int, block_size: int, vocab: int) -> SchedulerOutput:
     blocks_per_seq = (ctx + block_size) // block_size + 1
     params = SamplingParams(temperature=0.0)
@@ -170,9 +179,11 @@ def run(argv: Sequence[str]) -> int:
     for test, tokens, plan, repeat in plans:
         first = {label: _timed(lambda r=r, plan=plan: r.execute(plan), 1)[0] for label, r in runners}
         times: dict[str, list[float]] = {label: [] for label, _ in runners}
+        split: dict[str, list[tuple[float, float]]] = {label: [] for label, _ in runners}
         for i in range(repeat):  # alternate the runners step by step, each going first in turn
             for label, r in runners[:: 1 if i % 2 == 0 else -1]:
                 times[label] += _timed(lambda r=r, plan=plan: r.execute(plan), 1)
+                split[label].append(_host_ms(r, plan))
         for label, _ in runners:
             med = statistics.median(times[label])
             rows.append(
@@ -180,6 +191,8 @@ def run(argv: Sequence[str]) -> int:
                     "test": test + (f" [{label}]" if label else ""),
                     "tokens/s": round(tokens / med, 1),
                     "step ms p50": round(med * 1e3, 1),
+                    "host ms p50": round(statistics.median(h for h, _ in split[label]), 2),
+                    "wait ms p50": round(statistics.median(w for _, w in split[label]), 2),
                     "compile s": round(first[label] - med, 2),
                 }
             )

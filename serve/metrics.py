@@ -71,8 +71,18 @@ class _EngineCollector(Collector):
             ("tl_engine_spec_accepted_tokens", "Speculative draft tokens accepted", s.spec_drafts_accepted),
             ("tl_engine_capped_steps", "Steps whose prompt work prompt_tokens_while_decoding cut", s.capped_steps),
             ("tl_engine_aborted_sequences", "Sequences aborted: the client disconnected or stopped", s.aborts),
+            ("tl_engine_multi_step_calls", "Steps that ran several decode steps in one call", s.multi_step_calls),
         ):
             yield CounterMetricFamily(name, doc, value=value)
+        parts = CounterMetricFamily(
+            "tl_engine_step_part_seconds",
+            "Wall time of busy steps by part: schedule, pack, launch, device (waiting for results), "
+            "unpack, update, between (token delivery)",
+            labels=["part"],
+        )
+        for part, seconds in s.step_part_seconds:
+            parts.add_metric([part], seconds)
+        yield parts
         for name, doc, h in (
             ("tl_engine_step_seconds", "Runner time of each engine step", s.step_seconds),
             (
@@ -81,6 +91,11 @@ class _EngineCollector(Collector):
                 s.prompt_tokens_per_step,
             ),
             ("tl_engine_mask_seconds", "Host time filling one constrained token's bitmask", s.mask_seconds),
+            (
+                "tl_engine_host_gap_seconds",
+                "Host time from one step's results to the next step's launch, while busy",
+                s.host_gap_seconds,
+            ),
         ):
             if h.bounds:
                 yield HistogramMetricFamily(name, doc, buckets=h.cumulative(), sum_value=h.total)

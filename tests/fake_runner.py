@@ -13,6 +13,8 @@ offset from (seed, num_generated + row), the key rule of tl/core/plan.py, so the
 must not depend on batch neighbours, chunking or preemption. A draft is accepted while it
 equals the rule's token at its row. Under a constraint (SeqWork.guide) the rule's token is
 taken where the row's bitmask allows it, else the smallest allowed id (`pick_allowed`).
+Several decode steps in one call (SeqWork.steps, `decode_steps` > 1) feed each token back at the
+next position, as the real program does.
 """
 
 from __future__ import annotations
@@ -76,6 +78,7 @@ class FakeRunner:
         max_model_len: int = 256,
         vocab_size: int = 97,
         eos_token_ids: tuple[int, ...] = (0,),
+        decode_steps: int = 1,
     ) -> None:
         self.block_size = block_size
         self.num_kv_blocks = num_kv_blocks
@@ -89,11 +92,20 @@ class FakeRunner:
         self.kv: list[tuple[int, int] | None] = [None] * (num_kv_blocks * block_size)  # slot -> (position, token)
         self.history: dict[int, list[int]] = {}  # seq id -> tokens by position as committed so far (-1: unseen)
         self.plans: list[SchedulerOutput] = []
+        self.max_decode_steps = decode_steps
+
+    def decode_steps(self, num_seqs: int) -> int:
+        """Several decode steps in one call, as the real runner's program runs them (SeqWork.steps)."""
+        return self.max_decode_steps
 
     @classmethod
     def from_config(cls, cfg: EngineConfig, **kw: object) -> FakeRunner:
         return cls(
-            block_size=cfg.block_size, num_kv_blocks=cfg.num_kv_blocks, max_model_len=cfg.max_model_len or 256, **kw
+            block_size=cfg.block_size,
+            num_kv_blocks=cfg.num_kv_blocks,
+            max_model_len=cfg.max_model_len or 256,
+            decode_steps=cfg.decode_steps,
+            **kw,
         )  # type: ignore[arg-type]
 
     def slot(self, work: SeqWork, pos: int) -> int:
@@ -108,7 +120,7 @@ class FakeRunner:
         for work in plan.work:  # every write lands before any read, as in one batched forward
             for i, token in enumerate(work.token_ids):
                 self.kv[self.slot(work, work.start_pos + i)] = (work.start_pos + i, token)
-        results = tuple(self._verify(w) for w in plan.work if w.sample)
+        results = tuple(self._several(w) if w.steps > 1 else self._verify(w) for w in plan.work if w.sample)
         results += tuple(self._pool(w) for w in plan.work if w.pool)
         for work in plan.work:
             self._commit(work, next((r for r in results if r.seq_id == work.seq_id), None))
@@ -156,9 +168,33 @@ class FakeRunner:
                 break
         return SeqResult(work.seq_id, tuple(out), tuple(logprob_of(t) for t in out), num_accepted=len(out) - 1)
 
+    def _several(self, work: SeqWork) -> SeqResult:
+        """work.steps decode steps in one call: each token the rule gives is fed back at the next
+        position (its KV written there) until the row's limit or an EOS id (unless ignore_eos)."""
+        assert work.steps <= self.max_decode_steps and work.plain_decode, f"seq {work.seq_id}: bad several steps"
+        assert not work.draft_ids, f"seq {work.seq_id}: drafts in several steps"
+        out: list[int] = []
+        pos = work.start_pos
+        for j in range(work.steps):
+            token = next_token(
+                self._context(work, pos),
+                self.vocab_size,
+                greedy=work.params.greedy,
+                seed=work.seed,
+                counter=work.num_generated + j,
+            )
+            out.append(token)
+            if j + 1 == work.steps or (not work.params.ignore_eos and token in self.eos_token_ids):
+                break
+            pos += 1
+            self.kv[self.slot(work, pos)] = (pos, token)
+        return SeqResult(work.seq_id, tuple(out), tuple(logprob_of(t) for t in out), num_accepted=len(out) - 1)
+
     def _commit(self, work: SeqWork, result: SeqResult | None) -> None:
         fed = work.token_ids[: len(work.token_ids) - len(work.draft_ids)]
         accepted = work.draft_ids[: result.num_accepted] if result else ()
+        if work.steps > 1 and result is not None:  # the tokens fed back on the device
+            accepted = result.token_ids[: result.num_accepted]
         hist = self.history.setdefault(work.seq_id, [])[: work.start_pos]
         hist += [-1] * (work.start_pos - len(hist))  # positions first seen as a prefix-cache hit
         self.history[work.seq_id] = hist + list(fed) + list(accepted)
@@ -167,7 +203,10 @@ class FakeRunner:
         ids = [w.seq_id for w in plan.work]
         assert len(ids) == len(set(ids)), f"a sequence appears twice in one step: {ids}"
         written = {
-            w.seq_id: {w.block_table[p // self.block_size] for p in range(w.start_pos, w.start_pos + len(w.token_ids))}
+            w.seq_id: {
+                w.block_table[p // self.block_size]
+                for p in range(w.start_pos, w.start_pos + max(len(w.token_ids), w.steps))
+            }
             for w in plan.work
         }
         for w in plan.work:
@@ -178,7 +217,7 @@ class FakeRunner:
                     assert not shared, f"seq {w.seq_id} writes blocks {shared} that seq {other.seq_id} holds"
 
     def _check_work(self, w: SeqWork) -> None:
-        end = w.start_pos + len(w.token_ids)
+        end = w.start_pos + max(len(w.token_ids), w.steps)
         assert w.token_ids and w.start_pos >= 0, f"seq {w.seq_id}: empty work or negative start"
         assert end <= self.max_model_len, f"seq {w.seq_id}: position {end - 1} beyond context {self.max_model_len}"
         assert len(w.block_table) * self.block_size >= end, f"seq {w.seq_id}: table {w.block_table} short of {end}"

@@ -46,6 +46,15 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "everything": {"num_kv_blocks": 14, "prefix_cache": "radix", "prefill_chunk": 4, "speculative": "prompt_lookup"},
     "capped": {"prefill_chunk": 8, "prompt_tokens_while_decoding": 5},
     "capped_unchunked": {"prompt_tokens_while_decoding": 3, "num_kv_blocks": 14},
+    "decode_steps": {"decode_steps": 4, "decode_steps_max_ms": 1e6},
+    "decode_steps_everything": {
+        "num_kv_blocks": 14,
+        "prefix_cache": "radix",
+        "prefill_chunk": 4,
+        "speculative": "prompt_lookup",
+        "decode_steps": 3,
+        "decode_steps_max_ms": 1e6,
+    },
 }
 RUNNER_FACTORIES: list[Any] = [pytest.param(FakeRunner.from_config, id="fake")]
 
@@ -120,6 +129,8 @@ def test_each_request_gets_exactly_what_it_gets_alone(factory: RunnerFactory, va
     assert st_.spec_drafts_accepted <= st_.spec_drafts_proposed
     if cfg.prefill_chunk:
         assert max(p.num_tokens for p in engine.runner.plans) <= cfg.max_num_batched_tokens  # type: ignore[attr-defined]
+    assert (st_.multi_step_calls > 0) == (cfg.decode_steps > 1), st_
+    assert st_.multi_step_calls == sum(p.decode_steps > 1 for p in engine.runner.plans)  # type: ignore[attr-defined]
     assert (st_.kv_blocks_used, st_.running, st_.queue_depth) == (0, 0, 0)
 
 

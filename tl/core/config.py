@@ -149,6 +149,12 @@ class EngineConfig:
     """Shortest n-gram that prompt lookup matches."""
     prompt_lookup_max: int = 4
     """Longest n-gram that prompt lookup tries first."""
+    decode_steps: int = 1
+    """Most decode steps run in one compiled call when every row of a step is a plain decode (no
+    constraint, draft, top logprobs or waiting prompt); 1: one step per call."""
+    decode_steps_max_ms: float = 50.0
+    """The bound on such a call: its steps times the last measured time of one decode step stay
+    within it, so an arriving prompt or an abort waits at most this long for the call to end."""
     max_logprobs: int = 20
     """Most `top_logprobs` a request may ask for."""
     tool_parser: ToolParser = "auto"
@@ -243,6 +249,8 @@ class EngineConfig:
             f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {self.prompt_lookup_min}, {self.prompt_lookup_max}",
         )
         _check(0 <= self.max_logprobs <= 20, f"max_logprobs must be in 0..20, got {self.max_logprobs}")
+        _check(1 <= self.decode_steps <= 64, f"decode_steps must be in 1..64, got {self.decode_steps}")
+        _check(self.decode_steps_max_ms > 0, f"decode_steps_max_ms must be > 0, got {self.decode_steps_max_ms}")
         _check(
             self.thinking_token_budget >= -1,
             f"thinking_token_budget must be >= 0 (or -1: no limit), got {self.thinking_token_budget}",

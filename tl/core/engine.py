@@ -4,9 +4,10 @@ Owns: request ids and seeds, admission (the one authority on it: tl/core/request
 queue rules applied with this engine's limits, `check_context` and `check_capacity`, which
 AsyncEngine also calls to refuse at once), the context length (`max_model_len`), the ids that
 end generation (`eos_token_ids`), embeddings requests turned into pooled sequences, the step
-loop (schedule -> runner.execute -> update), the step-time and prompt-tokens histograms, and
-EngineStats. The scheduler owns request state, the block manager owns KV blocks, the runner
-owns the device; the engine only wires them. Not thread-safe: one thread calls it
+loop (schedule -> runner.execute -> update), the step-time and prompt-tokens histograms, the
+host time around each step (tl/core/stats.py HostTimes), and EngineStats. The scheduler owns
+request state, the block manager owns KV blocks, the runner owns the device; the engine only
+wires them. Not thread-safe: one thread calls it
 (tl/core/async_engine.py). Pure Python, no jax/numpy. Tested by tests/test_engine.py with
 tests/fake_runner.py, whose differential helpers also accept the real ModelRunner.
 """
@@ -31,6 +32,7 @@ from tl.core.stats import (
     BackendInfo,
     EngineStats,
     Histogram,
+    HostTimes,
 )
 
 _POOL_PARAMS = SamplingParams(temperature=0.0, max_tokens=1)  # an embeddings input samples nothing
@@ -65,10 +67,16 @@ class Engine:
         self._rng = random.Random(seed)
         self._next_id = 0
         self._num_steps = 0
+        self._multi_step_calls = 0
         self._batch_tokens = 0
         self._step_seconds = Histogram(STEP_SECONDS_BUCKETS)
         self._prompt_tokens = Histogram(PROMPT_TOKENS_BUCKETS)
         self._mask_seconds = Histogram(MASK_SECONDS_BUCKETS)
+        self._host = HostTimes()
+        self._runner_steps: Callable[[int], int] | None = (
+            getattr(runner, "decode_steps", None) if config.decode_steps > 1 else None
+        )
+        self._decode_step_s: dict[int, float] = {}  # by sequences: the last decode step's seconds
 
     @property
     def backend_info(self) -> BackendInfo | None:
@@ -122,12 +130,17 @@ class Engine:
             self.scheduler.abort(request_id)
 
     def step(self) -> list[TokenOut]:
-        plan = self.scheduler.schedule()
+        begun = time.perf_counter()
+        plan = self.scheduler.schedule(self._decode_steps if self._runner_steps is not None else None)
+        scheduled = time.perf_counter()
         if plan.work:
             debug_delay("step")
             t0 = time.perf_counter()
             output = self.runner.execute(plan)
-            self._step_seconds.observe(time.perf_counter() - t0)
+            took = time.perf_counter() - t0
+            self._step_seconds.observe(took)
+            if all(w.plain_decode for w in plan.work):
+                self._decode_step_s[len(plan.work)] = took / plan.decode_steps
             self._prompt_tokens.observe(plan.num_prompt_tokens)
             if output.mask_rows:  # the rows were filled together: each its share of the time
                 self._mask_seconds.observe(output.mask_seconds / output.mask_rows, output.mask_rows)
@@ -135,7 +148,21 @@ class Engine:
             output = RunnerOutput(())
         self._batch_tokens = plan.num_tokens
         self._num_steps += bool(plan.work)
-        return self.scheduler.update(plan, output)
+        self._multi_step_calls += plan.decode_steps > 1
+        outs = self.scheduler.update(plan, output)
+        self._host.step(begun, scheduled, output.times, time.perf_counter(), self.scheduler.has_work())
+        return outs
+
+    def _decode_steps(self, num_seqs: int) -> int:
+        """Decode steps one call may run for num_seqs plain decodes: the runner's most, and only
+        as many as fit decode_steps_max_ms at the last measured time of one decode step of that
+        many sequences (none measured yet: one, which measures it)."""
+        assert self._runner_steps is not None
+        per_step = self._decode_step_s.get(num_seqs)
+        if per_step is None:
+            return 1
+        fit = int(self.config.decode_steps_max_ms / 1000 / max(per_step, 1e-6))
+        return max(1, min(self.config.decode_steps, self._runner_steps(num_seqs), fit))
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -160,9 +187,13 @@ class Engine:
             compile_pending=self.runner.num_pending_compiles,
             capped_steps=c.capped_steps,
             aborts=c.aborts,
+            multi_step_calls=self._multi_step_calls,
             step_seconds=self._step_seconds.snapshot(),
             prompt_tokens_per_step=self._prompt_tokens.snapshot(),
             mask_seconds=self._mask_seconds.snapshot(),
+            host_gap_seconds=self._host.gap.snapshot(),
+            step_part_seconds=tuple(self._host.parts.items()),
+            timed_steps=self._host.steps,
         )
 
 

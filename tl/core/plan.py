@@ -1,8 +1,8 @@
 """The two records of one engine step: what the scheduler asks the runner to compute
 (SchedulerOutput) and what comes back (RunnerOutput).
 
-Owns: SeqWork, SchedulerOutput, SeqResult, RunnerOutput and the Runner protocol. Pure host data (tuples, ints,
-floats): must not import jax or numpy, so the scheduler stays free of both.
+Owns: SeqWork, SchedulerOutput, SeqResult, StepTimes, RunnerOutput and the Runner protocol. Pure
+host data (tuples, ints, floats): must not import jax or numpy, so the scheduler stays free of both.
 
 Semantics of one SeqWork (the vLLM v1 rule: computed tokens catch up with known tokens):
 - `token_ids` are fed at positions start_pos .. start_pos+len-1. `start_pos` equals the
@@ -21,6 +21,12 @@ Semantics of one SeqWork (the vLLM v1 rule: computed tokens catch up with known 
 - `guide` (a constrained sampled work): the runner fills its sample rows' token bitmask from
   it (row j: after drafts 0..j-1, which the scheduler trimmed to what the grammar allows);
   every other row allows every token.
+- `steps` > 1 (a plain decode: one token fed, sampled, no drafts, no guide): the runner decodes
+  up to `steps` tokens in one call, each sampled token fed back on the device at the next
+  position (KV written at start_pos .. start_pos+steps-1, which `block_table` covers); it stops
+  the row early after an end-of-sequence id (unless ignore_eos). The result holds the n tokens
+  made (1 <= n <= steps) with num_accepted = n - 1: the first n - 1 of them had their KV computed,
+  as accepted drafts do. The host applies every stop to them in order and drops the rest.
 - `pool` (an embeddings input; never sampled): the runner returns the sum over this work's
   tokens of their final-normed hidden states as `SeqResult.pooled` (no tokens); the
   scheduler adds the chunks' sums up and divides by the input's length.
@@ -49,6 +55,19 @@ class SeqWork:
     output_ids: tuple[int, ...] = ()
     pool: bool = False
     guide: Guide | None = None
+    steps: int = 1
+
+    @property
+    def plain_decode(self) -> bool:
+        """One token fed and sampled, nothing the host must see between tokens (a constraint's
+        mask, drafts to verify, top logprobs): what several decode steps in one call may run."""
+        return (
+            self.sample
+            and not self.pool
+            and len(self.token_ids) == 1
+            and self.guide is None
+            and not self.params.top_logprobs
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +75,11 @@ class SchedulerOutput:
     work: tuple[SeqWork, ...]
     num_prompt_tokens: int = 0  # tokens of prompt work (everything but decodes and their drafts)
     capped: bool = False  # prompt_tokens_while_decoding cut this step's prompt work
+
+    @property
+    def decode_steps(self) -> int:
+        """The most decode steps any work of this step runs in its one call (SeqWork.steps)."""
+        return max((w.steps for w in self.work), default=1)
 
     @property
     def num_tokens(self) -> int:
@@ -76,10 +100,24 @@ class SeqResult:
 
 
 @dataclass(frozen=True, slots=True)
+class StepTimes:
+    """When a runner's step passed each stage (time.perf_counter seconds): entered `execute`,
+    inputs packed (bitmask rows included), the compiled call launched, its results on the host,
+    unpacked. The engine turns them into the host time between steps (tl/core/engine.py)."""
+
+    started: float
+    packed: float
+    launched: float
+    fetched: float
+    unpacked: float
+
+
+@dataclass(frozen=True, slots=True)
 class RunnerOutput:
     results: tuple[SeqResult, ...]
     mask_rows: int = 0  # constrained sample rows whose bitmask the host filled
     mask_seconds: float = 0.0  # the host time filling them (together)
+    times: StepTimes | None = None  # None: a runner that does not time its stages (a fake)
 
 
 class Runner(Protocol):
@@ -91,6 +129,8 @@ class Runner(Protocol):
     eos_token_ids: tuple[int, ...]
     # attention_window (optional, default 0): W when every layer attends to its last W positions
     # only; the scheduler then releases the blocks behind each sequence's window.
+    # decode_steps(num_seqs) -> int (optional, default 1): the most decode steps one call runs
+    # for a step of num_seqs plain decodes (SeqWork.steps; 1: the runner has no such program).
 
     @property
     def backend_info(self) -> BackendInfo | None:

@@ -51,6 +51,7 @@ queue_deadline_ms it finishes with "no_capacity".
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -152,7 +153,9 @@ class Scheduler:
         """Requests with a sequence waiting: an embeddings request's inputs count once."""
         return len({seq.request_key for seq in self.waiting})
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, decode_steps: Callable[[int], int] | None = None) -> SchedulerOutput:
+        """This step's work. decode_steps(n): the most decode steps one call may run for a step of
+        n plain decodes (the runner's programs and the engine's time bound); None: one."""
         self._expire_waiting()
         self._scheduled, self._num_scheduled_tokens, self._preempted_this_step = {}, 0, False
         self._num_prompt_tokens, self._num_decodes, self._capped = 0, 0, False
@@ -162,9 +165,28 @@ class Scheduler:
         if not self._preempted_this_step:
             self._admit_waiting()
         self.counters.capped_steps += self._capped
+        if decode_steps is not None and not self.waiting and self._scheduled:
+            self._several_steps(decode_steps)
         return SchedulerOutput(
             tuple(self._scheduled.values()), num_prompt_tokens=self._num_prompt_tokens, capped=self._capped
         )
+
+    def _several_steps(self, decode_steps: Callable[[int], int]) -> None:
+        """When every work of the step is a plain decode and nothing waits, let each run up to k
+        decode steps in the one call (within its max_tokens and the context), with blocks for
+        them; a sequence whose extra blocks are not free keeps one step (no preemption for it)."""
+        works = list(self._scheduled.values())
+        if not all(w.plain_decode for w in works):
+            return
+        k = decode_steps(len(works))
+        if k <= 1:
+            return
+        for w in works:
+            seq = self.seqs[w.seq_id]
+            steps = min(k, seq.params.max_tokens - seq.num_generated, self.max_model_len - seq.num_tokens)
+            if steps > 1 and self.block_manager.allocate(seq.seq_id, w.start_pos + steps):
+                table = self.block_manager.block_table(seq.seq_id)
+                self._scheduled[w.seq_id] = dataclasses.replace(w, steps=steps, block_table=table)
 
     def _has_room(self) -> bool:
         return (
@@ -353,7 +375,7 @@ class Scheduler:
             return []
         result = _checked(work, result)
         self.counters.spec_drafts_proposed += len(work.draft_ids)
-        self.counters.spec_drafts_accepted += result.num_accepted
+        self.counters.spec_drafts_accepted += min(result.num_accepted, len(work.draft_ids))
         seq.num_computed_tokens += num_fed + result.num_accepted  # rejected drafts' KV is stale: recomputed later
         outs = self._append_tokens(seq, result)
         seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens)  # a stop may cut the accepted run
@@ -449,10 +471,11 @@ def _checked(work: SeqWork, result: SeqResult | None) -> SeqResult:
     """The runner's result for a sampled work, if it keeps the plan's contract."""
     if result is None:
         raise RuntimeError(f"runner returned no result for sampled seq {work.seq_id}")
-    if not 0 <= result.num_accepted <= len(work.draft_ids) or len(result.token_ids) != result.num_accepted + 1:
+    most = len(work.draft_ids) + work.steps - 1  # accepted drafts, or the tokens fed back on the device
+    if not 0 <= result.num_accepted <= most or len(result.token_ids) != result.num_accepted + 1:
         raise RuntimeError(
             f"seq {work.seq_id}: {len(result.token_ids)} tokens with {result.num_accepted} of "
-            f"{len(work.draft_ids)} drafts accepted"
+            f"{len(work.draft_ids)} drafts accepted in {work.steps} steps"
         )
     if len(result.logprobs) != len(result.token_ids):
         raise RuntimeError(f"seq {work.seq_id}: {len(result.logprobs)} logprobs for {len(result.token_ids)} tokens")

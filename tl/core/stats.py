@@ -8,10 +8,20 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # tl.core.plan imports this module
+    from tl.core.plan import StepTimes
 
 STEP_SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 PROMPT_TOKENS_BUCKETS = (0, 1, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 MASK_SECONDS_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1)
+HOST_GAP_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2e-3, 3e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1)
+HOST_PARTS = ("schedule", "pack", "launch", "device", "unpack", "update", "between")
+"""Where a busy engine's wall time goes, step after step (HostTimes): the scheduler's schedule,
+the runner packing the inputs, launching the compiled call, waiting for its results (the
+device's share), unpacking them, the scheduler's update, and the caller's own time between two
+steps (AsyncEngine's token delivery)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +63,39 @@ class Histogram:
         return HistogramSnapshot(self.bounds, tuple(self.counts), self.total)
 
 
+class HostTimes:
+    """An engine-thread account of each busy step's parts (HOST_PARTS, seconds summed) and of the
+    host gap: the wall time from one step's results reaching the host to the next step's launch
+    (unpack, update, the caller's delivery, schedule, pack, launch), when the engine stepped on
+    without going idle in between."""
+
+    def __init__(self) -> None:
+        self.parts = dict.fromkeys(HOST_PARTS, 0.0)
+        self.gap = Histogram(HOST_GAP_BUCKETS)
+        self.steps = 0
+        self._last: tuple[float, float] | None = None  # (fetched, update's end) of a step that left work
+
+    def step(self, begun: float, scheduled: float, times: StepTimes | None, ended: float, more: bool) -> None:
+        """One engine step: schedule() from `begun` to `scheduled`, update() ending at `ended`;
+        `times`: the runner's stages (None: no work ran, or a runner that does not time them);
+        `more`: work is left, so the next step follows at once."""
+        if times is None:
+            self._last = None
+            return
+        p, last = self.parts, self._last
+        if last is not None:
+            p["between"] += begun - last[1]
+            self.gap.observe(times.launched - last[0])
+        p["schedule"] += scheduled - begun
+        p["pack"] += times.packed - times.started
+        p["launch"] += times.launched - times.packed
+        p["device"] += times.fetched - times.launched
+        p["unpack"] += times.unpacked - times.fetched
+        p["update"] += ended - times.unpacked
+        self.steps += 1
+        self._last = (times.fetched, ended) if more else None
+
+
 @dataclass(frozen=True, slots=True)
 class EngineStats:
     kv_blocks_free: int = 0
@@ -72,9 +115,13 @@ class EngineStats:
     compile_pending: int = 0  # step variants not compiled yet (tl/runtime/compiler.py compiles them in the background)
     capped_steps: int = 0  # steps whose prompt work prompt_tokens_while_decoding cut
     aborts: int = 0  # live sequences aborted (client disconnected or stopped, or cancelled)
+    multi_step_calls: int = 0  # steps that ran several decode steps in one call (decode_steps)
     step_seconds: HistogramSnapshot = HistogramSnapshot()  # runner time of each step
     prompt_tokens_per_step: HistogramSnapshot = HistogramSnapshot()  # prompt-work tokens of each step
     mask_seconds: HistogramSnapshot = HistogramSnapshot()  # host time per constrained token's bitmask
+    host_gap_seconds: HistogramSnapshot = HistogramSnapshot()  # results on the host -> next launch (HostTimes)
+    step_part_seconds: tuple[tuple[str, float], ...] = ()  # HOST_PARTS' sums over timed steps
+    timed_steps: int = 0  # steps those sums cover
 
     @property
     def prefix_cache_hit_ratio(self) -> float:

@@ -162,6 +162,8 @@ class StepCompiler:
         fn = self._done.get(v)
         if fn is not None:
             return fn
+        # Unbounded by design: a caller that needs v (no warm-up asked for, or a multi-host
+        # follower's frame) waits for the compile in progress, itself one XLA compile long.
         with self._lock:
             if v not in self._done:
                 self._done[v] = self._compiled(v)
@@ -188,15 +190,20 @@ class StepCompiler:
         )
         return took
 
-    def warm_up(self, startup: Sequence[Variant], background: bool = False) -> None:
+    def warm_up(
+        self, startup: Sequence[Variant], background: bool = False, then: Callable[[], None] | None = None
+    ) -> None:
         """Compile ahead of time: the start-up variants now, then the rest here (background False:
         serving then never compiles) or on a background thread (steps meanwhile run in the
-        smallest compiled variant that holds them)."""
+        smallest compiled variant that holds them); then `then` (another table's compile_rest),
+        in the same place."""
         self.compile_startup(startup)
         if background:
-            self.start_background()
+            self.start_background(then)
         else:
             self.compile_rest()
+            if then is not None:
+                then()
 
     def compile_rest(self) -> None:
         """Compile every variant not compiled yet, here (blocking): one sequence's variants first,
@@ -222,9 +229,9 @@ class StepCompiler:
         if self.num_compiled == len(self.variants):
             log.info("all %d step variants compiled (%.1f s)", len(self.variants), time.perf_counter() - t0)
 
-    def start_background(self) -> None:
-        """compile_rest on a daemon thread; an error there is logged and kept (steps then run in
-        what compiled)."""
+    def start_background(self, then: Callable[[], None] | None = None) -> None:
+        """compile_rest (then `then`, unless stopped) on a daemon thread; an error there is logged
+        and kept (steps then run in what compiled)."""
         if self._thread is not None:
             return
         self.borrowing = True
@@ -232,6 +239,8 @@ class StepCompiler:
         def run() -> None:
             try:
                 self.compile_rest()
+                if then is not None and not self._stop.is_set():
+                    then()
             except BaseException as e:  # noqa: BLE001 -- serving goes on in the compiled variants
                 self.background_error = e
                 log.exception("background compilation stopped")
@@ -248,7 +257,22 @@ class StepCompiler:
         return not self._thread.is_alive()
 
     def stop(self, wait: bool = True) -> None:
-        """Stop the background compilation after the variant in progress (waiting for it, or not)."""
+        """Stop the background compilation after the variant in progress (waiting for it, or not:
+        the runner's close does not wait; waiting is for tests, one XLA compile at most)."""
         self._stop.set()
         if wait:
             self.wait()
+
+
+def warm_up(
+    steps: StepCompiler, several: StepCompiler | None, startup: Sequence[Variant], background: bool = False
+) -> None:
+    """A runner's variants compiled ahead of time: the step's start-up ones now, the rest here or
+    in the background (`StepCompiler.warm_up`), and after them, in the same place, every variant
+    of its several decode steps (`several`; until they are in, a call runs one step: serving never
+    compiles them on demand)."""
+    then = None
+    if several is not None:
+        several.borrowing = several.borrowing or background
+        then = several.compile_rest
+    steps.warm_up(startup, background, then)

@@ -19,15 +19,18 @@ flat compile count).
 
 from __future__ import annotations
 
+import dataclasses
+import time
+
 import jax
 import numpy as np
 from jax.sharding import Mesh
 
 from tl.core.config import EngineConfig
-from tl.core.plan import RunnerOutput, SchedulerOutput
+from tl.core.plan import RunnerOutput, SchedulerOutput, StepTimes
 from tl.core.stats import BackendInfo
 from tl.model import llama
-from tl.runtime import startup, step_io
+from tl.runtime import compiler, startup, step_io
 from tl.runtime.execution import Kernels, bucket
 from tl.runtime.frame import StepFrame, StepPeers
 from tl.runtime.sampler import Penalties
@@ -59,6 +62,7 @@ class ModelRunner:
         self.packer = started.packer
         self.program = started.program
         self.compiler = started.compiler
+        self.several = started.several  # several decode steps' programs (None: decode_steps 1)
         self.peers = peers
         self._fill_masks = fill_masks
         self._params = started.weights.params
@@ -105,31 +109,78 @@ class ModelRunner:
 
     def warmup(self, background: bool = False) -> None:
         """The plan's variants compiled ahead of time (tl/runtime/compiler.py `warm_up`)."""
-        self.compiler.warm_up(self.plan.startup_variants, background)
+        compiler.warm_up(self.compiler, self.several, self.plan.startup_variants, background)
 
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
         if not plan.work:
             return RunnerOutput(())
+        started = time.perf_counter()
+        if plan.decode_steps > 1:
+            return self._several(plan, started)
         try:
-            packed, out = self._forward(plan)
+            packed, variant, frame = self._pack(plan)
+            packed_at = time.perf_counter()
+            out = self._run(variant, frame)
+            launched = time.perf_counter()
             got = step_io.fetch(out, packed.rows)
         except Exception as e:
             if self.peers is None:
                 raise
             raise self.peers.broken(e) from e  # a multi-host step: the group has failed
+        fetched = time.perf_counter()
         if self.peers is not None:
             self.peers.step_ended()
-        return step_io.unpack(packed.rows, got, self.engine_config.max_logprobs, packed.mask_fill)
+        output = step_io.unpack(packed.rows, got, self.engine_config.max_logprobs, packed.mask_fill)
+        times = StepTimes(started, packed_at, launched, fetched, time.perf_counter())
+        return dataclasses.replace(output, times=times)
+
+    def decode_steps(self, num_seqs: int) -> int:
+        """The most decode steps one call runs for num_seqs plain decodes: the program's count
+        where its variant for that many sequences is compiled (no warm-up asked for: compiled
+        now), else 1. A multi-host job runs one step per call (its frame carries one)."""
+        if self.several is None or self.peers is not None:
+            return 1
+        p = self.plan
+        v = (bucket(num_seqs, p.token_buckets, "step tokens"), bucket(num_seqs, p.seq_buckets, "step sequences"))
+        if v not in self.several.variants:
+            return 1
+        if self.several.borrowing and v not in self.several.compiled:
+            return 1
+        return self.program.decode_steps
+
+    def _several(self, plan: SchedulerOutput, started: float) -> RunnerOutput:
+        """A step of plain decodes run SeqWork.steps times in one compiled program (step.py
+        `_decode_steps`): each row's tokens, stopped on the device at its limit or EOS."""
+        assert self.several is not None, "decode_steps() said 1"
+        p = self.plan
+        v = (
+            bucket(plan.num_tokens, p.token_buckets, "step tokens"),
+            bucket(len(plan.work), p.seq_buckets, "step sequences"),
+        )
+        variant = self.several.ensure(v)
+        packed = self.packer.pack(plan.work, v, self._fill_masks, False)
+        if packed.layout != variant.layout:
+            raise RuntimeError(f"steps {v[0]}x{v[1]}: packed inputs do not match the compiled layout")
+        packed_at = time.perf_counter()
+        pen = self._penalties(v[1], self.num_rows(*v), packed.frame().penalties)
+        self._kv, out = variant.step(self._params, self._kv, packed.bufs, pen)
+        launched = time.perf_counter()
+        got = step_io.fetch_steps(out)
+        fetched = time.perf_counter()
+        output = step_io.unpack_steps(packed.rows, got)
+        times = StepTimes(started, packed_at, launched, fetched, time.perf_counter())
+        return dataclasses.replace(output, times=times)
 
     def logits(self, plan: SchedulerOutput) -> np.ndarray:
         """The float32 logits [sample rows, V] of a non-empty plan, run as `execute` runs it (its
         keys written to the cache); for quality checks (bench/quant_bench.py)."""
-        packed, out = self._forward(plan)
+        packed, variant, frame = self._pack(plan)
+        out = self._run(variant, frame)
         return np.asarray(out.logits)[: packed.rows.num_sampled]
 
-    def _forward(self, plan: SchedulerOutput) -> tuple[PackedStep, StepOutput]:
-        """Runs the plan in the smallest compiled variant that holds it (tl/runtime/compiler.py); a
-        multi-host leader sends the step's frame to the followers first."""
+    def _pack(self, plan: SchedulerOutput) -> tuple[PackedStep, CompiledVariant, StepFrame]:
+        """The plan packed for the smallest compiled variant that holds it (tl/runtime/compiler.py);
+        a multi-host leader sends the step's frame to the followers first."""
         p = self.plan
         need_t = bucket(plan.num_tokens, p.token_buckets, "step tokens")
         need_s = bucket(len(plan.work), p.seq_buckets, "step sequences")
@@ -140,18 +191,14 @@ class ModelRunner:
         frame = packed.frame()
         if self.peers is not None:
             self.peers.send_step(frame)
-        return packed, self._run(variant, frame)
+        return packed, variant, frame
 
     def _run(self, variant: CompiledVariant, frame: StepFrame) -> StepOutput:
         """One step on the device from its frame (what every process of a multi-host job runs
         alike): the donated KV cache replaced, the outputs and top-logprobs dispatched."""
         t_pad, s_pad = frame.variant
         num_rows = self.num_rows(t_pad, s_pad)
-        pen = (
-            self._no_penalties(s_pad, num_rows)
-            if frame.penalties is None
-            else jax.device_put(Penalties(*frame.penalties), self.program.replicated)
-        )
+        pen = self._penalties(s_pad, num_rows, frame.penalties)
         mask = self._open_mask(num_rows) if frame.mask is None else frame.mask
         # The host buffers go in as numpy arrays: the compiled call's own transfer (C++) took
         # ~0.6 ms less a step than a jax.device_put of them first (one-row decode, alternated).
@@ -165,6 +212,13 @@ class ModelRunner:
         variant = self.compiler.ensure(frame.variant)
         out = self._run(variant, frame)
         jax.block_until_ready(out.sample.token)  # bounded by the group's step watchdog (peer_timeout_s)
+
+    def _penalties(self, s_pad: int, num_rows: int, leaves: tuple[np.ndarray, ...] | None) -> Penalties:
+        """A step's penalties on the device: the shape's all-zero ones when no row has any."""
+        if leaves is None:
+            return self._no_penalties(s_pad, num_rows)
+        placed: Penalties = jax.device_put(Penalties(*leaves), self.program.replicated)
+        return placed
 
     def _open_mask(self, num_rows: int) -> jax.Array:
         """Device-resident all-ones bitmask per row count: every token allowed."""
@@ -185,5 +239,7 @@ class ModelRunner:
         """Stop the background compilation (after the variant in progress; not waiting for it);
         a multi-host leader stops its followers."""
         self.compiler.stop(wait=False)
+        if self.several is not None:
+            self.several.stop(wait=False)
         if self.peers is not None:
             self.peers.stop()

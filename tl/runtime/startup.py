@@ -27,8 +27,8 @@ from tl.model.config import ModelConfig, load_model_config
 from tl.model.convert_gguf import model_dir_of
 from tl.model.files import eos_token_ids, has_gguf, read_tensors
 from tl.runtime import backend, execution, placement, verdicts
-from tl.runtime.compiler import StepCompiler, enable_compile_cache
-from tl.runtime.execution import ExecutionPlan
+from tl.runtime.compiler import StepCompiler, enable_compile_cache, warm_up
+from tl.runtime.execution import ExecutionPlan, bucket
 from tl.runtime.placement import PlacedWeights
 from tl.runtime.step import StepProgram
 from tl.runtime.step_io import StepPacker
@@ -56,6 +56,7 @@ class Startup:
     packer: StepPacker
     program: StepProgram
     compiler: StepCompiler  # the compiled variants
+    several: StepCompiler | None  # several decode steps' compiled variants (None: decode_steps 1)
     seconds: Mapping[str, float]  # plan, kv_cache, weights, verdicts
 
 
@@ -80,10 +81,12 @@ def start(
     plan = _measure(plan, cfg, weights, kv)
     lap("verdicts")
     _log_loaded(engine_cfg, plan, kv, lap)
-    packer, program, compiler = _compile(cfg, engine_cfg, mesh, layout, plan, weights, kv)
-    _ready(compiler, plan, warmup)
     eos_ids = tuple(eos) or cfg.eos_token_ids
-    return Startup(cfg, engine_cfg, eos_ids, mesh, layout, plan, weights, kv, packer, program, compiler, lap.seconds)
+    packer, program, compiler, several = _compile(cfg, engine_cfg, mesh, layout, plan, weights, kv, eos_ids)
+    _ready(compiler, several, plan, warmup)
+    return Startup(
+        cfg, engine_cfg, eos_ids, mesh, layout, plan, weights, kv, packer, program, compiler, several, lap.seconds
+    )
 
 
 def load(engine_cfg: EngineConfig, mesh: Mesh | None = None, warmup: Warmup = "none") -> Startup:
@@ -162,9 +165,11 @@ def _compile(
     plan: ExecutionPlan,
     weights: PlacedWeights,
     kv: tuple[jax.Array, jax.Array],
-) -> tuple[StepPacker, StepProgram, StepCompiler]:
-    """The packer of the step's inputs, the step program traced from the plan's dispatch, and
-    the (empty) table of its compiled variants."""
+    eos_ids: tuple[int, ...],
+) -> tuple[StepPacker, StepProgram, StepCompiler, StepCompiler | None]:
+    """The packer of the step's inputs, the step program traced from the plan's dispatch, the
+    (empty) table of its compiled variants, and with decode_steps > 1 that of its several decode
+    steps (one variant per decode-only step shape: each sequence count's buckets)."""
     assert plan.step_kernels is not None, "the plan is measured"
     packer = StepPacker(
         block_size=ec.block_size,
@@ -175,15 +180,34 @@ def _compile(
         spec_tokens=ec.spec_tokens,
         vocab_size=cfg.vocab_size,
     )
-    program = StepProgram(cfg, plan.step_kernels, packer, mesh, layout.kv_spec, ec.max_logprobs, weights.params, kv)
-    return packer, program, StepCompiler(program.compile, plan.variants)
+    program = StepProgram(
+        cfg,
+        plan.step_kernels,
+        packer,
+        mesh,
+        layout.kv_spec,
+        ec.max_logprobs,
+        weights.params,
+        kv,
+        decode_steps=ec.decode_steps,
+        eos_ids=eos_ids,
+    )
+    several = None
+    if ec.decode_steps > 1:
+        shapes = {
+            (bucket(n, plan.token_buckets, "step tokens"), bucket(n, plan.seq_buckets, "step sequences"))
+            for n in range(1, ec.max_num_seqs + 1)
+        }
+        several = StepCompiler(program.compile_steps, sorted(shapes & set(plan.variants)))
+    return packer, program, StepCompiler(program.compile, plan.variants), several
 
 
-def _ready(compiler: StepCompiler, plan: ExecutionPlan, warmup: Warmup) -> None:
-    """The variants compiled ahead of time as `warmup` asks."""
+def _ready(compiler: StepCompiler, several: StepCompiler | None, plan: ExecutionPlan, warmup: Warmup) -> None:
+    """The variants compiled ahead of time as `warmup` asks; several decode steps' after all the
+    single steps' (in the background, on the same thread: until then a step runs one at a time)."""
     if warmup == "none":
         return
     t0 = time.perf_counter()
-    compiler.warm_up(plan.startup_variants, background=warmup == "background")
+    warm_up(compiler, several, plan.startup_variants, background=warmup == "background")
     if warmup == "all":
         log.info("compiled %d step variants in %.1f s", compiler.num_compiled, time.perf_counter() - t0)

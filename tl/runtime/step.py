@@ -11,10 +11,11 @@ count) and tests/test_verdicts.py (each variant's kernels, in its HLO).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -58,6 +59,90 @@ def _step(
     return kv, sample(logits, sb, pen, argmax_lse), logits, _pooled(params, cfg, hidden, inp)
 
 
+class MultiOut(NamedTuple):
+    """A multi-step decode's results: tokens and their logprobs [k, T] by step, and how many each
+    row made [T]."""
+
+    tokens: jax.Array
+    logprobs: jax.Array
+    made: jax.Array
+
+
+def _decode_steps(
+    params: llama.Weights,
+    kv: tuple[jax.Array, jax.Array],
+    bufs: tuple[jax.Array, ...],
+    pen: Penalties,
+    *,
+    layout: HostLayout,
+    cfg: ModelConfig,
+    steps: int,
+    block_size: int,
+    scratch: int,
+    eos_ids: tuple[int, ...],
+    on_trace: Callable[[], None],
+    attention: Any,
+    matmul: Any,
+    argmax_lse: Any = None,
+) -> tuple[Any, MultiOut]:
+    """Up to `steps` decode steps of a decode-only step (token t is sequence t's one token and
+    sample row t) in one program: each step's sampled tokens are the next step's inputs at the
+    next positions, KV written in place; a row stops after `limit` tokens or an end-of-sequence
+    id (when eos_stops), its later writes going to the scratch block; the loop ends when every
+    row has. Sampling keys fold in num_generated + i, as `steps` single steps would."""
+    inp, sb, rows = from_buffers(bufs, layout)
+    on_trace()
+    t_pad = inp.token_ids.shape[0]
+    num_rows = inp.row_token.shape[0]
+    meta = inp.meta
+    seq = jnp.maximum(meta.seq_idx, 0)
+    eos = jnp.asarray(eos_ids or (-1,), jnp.int32)
+    row_of = jnp.minimum(jnp.arange(num_rows, dtype=jnp.int32), meta.block_tables.shape[0] - 1)
+
+    def body(c: tuple[Any, ...]) -> tuple[Any, ...]:
+        i, kv, tok, pos, start, counts, live, out_tok, out_lp, made = c
+        write = live > 0
+        blocks = jnp.where(write, meta.block_tables[seq, pos // block_size], scratch)
+        offsets = jnp.where(write, pos % block_size, 0)
+        m = dataclasses.replace(meta, positions=pos, start_pos=start)
+        hidden, kv = llama.forward(params, cfg, tok, pos, kv, blocks, offsets, m, attention, matmul)
+        logits = llama.lm_logits(params, cfg, hidden[inp.row_token], matmul)
+        out = sample(
+            logits, dataclasses.replace(sb, step=sb.step + i), dataclasses.replace(pen, counts=counts), argmax_lse
+        )
+        new = jnp.zeros(t_pad, jnp.int32).at[:num_rows].set(out.token[:t_pad])
+        row_live = live[:num_rows] > 0
+        counts = counts.at[row_of, out.token].add(row_live.astype(counts.dtype))
+        out_tok = lax.dynamic_update_index_in_dim(out_tok, new, i, 0)
+        out_lp = lax.dynamic_update_index_in_dim(out_lp, jnp.zeros(t_pad).at[:num_rows].set(out.logprob[:t_pad]), i, 0)
+        made = made + write.astype(jnp.int32)
+        ended = (made >= rows.limit) | ((rows.eos_stops > 0) & jnp.isin(new, eos))
+        live = jnp.where(write & ~ended, 1, 0).astype(jnp.int32)
+        return i + 1, kv, new, pos + 1, start + 1, counts, live, out_tok, out_lp, made
+
+    def more(c: tuple[Any, ...]) -> Any:
+        return (c[0] < steps) & jnp.any(c[6] > 0)
+
+    live0 = jnp.where((meta.seq_idx >= 0) & (rows.limit > 0), 1, 0).astype(jnp.int32)
+    zeros_tok = jnp.zeros((steps, t_pad), jnp.int32)
+    zeros_lp = jnp.zeros((steps, t_pad), jnp.float32)
+    start0 = meta.start_pos
+    c = (
+        0,
+        kv,
+        inp.token_ids,
+        inp.positions,
+        start0,
+        pen.counts,
+        live0,
+        zeros_tok,
+        zeros_lp,
+        jnp.zeros(t_pad, jnp.int32),
+    )
+    c = lax.while_loop(more, body, c)
+    return c[1], MultiOut(c[7], c[8], c[9])
+
+
 def _pooled(params: llama.Weights, cfg: ModelConfig, hidden: jax.Array, inp: StepInputs) -> jax.Array:
     """[S, D] sums of final-normed hidden states by pool_seq, as a one-hot [S, T] dot (a scatter-add
     is a serial loop on XLA:CPU; this is ~0.03% of a 512-token step's FLOPs)."""
@@ -83,7 +168,8 @@ def _abstract(tree: Any) -> Any:
 
 @dataclass(frozen=True, slots=True)
 class CompiledVariant:
-    """One compiled variant: the host layout its inputs are packed in, the step, top-logprobs."""
+    """One compiled variant: the host layout its inputs are packed in, the step (or the several
+    decode steps of `compile_steps`), top-logprobs."""
 
     layout: HostLayout
     step: Any  # jax.stages.Compiled of _step
@@ -105,6 +191,8 @@ class StepProgram:
         max_logprobs: int,
         params: llama.Weights,
         kv: tuple[jax.Array, jax.Array],
+        decode_steps: int = 1,
+        eos_ids: tuple[int, ...] = (),
     ) -> None:
         self.num_compilations = 0
         self._cfg, self._packer, self._max_logprobs = cfg, packer, max_logprobs
@@ -125,6 +213,24 @@ class StepProgram:
             out_shardings=((kv_sh, kv_sh), self.replicated, self.replicated, self.replicated),
         )
         self.top = jax.jit(functools.partial(_top_logprobs, k=max(1, max_logprobs), on_trace=self._count))
+        self.decode_steps = decode_steps
+        self.several = jax.jit(
+            functools.partial(
+                _decode_steps,
+                cfg=cfg,
+                steps=decode_steps,
+                block_size=packer.block_size,
+                scratch=packer.num_kv_blocks,
+                eos_ids=tuple(eos_ids),
+                on_trace=self._count,
+                attention=kernels.attention,
+                matmul=kernels.matmul,
+                argmax_lse=kernels.argmax_lse,
+            ),
+            donate_argnames=("kv",),
+            static_argnames=("layout",),
+            out_shardings=((kv_sh, kv_sh), self.replicated),
+        )
 
     def _count(self) -> None:
         self.num_compilations += 1
@@ -162,6 +268,20 @@ class StepProgram:
             logits = jax.ShapeDtypeStruct((num_rows, self._cfg.vocab_size), jnp.float32, sharding=self.replicated)
             top = self.top.lower(logits).compile()
         return CompiledVariant(layout, step, top)
+
+    def compile_steps(self, v: tuple[int, int]) -> CompiledVariant:
+        """Variant v's decode-only step run `decode_steps` times in one program (`_decode_steps`),
+        compiled ahead of time; its layout packs the step's inputs with their DecodeRows."""
+        t_pad, s_pad = v
+        num_rows = self._packer.num_rows(t_pad, s_pad)
+        inp, rows = self._packer.tokens([], t_pad, s_pad)
+        sb, _ = self._packer.sampling(rows, s_pad, num_rows)
+        bufs, layout = to_host_buffers((inp, sb, self._packer.decode_rows([], t_pad)))
+        pen = self._packer.zero_penalties(s_pad, num_rows)
+        lowered = self.several.lower(
+            self._params, self._kv, _abstract(bufs), self._replicated_abstract(pen), layout=layout
+        )
+        return CompiledVariant(layout, lowered.compile(), None)
 
     def _replicated_abstract(self, tree: Any) -> Any:
         """ShapeDtypeStructs of host arrays as the step receives them: replicated on the mesh."""

@@ -3,13 +3,14 @@ step reads, and what it computed unpacked into a RunnerOutput.
 
 Owns: the typed records of one step (`StepInputs`, the token axis as the step reads it; `Rows`,
 which sample rows and pooled sequences belong to which SeqWork; `PackedStep`, everything packed
-for one variant; `StepOutput`, the step's device results; `Fetched`, those results on the host),
-`StepPacker` (tokens, positions, block tables, sampling rows, penalties, the constraint bitmask,
-one flat buffer per dtype), `fetch` and `unpack` (accepted drafts, logprobs, top logprobs,
-pooled sums), and `MaskFiller`, the protocol through which the text side fills a constraint's
-bitmask rows (tl/text/grammar.py's fill_masks, handed in by tl/ops/build.py; `fill_rows`, each
-Guide's own `fill`, otherwise). Must not: put data on devices (the runner does), schedule,
-import the text side. Tested through tests/test_runner.py, tests/test_engine_runner.py and
+for one variant; `DecodeRows`, what several decode steps in one call add; `StepOutput`, the
+step's device results; `Fetched`, those results on the host), `StepPacker` (tokens, positions,
+block tables, sampling rows, penalties, the constraint bitmask, one flat buffer per dtype),
+`fetch` and `unpack` (accepted drafts, logprobs, top logprobs, pooled sums), `fetch_steps` and
+`unpack_steps` (several decode steps' tokens), and `MaskFiller`, the protocol through which the
+text side fills a constraint's bitmask rows (tl/text/grammar.py's fill_masks, handed in by
+tl/ops/build.py; `fill_rows`, each Guide's own `fill`, otherwise). Must not: put data on devices
+(the runner does), schedule, import the text side. Tested through tests/test_runner.py, tests/test_engine_runner.py and
 tests/test_sampler.py.
 
 Shapes of one step. T = tokens of the plan padded to the smallest token bucket >= T; S = its
@@ -51,6 +52,19 @@ class StepInputs:
 
 
 jax.tree_util.register_dataclass(StepInputs)
+
+
+@dataclass(frozen=True)
+class DecodeRows:
+    """What several decode steps in one call (SeqWork.steps) add to a decode-only step's inputs,
+    per token (token t is sequence t's one token and sample row t): the most tokens the row makes
+    in the call (0: padding) and whether an end-of-sequence id ends it (0: ignore_eos)."""
+
+    limit: Operand  # [T] i32
+    eos_stops: Operand  # [T] i32
+
+
+jax.tree_util.register_dataclass(DecodeRows)
 
 HostLayout = tuple[Any, tuple[str, ...], tuple[tuple[int, int, tuple[int, ...]], ...]]
 """(treedef, dtype names, per leaf (buffer index, offset, shape)): how `to_host_buffers` packed a pytree."""
@@ -207,13 +221,26 @@ class StepPacker:
         num_rows = self.num_rows(t_pad, s_pad)
         inp, rows = self.tokens(work, t_pad, s_pad)
         sb, pen = self.sampling(rows, s_pad, num_rows)
+        if any(w.steps > 1 for w in work):  # several decode steps: plain decodes (no mask, no top)
+            bufs, layout = to_host_buffers((inp, sb, self.decode_rows(work, t_pad)))
+            return PackedStep(variant, rows, bufs, layout, pen, None, MaskFill(), False)
         mask, fill_stats = self.mask(rows, num_rows, fill)
         bufs, layout = to_host_buffers((inp, sb))
         top = top_logprobs and any(s.work.params.top_logprobs for s in rows.spans)
         return PackedStep(variant, rows, bufs, layout, pen, mask, fill_stats, top)
 
+    def decode_rows(self, work: Sequence[SeqWork], t_pad: int) -> DecodeRows:
+        """The DecodeRows of a decode-only step's work (in token order)."""
+        limit = np.zeros(t_pad, np.int32)
+        eos_stops = np.zeros(t_pad, np.int32)
+        for t, w in enumerate(work):
+            if not w.plain_decode:
+                raise ValueError(f"seq {w.seq_id}: several decode steps need every work a plain decode")
+            limit[t], eos_stops[t] = w.steps, not w.params.ignore_eos
+        return DecodeRows(limit, eos_stops)
+
     def _check(self, w: SeqWork) -> None:
-        end = w.start_pos + len(w.token_ids)
+        end = w.start_pos + max(len(w.token_ids), w.steps)
         if not w.token_ids or end > self.max_model_len:
             raise ValueError(f"seq {w.seq_id}: positions {w.start_pos}..{end - 1} outside 0..{self.max_model_len - 1}")
         if len(w.block_table) * self.block_size < end:
@@ -325,6 +352,30 @@ def fetch(out: StepOutput, rows: Rows) -> Fetched:
         top_ids, top_vals = jax.device_get(out.tops)
     pooled = np.asarray(out.pooled) if rows.pools else None
     return Fetched(token, logprob, accepted, top_ids, top_vals, pooled)
+
+
+def fetch_steps(out: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Several decode steps' results on the host (waiting for them): tokens and logprobs [k, T],
+    and how many each row made [T] (tl/runtime/step.py MultiOut)."""
+    tokens, logprobs, made = jax.device_get((out.tokens, out.logprobs, out.made))
+    return tokens, logprobs, made
+
+
+def unpack_steps(rows: Rows, got: tuple[np.ndarray, np.ndarray, np.ndarray]) -> RunnerOutput:
+    """Each decode's tokens from several decode steps: the n it made, n - 1 of them fed back."""
+    tokens, logprobs, made = got
+    results = []
+    for span in rows.spans:
+        r, n = span.first_row, int(made[span.first_row])
+        results.append(
+            SeqResult(
+                seq_id=span.work.seq_id,
+                token_ids=tuple(tokens[:n, r].tolist()),
+                logprobs=tuple(logprobs[:n, r].tolist()),
+                num_accepted=n - 1,
+            )
+        )
+    return RunnerOutput(tuple(results))
 
 
 def unpack(rows: Rows, got: Fetched, max_logprobs: int, mask_fill: MaskFill) -> RunnerOutput:

@@ -1,0 +1,182 @@
+"""Several decode steps in one compiled call (EngineConfig.decode_steps) on the real ModelRunner
+(tiny random Llama, CPU): every request gets exactly the tokens, logprobs and finish reason of
+one step per call, for greedy, seeded, penalised, logprob, stop-token, end-of-sequence (stopped
+on the device), max_tokens, preempted and aborted requests, with the block books exact.
+
+One runner (decode_steps 4, its several-steps programs compiled) serves both engines: the
+engine's decode_steps decides whether a call runs several steps. Its end-of-sequence id is a
+token the tiny model is known to produce (by the numpy reference forward), so a row really is
+stopped inside the call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+
+from tests.differential import Arrival, drive, finish_reason, token_ids
+from tests.test_engine import check_engine
+from tl.core.config import EngineConfig
+from tl.core.engine import Engine
+from tl.core.request import GenRequest, SamplingParams, TokenOut
+
+jax = pytest.importorskip("jax")
+
+CFG = EngineConfig(
+    block_size=4,
+    num_kv_blocks=64,
+    max_num_seqs=4,
+    max_num_batched_tokens=8,
+    token_buckets=(8,),
+    seq_buckets=(1, 4),
+    prefill_chunk=8,
+    prefix_cache="none",
+    speculative="none",
+    max_logprobs=5,
+    compile_cache_dir="",
+    decode_steps=4,
+    decode_steps_max_ms=1e6,
+)
+ONE = CFG.replace(decode_steps=1)
+PROMPT = tuple(range(10, 22))
+
+
+class NarrowKV:
+    """A runner seen with fewer KV blocks than it has (the engine only hands out ids below)."""
+
+    def __init__(self, runner: Any, num_kv_blocks: int) -> None:
+        self._runner = runner
+        self.num_kv_blocks = num_kv_blocks
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._runner, name)
+
+
+@pytest.fixture(scope="module")
+def model() -> tuple[Any, Any]:
+    import numpy as np
+
+    from tests.models import tiny_config
+    from tl.model import llama
+
+    cfg = tiny_config()
+    return cfg, jax.tree.map(np.asarray, llama.init_params(cfg, jax.random.key(0)))
+
+
+@pytest.fixture(scope="module")
+def eos(model: tuple[Any, Any]) -> int:
+    """The third greedy token of PROMPT (not among the first two; by the numpy reference
+    forward): the EOS id of `runner`."""
+    from tests.test_llama_reference import np_forward
+
+    cfg, tensors = model
+    ids = list(PROMPT)
+    for _ in range(3):
+        ids.append(int(np_forward(tensors, cfg, ids)[-1].argmax()))
+    first = ids[len(PROMPT) :]
+    assert first[2] not in first[:2], first
+    return first[2]
+
+
+@pytest.fixture(scope="module")
+def runner(model: tuple[Any, Any], eos: int) -> Any:
+    from tl.runtime.runner import ModelRunner
+    from tl.runtime.startup import start
+
+    r = ModelRunner(start(*model, CFG, eos=(eos,)))
+    r.warmup()
+    assert r.several is not None and r.several.num_compiled == len(r.several.variants) > 0
+    return r
+
+
+def workload() -> list[Arrival]:
+    greedy = SamplingParams(temperature=0.0, max_tokens=12)
+    return [
+        Arrival(0, GenRequest(PROMPT, greedy)),  # stops at the EOS id, inside a call
+        Arrival(0, GenRequest(PROMPT, dataclasses.replace(greedy, ignore_eos=True, max_tokens=14))),  # decodes past it
+        Arrival(0, GenRequest(tuple(range(40, 49)), SamplingParams(temperature=0.8, max_tokens=13, seed=7))),
+        Arrival(
+            1,
+            GenRequest(
+                tuple(range(60, 66)),
+                SamplingParams(
+                    temperature=0.9,
+                    max_tokens=15,
+                    seed=3,
+                    frequency_penalty=0.7,
+                    presence_penalty=0.4,
+                    repetition_penalty=1.3,
+                    ignore_eos=True,
+                ),
+            ),
+        ),
+        Arrival(6, GenRequest(tuple(range(30, 37)), dataclasses.replace(greedy, max_tokens=1))),
+        Arrival(
+            7,
+            GenRequest(tuple(range(31, 37)), dataclasses.replace(greedy, max_tokens=2, logprobs=True, top_logprobs=3)),
+        ),
+        Arrival(
+            9, GenRequest(tuple(range(70, 80)), dataclasses.replace(greedy, max_tokens=9, stop_token_ids=(0, 5, 77)))
+        ),
+        Arrival(12, GenRequest(tuple(range(20, 25)), SamplingParams(temperature=0.7, max_tokens=6, seed=11))),
+    ]
+
+
+def _books(engine: Engine) -> None:
+    check_engine(engine)
+
+
+def _same(a: list[TokenOut], b: list[TokenOut]) -> None:
+    assert token_ids(a) == token_ids(b)
+    assert [o.logprob for o in a] == [o.logprob for o in b]  # the same float32 step, bit for bit
+    assert [o.top_logprobs for o in a] == [o.top_logprobs for o in b]
+    assert finish_reason(a) == finish_reason(b)
+
+
+@pytest.mark.parametrize("kv", [64, 14], ids=["roomy", "preempting"])
+def test_several_steps_per_call_give_exactly_the_single_steps_outputs(runner: Any, eos: int, kv: int) -> None:
+    many = Engine(NarrowKV(runner, kv), CFG.replace(num_kv_blocks=kv))  # type: ignore[arg-type]
+    one = Engine(NarrowKV(runner, kv), ONE.replace(num_kv_blocks=kv))  # type: ignore[arg-type]
+    got = drive(many, workload(), check=_books)
+    want = drive(one, workload(), check=_books)
+    for a, b in zip(got, want, strict=True):
+        _same(a, b)
+    assert finish_reason(got[0]) == "stop" and token_ids(got[0])[-1] == eos and len(got[0]) == 3
+    assert eos in token_ids(got[1]) and finish_reason(got[1]) == "length"
+    s, s1 = many.stats(), one.stats()
+    assert s.multi_step_calls > 0 and s1.multi_step_calls == 0
+    assert s.steps < s1.steps
+    assert (s.preemptions > 0) == (kv == 14), s
+    assert (s.kv_blocks_used, s.running, s.queue_depth) == (0, 0, 0)
+
+
+def test_an_abort_between_calls_frees_its_blocks_and_changes_no_other_request(runner: Any) -> None:
+    engine = Engine(runner, CFG)
+    reqs = [r.request for r in workload()[1:4]]
+    ids = [engine.add_request(r) for r in reqs]
+    outs: dict[int, list[TokenOut]] = {i: [] for i in ids}
+    while engine.stats().multi_step_calls < 2:
+        for o in engine.step():
+            outs[o.request_id].append(o)
+    held = engine.block_manager.num_used
+    engine.abort(ids[1])
+    assert engine.block_manager.num_used < held
+    while engine.has_work():
+        for o in engine.step():
+            outs[o.request_id].append(o)
+        check_engine(engine)
+    assert outs[ids[1]][-1].finish_reason == "abort"
+    assert engine.stats().kv_blocks_used == 0
+    for i in (0, 2):  # tokens (a different batch shape moves logprobs by an ulp or so)
+        alone = drive(Engine(runner, ONE), [Arrival(0, reqs[i])])[0]
+        assert token_ids(outs[ids[i]]) == token_ids(alone)
+        assert finish_reason(outs[ids[i]]) == finish_reason(alone)
+
+
+def test_a_call_runs_only_as_many_steps_as_the_time_bound_allows(runner: Any) -> None:
+    """decode_steps_max_ms below one measured step: every call runs one step."""
+    engine = Engine(runner, CFG.replace(decode_steps_max_ms=1e-3))
+    drive(engine, workload()[:3])
+    assert engine.stats().multi_step_calls == 0
