@@ -146,6 +146,8 @@ def run(argv: Sequence[str]) -> int:
         help="streams counts, e.g. 1,16,64: instead of the workloads, where each decode step's time goes",
     )
     ap.add_argument("--decode-tokens", type=int, default=128, help="tokens each --host-split stream decodes")
+    ap.add_argument("--decode-steps", default="1", help="--host-split: [engine] decode_steps, e.g. 1,4 (alternated)")
+    ap.add_argument("--rounds", type=int, default=1, help="--host-split: runs of each configuration per stream count")
     ap.add_argument("--weight-dtype", default="auto", help="[engine] weight_dtype (auto: a GGUF as it is)")
     args = ap.parse_args(argv)
     print("config:", json.dumps(vars(args)))
@@ -156,11 +158,31 @@ def run(argv: Sequence[str]) -> int:
         counts = [int(n) for n in args.host_split.split(",")]
         cfg = EngineConfig(model_dir=args.model, speculative="none", weight_dtype=args.weight_dtype)  # type: ignore[arg-type]
         cfg = cfg.replace(max_num_seqs=max(cfg.max_num_seqs, *counts))
-        engine = build_engine(cfg, warmup=True)
-        vocab = engine.runner.model_config.vocab_size
-        host_split(engine, max(counts), 4, vocab, args.seed)  # every variant these steps take, run once
-        split = [host_split(engine, n, args.decode_tokens, vocab, args.seed) for n in counts]
+        engines = []
+        for k in (int(x) for x in args.decode_steps.split(",")):
+            engine = build_engine(cfg.replace(decode_steps=k), warmup=True)
+            vocab = engine.runner.model_config.vocab_size
+            for n in counts:  # every variant these steps take, run once (and each size's step timed)
+                host_split(engine, n, 8, vocab, args.seed)
+            engines.append((k, engine))
+        split = []
+        for n in counts:  # the configurations alternated, each going first in turn
+            for r in range(args.rounds):
+                for k, engine in engines[:: 1 if r % 2 == 0 else -1]:
+                    split.append({"decode_steps": k, **host_split(engine, n, args.decode_tokens, vocab, args.seed)})
         print_table(split)
+        if len(engines) == 2:
+            (k0, _), (k1, _) = engines
+            ratios = []
+            for n in counts:
+                tps = {
+                    k: statistics.median(
+                        float(str(r["output tok/s"])) for r in split if r["streams"] == n and r["decode_steps"] == k
+                    )
+                    for k in (k0, k1)
+                }
+                ratios.append({"streams": n, f"tok/s decode_steps {k1} / {k0}": round(tps[k1] / tps[k0], 3)})
+            print_table(ratios)
         if args.json:
             with open(args.json, "a") as f:
                 for r in split:
