@@ -35,6 +35,8 @@ from tl.core.request import (
 from tl.core.stats import BackendInfo
 from tl.text.grammar import GrammarError
 
+pytestmark = pytest.mark.serial  # timing bounds: `make test` runs it alone, after the parallel part
+
 GREEDY = SamplingParams(temperature=0.0, max_tokens=3)
 
 

@@ -35,6 +35,8 @@ from granian_server import ROOT, free_port, granian_argv, running
 pytest.importorskip("playwright.sync_api", reason="needs Playwright: pip install -e '.[test]'")
 from playwright.sync_api import Browser, Error, Page, Route, expect, sync_playwright  # noqa: E402
 
+pytestmark = pytest.mark.serial  # timing bounds: `make test` runs it alone, after the parallel part
+
 KEY = "sk-page"
 SCRIPT = """## Fibonacci
 

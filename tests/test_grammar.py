@@ -18,6 +18,8 @@ from tl.core.config import EngineConfig
 from tl.core.request import ConstraintSpec
 from tl.text.grammar import GrammarCompiler, GrammarError, Matcher
 
+pytestmark = pytest.mark.serial  # timing bounds: `make test` runs it alone, after the parallel part
+
 CFG = EngineConfig(model_dir="unused")
 
 

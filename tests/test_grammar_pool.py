@@ -15,6 +15,8 @@ import pytest
 
 from tl.core.grammar_pool import LOWEST_PRIORITY, GrammarPool
 
+pytestmark = pytest.mark.serial  # timing bounds: `make test` runs it alone, after the parallel part
+
 
 def held(release: threading.Event, value: str) -> Callable[[], tuple[str, int]]:
     """A job that blocks until release, then returns value and the id of the thread it ran on."""

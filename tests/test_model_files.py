@@ -33,6 +33,8 @@ from tl.model.files import (
     read_tensors,
 )
 
+pytestmark = pytest.mark.serial  # timing bounds: `make test` runs it alone, after the parallel part
+
 
 def write_safetensors(path: Path, tensors: dict[str, tuple[str, tuple[int, ...], bytes]]) -> Path:
     """A safetensors file from raw (dtype, shape, bytes), independent of the library."""

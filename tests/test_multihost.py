@@ -35,12 +35,15 @@ from bench.multihost_bench import Group, start_group
 from tl.core.config import EngineConfig
 from tl.ops.multihost import GroupFailed
 
+pytestmark = pytest.mark.serial  # timing bounds: `make test` runs it alone, after the parallel part
+
 ROOT = Path(__file__).resolve().parent.parent
 CHILD = """
 import sys
 from tl.runtime.backend import init_distributed, make_mesh
 from tl.core.config import EngineConfig
 import jax
+
 cfg = EngineConfig(coordinator_address=sys.argv[1], num_processes=2, process_id=int(sys.argv[2]))
 assert init_distributed(cfg, {})
 mesh = make_mesh("cpu", 4)

@@ -25,6 +25,8 @@ import openai
 import pytest
 from granian_server import ROOT, free_port, granian_argv, running
 
+pytestmark = pytest.mark.serial  # timing bounds: `make test` runs it alone, after the parallel part
+
 CHAT = {"model": "succ", "messages": [{"role": "user", "content": "a"}], "max_tokens": 3, "temperature": 0}
 
 

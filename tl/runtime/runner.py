@@ -101,8 +101,10 @@ class ModelRunner:
 
     @property
     def num_pending_compiles(self) -> int:
-        """Step variants not compiled yet (the background compilation's backlog)."""
-        return len(self.plan.variants) - self.compiler.num_compiled
+        """Step variants not compiled yet, several decode steps' included (the background
+        compilation's backlog)."""
+        several = 0 if self.several is None else len(self.several.variants) - self.several.num_compiled
+        return len(self.plan.variants) - self.compiler.num_compiled + several
 
     def num_rows(self, t_pad: int, s_pad: int) -> int:
         return self.packer.num_rows(t_pad, s_pad)
