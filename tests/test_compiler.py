@@ -104,6 +104,39 @@ def test_a_background_failure_is_kept_and_steps_run_in_what_compiled() -> None:
     assert isinstance(c.background_error, RuntimeError) and c.pick(4, 4)[0] == (16, 4)
 
 
+def test_requested_variants_compile_in_order_once_after_the_other_compilation() -> None:
+    """Several decode steps' variants: compiled when first asked for, each once, in the order
+    asked, on one daemon thread that waits while the step variants' compilation runs."""
+    made: list[tuple[int, int]] = []
+    busy = threading.Event()
+    busy.set()
+
+    def compile(v: tuple[int, int]) -> str:
+        made.append(v)
+        return f"fn{v}"
+
+    c = StepCompiler(compile, VARIANTS)
+    for v in [(8, 4), (1, 1), (8, 4)]:
+        c.request(v, wait_while=busy.is_set)
+    assert c.num_requested_pending == 2
+    threading.Event().wait(0.3)
+    assert made == []  # held while the other compilation runs
+    busy.clear()
+    for _ in range(100):
+        if c.num_requested_pending == 0:
+            break
+        threading.Event().wait(0.05)
+    assert made == [(8, 4), (1, 1)] and c.compiled == ((1, 1), (8, 4))
+    c.request((8, 4), wait_while=busy.is_set)  # compiled already: nothing more
+    c.request((4, 1), wait_while=busy.is_set)
+    for _ in range(100):
+        if c.num_requested_pending == 0:
+            break
+        threading.Event().wait(0.05)
+    assert made == [(8, 4), (1, 1), (4, 1)]
+    c.stop()
+
+
 def test_compiling_now_is_true_only_while_a_variant_compiles() -> None:
     """What a multi-host peer's heartbeat reports (tl/ops/build.py passes it to both ends)."""
     seen: list[bool] = []

@@ -87,6 +87,7 @@ def runner(model: tuple[Any, Any], eos: int) -> Any:
 
     r = ModelRunner(start(*model, CFG, eos=(eos,)))
     r.warmup()
+    r.compile_several()
     assert r.several is not None and r.several.num_compiled == len(r.several.variants) > 0
     return r
 

@@ -35,6 +35,7 @@ BASE_CFG = EngineConfig(
     prefix_cache="none",
     speculative="none",
     queue_capacity=16,
+    decode_steps=1,  # one step per call, but in the decode_steps variants below
 )
 VARIANTS: dict[str, dict[str, Any]] = {
     "plain": {},

@@ -149,7 +149,7 @@ class EngineConfig:
     """Shortest n-gram that prompt lookup matches."""
     prompt_lookup_max: int = 4
     """Longest n-gram that prompt lookup tries first."""
-    decode_steps: int = 1
+    decode_steps: int = 4
     """Most decode steps run in one compiled call when every row of a step is a plain decode (no
     constraint, draft, top logprobs or waiting prompt); 1: one step per call."""
     decode_steps_max_ms: float = 50.0

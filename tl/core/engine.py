@@ -154,15 +154,18 @@ class Engine:
         return outs
 
     def _decode_steps(self, num_seqs: int) -> int:
-        """Decode steps one call may run for num_seqs plain decodes: the runner's most, and only
-        as many as fit decode_steps_max_ms at the last measured time of one decode step of that
-        many sequences (none measured yet: one, which measures it)."""
+        """Decode steps one call may run for num_seqs plain decodes: the runner's most (its
+        program for that shape is compiled when first asked for), and only as many as fit
+        decode_steps_max_ms at the last measured time of one decode step of that many sequences
+        (none measured yet: one, which measures it)."""
         assert self._runner_steps is not None
         per_step = self._decode_step_s.get(num_seqs)
         if per_step is None:
             return 1
-        fit = int(self.config.decode_steps_max_ms / 1000 / max(per_step, 1e-6))
-        return max(1, min(self.config.decode_steps, self._runner_steps(num_seqs), fit))
+        fit = min(self.config.decode_steps, int(self.config.decode_steps_max_ms / 1000 / max(per_step, 1e-6)))
+        if fit <= 1:  # not asked of the runner, which would compile the shape's program for nothing
+            return 1
+        return max(1, min(fit, self._runner_steps(num_seqs)))
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()

@@ -107,6 +107,8 @@ class StepCompiler:
         self._stop = threading.Event()
         self.background_error: BaseException | None = None
         self.borrowing = False  # steps may run in a larger compiled variant than their own
+        self._requested: list[Variant] = []  # `request`'s queue, in order
+        self._worker: threading.Thread | None = None
         self._active = 0  # compiles in progress (any thread)
 
     @property
@@ -229,6 +231,49 @@ class StepCompiler:
         if self.num_compiled == len(self.variants):
             log.info("all %d step variants compiled (%.1f s)", len(self.variants), time.perf_counter() - t0)
 
+    @property
+    def num_requested_pending(self) -> int:
+        """Variants `request` was asked for and has not compiled yet."""
+        with self._count_lock:
+            return sum(v not in self._done for v in self._requested)
+
+    def request(self, v: Variant, wait_while: Callable[[], bool]) -> None:
+        """Compile variant v later, on this table's own daemon thread (variants in the order asked,
+        each once), starting each only while `wait_while()` is False (another table's background
+        compilation: one compile at a time on a CPU host); a compile error is logged and kept."""
+        with self._count_lock:
+            if v in self._done or v in self._requested:
+                return
+            self._requested.append(v)
+            if self._worker is not None:
+                return
+            self._worker = threading.Thread(target=self._compile_requested, args=(wait_while,), daemon=True)
+            self._worker.name = "tl-compile-requested"
+        self._worker.start()
+
+    def _compile_requested(self, wait_while: Callable[[], bool]) -> None:
+        i = 0
+        while not self._stop.is_set():
+            with self._count_lock:
+                if i == len(self._requested):
+                    self._worker = None
+                    return
+                v = self._requested[i]
+            if v in self._done:
+                i += 1
+                continue
+            if wait_while():
+                self._stop.wait(0.1)  # polled: the other compilation ends when its last compile does
+                continue
+            try:
+                t0 = time.perf_counter()
+                self.ensure(v)
+                log.info("compiled several decode steps for %dx%d in %.1f s", v[0], v[1], time.perf_counter() - t0)
+            except Exception as e:  # noqa: BLE001 -- steps of that shape keep running one at a time
+                self.background_error = e
+                log.exception("compiling several decode steps for %dx%d failed", v[0], v[1])
+            i += 1
+
     def start_background(self, then: Callable[[], None] | None = None) -> None:
         """compile_rest (then `then`, unless stopped) on a daemon thread; an error there is logged
         and kept (steps then run in what compiled)."""
@@ -267,12 +312,8 @@ class StepCompiler:
 def warm_up(
     steps: StepCompiler, several: StepCompiler | None, startup: Sequence[Variant], background: bool = False
 ) -> None:
-    """A runner's variants compiled ahead of time: the step's start-up ones now, the rest here or
-    in the background (`StepCompiler.warm_up`), and after them, in the same place, every variant
-    of its several decode steps (`several`; until they are in, a call runs one step: serving never
-    compiles them on demand)."""
-    then = None
-    if several is not None:
-        several.borrowing = several.borrowing or background
-        then = several.compile_rest
-    steps.warm_up(startup, background, then)
+    """A runner's step variants compiled ahead of time: the start-up ones now, the rest here or in
+    the background (`StepCompiler.warm_up`). Its several decode steps' variants (`several`) are
+    not: each is compiled in the background when a step of its shape first asks for it
+    (`StepCompiler.request`), so only the shapes a load meets cost a compile."""
+    steps.warm_up(startup, background)

@@ -101,9 +101,9 @@ class ModelRunner:
 
     @property
     def num_pending_compiles(self) -> int:
-        """Step variants not compiled yet, several decode steps' included (the background
-        compilation's backlog)."""
-        several = 0 if self.several is None else len(self.several.variants) - self.several.num_compiled
+        """Step variants not compiled yet, and several decode steps' asked for and not compiled
+        yet (the background compilation's backlog)."""
+        several = 0 if self.several is None else self.several.num_requested_pending
         return len(self.plan.variants) - self.compiler.num_compiled + several
 
     def num_rows(self, t_pad: int, s_pad: int) -> int:
@@ -138,17 +138,24 @@ class ModelRunner:
 
     def decode_steps(self, num_seqs: int) -> int:
         """The most decode steps one call runs for num_seqs plain decodes: the program's count
-        where its variant for that many sequences is compiled (no warm-up asked for: compiled
-        now), else 1. A multi-host job runs one step per call (its frame carries one)."""
+        where its variant for that many sequences is compiled, else 1 (and that variant is asked
+        for, compiled in the background once the step variants' compilation is done). A
+        multi-host job runs one step per call (its frame carries one)."""
         if self.several is None or self.peers is not None:
             return 1
         p = self.plan
         v = (bucket(num_seqs, p.token_buckets, "step tokens"), bucket(num_seqs, p.seq_buckets, "step sequences"))
         if v not in self.several.variants:
             return 1
-        if self.several.borrowing and v not in self.several.compiled:
+        if v not in self.several.compiled:
+            self.several.request(v, wait_while=lambda: self.compiler.compiling)
             return 1
         return self.program.decode_steps
+
+    def compile_several(self) -> None:
+        """Every variant of the several decode steps compiled now (tests, benchmarks)."""
+        if self.several is not None:
+            self.several.compile_rest()
 
     def _several(self, plan: SchedulerOutput, started: float) -> RunnerOutput:
         """A step of plain decodes run SeqWork.steps times in one compiled program (step.py

@@ -203,8 +203,8 @@ def _compile(
 
 
 def _ready(compiler: StepCompiler, several: StepCompiler | None, plan: ExecutionPlan, warmup: Warmup) -> None:
-    """The variants compiled ahead of time as `warmup` asks; several decode steps' after all the
-    single steps' (in the background, on the same thread: until then a step runs one at a time)."""
+    """The variants compiled ahead of time as `warmup` asks (several decode steps' are compiled
+    when a step first asks for its shape: tl/runtime/compiler.py `warm_up`)."""
     if warmup == "none":
         return
     t0 = time.perf_counter()
