@@ -30,8 +30,10 @@ def _run(select: str) -> None:
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
 
 
-def test_tiny_engine_and_http() -> None:
-    _run("eight_devices or tiny or http")
+@pytest.mark.parametrize("select", ["eight_devices", "tiny_engine", "tiny_int8", "tiny_blocks", "tiny_family", "http"])
+def test_tiny_engine_and_http(select: str) -> None:
+    """One process per group of cases, so that `make test`'s workers share them out."""
+    _run(select)
 
 
 @pytest.mark.slow
