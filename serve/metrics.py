@@ -59,6 +59,11 @@ class _EngineCollector(Collector):
         )
         yield GaugeMetricFamily("tl_engine_compilations", "Compiled step variants", value=s.compilations)
         yield GaugeMetricFamily(
+            "tl_engine_multi_step_compilations",
+            "Compiled several-decode-steps programs (each shape when first asked for)",
+            value=s.multi_step_compilations,
+        )
+        yield GaugeMetricFamily(
             "tl_engine_compile_pending", "Step variants still compiling in the background", value=s.compile_pending
         )
         for name, doc, value in (

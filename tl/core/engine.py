@@ -187,6 +187,7 @@ class Engine:
             spec_drafts_accepted=c.spec_drafts_accepted,
             steps=self._num_steps,
             compilations=self.runner.num_compilations,
+            multi_step_compilations=getattr(self.runner, "num_several_compilations", 0),
             compile_pending=self.runner.num_pending_compiles,
             capped_steps=c.capped_steps,
             aborts=c.aborts,

@@ -130,7 +130,8 @@ class Runner(Protocol):
     # attention_window (optional, default 0): W when every layer attends to its last W positions
     # only; the scheduler then releases the blocks behind each sequence's window.
     # decode_steps(num_seqs) -> int (optional, default 1): the most decode steps one call runs
-    # for a step of num_seqs plain decodes (SeqWork.steps; 1: the runner has no such program).
+    # for a step of num_seqs plain decodes (SeqWork.steps; 1: the runner has no such program);
+    # num_several_compilations (optional, default 0): those programs compiled so far.
 
     @property
     def backend_info(self) -> BackendInfo | None:

@@ -112,6 +112,7 @@ class EngineStats:
     spec_drafts_accepted: int = 0  # of those, accepted
     steps: int = 0
     compilations: int = 0  # compiled step variants so far (flat once the background compilation is done)
+    multi_step_compilations: int = 0  # several decode steps' programs compiled (each shape when first asked for)
     compile_pending: int = 0  # step variants not compiled yet (tl/runtime/compiler.py compiles them in the background)
     capped_steps: int = 0  # steps whose prompt work prompt_tokens_while_decoding cut
     aborts: int = 0  # live sequences aborted (client disconnected or stopped, or cancelled)

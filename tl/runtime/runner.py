@@ -100,6 +100,11 @@ class ModelRunner:
         return self.program.num_compilations
 
     @property
+    def num_several_compilations(self) -> int:
+        """Traced variants of the several decode steps' program (compiled when first asked for)."""
+        return self.program.num_several_compilations
+
+    @property
     def num_pending_compiles(self) -> int:
         """Step variants not compiled yet, and several decode steps' asked for and not compiled
         yet (the background compilation's backlog)."""

@@ -194,7 +194,8 @@ class StepProgram:
         decode_steps: int = 1,
         eos_ids: tuple[int, ...] = (),
     ) -> None:
-        self.num_compilations = 0
+        self.num_compilations = 0  # traces of the step and top-logprobs functions (one trace = one compile)
+        self.num_several_compilations = 0  # traces of the several decode steps' program
         self._cfg, self._packer, self._max_logprobs = cfg, packer, max_logprobs
         self.replicated = NamedSharding(mesh, P())
         self._params, self._kv = _abstract(params), _abstract(kv)
@@ -222,7 +223,7 @@ class StepProgram:
                 block_size=packer.block_size,
                 scratch=packer.num_kv_blocks,
                 eos_ids=tuple(eos_ids),
-                on_trace=self._count,
+                on_trace=self._count_several,
                 attention=kernels.attention,
                 matmul=kernels.matmul,
                 argmax_lse=kernels.argmax_lse,
@@ -234,6 +235,9 @@ class StepProgram:
 
     def _count(self) -> None:
         self.num_compilations += 1
+
+    def _count_several(self) -> None:
+        self.num_several_compilations += 1
 
     def lowered(self, v: tuple[int, int]) -> tuple[Any, HostLayout]:
         """Variant v of the step traced and lowered over abstract arguments (nothing runs), and
