@@ -19,6 +19,7 @@ import pytest
 
 from tests.differential import Arrival, drive, finish_reason, token_ids
 from tests.test_engine import check_engine
+from tests.test_engine_runner import NarrowKV
 from tl.core.config import EngineConfig
 from tl.core.engine import Engine
 from tl.core.request import GenRequest, SamplingParams, TokenOut
@@ -42,17 +43,6 @@ CFG = EngineConfig(
 )
 ONE = CFG.replace(decode_steps=1)
 PROMPT = tuple(range(10, 22))
-
-
-class NarrowKV:
-    """A runner seen with fewer KV blocks than it has (the engine only hands out ids below)."""
-
-    def __init__(self, runner: Any, num_kv_blocks: int) -> None:
-        self._runner = runner
-        self.num_kv_blocks = num_kv_blocks
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._runner, name)
 
 
 @pytest.fixture(scope="module")

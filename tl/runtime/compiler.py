@@ -192,20 +192,15 @@ class StepCompiler:
         )
         return took
 
-    def warm_up(
-        self, startup: Sequence[Variant], background: bool = False, then: Callable[[], None] | None = None
-    ) -> None:
+    def warm_up(self, startup: Sequence[Variant], background: bool = False) -> None:
         """Compile ahead of time: the start-up variants now, then the rest here (background False:
         serving then never compiles) or on a background thread (steps meanwhile run in the
-        smallest compiled variant that holds them); then `then` (another table's compile_rest),
-        in the same place."""
+        smallest compiled variant that holds them)."""
         self.compile_startup(startup)
         if background:
-            self.start_background(then)
+            self.start_background()
         else:
             self.compile_rest()
-            if then is not None:
-                then()
 
     def compile_rest(self) -> None:
         """Compile every variant not compiled yet, here (blocking): one sequence's variants first,
@@ -274,9 +269,9 @@ class StepCompiler:
                 log.exception("compiling several decode steps for %dx%d failed", v[0], v[1])
             i += 1
 
-    def start_background(self, then: Callable[[], None] | None = None) -> None:
-        """compile_rest (then `then`, unless stopped) on a daemon thread; an error there is logged
-        and kept (steps then run in what compiled)."""
+    def start_background(self) -> None:
+        """compile_rest on a daemon thread; an error there is logged and kept (steps then run in
+        what compiled)."""
         if self._thread is not None:
             return
         self.borrowing = True
@@ -284,8 +279,6 @@ class StepCompiler:
         def run() -> None:
             try:
                 self.compile_rest()
-                if then is not None and not self._stop.is_set():
-                    then()
             except BaseException as e:  # noqa: BLE001 -- serving goes on in the compiled variants
                 self.background_error = e
                 log.exception("background compilation stopped")
@@ -307,13 +300,3 @@ class StepCompiler:
         self._stop.set()
         if wait:
             self.wait()
-
-
-def warm_up(
-    steps: StepCompiler, several: StepCompiler | None, startup: Sequence[Variant], background: bool = False
-) -> None:
-    """A runner's step variants compiled ahead of time: the start-up ones now, the rest here or in
-    the background (`StepCompiler.warm_up`). Its several decode steps' variants (`several`) are
-    not: each is compiled in the background when a step of its shape first asks for it
-    (`StepCompiler.request`), so only the shapes a load meets cost a compile."""
-    steps.warm_up(startup, background)

@@ -127,6 +127,13 @@ class ExecutionPlan:
     def matmul_native(self, rows: int) -> bool:
         return self.verdicts.native("matmul", rows)
 
+    def shape(self, num_tokens: int, num_seqs: int) -> tuple[int, int]:
+        """The (token bucket, seq bucket) a step of num_tokens tokens over num_seqs sequences
+        needs: the smallest of each that holds it."""
+        return bucket(num_tokens, self.token_buckets, "step tokens"), bucket(
+            num_seqs, self.seq_buckets, "step sequences"
+        )
+
     def measure_classes(self) -> list[tuple[str, int]]:
         """(kernel, rows) of every class whose kernel is chosen by measurement."""
         classes: list[tuple[str, int]] = []

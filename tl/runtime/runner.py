@@ -30,8 +30,8 @@ from tl.core.config import EngineConfig
 from tl.core.plan import RunnerOutput, SchedulerOutput, StepTimes
 from tl.core.stats import BackendInfo
 from tl.model import llama
-from tl.runtime import compiler, startup, step_io
-from tl.runtime.execution import Kernels, bucket
+from tl.runtime import startup, step_io
+from tl.runtime.execution import Kernels
 from tl.runtime.frame import StepFrame, StepPeers
 from tl.runtime.sampler import Penalties
 from tl.runtime.startup import Startup
@@ -115,8 +115,9 @@ class ModelRunner:
         return self.packer.num_rows(t_pad, s_pad)
 
     def warmup(self, background: bool = False) -> None:
-        """The plan's variants compiled ahead of time (tl/runtime/compiler.py `warm_up`)."""
-        compiler.warm_up(self.compiler, self.several, self.plan.startup_variants, background)
+        """The plan's variants compiled ahead of time (tl/runtime/compiler.py `warm_up`; several
+        decode steps' are compiled when a step first asks for its shape: `decode_steps`)."""
+        self.compiler.warm_up(self.plan.startup_variants, background)
 
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
         if not plan.work:
@@ -148,8 +149,7 @@ class ModelRunner:
         multi-host job runs one step per call (its frame carries one)."""
         if self.several is None or self.peers is not None:
             return 1
-        p = self.plan
-        v = (bucket(num_seqs, p.token_buckets, "step tokens"), bucket(num_seqs, p.seq_buckets, "step sequences"))
+        v = self.plan.shape(num_seqs, num_seqs)
         if v not in self.several.variants:
             return 1
         if v not in self.several.compiled:
@@ -165,18 +165,14 @@ class ModelRunner:
     def _several(self, plan: SchedulerOutput, started: float) -> RunnerOutput:
         """A step of plain decodes run SeqWork.steps times in one compiled program (step.py
         `_decode_steps`): each row's tokens, stopped on the device at its limit or EOS."""
-        assert self.several is not None, "decode_steps() said 1"
-        p = self.plan
-        v = (
-            bucket(plan.num_tokens, p.token_buckets, "step tokens"),
-            bucket(len(plan.work), p.seq_buckets, "step sequences"),
-        )
+        assert self.several is not None and self.peers is None, "decode_steps() said 1"
+        v = self.plan.shape(plan.num_tokens, len(plan.work))
         variant = self.several.ensure(v)
         packed = self.packer.pack(plan.work, v, self._fill_masks, False)
         if packed.layout != variant.layout:
             raise RuntimeError(f"steps {v[0]}x{v[1]}: packed inputs do not match the compiled layout")
         packed_at = time.perf_counter()
-        pen = self._penalties(v[1], self.num_rows(*v), packed.frame().penalties)
+        pen = self._penalties(v[1], self.num_rows(*v), packed.penalties)
         self._kv, out = variant.step(self._params, self._kv, packed.bufs, pen)
         launched = time.perf_counter()
         got = step_io.fetch_steps(out)
@@ -195,10 +191,7 @@ class ModelRunner:
     def _pack(self, plan: SchedulerOutput) -> tuple[PackedStep, CompiledVariant, StepFrame]:
         """The plan packed for the smallest compiled variant that holds it (tl/runtime/compiler.py);
         a multi-host leader sends the step's frame to the followers first."""
-        p = self.plan
-        need_t = bucket(plan.num_tokens, p.token_buckets, "step tokens")
-        need_s = bucket(len(plan.work), p.seq_buckets, "step sequences")
-        v, variant = self.compiler.pick(need_t, need_s)
+        v, variant = self.compiler.pick(*self.plan.shape(plan.num_tokens, len(plan.work)))
         packed = self.packer.pack(plan.work, v, self._fill_masks, variant.top is not None)
         if packed.layout != variant.layout:
             raise RuntimeError(f"step {v[0]}x{v[1]}: packed inputs do not match the compiled layout")
@@ -212,7 +205,7 @@ class ModelRunner:
         alike): the donated KV cache replaced, the outputs and top-logprobs dispatched."""
         t_pad, s_pad = frame.variant
         num_rows = self.num_rows(t_pad, s_pad)
-        pen = self._penalties(s_pad, num_rows, frame.penalties)
+        pen = self._penalties(s_pad, num_rows, None if frame.penalties is None else Penalties(*frame.penalties))
         mask = self._open_mask(num_rows) if frame.mask is None else frame.mask
         # The host buffers go in as numpy arrays: the compiled call's own transfer (C++) took
         # ~0.6 ms less a step than a jax.device_put of them first (one-row decode, alternated).
@@ -227,11 +220,11 @@ class ModelRunner:
         out = self._run(variant, frame)
         jax.block_until_ready(out.sample.token)  # bounded by the group's step watchdog (peer_timeout_s)
 
-    def _penalties(self, s_pad: int, num_rows: int, leaves: tuple[np.ndarray, ...] | None) -> Penalties:
+    def _penalties(self, s_pad: int, num_rows: int, host: Penalties | None) -> Penalties:
         """A step's penalties on the device: the shape's all-zero ones when no row has any."""
-        if leaves is None:
+        if host is None:
             return self._no_penalties(s_pad, num_rows)
-        placed: Penalties = jax.device_put(Penalties(*leaves), self.program.replicated)
+        placed: Penalties = jax.device_put(host, self.program.replicated)
         return placed
 
     def _open_mask(self, num_rows: int) -> jax.Array:

@@ -27,8 +27,8 @@ from tl.model.config import ModelConfig, load_model_config
 from tl.model.convert_gguf import model_dir_of
 from tl.model.files import eos_token_ids, has_gguf, read_tensors
 from tl.runtime import backend, execution, placement, verdicts
-from tl.runtime.compiler import StepCompiler, enable_compile_cache, warm_up
-from tl.runtime.execution import ExecutionPlan, bucket
+from tl.runtime.compiler import StepCompiler, enable_compile_cache
+from tl.runtime.execution import ExecutionPlan
 from tl.runtime.placement import PlacedWeights
 from tl.runtime.step import StepProgram
 from tl.runtime.step_io import StepPacker
@@ -83,7 +83,7 @@ def start(
     _log_loaded(engine_cfg, plan, kv, lap)
     eos_ids = tuple(eos) or cfg.eos_token_ids
     packer, program, compiler, several = _compile(cfg, engine_cfg, mesh, layout, plan, weights, kv, eos_ids)
-    _ready(compiler, several, plan, warmup)
+    _ready(compiler, plan, warmup)
     return Startup(
         cfg, engine_cfg, eos_ids, mesh, layout, plan, weights, kv, packer, program, compiler, several, lap.seconds
     )
@@ -194,20 +194,17 @@ def _compile(
     )
     several = None
     if ec.decode_steps > 1:
-        shapes = {
-            (bucket(n, plan.token_buckets, "step tokens"), bucket(n, plan.seq_buckets, "step sequences"))
-            for n in range(1, ec.max_num_seqs + 1)
-        }
+        shapes = {plan.shape(n, n) for n in range(1, ec.max_num_seqs + 1)}
         several = StepCompiler(program.compile_steps, sorted(shapes & set(plan.variants)))
     return packer, program, StepCompiler(program.compile, plan.variants), several
 
 
-def _ready(compiler: StepCompiler, several: StepCompiler | None, plan: ExecutionPlan, warmup: Warmup) -> None:
-    """The variants compiled ahead of time as `warmup` asks (several decode steps' are compiled
-    when a step first asks for its shape: tl/runtime/compiler.py `warm_up`)."""
+def _ready(compiler: StepCompiler, plan: ExecutionPlan, warmup: Warmup) -> None:
+    """The step variants compiled ahead of time as `warmup` asks (several decode steps' are
+    compiled when a step first asks for its shape: the runner's `decode_steps`)."""
     if warmup == "none":
         return
     t0 = time.perf_counter()
-    warm_up(compiler, several, plan.startup_variants, background=warmup == "background")
+    compiler.warm_up(plan.startup_variants, background=warmup == "background")
     if warmup == "all":
         log.info("compiled %d step variants in %.1f s", compiler.num_compiled, time.perf_counter() - t0)

@@ -110,11 +110,11 @@ def _decode_steps(
         out = sample(
             logits, dataclasses.replace(sb, step=sb.step + i), dataclasses.replace(pen, counts=counts), argmax_lse
         )
-        new = jnp.zeros(t_pad, jnp.int32).at[:num_rows].set(out.token[:t_pad])
+        new = jnp.zeros(t_pad, jnp.int32).at[:num_rows].set(out.token)  # row r is token r (R <= T)
         row_live = live[:num_rows] > 0
         counts = counts.at[row_of, out.token].add(row_live.astype(counts.dtype))
         out_tok = lax.dynamic_update_index_in_dim(out_tok, new, i, 0)
-        out_lp = lax.dynamic_update_index_in_dim(out_lp, jnp.zeros(t_pad).at[:num_rows].set(out.logprob[:t_pad]), i, 0)
+        out_lp = lax.dynamic_update_index_in_dim(out_lp, jnp.zeros(t_pad).at[:num_rows].set(out.logprob), i, 0)
         made = made + write.astype(jnp.int32)
         ended = (made >= rows.limit) | ((rows.eos_stops > 0) & jnp.isin(new, eos))
         live = jnp.where(write & ~ended, 1, 0).astype(jnp.int32)
@@ -126,13 +126,12 @@ def _decode_steps(
     live0 = jnp.where((meta.seq_idx >= 0) & (rows.limit > 0), 1, 0).astype(jnp.int32)
     zeros_tok = jnp.zeros((steps, t_pad), jnp.int32)
     zeros_lp = jnp.zeros((steps, t_pad), jnp.float32)
-    start0 = meta.start_pos
     c = (
         0,
         kv,
         inp.token_ids,
         inp.positions,
-        start0,
+        meta.start_pos,
         pen.counts,
         live0,
         zeros_tok,
@@ -200,15 +199,14 @@ class StepProgram:
         self.replicated = NamedSharding(mesh, P())
         self._params, self._kv = _abstract(params), _abstract(kv)
         kv_sh = NamedSharding(mesh, kv_spec)
+        model: dict[str, Any] = {
+            "cfg": cfg,
+            "attention": kernels.attention,
+            "matmul": kernels.matmul,
+            "argmax_lse": kernels.argmax_lse,
+        }
         self.step = jax.jit(
-            functools.partial(
-                _step,
-                cfg=cfg,
-                on_trace=self._count,
-                attention=kernels.attention,
-                matmul=kernels.matmul,
-                argmax_lse=kernels.argmax_lse,
-            ),
+            functools.partial(_step, on_trace=self._count, **model),
             donate_argnames=("kv",),
             static_argnames=("layout",),
             out_shardings=((kv_sh, kv_sh), self.replicated, self.replicated, self.replicated),
@@ -218,15 +216,12 @@ class StepProgram:
         self.several = jax.jit(
             functools.partial(
                 _decode_steps,
-                cfg=cfg,
                 steps=decode_steps,
                 block_size=packer.block_size,
                 scratch=packer.num_kv_blocks,
                 eos_ids=tuple(eos_ids),
                 on_trace=self._count_several,
-                attention=kernels.attention,
-                matmul=kernels.matmul,
-                argmax_lse=kernels.argmax_lse,
+                **model,
             ),
             donate_argnames=("kv",),
             static_argnames=("layout",),
