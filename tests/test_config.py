@@ -30,6 +30,9 @@ def test_defaults_are_valid_and_complete() -> None:
         ({"queue_capacity": 0}, "queue_capacity"),
         ({"max_logprobs": 21}, "max_logprobs"),
         ({"group_start_timeout_s": 0}, "group_start_timeout_s"),
+        ({"decode_steps": 0}, "decode_steps"),
+        ({"decode_steps": 65}, "decode_steps"),
+        ({"decode_steps_max_ms": 0}, "decode_steps_max_ms"),
     ],
 )
 def test_bad_values_name_the_key(changes: dict[str, object], needle: str) -> None:
