@@ -14,17 +14,22 @@ must not depend on batch neighbours, chunking or preemption. A draft is accepted
 equals the rule's token at its row. Under a constraint (SeqWork.guide) the rule's token is
 taken where the row's bitmask allows it, else the smallest allowed id (`pick_allowed`).
 Several decode steps in one call (SeqWork.steps, `decode_steps` > 1) feed each token back at the
-next position, as the real program does.
+next position, as the real program does. `launch`/`collect` split `execute` as the real runner
+does (the engine's overlap): a call launched after another takes its fed_back works' tokens from
+that call's results, as the device does, and runs at once (writing its KV in launch order); a row
+whose previous call stopped early (an end-of-sequence id inside several steps) computes nothing,
+and must never be folded in.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
 
 from tl.core.config import EngineConfig
-from tl.core.plan import RunnerOutput, SchedulerOutput, SeqResult, SeqWork
+from tl.core.plan import Launched, RunnerOutput, SchedulerOutput, SeqResult, SeqWork
 from tl.core.stats import BackendInfo
 
 
@@ -125,6 +130,33 @@ class FakeRunner:
         for work in plan.work:
             self._commit(work, next((r for r in results if r.seq_id == work.seq_id), None))
         return RunnerOutput(results)
+
+    can_overlap = True
+
+    def launch(self, plan: SchedulerOutput, after: Launched | None = None) -> Launched:
+        run = plan
+        if after is not None:
+            assert isinstance(after.handle, RunnerOutput)
+            made = {r.seq_id: r.token_ids for r in after.handle.results}
+            prev = {w.seq_id: w for w in after.plan.work}
+            works = []
+            for w in plan.work:
+                assert w.fed_back and w.token_ids == (0,), f"seq {w.seq_id}: not a fed-back decode"
+                p = prev[w.seq_id]
+                assert w.start_pos == p.start_pos + p.steps, f"seq {w.seq_id}: starts at {w.start_pos} after {p}"
+                if w.params.has_penalties:  # the host's outputs: all but the previous call's (added on the device)
+                    assert len(w.output_ids) == w.num_generated - p.steps, f"seq {w.seq_id}: stale output_ids"
+                if len(made[w.seq_id]) < p.steps:
+                    continue  # stopped inside the previous call: this row's token is never seen
+                works.append(dataclasses.replace(w, token_ids=(made[w.seq_id][-1],), fed_back=False))
+            run = dataclasses.replace(plan, work=tuple(works))
+        else:
+            assert not any(w.fed_back for w in plan.work), "fed-back work without the call it follows"
+        return Launched(plan, 0.0, 0.0, 0.0, self.execute(run))
+
+    def collect(self, launched: Launched) -> RunnerOutput:
+        assert isinstance(launched.handle, RunnerOutput)
+        return launched.handle
 
     def embed(self, token_ids: Sequence[int]) -> list[float]:
         return pooled_embedding(token_ids)

@@ -1,8 +1,9 @@
-"""Several decode steps in one compiled call (EngineConfig.decode_steps) on the real ModelRunner
-(tiny random Llama, CPU): every request gets exactly the tokens and finish reason of one step
-per call, and its logprobs within float32 rounding, for greedy, seeded, penalised, logprob,
-stop-token, end-of-sequence (stopped on the device), max_tokens, preempted and aborted
-requests, with the block books exact.
+"""Several decode steps in one compiled call (EngineConfig.decode_steps) and the next call
+launched before the current one's tokens reach the host (EngineConfig.overlap), each on and off,
+on the real ModelRunner (tiny random Llama, CPU): every request gets exactly the tokens and
+finish reason of one synchronous step per call, and its logprobs within float32 rounding, for
+greedy, seeded, penalised, logprob, stop-token, end-of-sequence (stopped on the device),
+max_tokens, preempted and aborted requests, with the block books exact.
 
 One runner (decode_steps 4, its several-steps programs compiled) serves both engines: the
 engine's decode_steps decides whether a call runs several steps. Its end-of-sequence id is a
@@ -40,8 +41,10 @@ CFG = EngineConfig(
     compile_cache_dir="",
     decode_steps=4,
     decode_steps_max_ms=1e6,
+    overlap=False,
 )
 ONE = CFG.replace(decode_steps=1)
+MODES = {"steps": {}, "steps_overlap": {"overlap": True}, "overlap": {"decode_steps": 1, "overlap": True}}
 PROMPT = tuple(range(10, 22))
 
 
@@ -79,6 +82,7 @@ def runner(model: tuple[Any, Any], eos: int) -> Any:
     r = ModelRunner(start(*model, CFG, eos=(eos,)))
     r.warmup()
     r.compile_several()
+    r.feeds.background = False  # the programs feeding a call's tokens to the next: compiled when first needed
     assert r.several is not None and r.several.num_compiled == len(r.several.variants) > 0
     return r
 
@@ -137,10 +141,16 @@ def _same(a: list[TokenOut], b: list[TokenOut]) -> None:
     assert finish_reason(a) == finish_reason(b)
 
 
+@pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("kv", [64, 14], ids=["roomy", "preempting"])
-def test_several_steps_per_call_give_exactly_the_single_steps_outputs(runner: Any, eos: int, kv: int) -> None:
-    many = Engine(NarrowKV(runner, kv), CFG.replace(num_kv_blocks=kv))  # type: ignore[arg-type]
+def test_several_steps_and_overlap_give_exactly_the_single_steps_outputs(
+    runner: Any, eos: int, kv: int, mode: str
+) -> None:
+    cfg = CFG.replace(num_kv_blocks=kv, **MODES[mode])
+    many = Engine(NarrowKV(runner, kv), cfg)  # type: ignore[arg-type]
     one = Engine(NarrowKV(runner, kv), ONE.replace(num_kv_blocks=kv))  # type: ignore[arg-type]
+    drive(many, workload(), check=_books)  # once to measure each size's step: what several steps per call go by
+    warm = many.stats()
     got = drive(many, workload(), check=_books)
     want = drive(one, workload(), check=_books)
     for a, b in zip(got, want, strict=True):
@@ -148,18 +158,21 @@ def test_several_steps_per_call_give_exactly_the_single_steps_outputs(runner: An
     assert finish_reason(got[0]) == "stop" and token_ids(got[0])[-1] == eos and len(got[0]) == 3
     assert eos in token_ids(got[1]) and finish_reason(got[1]) == "length"
     s, s1 = many.stats(), one.stats()
-    assert s.multi_step_calls > 0 and s1.multi_step_calls == 0
-    assert s.steps < s1.steps
+    assert (s.multi_step_calls > warm.multi_step_calls) == (cfg.decode_steps > 1) and s1.multi_step_calls == 0
+    assert (s.overlapped_steps > warm.overlapped_steps) == cfg.overlap and s1.overlapped_steps == 0
+    assert s.steps - warm.steps < s1.steps or cfg.decode_steps == 1
     assert (s.preemptions > 0) == (kv == 14), s
     assert (s.kv_blocks_used, s.running, s.queue_depth) == (0, 0, 0)
 
 
-def test_an_abort_between_calls_frees_its_blocks_and_changes_no_other_request(runner: Any) -> None:
-    engine = Engine(runner, CFG)
+@pytest.mark.parametrize("mode", list(MODES))
+def test_an_abort_between_calls_frees_its_blocks_and_changes_no_other_request(runner: Any, mode: str) -> None:
+    """With overlap the aborted row's next call is already launched: its token is dropped."""
+    engine = Engine(runner, CFG.replace(**MODES[mode]))
     reqs = [r.request for r in workload()[1:4]]
     ids = [engine.add_request(r) for r in reqs]
     outs: dict[int, list[TokenOut]] = {i: [] for i in ids}
-    while engine.stats().multi_step_calls < 2:
+    while engine.stats().steps < 4:
         for o in engine.step():
             outs[o.request_id].append(o)
     held = engine.block_manager.num_used

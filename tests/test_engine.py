@@ -36,6 +36,7 @@ BASE_CFG = EngineConfig(
     speculative="none",
     queue_capacity=16,
     decode_steps=1,  # one step per call, but in the decode_steps variants below
+    overlap=False,  # every step synchronous, but in the overlap variants below
 )
 VARIANTS: dict[str, dict[str, Any]] = {
     "plain": {},
@@ -49,6 +50,17 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "capped_unchunked": {"prompt_tokens_while_decoding": 3, "num_kv_blocks": 14},
     "decode_steps": {"decode_steps": 4, "decode_steps_max_ms": 1e6},
     "decode_steps_everything": {
+        "num_kv_blocks": 14,
+        "prefix_cache": "radix",
+        "prefill_chunk": 4,
+        "speculative": "prompt_lookup",
+        "decode_steps": 3,
+        "decode_steps_max_ms": 1e6,
+    },
+    "overlap": {"overlap": True},
+    "overlap_decode_steps": {"overlap": True, "decode_steps": 4, "decode_steps_max_ms": 1e6},
+    "overlap_everything": {
+        "overlap": True,
         "num_kv_blocks": 14,
         "prefix_cache": "radix",
         "prefill_chunk": 4,
@@ -132,6 +144,7 @@ def test_each_request_gets_exactly_what_it_gets_alone(factory: RunnerFactory, va
         assert max(p.num_tokens for p in engine.runner.plans) <= cfg.max_num_batched_tokens  # type: ignore[attr-defined]
     assert (st_.multi_step_calls > 0) == (cfg.decode_steps > 1), st_
     assert st_.multi_step_calls == sum(p.decode_steps > 1 for p in engine.runner.plans)  # type: ignore[attr-defined]
+    assert (st_.overlapped_steps > 0) == cfg.overlap, st_
     assert (st_.kv_blocks_used, st_.running, st_.queue_depth) == (0, 0, 0)
 
 

@@ -155,6 +155,12 @@ class EngineConfig:
     decode_steps_max_ms: float = 50.0
     """The bound on such a call: its steps times the last measured time of one decode step stay
     within it, so an arriving prompt or an abort waits at most this long for the call to end."""
+    overlap: bool = True
+    """Launch the next call of a step of plain decodes (without penalties) before the current
+    call's tokens reach the host: its tokens are fed back on the device, and the host folds in
+    the current call's results (stops, stop strings, aborts, finishes: one call late, the next
+    call's work for a finished row dropped), delivers them and schedules while the device
+    computes. false: every step synchronous."""
     max_logprobs: int = 20
     """Most `top_logprobs` a request may ask for."""
     tool_parser: ToolParser = "auto"

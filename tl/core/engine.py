@@ -21,7 +21,7 @@ from collections.abc import Callable
 from tl.core.block_manager import BlockManager
 from tl.core.config import EngineConfig
 from tl.core.debug_delays import debug_delay
-from tl.core.plan import Runner, RunnerOutput
+from tl.core.plan import Launched, Runner, RunnerOutput, SchedulerOutput
 from tl.core.request import MAX_SEED, EmbedRequest, GenRequest, SamplingParams, TokenOut, check_capacity, check_context
 from tl.core.scheduler import Scheduler
 from tl.core.sequence import Sequence
@@ -77,6 +77,11 @@ class Engine:
             getattr(runner, "decode_steps", None) if config.decode_steps > 1 else None
         )
         self._decode_step_s: dict[int, float] = {}  # by sequences: the last decode step's seconds
+        self._overlap = config.overlap and hasattr(runner, "launch") and getattr(runner, "can_overlap", False)
+        self._inflight: Launched | None = None  # a call launched ahead, its results not folded in yet
+        self._inflight_at = 0.0  # when it was handed to the runner
+        self._results_at = 0.0  # when the last call's results were on the host
+        self._overlapped_steps = 0
 
     @property
     def backend_info(self) -> BackendInfo | None:
@@ -130,27 +135,72 @@ class Engine:
             self.scheduler.abort(request_id)
 
     def step(self) -> list[TokenOut]:
+        """One step's tokens. Synchronously: schedule, run, fold the results in. With overlap, a
+        step of plain decodes has the next call launched before its results are waited for
+        (Scheduler.schedule_ahead, its tokens fed back on the device), so the host's update,
+        token delivery, scheduling and packing run while the device computes; that call's results
+        are the next step()'s, and a finish or abort seen in them drops the call after it."""
         begun = time.perf_counter()
-        plan = self.scheduler.schedule(self._decode_steps if self._runner_steps is not None else None)
-        scheduled = time.perf_counter()
-        if plan.work:
+        steps = self._decode_steps if self._runner_steps is not None else None
+        current, self._inflight = self._inflight, None
+        own = current is None  # this step launches the call whose results it folds in
+        launched_at, schedule_s = self._inflight_at, 0.0
+        if current is None:
+            plan = self.scheduler.schedule(steps)
+            schedule_s = time.perf_counter() - begun
+            if not plan.work:
+                return self._fold(plan, RunnerOutput(()), begun, schedule_s, 0.0, own, None)
             debug_delay("step")
-            t0 = time.perf_counter()
-            output = self.runner.execute(plan)
-            took = time.perf_counter() - t0
+            launched_at = time.perf_counter()
+            if not self._overlap:
+                output = self.runner.execute(plan)
+                return self._fold(plan, output, begun, schedule_s, launched_at, own, None)
+            current = self.runner.launch(plan)  # type: ignore[attr-defined]
+            assert current is not None, "a call that follows none is always launched"
+        t0 = time.perf_counter()
+        ahead = self.scheduler.schedule_ahead(current.plan, steps) if self._overlap else None
+        schedule_s += time.perf_counter() - t0
+        if ahead is not None:
+            debug_delay("step")
+            self._inflight_at = time.perf_counter()
+            self._inflight = self.runner.launch(ahead, after=current)  # type: ignore[attr-defined]
+            self._overlapped_steps += self._inflight is not None  # None: not yet (its blocks stay reserved)
+        try:
+            output = self.runner.collect(current)  # type: ignore[attr-defined]
+        except BaseException:
+            self._inflight = None  # it followed the failed call on the device: nothing to wait for
+            raise
+        return self._fold(current.plan, output, begun, schedule_s, launched_at, own, self._inflight)
+
+    def _fold(
+        self,
+        plan: SchedulerOutput,
+        output: RunnerOutput,
+        begun: float,
+        schedule_s: float,
+        launched_at: float,
+        own: bool,
+        ahead: Launched | None,
+    ) -> list[TokenOut]:
+        """plan's results folded into the scheduler and the step's figures. launched_at: when
+        plan's call was handed to the runner; own: by this step (not by an earlier one, ahead);
+        ahead: the call this step launched after plan's before waiting for plan's results."""
+        if plan.work:
+            now = time.perf_counter()
+            took = now - max(launched_at, self._results_at)  # launched ahead: from the last results on
+            self._results_at = now
             self._step_seconds.observe(took)
             if all(w.plain_decode for w in plan.work):
                 self._decode_step_s[len(plan.work)] = took / plan.decode_steps
             self._prompt_tokens.observe(plan.num_prompt_tokens)
             if output.mask_rows:  # the rows were filled together: each its share of the time
                 self._mask_seconds.observe(output.mask_seconds / output.mask_rows, output.mask_rows)
-        else:
-            output = RunnerOutput(())
         self._batch_tokens = plan.num_tokens
         self._num_steps += bool(plan.work)
         self._multi_step_calls += plan.decode_steps > 1
         outs = self.scheduler.update(plan, output)
-        self._host.step(begun, scheduled, output.times, time.perf_counter(), self.scheduler.has_work())
+        ahead_times = None if ahead is None else (ahead.started, ahead.packed, ahead.launched)
+        self._host.step(begun, schedule_s, output.times, time.perf_counter(), self.has_work(), own, ahead_times)
         return outs
 
     def _decode_steps(self, num_seqs: int) -> int:
@@ -168,7 +218,7 @@ class Engine:
         return max(1, min(fit, self._runner_steps(num_seqs)))
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._inflight is not None
 
     def stats(self) -> EngineStats:
         bm, c = self.block_manager, self.scheduler.counters
@@ -192,6 +242,7 @@ class Engine:
             capped_steps=c.capped_steps,
             aborts=c.aborts,
             multi_step_calls=self._multi_step_calls,
+            overlapped_steps=self._overlapped_steps,
             step_seconds=self._step_seconds.snapshot(),
             prompt_tokens_per_step=self._prompt_tokens.snapshot(),
             mask_seconds=self._mask_seconds.snapshot(),

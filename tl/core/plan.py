@@ -27,6 +27,10 @@ Semantics of one SeqWork (the vLLM v1 rule: computed tokens catch up with known 
   the row early after an end-of-sequence id (unless ignore_eos). The result holds the n tokens
   made (1 <= n <= steps) with num_accepted = n - 1: the first n - 1 of them had their KV computed,
   as accepted drafts do. The host applies every stop to them in order and drops the rest.
+- `fed_back` (a plain decode of a step launched before the previous call's tokens reached the
+  host: tl/core/engine.py's overlap): its one token is the last token the sequence made in that
+  call, taken on the device; `token_ids` holds a placeholder (0) and `start_pos`/`num_generated`
+  count the previous call's tokens as made.
 - `pool` (an embeddings input; never sampled): the runner returns the sum over this work's
   tokens of their final-normed hidden states as `SeqResult.pooled` (no tokens); the
   scheduler adds the chunks' sums up and divides by the input's length.
@@ -56,6 +60,7 @@ class SeqWork:
     pool: bool = False
     guide: Guide | None = None
     steps: int = 1
+    fed_back: bool = False
 
     @property
     def plain_decode(self) -> bool:
@@ -113,6 +118,19 @@ class StepTimes:
 
 
 @dataclass(frozen=True, slots=True)
+class Launched:
+    """A call in flight (Runner.launch): its plan, when it entered `launch`, was packed and was
+    launched (time.perf_counter seconds), and the runner's own handle on its device results
+    (opaque here; only the runner that made it reads it)."""
+
+    plan: SchedulerOutput
+    started: float
+    packed: float
+    launched: float
+    handle: object
+
+
+@dataclass(frozen=True, slots=True)
 class RunnerOutput:
     results: tuple[SeqResult, ...]
     mask_rows: int = 0  # constrained sample rows whose bitmask the host filled
@@ -132,6 +150,11 @@ class Runner(Protocol):
     # decode_steps(num_seqs) -> int (optional, default 1): the most decode steps one call runs
     # for a step of num_seqs plain decodes (SeqWork.steps; 1: the runner has no such program);
     # num_several_compilations (optional, default 0): those programs compiled so far.
+    # launch(plan, after=None) -> Launched | None and collect(launched) -> RunnerOutput (optional,
+    # with can_overlap: bool): `execute` in two halves, so the engine can launch the next call
+    # before waiting for this one; `after`: the call whose tokens the plan's fed_back works read
+    # on the device, and then None: it cannot follow `after` yet (tl/core/engine.py's overlap;
+    # without these methods every step is synchronous).
 
     @property
     def backend_info(self) -> BackendInfo | None:

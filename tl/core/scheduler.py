@@ -188,6 +188,56 @@ class Scheduler:
                 table = self.block_manager.block_table(seq.seq_id)
                 self._scheduled[w.seq_id] = dataclasses.replace(w, steps=steps, block_table=table)
 
+    def schedule_ahead(
+        self, prev: SchedulerOutput, decode_steps: Callable[[int], int] | None = None
+    ) -> SchedulerOutput | None:
+        """The step after `prev`, which is in flight (its tokens not folded in yet), when it can be
+        chosen without them: every work of prev is a plain decode, nothing waits and nothing
+        finished is pending (penalised works keep prev's output_ids: the runner adds prev's tokens
+        to their counts on the device). Each
+        live sequence of prev continues with one decode fed back on the device (SeqWork.fed_back),
+        as if prev made all its steps without a finish (a sequence that does finish in prev is
+        dropped when prev's results come: its work here computes a token nobody sees, in blocks it
+        held); one whose max_tokens or the context ends with prev is left out. None (the engine
+        then waits for prev and schedules as usual) when any of that fails or a sequence's blocks
+        are not free: this never preempts. Changes no sequence; blocks are reserved as schedule()
+        reserves them, and update() must fold prev in before this step."""
+        if self.waiting or self._finished_outs or not prev.work:
+            return None
+        works = []
+        for w in prev.work:
+            if not w.plain_decode:
+                return None
+            seq = self.seqs.get(w.seq_id)
+            if seq is None or seq.status is not SeqStatus.RUNNING:
+                continue  # aborted since prev was scheduled
+            num_tokens, num_generated = w.start_pos + 1 + w.steps, w.num_generated + w.steps
+            if num_generated >= seq.params.max_tokens or num_tokens >= self.max_model_len:
+                continue  # prev ends it
+            works.append((seq, w, num_tokens, num_generated))
+        if not works:
+            return None
+        k = decode_steps(len(works)) if decode_steps is not None else 1
+        scheduled = []
+        for seq, w, num_tokens, num_generated in works:
+            steps = max(1, min(k, seq.params.max_tokens - num_generated, self.max_model_len - num_tokens))
+            start = num_tokens - 1
+            if not self.block_manager.allocate(seq.seq_id, start + steps):
+                return None  # blocks already added to earlier rows are theirs: their next tokens use them
+            scheduled.append(
+                dataclasses.replace(
+                    w,
+                    token_ids=(0,),
+                    start_pos=start,
+                    block_table=self.block_manager.block_table(seq.seq_id),
+                    num_generated=num_generated,
+                    output_ids=seq.output_ids if seq.params.has_penalties else (),  # prev's: added on the device
+                    steps=steps,
+                    fed_back=True,
+                )
+            )
+        return SchedulerOutput(tuple(scheduled))
+
     def _has_room(self) -> bool:
         return (
             len(self._scheduled) < self.config.max_num_seqs

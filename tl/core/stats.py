@@ -67,7 +67,8 @@ class HostTimes:
     """An engine-thread account of each busy step's parts (HOST_PARTS, seconds summed) and of the
     host gap: the wall time from one step's results reaching the host to the next step's launch
     (unpack, update, the caller's delivery, schedule, pack, launch), when the engine stepped on
-    without going idle in between."""
+    without going idle in between. A call launched before the previous call's results were
+    waited for (the engine's overlap) leaves no gap: the device had it queued; it is observed as 0."""
 
     def __init__(self) -> None:
         self.parts = dict.fromkeys(HOST_PARTS, 0.0)
@@ -75,21 +76,38 @@ class HostTimes:
         self.steps = 0
         self._last: tuple[float, float] | None = None  # (fetched, update's end) of a step that left work
 
-    def step(self, begun: float, scheduled: float, times: StepTimes | None, ended: float, more: bool) -> None:
-        """One engine step: schedule() from `begun` to `scheduled`, update() ending at `ended`;
-        `times`: the runner's stages (None: no work ran, or a runner that does not time them);
-        `more`: work is left, so the next step follows at once."""
+    def step(
+        self,
+        begun: float,
+        schedule_s: float,
+        times: StepTimes | None,
+        ended: float,
+        more: bool,
+        own: bool = True,
+        ahead: tuple[float, float, float] | None = None,
+    ) -> None:
+        """One engine step, from `begun` to `ended` (its update's end), schedule_s of it
+        scheduling; `times`: the runner's stages of the call whose results it folded in (None: no
+        work ran, or a runner that does not time them); own: this step launched that call (else an
+        earlier step did, ahead); ahead: (started, packed, launched) of the call this step launched
+        before waiting for those results; `more`: work is left, so the next step follows at once."""
         if times is None:
             self._last = None
             return
         p, last = self.parts, self._last
         if last is not None:
             p["between"] += begun - last[1]
-            self.gap.observe(times.launched - last[0])
-        p["schedule"] += scheduled - begun
-        p["pack"] += times.packed - times.started
-        p["launch"] += times.launched - times.packed
-        p["device"] += times.fetched - times.launched
+            self.gap.observe(max(0.0, times.launched - last[0]) if own else 0.0)
+        p["schedule"] += schedule_s
+        waited_from = times.launched if own else max(times.launched, begun + schedule_s)
+        if own:
+            p["pack"] += times.packed - times.started
+            p["launch"] += times.launched - times.packed
+        if ahead is not None:
+            p["pack"] += ahead[1] - ahead[0]
+            p["launch"] += ahead[2] - ahead[1]
+            waited_from = max(waited_from, ahead[2])
+        p["device"] += max(0.0, times.fetched - waited_from)
         p["unpack"] += times.unpacked - times.fetched
         p["update"] += ended - times.unpacked
         self.steps += 1
@@ -117,6 +135,7 @@ class EngineStats:
     capped_steps: int = 0  # steps whose prompt work prompt_tokens_while_decoding cut
     aborts: int = 0  # live sequences aborted (client disconnected or stopped, or cancelled)
     multi_step_calls: int = 0  # steps that ran several decode steps in one call (decode_steps)
+    overlapped_steps: int = 0  # calls launched before the previous call's results were waited for (overlap)
     step_seconds: HistogramSnapshot = HistogramSnapshot()  # runner time of each step
     prompt_tokens_per_step: HistogramSnapshot = HistogramSnapshot()  # prompt-work tokens of each step
     mask_seconds: HistogramSnapshot = HistogramSnapshot()  # host time per constrained token's bitmask

@@ -300,3 +300,75 @@ class StepCompiler:
         self._stop.set()
         if wait:
             self.wait()
+
+
+class LazyPrograms:
+    """Small helper programs compiled when first asked for, keyed by their argument shapes (the
+    runner's feed of fed-back tokens: one per pair of step shapes met), on one daemon thread, so
+    no step waits on one: `get` returns None until the key's program is in. background False
+    (tests, benchmarks): compiled then and there."""
+
+    def __init__(self, name: str, background: bool = True) -> None:
+        self.name = name
+        self.background = background
+        self.num_compiled = 0
+        self._done: dict[Any, Any] = {}
+        self._queue: list[tuple[Any, Callable[[], Any]]] = []
+        self._lock = threading.Lock()
+        self._worker: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    @property
+    def num_pending(self) -> int:
+        with self._lock:
+            return len(self._queue)
+
+    def get(self, key: Any, lower: Callable[[], Any]) -> Any:
+        """The compiled program of `key` (lower(): its jax.stages.Lowered), or None while it
+        compiles; a compile that fails is logged and the key stays None (callers go without)."""
+        with self._lock:
+            if key in self._done:
+                return self._done[key]
+            if not self.background:
+                self._done[key] = self._compile(key, lower)
+                return self._done[key]
+            if any(k == key for k, _ in self._queue):
+                return None
+            self._queue.append((key, lower))
+            if self._worker is None:
+                self._worker = threading.Thread(target=self._run, name=f"tl-compile-{self.name}", daemon=True)
+                self._worker.start()
+        return None
+
+    def _compile(self, key: Any, lower: Callable[[], Any]) -> Any:
+        _count_active(1)
+        try:
+            compiled = lower().compile()
+            self.num_compiled += 1
+            return compiled
+        except Exception:  # noqa: BLE001 -- the caller runs without this program
+            log.exception("compiling %s %s failed", self.name, key)
+            return None
+        finally:
+            _count_active(-1)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            with self._lock:
+                if not self._queue:
+                    self._worker = None
+                    return
+                key, lower = self._queue[0]
+            compiled = self._compile(key, lower)
+            with self._lock:
+                self._done[key] = compiled
+                self._queue.pop(0)
+
+    def stop(self, wait_s: float = 2.0) -> None:
+        """No more compiles after the one in progress, which is waited for up to wait_s (one
+        small program: tens of ms; a process that exits while XLA compiles on a daemon thread
+        can abort in C++)."""
+        self._stop.set()
+        worker = self._worker
+        if worker is not None:
+            worker.join(wait_s)

@@ -27,16 +27,31 @@ import numpy as np
 from jax.sharding import Mesh
 
 from tl.core.config import EngineConfig
-from tl.core.plan import RunnerOutput, SchedulerOutput, StepTimes
+from tl.core.plan import Launched, RunnerOutput, SchedulerOutput, StepTimes
 from tl.core.stats import BackendInfo
 from tl.model import llama
 from tl.runtime import startup, step_io
+from tl.runtime.compiler import LazyPrograms
 from tl.runtime.execution import Kernels
 from tl.runtime.frame import StepFrame, StepPeers
 from tl.runtime.sampler import Penalties
 from tl.runtime.startup import Startup
-from tl.runtime.step import CompiledVariant
+from tl.runtime.step import CompiledVariant, MultiOut
 from tl.runtime.step_io import MaskFiller, PackedStep, StepOutput
+
+_Fed = tuple[tuple[jax.Array | np.ndarray, ...], Penalties | None]
+"""A step's input buffers and penalties (None: the frame's) with a previous call's tokens fed in."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _InFlight:
+    """The runner's handle on a launched call (Launched.handle): how it was packed, its device
+    results, and each sequence's column in them (its work's index: one token per work in a
+    decode-only step, sample row = token) for a next call's fed-back tokens."""
+
+    packed: PackedStep
+    out: StepOutput | MultiOut
+    columns: dict[int, int]
 
 
 class ModelRunner:
@@ -69,6 +84,9 @@ class ModelRunner:
         self._kv = started.kv
         self._zero_penalties: dict[tuple[int, int], Penalties] = {}
         self._open_masks: dict[int, jax.Array] = {}
+        self.feeds = LazyPrograms("feed")
+        """The programs that feed a call's tokens into the next call (one per pair of shapes met;
+        background=False: compiled when first needed, for tests and benchmarks)."""
 
     @classmethod
     def from_model_dir(cls, engine_cfg: EngineConfig, mesh: Mesh | None = None) -> ModelRunner:
@@ -119,28 +137,103 @@ class ModelRunner:
         decode steps' are compiled when a step first asks for its shape: `decode_steps`)."""
         self.compiler.warm_up(self.plan.startup_variants, background)
 
+    @property
+    def can_overlap(self) -> bool:
+        """Whether a call may be launched before the previous call's results are fetched (its
+        fed-back tokens taken on the device): not in a multi-host job, whose frame carries host
+        tokens to the followers."""
+        return self.peers is None
+
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
         if not plan.work:
             return RunnerOutput(())
+        launched = self.launch(plan)
+        assert launched is not None, "a call that follows none is always launched"
+        return self.collect(launched)
+
+    def launch(self, plan: SchedulerOutput, after: Launched | None = None) -> Launched | None:
+        """plan packed and its call launched, not waited for (`collect` waits). after: the call
+        in flight whose tokens plan's fed_back works take on the device (Scheduler.schedule_ahead:
+        every work is one); then None when the program feeding them is not compiled yet (asked
+        for in the background: the engine waits for `after` and schedules as usual)."""
         started = time.perf_counter()
-        if plan.decode_steps > 1:
-            return self._several(plan, started)
         try:
+            if plan.decode_steps > 1:
+                return self._launch_several(plan, after, started)
             packed, variant, frame = self._pack(plan)
+            fed = None if after is None else self._fed_back(plan, packed, after)
+            if after is not None and fed is None:
+                return None
             packed_at = time.perf_counter()
-            out = self._run(variant, frame)
-            launched = time.perf_counter()
-            got = step_io.fetch(out, packed.rows)
+            out = self._run(variant, frame, fed)
         except Exception as e:
             if self.peers is None:
                 raise
             raise self.peers.broken(e) from e  # a multi-host step: the group has failed
-        fetched = time.perf_counter()
-        if self.peers is not None:
-            self.peers.step_ended()
-        output = step_io.unpack(packed.rows, got, self.engine_config.max_logprobs, packed.mask_fill)
-        times = StepTimes(started, packed_at, launched, fetched, time.perf_counter())
+        return Launched(plan, started, packed_at, time.perf_counter(), _InFlight(packed, out, _columns(plan)))
+
+    def collect(self, launched: Launched) -> RunnerOutput:
+        """A launched call's results on the host (waiting for them), unpacked."""
+        h = launched.handle
+        assert isinstance(h, _InFlight), "a call this runner launched"
+        if isinstance(h.out, MultiOut):
+            got_steps = step_io.fetch_steps(h.out)
+            fetched = time.perf_counter()
+            output = step_io.unpack_steps(h.packed.rows, got_steps)
+        else:
+            try:
+                got = step_io.fetch(h.out, h.packed.rows)
+            except Exception as e:
+                if self.peers is None:
+                    raise
+                raise self.peers.broken(e) from e
+            fetched = time.perf_counter()
+            if self.peers is not None:
+                self.peers.step_ended()
+            output = step_io.unpack(h.packed.rows, got, self.engine_config.max_logprobs, h.packed.mask_fill)
+        times = StepTimes(launched.started, launched.packed, launched.launched, fetched, time.perf_counter())
         return dataclasses.replace(output, times=times)
+
+    def _fed_back(self, plan: SchedulerOutput, packed: PackedStep, after: Launched) -> _Fed | None:
+        """packed's buffers with each work's token (token t = work t: one each) replaced on the
+        device by the last token its sequence made in `after` (step.py `_feed`), and its
+        penalties (None: none) on the device with that call's tokens added to the counts; None
+        while a program this needs is still compiling (self.feeds)."""
+        h = after.handle
+        assert isinstance(h, _InFlight), "a call this runner launched"
+        assert all(w.fed_back and len(w.token_ids) == 1 for w in plan.work), "a step of fed-back decodes"
+        i, off, shape = packed.layout[2][0]  # the first leaf: StepInputs.token_ids [T]
+        columns = [h.columns[w.seq_id] for w in plan.work]
+        src = np.full(shape, -1, np.int32)
+        src[: len(columns)] = columns
+        if isinstance(h.out, MultiOut):
+            tokens, made = h.out.tokens, h.out.made
+        else:
+            tokens, made = h.out.sample.token, None
+        buf = packed.bufs[i]
+        shapes = (tokens.shape, None if made is None else made.shape)
+        feed = self.feeds.get(
+            ("tokens", buf.shape, off, src.shape, *shapes),
+            lambda: self.program.lower_feed(buf, tokens, made, src, off),
+        )
+        pen = None
+        if packed.penalties is not None:
+            pen = self._penalties(0, 0, packed.penalties)
+            seqs = np.full(pen.counts.shape[0], -1, np.int32)
+            seqs[: len(columns)] = columns
+            counts = pen.counts
+            feed_counts = self.feeds.get(
+                ("counts", counts.shape, *shapes),
+                lambda: self.program.lower_feed_counts(counts, tokens, made, seqs),
+            )
+            if feed_counts is None:
+                return None
+            pen = dataclasses.replace(pen, counts=feed_counts(counts, tokens, made, seqs))
+        if feed is None:
+            return None
+        bufs: list[jax.Array | np.ndarray] = list(packed.bufs)
+        bufs[i] = feed(buf, tokens, made, src)
+        return tuple(bufs), pen
 
     def decode_steps(self, num_seqs: int) -> int:
         """The most decode steps one call runs for num_seqs plain decodes: the program's count
@@ -162,24 +255,23 @@ class ModelRunner:
         if self.several is not None:
             self.several.compile_rest()
 
-    def _several(self, plan: SchedulerOutput, started: float) -> RunnerOutput:
+    def _launch_several(self, plan: SchedulerOutput, after: Launched | None, started: float) -> Launched | None:
         """A step of plain decodes run SeqWork.steps times in one compiled program (step.py
-        `_decode_steps`): each row's tokens, stopped on the device at its limit or EOS."""
+        `_decode_steps`), launched: each row's tokens, stopped on the device at its limit or EOS."""
         assert self.several is not None and self.peers is None, "decode_steps() said 1"
         v = self.plan.shape(plan.num_tokens, len(plan.work))
         variant = self.several.ensure(v)
         packed = self.packer.pack(plan.work, v, self._fill_masks, False)
         if packed.layout != variant.layout:
             raise RuntimeError(f"steps {v[0]}x{v[1]}: packed inputs do not match the compiled layout")
+        fed = (packed.bufs, None) if after is None else self._fed_back(plan, packed, after)
+        if fed is None:
+            return None
+        bufs, pen = fed
         packed_at = time.perf_counter()
-        pen = self._penalties(v[1], self.num_rows(*v), packed.penalties)
-        self._kv, out = variant.step(self._params, self._kv, packed.bufs, pen)
-        launched = time.perf_counter()
-        got = step_io.fetch_steps(out)
-        fetched = time.perf_counter()
-        output = step_io.unpack_steps(packed.rows, got)
-        times = StepTimes(started, packed_at, launched, fetched, time.perf_counter())
-        return dataclasses.replace(output, times=times)
+        pen = pen or self._penalties(v[1], self.num_rows(*v), packed.penalties)
+        self._kv, out = variant.step(self._params, self._kv, bufs, pen)
+        return Launched(plan, started, packed_at, time.perf_counter(), _InFlight(packed, out, _columns(plan)))
 
     def logits(self, plan: SchedulerOutput) -> np.ndarray:
         """The float32 logits [sample rows, V] of a non-empty plan, run as `execute` runs it (its
@@ -200,16 +292,19 @@ class ModelRunner:
             self.peers.send_step(frame)
         return packed, variant, frame
 
-    def _run(self, variant: CompiledVariant, frame: StepFrame) -> StepOutput:
+    def _run(self, variant: CompiledVariant, frame: StepFrame, fed: _Fed | None = None) -> StepOutput:
         """One step on the device from its frame (what every process of a multi-host job runs
-        alike): the donated KV cache replaced, the outputs and top-logprobs dispatched."""
+        alike): the donated KV cache replaced, the outputs and top-logprobs dispatched. fed: the
+        frame's buffers and penalties with a previous call's tokens fed in (`_fed_back`)."""
         t_pad, s_pad = frame.variant
         num_rows = self.num_rows(t_pad, s_pad)
-        pen = self._penalties(s_pad, num_rows, None if frame.penalties is None else Penalties(*frame.penalties))
+        bufs, pen = (frame.bufs, None) if fed is None else fed
+        if pen is None:
+            pen = self._penalties(s_pad, num_rows, None if frame.penalties is None else Penalties(*frame.penalties))
         mask = self._open_mask(num_rows) if frame.mask is None else frame.mask
         # The host buffers go in as numpy arrays: the compiled call's own transfer (C++) took
         # ~0.6 ms less a step than a jax.device_put of them first (one-row decode, alternated).
-        self._kv, out, logits, pooled = variant.step(self._params, self._kv, frame.bufs, pen, mask)
+        self._kv, out, logits, pooled = variant.step(self._params, self._kv, bufs, pen, mask)
         tops = variant.top(logits) if frame.top else None
         return StepOutput(out, logits, pooled, tops)
 
@@ -246,7 +341,13 @@ class ModelRunner:
         """Stop the background compilation (after the variant in progress; not waiting for it);
         a multi-host leader stops its followers."""
         self.compiler.stop(wait=False)
+        self.feeds.stop()
         if self.several is not None:
             self.several.stop(wait=False)
         if self.peers is not None:
             self.peers.stop()
+
+
+def _columns(plan: SchedulerOutput) -> dict[int, int]:
+    """Each sequence's work index in plan: its token's column in a decode-only call's results."""
+    return {w.seq_id: i for i, w in enumerate(plan.work)}

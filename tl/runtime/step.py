@@ -142,6 +142,31 @@ def _decode_steps(
     return c[1], MultiOut(c[7], c[8], c[9])
 
 
+def _feed(buf: jax.Array, tokens: jax.Array, made: jax.Array | None, src: jax.Array, *, off: int) -> jax.Array:
+    """A step's int32 input buffer with its token ids (at `off`, one per entry of src) taken from
+    a call still on the device where src >= 0: that call's last token of column src (tokens [R]
+    of one step; or [k, T] of several, whose column t made made[t]); src < 0 keeps the host's."""
+    if made is None:
+        last = tokens
+    else:
+        last = tokens[jnp.maximum(made - 1, 0), jnp.arange(tokens.shape[1])]
+    n = src.shape[0]
+    fed = jnp.where(src >= 0, last[jnp.maximum(src, 0)], buf[off : off + n])
+    return buf.at[off : off + n].set(fed)
+
+
+def _feed_counts(counts: jax.Array, tokens: jax.Array, made: jax.Array | None, src: jax.Array) -> jax.Array:
+    """Penalty counts [S, V] of a step whose sequence s continues column src[s] (>= 0) of a call
+    still on the device, with that call's tokens added: what the host's counts lack."""
+    steps = tokens[None, :] if made is None else tokens  # [k, X]
+    n = jnp.ones(steps.shape[1], jnp.int32) if made is None else made
+    cols = jnp.maximum(src, 0)
+    toks = steps[:, cols]  # [k, S]
+    valid = (jnp.arange(steps.shape[0])[:, None] < n[cols][None, :]) & (src >= 0)[None, :]
+    rows = jnp.broadcast_to(jnp.arange(src.shape[0])[None, :], toks.shape)
+    return counts.at[rows, toks].add(valid.astype(counts.dtype))
+
+
 def _pooled(params: llama.Weights, cfg: ModelConfig, hidden: jax.Array, inp: StepInputs) -> jax.Array:
     """[S, D] sums of final-normed hidden states by pool_seq, as a one-hot [S, T] dot (a scatter-add
     is a serial loop on XLA:CPU; this is ~0.03% of a 512-token step's FLOPs)."""
@@ -211,6 +236,8 @@ class StepProgram:
             static_argnames=("layout",),
             out_shardings=((kv_sh, kv_sh), self.replicated, self.replicated, self.replicated),
         )
+        self.feed = jax.jit(_feed, static_argnames=("off",), out_shardings=self.replicated)
+        self.feed_counts = jax.jit(_feed_counts, out_shardings=self.replicated)
         self.top = jax.jit(functools.partial(_top_logprobs, k=max(1, max_logprobs), on_trace=self._count))
         self.decode_steps = decode_steps
         self.several = jax.jit(
@@ -281,6 +308,14 @@ class StepProgram:
             self._params, self._kv, _abstract(bufs), self._replicated_abstract(pen), layout=layout
         )
         return CompiledVariant(layout, lowered.compile(), None)
+
+    def lower_feed(self, buf: Any, tokens: Any, made: Any, src: Any, off: int) -> Any:
+        """`feed` lowered for these arguments' shapes (host arrays or a call's device results)."""
+        return self.feed.lower(_abstract(buf), _abstract(tokens), _abstract(made), _abstract(src), off=off)
+
+    def lower_feed_counts(self, counts: Any, tokens: Any, made: Any, src: Any) -> Any:
+        """`feed_counts` lowered for these arguments' shapes."""
+        return self.feed_counts.lower(_abstract(counts), _abstract(tokens), _abstract(made), _abstract(src))
 
     def _replicated_abstract(self, tree: Any) -> Any:
         """ShapeDtypeStructs of host arrays as the step receives them: replicated on the mesh."""
