@@ -147,6 +147,7 @@ def run(argv: Sequence[str]) -> int:
     )
     ap.add_argument("--decode-tokens", type=int, default=128, help="tokens each --host-split stream decodes")
     ap.add_argument("--decode-steps", default="1", help="--host-split: [engine] decode_steps, e.g. 1,4 (alternated)")
+    ap.add_argument("--overlap", default="1", help="--host-split: [engine] overlap, e.g. 0,1 (with each decode_steps)")
     ap.add_argument("--rounds", type=int, default=1, help="--host-split: runs of each configuration per stream count")
     ap.add_argument("--weight-dtype", default="auto", help="[engine] weight_dtype (auto: a GGUF as it is)")
     args = ap.parse_args(argv)
@@ -160,29 +161,36 @@ def run(argv: Sequence[str]) -> int:
         cfg = cfg.replace(max_num_seqs=max(cfg.max_num_seqs, *counts))
         engines = []
         for k in (int(x) for x in args.decode_steps.split(",")):
-            engine = build_engine(cfg.replace(decode_steps=k), warmup=True)
-            vocab = engine.runner.model_config.vocab_size
-            engine.runner.compile_several()  # type: ignore[attr-defined]
-            for n in counts:  # every variant these steps take, run once (and each size's step timed)
-                host_split(engine, n, 8, vocab, args.seed)
-            engines.append((k, engine))
+            for overlap in (bool(int(x)) for x in args.overlap.split(",")):
+                engine = build_engine(cfg.replace(decode_steps=k, overlap=overlap), warmup=True)
+                vocab = engine.runner.model_config.vocab_size
+                engine.runner.compile_several()  # type: ignore[attr-defined]
+                engine.runner.feeds.background = False  # type: ignore[attr-defined]
+                for n in counts:  # every program these steps take, run once (and each size's step timed)
+                    host_split(engine, n, 16, vocab, args.seed)
+                engines.append((f"steps {k}" + (" overlap" if overlap else ""), engine))
         split = []
         for n in counts:  # the configurations alternated, each going first in turn
             for r in range(args.rounds):
-                for k, engine in engines[:: 1 if r % 2 == 0 else -1]:
-                    split.append({"decode_steps": k, **host_split(engine, n, args.decode_tokens, vocab, args.seed)})
+                for name, engine in engines[:: 1 if r % 2 == 0 else -1]:
+                    split.append({"config": name, **host_split(engine, n, args.decode_tokens, vocab, args.seed)})
         print_table(split)
-        if len(engines) == 2:
-            (k0, _), (k1, _) = engines
+        if len(engines) > 1:
+            base = engines[0][0]
             ratios = []
             for n in counts:
                 tps = {
-                    k: statistics.median(
-                        float(str(r["output tok/s"])) for r in split if r["streams"] == n and r["decode_steps"] == k
+                    name: statistics.median(
+                        float(str(r["output tok/s"])) for r in split if r["streams"] == n and r["config"] == name
                     )
-                    for k in (k0, k1)
+                    for name, _ in engines
                 }
-                ratios.append({"streams": n, f"tok/s decode_steps {k1} / {k0}": round(tps[k1] / tps[k0], 3)})
+                ratios.append(
+                    {
+                        "streams": n,
+                        **{f"tok/s {name} / {base}": round(tps[name] / tps[base], 3) for name, _ in engines[1:]},
+                    }
+                )
             print_table(ratios)
         if args.json:
             with open(args.json, "a") as f:

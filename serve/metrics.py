@@ -77,6 +77,11 @@ class _EngineCollector(Collector):
             ("tl_engine_capped_steps", "Steps whose prompt work prompt_tokens_while_decoding cut", s.capped_steps),
             ("tl_engine_aborted_sequences", "Sequences aborted: the client disconnected or stopped", s.aborts),
             ("tl_engine_multi_step_calls", "Steps that ran several decode steps in one call", s.multi_step_calls),
+            (
+                "tl_engine_overlapped_steps",
+                "Calls launched before the previous call's results were waited for (overlap)",
+                s.overlapped_steps,
+            ),
         ):
             yield CounterMetricFamily(name, doc, value=value)
         parts = CounterMetricFamily(
