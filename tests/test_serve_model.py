@@ -4,7 +4,8 @@ One app per model (compiling is the cost): one step bucket (32 tokens x 4 sequen
 each model compiles once. succ: the hand example, stop strings and framing on real
 weights. tiny Llama (ChatML template, random weights): stream == non-stream at
 temperature 0, eight concurrent streams == serial, usage counts the rendered template,
-embeddings normalised and in input order.
+embeddings normalised and in input order; overlap and several decode steps per call on give
+the answers (n > 1, seeded, penalised, logprobs, stop strings) of both off.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from tl.ops.build import build_async_engine
 CHAT = "/v1/chat/completions"
 
 
-def app_for(model_dir: Path, model_id: str) -> App:
+def app_for(model_dir: Path, model_id: str, **engine: object) -> App:
     cfg = EngineConfig(
         model_dir=str(model_dir),
         model_id=model_id,
@@ -36,7 +37,7 @@ def app_for(model_dir: Path, model_id: str) -> App:
         seq_buckets=(4,),
         max_logprobs=0,
         compile_cache_dir="",
-    )
+    ).replace(**engine)
     return App(cfg, build_async_engine, handle_signals=False, start_health=False)
 
 
@@ -107,3 +108,52 @@ def test_tiny_llama_stream_equals_nonstream_concurrency_usage_embeddings(tiny_di
         assert both[0]["embedding"] != both[1]["embedding"]
 
     run(app_for(tiny_dir, "tiny"), body)
+
+
+def test_overlap_and_decode_steps_change_no_answer(tiny_dir: Path) -> None:
+    """The same requests on an engine with overlap and 4 decode steps per call (the default) and
+    on one with neither: n = 2 seeded samples with a penalty and logprobs, and greedy answers cut
+    by a stop string (which serve/ applies by aborting the request: one call late with overlap),
+    streamed and not. The overlap engine is first run until it has launched calls ahead (their
+    token feeds compile in the background the first time)."""
+    base = {"model": "tiny", "messages": [{"role": "user", "content": "tell me"}], "max_tokens": 24}
+    sampled = {**base, "n": 2, "temperature": 0.9, "seed": 5, "frequency_penalty": 0.6, "logprobs": True}
+
+    def answers(docs: list[dict]) -> list[tuple[str, str, list[float]]]:
+        return [
+            (
+                c["message"]["content"],
+                c["finish_reason"],
+                [round(t["logprob"], 3) for t in (c.get("logprobs") or {}).get("content") or []],
+            )
+            for d in docs
+            for c in d["choices"]
+        ]
+
+    def outcome(overlap: bool) -> tuple[list[tuple[str, str, list[float]]], list[str], int]:
+        got: dict[str, object] = {}
+
+        async def body(app: App) -> None:
+            assert app.engine is not None
+            greedy = {**base, "temperature": 0}
+            for _ in range(20):
+                if not overlap or app.engine.stats().overlapped_steps > 0:
+                    break
+                await call(app, "POST", CHAT, greedy)
+                await asyncio.sleep(0.2)
+            first = (await call(app, "POST", CHAT, greedy)).json()["choices"][0]["message"]["content"]
+            stops = [{**greedy, "stop": [first[i : i + 2]]} for i in (5, 11, 17) if len(first) > i + 2]
+            docs = [(await call(app, "POST", CHAT, r)).json() for r in [sampled, *stops]]
+            docs += list(await asyncio.gather(*(call(app, "POST", CHAT, r) for r in [sampled, *stops])))
+            got["docs"] = [d if isinstance(d, dict) else d.json() for d in docs]
+            got["streamed"] = [content(await call(app, "POST", CHAT, {**r, "stream": True})) for r in stops]
+            got["overlapped"] = app.engine.stats().overlapped_steps
+
+        engine: dict[str, object] = {"overlap": overlap, "decode_steps": 4 if overlap else 1}
+        run(app_for(tiny_dir, "tiny", **engine, decode_steps_max_ms=1e6), body)
+        return answers(got["docs"]), got["streamed"], int(got["overlapped"])  # type: ignore[arg-type,call-overload]
+
+    on, off = outcome(True), outcome(False)
+    assert on[0] == off[0] and on[1] == off[1]
+    assert on[2] > 0 and off[2] == 0
+    assert any(reason == "stop" for _, reason, _ in on[0]) and len({text for text, _, _ in on[0]}) > 2

@@ -4,10 +4,11 @@ Owns: request ids and seeds, admission (the one authority on it: tl/core/request
 queue rules applied with this engine's limits, `check_context` and `check_capacity`, which
 AsyncEngine also calls to refuse at once), the context length (`max_model_len`), the ids that
 end generation (`eos_token_ids`), embeddings requests turned into pooled sequences, the step
-loop (schedule -> runner.execute -> update), the step-time and prompt-tokens histograms, the
-host time around each step (tl/core/stats.py HostTimes), and EngineStats. The scheduler owns
-request state, the block manager owns KV blocks, the runner owns the device; the engine only
-wires them. Not thread-safe: one thread calls it
+loop (schedule -> runner.execute -> update; with `overlap`, schedule -> launch, then
+schedule_ahead -> launch the next call -> collect -> update, one call late), the step-time
+and prompt-tokens histograms, the host time around each step (tl/core/stats.py HostTimes), and
+EngineStats. The scheduler owns request state, the block manager owns KV blocks, the runner owns
+the device; the engine only wires them. Not thread-safe: one thread calls it
 (tl/core/async_engine.py). Pure Python, no jax/numpy. Tested by tests/test_engine.py with
 tests/fake_runner.py, whose differential helpers also accept the real ModelRunner.
 """

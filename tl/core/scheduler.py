@@ -41,6 +41,12 @@ its rows' bitmask, and update() feeds it each token: a grammar complete is "stop
 length check), a refused token ends the request with "error". Preemption keeps the matcher:
 recomputing re-feeds no token to it, so it resumes exactly where it was.
 
+Overlap: `schedule_ahead` chooses the step after a decode-only call still in flight, before its
+tokens are known: each live row continues with one fed-back decode (SeqWork.fed_back), as if the
+call made all its steps without a finish; its blocks are reserved as usual (never by preempting).
+update() folds that call in first; a row it finishes is gone when the step after's results come,
+which update() skips, so its surplus token is never seen and its blocks were freed with it.
+
 Preemption: when a running sequence cannot get blocks, the running sequence with the
 lowest priority and latest arrival (possibly itself) releases all its blocks and goes back
 to waiting with its tokens kept (prompt + output, recomputed later, often from the prefix

@@ -10,7 +10,10 @@ reach it only through the protocols step_io.MaskFiller and frame.StepPeers, pass
 tl/ops/build.py.
 
 Owns: running one step (the variant picked, its inputs packed, the frame sent to a multi-host
-job's followers, the donated KV cache replaced, the results fetched and unpacked), a follower's
+job's followers, the donated KV cache replaced, the results fetched and unpacked), in two halves
+when the engine overlaps (`launch`, `collect`: a call launched after another takes its fed-back
+tokens, and penalty counts, from that call's device results through the small programs of
+`feeds`, compiled when a pair of shapes first needs one), a follower's
 run of the leader's frame, the device-resident all-ones masks and all-zero penalties that
 unconstrained, penalty-free steps take instead of a copy. Must not: schedule, allocate blocks,
 keep request state, decide kernels. Tested by tests/test_runner.py (paged == dense, donation,

@@ -2,7 +2,8 @@
 
 Owns: the step function (forward + KV write + the constraint bitmask + sampling + pooling; KV
 donated), the top-logprobs function run after it when a row asks, both jitted once with the
-plan's resolved dispatch (tl/runtime/execution.py StepKernels), compiling a variant of both ahead
+plan's resolved dispatch (tl/runtime/execution.py StepKernels), the overlap's small programs that
+feed a call's tokens (and penalty counts) into the next call's inputs on the device, compiling a variant of both ahead
 of time over abstract arguments (what tl/runtime/compiler.py calls), and the count of traces (one
 trace = one compile). Must not: pack inputs (tl/runtime/step_io.py), run steps or hold the KV
 cache (tl/runtime/runner.py), decide kernels. Tested by tests/test_runner.py (flat compile
