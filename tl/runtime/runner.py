@@ -127,10 +127,10 @@ class ModelRunner:
 
     @property
     def num_pending_compiles(self) -> int:
-        """Step variants not compiled yet, and several decode steps' asked for and not compiled
-        yet (the background compilation's backlog)."""
+        """Step variants not compiled yet, and several decode steps' and token feeds asked for
+        and not compiled yet (the background compilation's backlog)."""
         several = 0 if self.several is None else self.several.num_requested_pending
-        return len(self.plan.variants) - self.compiler.num_compiled + several
+        return len(self.plan.variants) - self.compiler.num_compiled + several + self.feeds.num_pending
 
     def num_rows(self, t_pad: int, s_pad: int) -> int:
         return self.packer.num_rows(t_pad, s_pad)
