@@ -141,7 +141,10 @@ class FakeRunner:
             prev = {w.seq_id: w for w in after.plan.work}
             works = []
             for w in plan.work:
-                assert w.fed_back and w.token_ids == (0,), f"seq {w.seq_id}: not a fed-back decode"
+                if not w.fed_back:  # a prompt admitted beside the fed-back decodes
+                    works.append(w)
+                    continue
+                assert w.token_ids == (0,) and w.plain_decode, f"seq {w.seq_id}: not a fed-back decode"
                 p = prev[w.seq_id]
                 assert w.start_pos == p.start_pos + p.steps, f"seq {w.seq_id}: starts at {w.start_pos} after {p}"
                 if w.params.has_penalties:  # the host's outputs: all but the previous call's (added on the device)

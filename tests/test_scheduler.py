@@ -348,3 +348,57 @@ def test_an_embeddings_request_under_way_outlives_the_queue_deadline() -> None:
     assert sorted(o.request_id for o in done) == list(range(10))
     assert {o.finish_reason for o in done} == {"stop"}
     assert s._group_left == {} and s._started_groups == set()
+
+
+def test_schedule_ahead_continues_each_decode_one_call_late_with_exact_blocks() -> None:
+    """Two sequences decode; the step after theirs is chosen before their tokens are known: each
+    continues with a fed-back decode at the next position (a block reserved where it crosses
+    one), a waiting prompt is admitted beside them, one whose max_tokens ends with the call in
+    flight is left out; a stop seen when that call is folded in drops the sequence's next work
+    (its blocks freed with it), and the next call's results fold in after."""
+    s, _ = make()
+    add(s, 0, [1, 2, 3])  # decodes at position 3: the next at 4 needs a second block
+    add(s, 1, [1, 2], EOS_ENDS)  # stops at EOS (0) in the call in flight
+    add(s, 2, [5], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+    decode_all(s, schedule(s))  # the prompts' first tokens
+    prev = schedule(s)
+    assert [(w.seq_id, w.start_pos, w.plain_decode) for w in prev.work] == [(0, 3, True), (1, 2, True), (2, 1, True)]
+    add(s, 3, [9, 9, 9, 9, 9])
+    ahead = s.schedule_ahead(prev)
+    s.block_manager.check_invariants()
+    assert ahead is not None
+    by = {w.seq_id: w for w in ahead.work}
+    assert sorted(by) == [0, 1, 3]  # seq 2's max_tokens (2) ends with prev
+    assert (by[0].start_pos, by[0].fed_back, by[0].token_ids, by[0].num_generated) == (4, True, (0,), 2)
+    assert len(by[0].block_table) == 2 and len(s.block_manager.block_table(0)) == 2
+    assert (by[1].start_pos, by[1].fed_back) == (3, True)
+    assert (by[3].start_pos, by[3].fed_back, by[3].token_ids) == (0, False, (9, 9, 9, 9, 9))
+    assert s.waiting == [] and ahead.num_prompt_tokens == 5
+    used = s.block_manager.num_used
+    outs = update(s, prev, res(0, 7), res(1, 0), res(2, 8))
+    assert [(o.request_id, o.token_id, o.finish_reason) for o in outs] == [
+        (0, 7, None),
+        (1, 0, "stop"),
+        (2, 8, "length"),
+    ]
+    assert s.block_manager.num_used == used - 1 - 1  # seq 1's block (its ahead position 3 fits it), seq 2's
+    outs = update(s, ahead, res(0, 6), res(1, 5), res(3, 4))  # seq 1's token is nobody's
+    assert [(o.request_id, o.token_id) for o in outs] == [(0, 6), (3, 4)]
+    assert [q.seq_id for q in s.running] == [0, 3] and s.seqs[0].output_ids == (7, 7, 6)
+
+
+def test_schedule_ahead_waits_for_the_results_when_it_cannot_choose_without_them() -> None:
+    s, _ = make(num_blocks=3)
+    add(s, 0, [1, 2, 3, 4, 5, 6, 7])  # two blocks; its next decode at 8 needs a third
+    add(s, 1, [1, 2, 3])  # one block: none left for either's next block
+    decode_all(s, schedule(s))
+    prev = schedule(s)
+    assert s.schedule_ahead(prev) is None  # seq 0's block is not free (no preemption ahead)
+    prompt = SchedulerOutput((*prev.work, SeqWork(9, (1, 2), 0, (), True, GREEDY, 9, 0)))
+    assert s.schedule_ahead(prompt) is None  # prev is not all plain decodes
+    s2, _ = make()
+    add(s2, 0, [1, 2])
+    add(s2, 1, [3, 4])
+    decode_all(s2, schedule(s2))
+    prev = schedule(s2)
+    assert s2.schedule_ahead(SchedulerOutput(prev.work[:1])) is None  # seq 1 runs but prev did not carry it

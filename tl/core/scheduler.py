@@ -43,7 +43,8 @@ recomputing re-feeds no token to it, so it resumes exactly where it was.
 
 Overlap: `schedule_ahead` chooses the step after a decode-only call still in flight, before its
 tokens are known: each live row continues with one fed-back decode (SeqWork.fed_back), as if the
-call made all its steps without a finish; its blocks are reserved as usual (never by preempting).
+call made all its steps without a finish, and waiting requests are admitted beside them; blocks
+are reserved as usual (never by preempting).
 update() folds that call in first; a row it finishes is gone when the step after's results come,
 which update() skips, so its surplus token is never seen and its blocks were freed with it.
 
@@ -187,9 +188,9 @@ class Scheduler:
         k = decode_steps(len(works))
         if k <= 1:
             return
-        for w in works:
+        for w in works:  # a decode feeds its last known token: num_tokens is start_pos + 1 (fed back too)
             seq = self.seqs[w.seq_id]
-            steps = min(k, seq.params.max_tokens - seq.num_generated, self.max_model_len - seq.num_tokens)
+            steps = min(k, seq.params.max_tokens - w.num_generated, self.max_model_len - (w.start_pos + 1))
             if steps > 1 and self.block_manager.allocate(seq.seq_id, w.start_pos + steps):
                 table = self.block_manager.block_table(seq.seq_id)
                 self._scheduled[w.seq_id] = dataclasses.replace(w, steps=steps, block_table=table)
@@ -198,51 +199,54 @@ class Scheduler:
         self, prev: SchedulerOutput, decode_steps: Callable[[int], int] | None = None
     ) -> SchedulerOutput | None:
         """The step after `prev`, which is in flight (its tokens not folded in yet), when it can be
-        chosen without them: every work of prev is a plain decode, nothing waits and nothing
-        finished is pending (penalised works keep prev's output_ids: the runner adds prev's tokens
-        to their counts on the device). Each
-        live sequence of prev continues with one decode fed back on the device (SeqWork.fed_back),
-        as if prev made all its steps without a finish (a sequence that does finish in prev is
-        dropped when prev's results come: its work here computes a token nobody sees, in blocks it
-        held); one whose max_tokens or the context ends with prev is left out. None (the engine
-        then waits for prev and schedules as usual) when any of that fails or a sequence's blocks
-        are not free: this never preempts. Changes no sequence; blocks are reserved as schedule()
-        reserves them, and update() must fold prev in before this step."""
-        if self.waiting or self._finished_outs or not prev.work:
+        chosen without them: every work of prev is a plain decode, and prev carries every running
+        sequence. Each live sequence of prev continues with one decode fed back on the device
+        (SeqWork.fed_back; penalised ones keep the host's output_ids: the runner adds prev's tokens
+        to their counts there), as if prev made all its steps without a finish: a sequence that
+        does finish in prev is gone when this step's results come, so its work here computes a
+        token nobody sees, in blocks it held; one whose max_tokens or the context ends with prev
+        is left out. Waiting requests are admitted beside them as schedule() admits them (never
+        preempting), so a new prompt starts at once; with none, the decodes may run several steps.
+        None (the engine then waits for prev and schedules as usual) when any of that fails or a
+        continuing sequence's blocks are not free. Changes no running sequence; blocks are
+        reserved as schedule() reserves them, and update() must fold prev in before this step."""
+        if not prev.work or any(not w.plain_decode for w in prev.work):
             return None
-        works = []
-        for w in prev.work:
-            if not w.plain_decode:
-                return None
-            seq = self.seqs.get(w.seq_id)
-            if seq is None or seq.status is not SeqStatus.RUNNING:
-                continue  # aborted since prev was scheduled
+        live = [(self.seqs[w.seq_id], w) for w in prev.work if w.seq_id in self.seqs]  # else aborted since
+        if len(live) != len(self.running) or any(seq.status is not SeqStatus.RUNNING for seq, _ in live):
+            return None  # a running sequence prev did not carry: its work needs the usual schedule
+        self._expire_waiting()
+        self._scheduled, self._num_scheduled_tokens, self._preempted_this_step = {}, 0, False
+        self._num_prompt_tokens, self._num_decodes, self._capped = 0, 0, False
+        for seq, w in live:
             num_tokens, num_generated = w.start_pos + 1 + w.steps, w.num_generated + w.steps
             if num_generated >= seq.params.max_tokens or num_tokens >= self.max_model_len:
                 continue  # prev ends it
-            works.append((seq, w, num_tokens, num_generated))
-        if not works:
-            return None
-        k = decode_steps(len(works)) if decode_steps is not None else 1
-        scheduled = []
-        for seq, w, num_tokens, num_generated in works:
-            steps = max(1, min(k, seq.params.max_tokens - num_generated, self.max_model_len - num_tokens))
-            start = num_tokens - 1
-            if not self.block_manager.allocate(seq.seq_id, start + steps):
+            if not self.block_manager.allocate(seq.seq_id, num_tokens):
+                self._scheduled = {}
                 return None  # blocks already added to earlier rows are theirs: their next tokens use them
-            scheduled.append(
-                dataclasses.replace(
-                    w,
-                    token_ids=(0,),
-                    start_pos=start,
-                    block_table=self.block_manager.block_table(seq.seq_id),
-                    num_generated=num_generated,
-                    output_ids=seq.output_ids if seq.params.has_penalties else (),  # prev's: added on the device
-                    steps=steps,
-                    fed_back=True,
-                )
+            self._scheduled[seq.seq_id] = dataclasses.replace(
+                w,
+                token_ids=(0,),
+                start_pos=num_tokens - 1,
+                block_table=self.block_manager.block_table(seq.seq_id),
+                num_generated=num_generated,
+                output_ids=seq.output_ids if seq.params.has_penalties else (),  # without prev's: added on the device
+                steps=1,
+                fed_back=True,
             )
-        return SchedulerOutput(tuple(scheduled))
+            self._num_scheduled_tokens += 1
+            self._num_decodes += 1
+        if self.waiting:
+            self._admit_waiting()
+            self.counters.capped_steps += self._capped
+        if not self._scheduled:
+            return None
+        if decode_steps is not None and not self.waiting:
+            self._several_steps(decode_steps)
+        return SchedulerOutput(
+            tuple(self._scheduled.values()), num_prompt_tokens=self._num_prompt_tokens, capped=self._capped
+        )
 
     def _has_room(self) -> bool:
         return (

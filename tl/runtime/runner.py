@@ -198,17 +198,20 @@ class ModelRunner:
         return dataclasses.replace(output, times=times)
 
     def _fed_back(self, plan: SchedulerOutput, packed: PackedStep, after: Launched) -> _Fed | None:
-        """packed's buffers with each work's token (token t = work t: one each) replaced on the
-        device by the last token its sequence made in `after` (step.py `_feed`), and its
-        penalties (None: none) on the device with that call's tokens added to the counts; None
-        while a program this needs is still compiling (self.feeds)."""
+        """packed's buffers with each fed-back work's one token replaced on the device by the last
+        token its sequence made in `after` (step.py `_feed`; after is decode-only, so a sequence's
+        column there is its work's index), and its penalties (None: none) on the device with that
+        call's tokens added to the counts; None while a program this needs is still compiling
+        (self.feeds)."""
         h = after.handle
         assert isinstance(h, _InFlight), "a call this runner launched"
-        assert all(w.fed_back and len(w.token_ids) == 1 for w in plan.work), "a step of fed-back decodes"
-        i, off, shape = packed.layout[2][0]  # the first leaf: StepInputs.token_ids [T]
-        columns = [h.columns[w.seq_id] for w in plan.work]
+        i, off, shape = packed.layout[2][0]  # the first leaf: StepInputs.token_ids [T], works in order
         src = np.full(shape, -1, np.int32)
-        src[: len(columns)] = columns
+        t = 0
+        for w in plan.work:
+            if w.fed_back:
+                src[t] = h.columns[w.seq_id]
+            t += len(w.token_ids)
         if isinstance(h.out, MultiOut):
             tokens, made = h.out.tokens, h.out.made
         else:
@@ -222,8 +225,10 @@ class ModelRunner:
         pen = None
         if packed.penalties is not None:
             pen = self._penalties(0, 0, packed.penalties)
-            seqs = np.full(pen.counts.shape[0], -1, np.int32)
-            seqs[: len(columns)] = columns
+            seqs = np.full(pen.counts.shape[0], -1, np.int32)  # counts' rows: the sampled works in order
+            for r, span in enumerate(packed.rows.spans):
+                if span.work.fed_back:
+                    seqs[r] = h.columns[span.work.seq_id]
             counts = pen.counts
             feed_counts = self.feeds.get(
                 ("counts", counts.shape, *shapes),
