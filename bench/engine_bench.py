@@ -147,7 +147,12 @@ def run(argv: Sequence[str]) -> int:
     )
     ap.add_argument("--decode-tokens", type=int, default=128, help="tokens each --host-split stream decodes")
     ap.add_argument("--decode-steps", default="1", help="--host-split: [engine] decode_steps, e.g. 1,4 (alternated)")
-    ap.add_argument("--overlap", default="1", help="--host-split: [engine] overlap, e.g. 0,1 (with each decode_steps)")
+    ap.add_argument(
+        "--overlap",
+        default="auto",
+        help="--host-split: [engine] overlap, e.g. off,on (with each decode_steps; more than two configurations "
+        "in one process can pass vm.max_map_count with every engine's compiled programs)",
+    )
     ap.add_argument("--rounds", type=int, default=1, help="--host-split: runs of each configuration per stream count")
     ap.add_argument("--weight-dtype", default="auto", help="[engine] weight_dtype (auto: a GGUF as it is)")
     args = ap.parse_args(argv)
@@ -161,14 +166,14 @@ def run(argv: Sequence[str]) -> int:
         cfg = cfg.replace(max_num_seqs=max(cfg.max_num_seqs, *counts))
         engines = []
         for k in (int(x) for x in args.decode_steps.split(",")):
-            for overlap in (bool(int(x)) for x in args.overlap.split(",")):
-                engine = build_engine(cfg.replace(decode_steps=k, overlap=overlap), warmup=True)
+            for overlap in args.overlap.split(","):
+                engine = build_engine(cfg.replace(decode_steps=k, overlap=overlap), warmup=True)  # type: ignore[arg-type]
                 vocab = engine.runner.model_config.vocab_size
                 engine.runner.compile_several()  # type: ignore[attr-defined]
                 engine.runner.feeds.background = False  # type: ignore[attr-defined]
                 for n in counts:  # every program these steps take, run once (and each size's step timed)
                     host_split(engine, n, 16, vocab, args.seed)
-                engines.append((f"steps {k}" + (" overlap" if overlap else ""), engine))
+                engines.append((f"steps {k} overlap {overlap}", engine))
         split = []
         for n in counts:  # the configurations alternated, each going first in turn
             for r in range(args.rounds):

@@ -2,9 +2,8 @@
 
 Owns: reading the config file named by TL_CONFIG, the `[engine]` table, and parsing
 override strings by each field's declared type (a list: a JSON array, as pydantic-settings
-and k8s manifests write it, or comma-separated text; a bool: true/false, 1/0, yes/no, on/off).
-Refuses unknown tables, unknown keys and ill-typed values with a ConfigError naming them; range
-checks stay in EngineConfig.
+and k8s manifests write it, or comma-separated text). Refuses unknown tables, unknown keys
+and ill-typed values with a ConfigError naming them; range checks stay in EngineConfig.
 Tested by tests/test_serve_config.py.
 """
 
@@ -78,8 +77,6 @@ def _parse_env(key: str, text: str, typ: object) -> object:
             (elem,) = {a for a in get_args(typ) if a is not Ellipsis}
             parts = [p.strip() for p in text.split(",") if p.strip()]
             return tuple(_parse_env(key, p, elem) for p in parts)
-        if typ is bool:
-            return _parse_bool(text)
         if typ is int:
             return int(text)
         if typ is float:
@@ -87,17 +84,6 @@ def _parse_env(key: str, text: str, typ: object) -> object:
     except ValueError:
         raise ConfigError(f"{ENV_PREFIX}{key.upper()}={text!r}: not a valid {getattr(typ, '__name__', typ)}") from None
     return text
-
-
-_BOOLS = {"true": True, "1": True, "yes": True, "on": True, "false": False, "0": False, "no": False, "off": False}
-
-
-def _parse_bool(text: str) -> bool:
-    """true/false, 1/0, yes/no, on/off in any case (what pydantic-settings accepts)."""
-    try:
-        return _BOOLS[text.strip().lower()]
-    except KeyError:
-        raise ValueError(text) from None
 
 
 def engine_config_from(table: Mapping[str, object], env: Mapping[str, str]) -> EngineConfig:

@@ -41,10 +41,10 @@ CFG = EngineConfig(
     compile_cache_dir="",
     decode_steps=4,
     decode_steps_max_ms=1e6,
-    overlap=False,
+    overlap="off",
 )
 ONE = CFG.replace(decode_steps=1)
-MODES = {"steps": {}, "steps_overlap": {"overlap": True}, "overlap": {"decode_steps": 1, "overlap": True}}
+MODES = {"steps": {}, "steps_overlap": {"overlap": "on"}, "overlap": {"decode_steps": 1, "overlap": "on"}}
 PROMPT = tuple(range(10, 22))
 
 
@@ -159,7 +159,7 @@ def test_several_steps_and_overlap_give_exactly_the_single_steps_outputs(
     assert eos in token_ids(got[1]) and finish_reason(got[1]) == "length"
     s, s1 = many.stats(), one.stats()
     assert (s.multi_step_calls > warm.multi_step_calls) == (cfg.decode_steps > 1) and s1.multi_step_calls == 0
-    assert (s.overlapped_steps > warm.overlapped_steps) == cfg.overlap and s1.overlapped_steps == 0
+    assert (s.overlapped_steps > warm.overlapped_steps) == (cfg.overlap == "on") and s1.overlapped_steps == 0
     assert s.steps - warm.steps < s1.steps or cfg.decode_steps == 1
     assert (s.preemptions > 0) == (kv == 14), s
     assert (s.kv_blocks_used, s.running, s.queue_depth) == (0, 0, 0)

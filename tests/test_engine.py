@@ -36,7 +36,7 @@ BASE_CFG = EngineConfig(
     speculative="none",
     queue_capacity=16,
     decode_steps=1,  # one step per call, but in the decode_steps variants below
-    overlap=False,  # every step synchronous, but in the overlap variants below
+    overlap="off",  # every step synchronous, but in the overlap variants below
 )
 VARIANTS: dict[str, dict[str, Any]] = {
     "plain": {},
@@ -57,10 +57,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "decode_steps": 3,
         "decode_steps_max_ms": 1e6,
     },
-    "overlap": {"overlap": True},
-    "overlap_decode_steps": {"overlap": True, "decode_steps": 4, "decode_steps_max_ms": 1e6},
+    "overlap": {"overlap": "on"},
+    "overlap_decode_steps": {"overlap": "on", "decode_steps": 4, "decode_steps_max_ms": 1e6},
     "overlap_everything": {
-        "overlap": True,
+        "overlap": "on",
         "num_kv_blocks": 14,
         "prefix_cache": "radix",
         "prefill_chunk": 4,
@@ -144,7 +144,7 @@ def test_each_request_gets_exactly_what_it_gets_alone(factory: RunnerFactory, va
         assert max(p.num_tokens for p in engine.runner.plans) <= cfg.max_num_batched_tokens  # type: ignore[attr-defined]
     assert (st_.multi_step_calls > 0) == (cfg.decode_steps > 1), st_
     assert st_.multi_step_calls == sum(p.decode_steps > 1 for p in engine.runner.plans)  # type: ignore[attr-defined]
-    assert (st_.overlapped_steps > 0) == cfg.overlap, st_
+    assert (st_.overlapped_steps > 0) == (cfg.overlap == "on"), st_
     assert (st_.kv_blocks_used, st_.running, st_.queue_depth) == (0, 0, 0)
 
 

@@ -111,7 +111,7 @@ def test_tiny_llama_stream_equals_nonstream_concurrency_usage_embeddings(tiny_di
 
 
 def test_overlap_and_decode_steps_change_no_answer(tiny_dir: Path) -> None:
-    """The same requests on an engine with overlap and 4 decode steps per call (the default) and
+    """The same requests on an engine with overlap on and 4 decode steps per call and
     on one with neither: n = 2 seeded samples with a penalty and logprobs, and greedy answers cut
     by a stop string (which serve/ applies by aborting the request: one call late with overlap),
     streamed and not. The overlap engine is first run until it has launched calls ahead (their
@@ -149,7 +149,7 @@ def test_overlap_and_decode_steps_change_no_answer(tiny_dir: Path) -> None:
             got["streamed"] = [content(await call(app, "POST", CHAT, {**r, "stream": True})) for r in stops]
             got["overlapped"] = app.engine.stats().overlapped_steps
 
-        engine: dict[str, object] = {"overlap": overlap, "decode_steps": 4 if overlap else 1}
+        engine: dict[str, object] = {"overlap": "on" if overlap else "off", "decode_steps": 4 if overlap else 1}
         run(app_for(tiny_dir, "tiny", **engine, decode_steps_max_ms=1e6), body)
         return answers(got["docs"]), got["streamed"], int(got["overlapped"])  # type: ignore[arg-type,call-overload]
 

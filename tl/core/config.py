@@ -27,6 +27,7 @@ WeightPages = Literal["huge", "default"]
 Backend = Literal["auto", "cpu", "gpu", "tpu"]
 ToolParser = Literal["auto", "hermes", "smollm2"]
 ReasoningParser = Literal["auto", "none", "think"]
+Overlap = Literal["auto", "on", "off"]
 AttentionKernel = Literal["auto", "reference", "cpu_native", "pallas_tpu", "pallas_gpu"]
 MatmulKernel = Literal["auto", "xla", "cpu_native"]
 NativeTarget = Literal[
@@ -155,12 +156,13 @@ class EngineConfig:
     decode_steps_max_ms: float = 50.0
     """The bound on such a call: its steps times the last measured time of one decode step stay
     within it, so an arriving prompt or an abort waits at most this long for the call to end."""
-    overlap: bool = True
-    """Launch the next call of a step of plain decodes (without penalties) before the current
-    call's tokens reach the host: its tokens are fed back on the device, and the host folds in
-    the current call's results (stops, stop strings, aborts, finishes: one call late, the next
-    call's work for a finished row dropped), delivers them and schedules while the device
-    computes. false: every step synchronous."""
+    overlap: Overlap = "auto"
+    """"on": launch the next call after a step of plain decodes before that step's tokens reach
+    the host (their last tokens fed in on the device, waiting prompts admitted beside them), and
+    fold its results in (stops, stop strings, aborts, finishes: one call late, the next call's
+    work for a finished row dropped), deliver them and schedule while the device computes. "off":
+    every step synchronous. "auto": on where the runner says it pays (an accelerator; not a CPU
+    backend, whose steps run on the same cores as the host's work: measured no faster there)."""
     max_logprobs: int = 20
     """Most `top_logprobs` a request may ask for."""
     tool_parser: ToolParser = "auto"

@@ -78,7 +78,8 @@ class Engine:
             getattr(runner, "decode_steps", None) if config.decode_steps > 1 else None
         )
         self._decode_step_s: dict[int, float] = {}  # by sequences: the last decode step's seconds
-        self._overlap = config.overlap and hasattr(runner, "launch") and getattr(runner, "can_overlap", False)
+        wanted = config.overlap == "on" or (config.overlap == "auto" and getattr(runner, "overlap_pays", False))
+        self._overlap = wanted and hasattr(runner, "launch") and getattr(runner, "can_overlap", False)
         self._inflight: Launched | None = None  # a call launched ahead, its results not folded in yet
         self._inflight_at = 0.0  # when it was handed to the runner
         self._results_at = 0.0  # when the last call's results were on the host

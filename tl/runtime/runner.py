@@ -147,6 +147,13 @@ class ModelRunner:
         tokens to the followers."""
         return self.peers is None
 
+    @property
+    def overlap_pays(self) -> bool:
+        """Whether [engine] overlap "auto" turns it on: off a CPU backend. On a CPU the step runs
+        on the cores the host's work would overlap with; measured there (2-core Zen 5, SmolLM2
+        Q4_1 over HTTP, both orders): 0-3 % more tokens/s, TTFT p50 at 64 streams 8-24 % worse."""
+        return self.plan.platform.value != "cpu"
+
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
         if not plan.work:
             return RunnerOutput(())
