@@ -164,8 +164,9 @@ class ModelRunner:
     def launch(self, plan: SchedulerOutput, after: Launched | None = None) -> Launched | None:
         """plan packed and its call launched, not waited for (`collect` waits). after: the call
         in flight whose tokens plan's fed_back works take on the device (Scheduler.schedule_ahead:
-        every work is one); then None when the program feeding them is not compiled yet (asked
-        for in the background: the engine waits for `after` and schedules as usual)."""
+        its decodes, beside any prompt admitted); then None when a program feeding them is not
+        compiled yet (asked for in the background: the engine waits for `after` and schedules as
+        usual)."""
         started = time.perf_counter()
         try:
             if plan.decode_steps > 1:
@@ -229,6 +230,8 @@ class ModelRunner:
             ("tokens", buf.shape, off, src.shape, *shapes),
             lambda: self.program.lower_feed(buf, tokens, made, src, off),
         )
+        if feed is None:
+            return None
         pen = None
         if packed.penalties is not None:
             pen = self._penalties(0, 0, packed.penalties)
@@ -244,8 +247,6 @@ class ModelRunner:
             if feed_counts is None:
                 return None
             pen = dataclasses.replace(pen, counts=feed_counts(counts, tokens, made, seqs))
-        if feed is None:
-            return None
         bufs: list[jax.Array | np.ndarray] = list(packed.bufs)
         bufs[i] = feed(buf, tokens, made, src)
         return tuple(bufs), pen
