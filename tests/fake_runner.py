@@ -84,7 +84,10 @@ class FakeRunner:
         vocab_size: int = 97,
         eos_token_ids: tuple[int, ...] = (0,),
         decode_steps: int = 1,
+        refuse_after: int = 0,
     ) -> None:
+        """refuse_after k > 0: every k-th launch that follows another call returns None, as the
+        real runner's does while the program feeding its tokens compiles."""
         self.block_size = block_size
         self.num_kv_blocks = num_kv_blocks
         self.max_model_len = max_model_len
@@ -98,6 +101,9 @@ class FakeRunner:
         self.history: dict[int, list[int]] = {}  # seq id -> tokens by position as committed so far (-1: unseen)
         self.plans: list[SchedulerOutput] = []
         self.max_decode_steps = decode_steps
+        self.refuse_after = refuse_after
+        self.follow_ups = 0  # launches that followed another call, refused ones included
+        self.refused: list[SchedulerOutput] = []
 
     def decode_steps(self, num_seqs: int) -> int:
         """Several decode steps in one call, as the real runner's program runs them (SeqWork.steps)."""
@@ -133,9 +139,13 @@ class FakeRunner:
 
     can_overlap = True
 
-    def launch(self, plan: SchedulerOutput, after: Launched | None = None) -> Launched:
+    def launch(self, plan: SchedulerOutput, after: Launched | None = None) -> Launched | None:
         run = plan
         if after is not None:
+            self.follow_ups += 1
+            if self.refuse_after and self.follow_ups % self.refuse_after == 0:
+                self.refused.append(plan)
+                return None
             assert isinstance(after.handle, RunnerOutput)
             made = {r.seq_id: r.token_ids for r in after.handle.results}
             prev = {w.seq_id: w for w in after.plan.work}

@@ -148,6 +148,27 @@ def test_each_request_gets_exactly_what_it_gets_alone(factory: RunnerFactory, va
     assert (st_.kv_blocks_used, st_.running, st_.queue_depth) == (0, 0, 0)
 
 
+@pytest.mark.parametrize("refuse_after", [1, 2, 3])
+def test_a_call_ahead_the_runner_refuses_is_scheduled_again(refuse_after: int) -> None:
+    """The real runner refuses a call ahead while the program feeding its tokens compiles: the
+    step chosen ahead (decodes, and prompts admitted beside them) is dropped, and the next
+    schedule picks its sequences up where they are, blocks exact."""
+    cfg = BASE_CFG.replace(**VARIANTS["overlap_everything"])
+    runners: list[FakeRunner] = []
+
+    def factory(c: EngineConfig) -> FakeRunner:
+        runners.append(FakeRunner.from_config(c, refuse_after=refuse_after if c.overlap == "on" else 0))
+        return runners[-1]
+
+    engine = assert_concurrent_equals_alone(factory, cfg, BASE_CFG, workload(), check=check_engine)
+    st_ = engine.stats()
+    refused = runners[0].follow_ups // refuse_after
+    assert refused == len(runners[0].refused) > 0 and st_.overlapped_steps == runners[0].follow_ups - refused, st_
+    if refuse_after == 1:  # some dropped step had a prompt admitted beside its decodes
+        assert any(p.num_prompt_tokens for p in runners[0].refused)
+    assert (st_.kv_blocks_used, st_.running, st_.queue_depth) == (0, 0, 0)
+
+
 def test_the_fake_engine_follows_the_rule() -> None:
     for arrival in workload():
         outs = drive(Engine(FakeRunner.from_config(BASE_CFG), BASE_CFG), [arrival])[0]
@@ -277,10 +298,13 @@ class EngineMachine(RuleBasedStateMachine):
     """Random add / step / abort on a small KV cache; the books balance after every operation
     and every request that finishes by itself got exactly the rule's tokens."""
 
-    @initialize(variant=st.sampled_from(sorted(VARIANTS)), kv=st.sampled_from([6, 9, 14, 64]))
-    def setup(self, variant: str, kv: int) -> None:
+    @initialize(
+        variant=st.sampled_from(sorted(VARIANTS)), kv=st.sampled_from([6, 9, 14, 64]), refuse=st.sampled_from([0, 2, 3])
+    )
+    def setup(self, variant: str, kv: int, refuse: int) -> None:
+        """refuse: every refuse-th call ahead is refused (overlap variants), as while its feed compiles."""
         self.cfg = BASE_CFG.replace(**(VARIANTS[variant] | {"num_kv_blocks": kv}))
-        self.engine = Engine(FakeRunner.from_config(self.cfg), self.cfg)
+        self.engine = Engine(FakeRunner.from_config(self.cfg, refuse_after=refuse), self.cfg)
         self.requests: dict[int, GenRequest] = {}
         self.outs: dict[int, list[TokenOut]] = {}
         self.embeds: dict[int, tuple[int, ...]] = {}
