@@ -59,16 +59,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     },
     "overlap": {"overlap": "on"},
     "overlap_decode_steps": {"overlap": "on", "decode_steps": 4, "decode_steps_max_ms": 1e6},
-    "overlap_everything": {
-        "overlap": "on",
-        "num_kv_blocks": 14,
-        "prefix_cache": "radix",
-        "prefill_chunk": 4,
-        "speculative": "prompt_lookup",
-        "decode_steps": 3,
-        "decode_steps_max_ms": 1e6,
-    },
 }
+VARIANTS["overlap_everything"] = {**VARIANTS["decode_steps_everything"], "overlap": "on"}
 RUNNER_FACTORIES: list[Any] = [pytest.param(FakeRunner.from_config, id="fake")]
 
 

@@ -48,13 +48,11 @@ _Fed = tuple[tuple[jax.Array | np.ndarray, ...], Penalties | None]
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class _InFlight:
-    """The runner's handle on a launched call (Launched.handle): how it was packed, its device
-    results, and each sequence's column in them (its work's index: one token per work in a
-    decode-only step, sample row = token) for a next call's fed-back tokens."""
+    """The runner's handle on a launched call (Launched.handle): how it was packed and its device
+    results."""
 
     packed: PackedStep
     out: StepOutput | MultiOut
-    columns: dict[int, int]
 
 
 class ModelRunner:
@@ -181,7 +179,7 @@ class ModelRunner:
             if self.peers is None:
                 raise
             raise self.peers.broken(e) from e  # a multi-host step: the group has failed
-        return Launched(plan, started, packed_at, time.perf_counter(), _InFlight(packed, out, _columns(plan)))
+        return Launched(plan, started, packed_at, time.perf_counter(), _InFlight(packed, out))
 
     def collect(self, launched: Launched) -> RunnerOutput:
         """A launched call's results on the host (waiting for them), unpacked."""
@@ -214,11 +212,12 @@ class ModelRunner:
         h = after.handle
         assert isinstance(h, _InFlight), "a call this runner launched"
         i, off, shape = packed.layout[2][0]  # the first leaf: StepInputs.token_ids [T], works in order
+        columns = {w.seq_id: c for c, w in enumerate(after.plan.work)}  # decode-only: one token, one row each
         src = np.full(shape, -1, np.int32)
         t = 0
         for w in plan.work:
             if w.fed_back:
-                src[t] = h.columns[w.seq_id]
+                src[t] = columns[w.seq_id]
             t += len(w.token_ids)
         if isinstance(h.out, MultiOut):
             tokens, made = h.out.tokens, h.out.made
@@ -238,7 +237,7 @@ class ModelRunner:
             seqs = np.full(pen.counts.shape[0], -1, np.int32)  # counts' rows: the sampled works in order
             for r, span in enumerate(packed.rows.spans):
                 if span.work.fed_back:
-                    seqs[r] = h.columns[span.work.seq_id]
+                    seqs[r] = columns[span.work.seq_id]
             counts = pen.counts
             feed_counts = self.feeds.get(
                 ("counts", counts.shape, *shapes),
@@ -287,7 +286,7 @@ class ModelRunner:
         packed_at = time.perf_counter()
         pen = pen or self._penalties(v[1], self.num_rows(*v), packed.penalties)
         self._kv, out = variant.step(self._params, self._kv, bufs, pen)
-        return Launched(plan, started, packed_at, time.perf_counter(), _InFlight(packed, out, _columns(plan)))
+        return Launched(plan, started, packed_at, time.perf_counter(), _InFlight(packed, out))
 
     def logits(self, plan: SchedulerOutput) -> np.ndarray:
         """The float32 logits [sample rows, V] of a non-empty plan, run as `execute` runs it (its
@@ -362,8 +361,3 @@ class ModelRunner:
             self.several.stop(wait=False)
         if self.peers is not None:
             self.peers.stop()
-
-
-def _columns(plan: SchedulerOutput) -> dict[int, int]:
-    """Each sequence's work index in plan: its token's column in a decode-only call's results."""
-    return {w.seq_id: i for i, w in enumerate(plan.work)}

@@ -3,8 +3,8 @@
 Owns: the step function (forward + KV write + the constraint bitmask + sampling + pooling; KV
 donated), the top-logprobs function run after it when a row asks, both jitted once with the
 plan's resolved dispatch (tl/runtime/execution.py StepKernels), the overlap's small programs that
-feed a call's tokens (and penalty counts) into the next call's inputs on the device, compiling a variant of both ahead
-of time over abstract arguments (what tl/runtime/compiler.py calls), and the count of traces (one
+feed a call's tokens (and penalty counts) into the next call's inputs on the device, compiling a
+variant of both ahead of time over abstract arguments (what tl/runtime/compiler.py calls), and the count of traces (one
 trace = one compile). Must not: pack inputs (tl/runtime/step_io.py), run steps or hold the KV
 cache (tl/runtime/runner.py), decide kernels. Tested by tests/test_runner.py (flat compile
 count) and tests/test_verdicts.py (each variant's kernels, in its HLO).
@@ -143,14 +143,20 @@ def _decode_steps(
     return c[1], MultiOut(c[7], c[8], c[9])
 
 
+def _by_step(tokens: jax.Array, made: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+    """A call's tokens as [k, X] by step and how many each column made [X]: tokens [R] of one
+    step (each row made one), or [k, T] of several with their `made`."""
+    if made is None:
+        return tokens[None, :], jnp.ones(tokens.shape[0], jnp.int32)
+    return tokens, made
+
+
 def _feed(buf: jax.Array, tokens: jax.Array, made: jax.Array | None, src: jax.Array, *, off: int) -> jax.Array:
     """A step's int32 input buffer with its token ids (at `off`, one per entry of src) taken from
-    a call still on the device where src >= 0: that call's last token of column src (tokens [R]
-    of one step; or [k, T] of several, whose column t made made[t]); src < 0 keeps the host's."""
-    if made is None:
-        last = tokens
-    else:
-        last = tokens[jnp.maximum(made - 1, 0), jnp.arange(tokens.shape[1])]
+    a call still on the device where src >= 0: that call's last token of column src (`_by_step`);
+    src < 0 keeps the host's."""
+    steps, n_made = _by_step(tokens, made)
+    last = steps[jnp.maximum(n_made - 1, 0), jnp.arange(steps.shape[1])]
     n = src.shape[0]
     fed = jnp.where(src >= 0, last[jnp.maximum(src, 0)], buf[off : off + n])
     return buf.at[off : off + n].set(fed)
@@ -159,8 +165,7 @@ def _feed(buf: jax.Array, tokens: jax.Array, made: jax.Array | None, src: jax.Ar
 def _feed_counts(counts: jax.Array, tokens: jax.Array, made: jax.Array | None, src: jax.Array) -> jax.Array:
     """Penalty counts [S, V] of a step whose sequence s continues column src[s] (>= 0) of a call
     still on the device, with that call's tokens added: what the host's counts lack."""
-    steps = tokens[None, :] if made is None else tokens  # [k, X]
-    n = jnp.ones(steps.shape[1], jnp.int32) if made is None else made
+    steps, n = _by_step(tokens, made)
     cols = jnp.maximum(src, 0)
     toks = steps[:, cols]  # [k, S]
     valid = (jnp.arange(steps.shape[0])[:, None] < n[cols][None, :]) & (src >= 0)[None, :]
