@@ -48,7 +48,7 @@ def lib(request: pytest.FixtureRequest) -> cpu_native.NativeLib:
     return cpu_native.library(request.param)
 
 
-ROWS = (1, 2, 3, 5, 16, 17, 64)
+ROWS = (1, 2, 3, 5, 8, 16, 17, 64, 300)  # 300: past a run of 256 rows (quant.cc kRun)
 SHAPES = [((37,), 32), ((3, 40), 576), ((24,), 1536)]  # (out, K)
 
 

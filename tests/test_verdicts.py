@@ -134,6 +134,25 @@ def test_a_real_measurement_covers_every_class_and_is_saved() -> None:
     assert len(saved["verdicts"]) == 6 and saved["shapes"]["classes"] == sorted([list(c) for c in got])
 
 
+def test_block_weights_make_the_largest_token_bucket_a_class_of_its_own() -> None:
+    """The integer kernel takes any row count of q8_0 weights, so a prompt chunk of 128 tokens is
+    measured (and run) as its own class; the float32 few-row kernel takes at most 64 rows, so a
+    float32 model measures no class past 64."""
+    engine = ENGINE.replace(token_buckets=(1, 8, 128), max_num_batched_tokens=128, seq_buckets=(1, 4))
+    runner, _ = make_runner(engine.replace(weight_dtype="q8_0"))
+    if runner.kernels.native is None:
+        pytest.skip("the native library does not build here (tests/test_cpu_build.py says why)")
+    layer = runner.params.layers[0]
+    mm = runner.kernels.matmul.fn
+    assert mm is not None and verdicts.takes_rows(mm, layer, 128)
+    matmuls = {v.rows for v in runner.plan.verdicts.verdicts if v.kernel == "matmul"}
+    assert matmuls == {1, 4, 16, 64, 128}
+    dense, _ = make_runner(engine)
+    assert not verdicts.takes_rows(mm, dense.params.layers[0], 128)
+    assert verdicts.takes_rows(mm, dense.params.layers[0], 64)
+    assert {v.rows for v in dense.plan.verdicts.verdicts if v.kernel == "matmul"} == {1, 4, 16, 64}
+
+
 def test_the_start_up_compiles_run_on_daemon_threads_in_order() -> None:
     """measure()'s prepares: results in order, every item run, the first item's error raised, and
     on daemon threads (an executor's would be joined at the exit, holding a stop)."""

@@ -19,7 +19,8 @@
 // x86-64-v4) one block a 256-bit vector, vpmaddubsw then vpmaddwd with ones, the same sign
 // trick (|w| * sign(x, w) < 2 * 128 * 127 per pair: no int16 saturation); aarch64 with dotprod
 // vdotq_s32 on the signed values; elsewhere (SSE2, plain armv8-a) scalar code the compiler
-// vectorizes. Each weight block is unpacked once per tile of up to kTileRows rows of x and
+// vectorizes. On AVX-512 VNNI, from 8 rows (batched decodes, prompt chunks) a panel kernel with
+// outputs in the vector lanes (panel_tile below): its measured rate is 2x-3x the tiles' there. Each weight block is unpacked once per tile of up to kTileRows rows of x and
 // dotted against all of them; a row's blocks stream front to back, each thread one contiguous
 // range of outputs, its helper lingering after one-row calls as TlGemv's does (threads.h).
 //
@@ -56,7 +57,7 @@ namespace ffi = xla::ffi;
 namespace tl {
 namespace {
 
-constexpr int64_t kQMaxRows = 64;  // the most rows TlQGemm takes
+constexpr int64_t kQMaxRows = int64_t{1} << 16;  // the most rows TlQGemm takes
 constexpr int64_t kQK = 32;        // weights a block
 
 constexpr int64_t kQKK = 256;     // weights a K-quant super-block
@@ -795,7 +796,8 @@ inline void dot_rows_k(const uint8_t* w, const XQ& x, int64_t n0, float out[R]) 
 // high 16] (the order the two 16-byte qs arrays split into), for q8_0 [b0, b1]; each int32 lane's
 // block scale d_x (and s_x / 8 for the m term: a lane value counted in 8 lanes' sum) beside it.
 // A tile is MO output rows x R rows of x: one x row (one-stream decode) takes MO = 4 outputs at
-// once, four independent accumulator chains sharing each x load; more rows take MO = 2 x R = 4.
+// once, four independent accumulator chains sharing each x load; 2 to 7 rows take MO = 2 x R = 4;
+// from kPanelMinRows rows the panels below take over.
 // Each thread streams one contiguous range of outputs and prefetches the rows six tiles ahead (24 outputs: a SmolLM2 Q4_1 decode step 3.72 / 4.12 / 3.79 ms against 3.90 / 4.24 / 4.32 two tiles ahead, alternated; twelve was slower).
 // (Before: one output at a time, its blocks' scales built from scalars, its m term a scalar
 // chain: 14.7 us for a 576 x 576 q4_1 one-row matmul from L2, 29.7 from memory, a 3-4x
@@ -815,36 +817,35 @@ constexpr bool kNibbles = KIND != kQ8_0;
 template <int KIND>
 constexpr int kOffset = KIND == kQ8_0 ? 128 : KIND == kQ4_0 ? 8 : KIND == kQ5_0 ? 16 : 0;
 
-// The lane (0..15) of int32 lane l's block within its pair: 0 or 1.
-template <int KIND>
-constexpr int lane_block(int l) {
-  return kNibbles<KIND> ? (l / 4) % 2 : l / 8;
-}
-
+// x in that layout, a vector a pair: the bytes by 128-bit moves (the second block zero past a
+// row's last), each lane's offset term from one vpdpbusd of ones, each lane's d_x (and s_x / 8)
+// by a blend of its pair's two scales.
 template <int KIND>
 void layout_x(const XQ& x, int64_t N, int8_t* q, int32_t* c, float* d, float* s, int64_t np) {
+  constexpr __mmask16 kSecond = kNibbles<KIND> ? 0xf0f0 : 0xff00;  // lanes of the pair's second block
+  const __m512i ones = _mm512_set1_epi8(1);
   for (int64_t n = 0; n < N; ++n)
     for (int64_t p = 0; p < np; ++p) {
-      int8_t* o = q + (n * np + p) * 64;
-      std::memset(o, 0, 64);
-      for (int k = 0; k < 2; ++k) {
-        const int64_t b = 2 * p + k;
-        if (b >= x.nb) break;
-        const int8_t* src = x.q + n * x.K + b * kQK;
-        if (kNibbles<KIND>) {
-          std::memcpy(o + 16 * k, src, 16);
-          std::memcpy(o + 32 + 16 * k, src + 16, 16);
-        } else {
-          std::memcpy(o + 32 * k, src, 32);
-        }
-      }
-      for (int l = 0; l < 16; ++l) {
-        const int64_t b = 2 * p + lane_block<KIND>(l);
-        int32_t sum = 0;
-        for (int i = 0; i < 4; ++i) sum += o[4 * l + i];
-        c[(n * np + p) * 16 + l] = -kOffset<KIND> * sum;
-        d[(n * np + p) * 16 + l] = b < x.nb ? x.d8[(n * x.nb + b) * 8] : 0.0f;
-        s[(n * np + p) * 16 + l] = b < x.nb ? x.s[n * x.nb + b] * 0.125f : 0.0f;
+      const int64_t b0 = 2 * p;
+      const bool pair = b0 + 1 < x.nb;
+      const int8_t* src = x.q + n * x.K + b0 * kQK;
+      const __m128i a0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
+      const __m128i a1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16));
+      const __m128i z = _mm_setzero_si128();
+      const __m128i c0 = pair ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 32)) : z;
+      const __m128i c1 = pair ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 48)) : z;
+      const __m256i lo = kNibbles<KIND> ? _mm256_set_m128i(c0, a0) : _mm256_set_m128i(a1, a0);
+      const __m256i hi = kNibbles<KIND> ? _mm256_set_m128i(c1, a1) : _mm256_set_m128i(c1, c0);
+      const __m512i v = __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7);
+      const int64_t at = n * np + p;
+      _mm512_storeu_si512(q + at * 64, v);
+      const __m512i sum4 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, v);
+      _mm512_storeu_si512(c + at * 16, _mm512_mullo_epi32(sum4, _mm512_set1_epi32(-kOffset<KIND>)));
+      const float d0 = x.d8[(n * x.nb + b0) * 8], d1 = pair ? x.d8[(n * x.nb + b0 + 1) * 8] : 0.0f;
+      _mm512_storeu_ps(d + at * 16, _mm512_mask_blend_ps(kSecond, _mm512_set1_ps(d0), _mm512_set1_ps(d1)));
+      if constexpr (Fmt<KIND>::kHasM) {
+        const float s0 = x.s[n * x.nb + b0] * 0.125f, s1 = pair ? x.s[n * x.nb + b0 + 1] * 0.125f : 0.0f;
+        _mm512_storeu_ps(s + at * 16, _mm512_mask_blend_ps(kSecond, _mm512_set1_ps(s0), _mm512_set1_ps(s1)));
       }
     }
 }
@@ -953,9 +954,196 @@ void vnni_outputs(const uint8_t* W, int64_t row_bytes, const XL& x, int64_t N, i
   }
 }
 
+// Many rows (a batch of decodes, a prompt chunk): the lanes of a vector are 16 outputs, not 16
+// groups of one output's inputs. Each thread takes panels of kPanel (32) outputs; a panel's
+// weights are unpacked once per run of rows into a thread-local buffer as unsigned bytes u (as
+// above) interleaved [block][group of 4 inputs][output] (the 16 x 8 int32 transpose of 16
+// outputs' unpacked blocks), with d_w (and m_w) [block][output]. A row of x then meets a block
+// as eight vpdpbusd of the panel's group vectors with its own 4 bytes broadcast, summed in int32
+// (one block: exact), starting from -offset * sum(q_x) (q_x's block sum, once per row and
+// block, in place of the weights' offset), then converted and scaled once per block: 8
+// vpdpbusd and 3 float operations per 16 x 32 products, where vnni_tile spends 1 and 3 per
+// 64. Rows go R at a time (2 x R int32 and 2 x R float accumulators in registers).
+constexpr int kPanel = 32;
+constexpr int64_t kPanelMinRows = 8;  // the panels from this many rows of x
+constexpr int64_t kRun = 256;          // rows of x a panel's unpacked weights serve before the next run
+
+struct PanelBuf {
+  std::vector<__m512i> w;  // [nb][8 groups][2 halves of 16 outputs]
+  std::vector<__m512> d, m;  // [nb][2 halves]: d_w, m_w of each output
+  std::vector<__m256i> u;  // [kPanel][nb]: each output's blocks unpacked, in row order (the staging)
+};
+
+// 8 x 8 int32 transposes in both 256-bit halves: in[i] = [row i (8 int32), row i + 8], out[g] =
+// [row 0..7's int32 g, row 8..15's int32 g].
+inline void transpose_8x8x2(const __m512i in[8], __m512i out[8]) {
+  __m512i t[8], u[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(in[2 * i], in[2 * i + 1]);      // r0g0 r1g0 r0g1 r1g1 | g4 g5
+    t[2 * i + 1] = _mm512_unpackhi_epi32(in[2 * i], in[2 * i + 1]);  // g2 g3 | g6 g7
+  }
+  for (int i = 0; i < 2; ++i) {
+    for (int h = 0; h < 2; ++h) {
+      u[4 * i + 2 * h] = _mm512_unpacklo_epi64(t[4 * i + h], t[4 * i + 2 + h]);      // r0..3 g(2h)   | g(2h+4)
+      u[4 * i + 2 * h + 1] = _mm512_unpackhi_epi64(t[4 * i + h], t[4 * i + 2 + h]);  // r0..3 g(2h+1) | g(2h+5)
+    }
+  }
+  // u[0..3]: rows 0-3 (and 8-11), u[4..7]: rows 4-7 (12-15); within each, 128-bit lane k of
+  // u[j] holds group j (k even: j's low, k odd: j + 4) for the half k / 2.
+  const __m512i lo = _mm512_set_epi32(27, 26, 25, 24, 11, 10, 9, 8, 19, 18, 17, 16, 3, 2, 1, 0);
+  const __m512i hi = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 23, 22, 21, 20, 7, 6, 5, 4);
+  for (int j = 0; j < 4; ++j) {
+    out[j] = _mm512_permutex2var_epi32(u[j], lo, u[4 + j]);
+    out[j + 4] = _mm512_permutex2var_epi32(u[j], hi, u[4 + j]);
+  }
+}
+
+// Outputs [o0, o0 + mo) (mo <= kPanel) of W into `buf`; outputs past mo get zero weights. The
+// rows are read front to back (one contiguous range: the hardware prefetcher's pattern; block by
+// block across the 32 rows ran a 49152 x 576 q8_0 call at 4-8 rows 2-3x slower), unpacked into
+// the staging, then transposed from there (L1 / L2).
+template <int KIND>
+void unpack_panel(const uint8_t* W, int64_t row_bytes, int64_t o0, int mo, int64_t nb, PanelBuf& buf) {
+  constexpr int64_t BB = Fmt<KIND>::kBytes;
+  buf.w.resize(static_cast<size_t>(nb * 16));
+  buf.d.resize(static_cast<size_t>(nb * 2));
+  buf.m.resize(static_cast<size_t>(nb * 2));
+  buf.u.resize(static_cast<size_t>(kPanel * nb));
+  float* dv = reinterpret_cast<float*>(buf.d.data());
+  float* mv = reinterpret_cast<float*>(buf.m.data());
+  const __m256i off = _mm256_set1_epi8(static_cast<char>(kOffset<KIND>));
+  for (int o = 0; o < kPanel; ++o) {
+    __m256i* u = buf.u.data() + o * nb;
+    if (o >= mo) {
+      for (int64_t b = 0; b < nb; ++b) u[b] = _mm256_setzero_si256(), dv[b * kPanel + o] = 0.0f, mv[b * kPanel + o] = 0.0f;
+      continue;
+    }
+    const uint8_t* row = W + (o0 + o) * row_bytes;
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = row + b * BB;
+      u[b] = _mm256_add_epi8(unpack256<KIND>(blk), off);
+      dv[b * kPanel + o] = half(blk);
+      if constexpr (Fmt<KIND>::kHasM) mv[b * kPanel + o] = half(blk + 2);
+    }
+  }
+  for (int64_t b = 0; b < nb; ++b)
+    for (int h = 0; h < 2; ++h) {
+      __m512i in[8], out[8];
+      for (int i = 0; i < 8; ++i)
+        in[i] = __builtin_shufflevector(buf.u[static_cast<size_t>((16 * h + i) * nb + b)],
+                                        buf.u[static_cast<size_t>((16 * h + i + 8) * nb + b)], 0, 1, 2, 3, 4, 5, 6, 7);
+      transpose_8x8x2(in, out);
+      for (int g = 0; g < 8; ++g) buf.w[static_cast<size_t>((b * 8 + g) * 2 + h)] = out[g];
+    }
+}
+
+template <int KIND, int R>
+inline void panel_tile(const PanelBuf& buf, const XQ& x, const int32_t* xsum, int64_t O, float* Y, int64_t o0, int mo,
+                       int64_t n0) {
+  const int64_t nb = x.nb;
+  __m512 acc[2][R];
+  for (int h = 0; h < 2; ++h)
+    for (int r = 0; r < R; ++r) acc[h][r] = _mm512_setzero_ps();
+  const __m512i* w = buf.w.data();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512i ia[2][R];
+    for (int r = 0; r < R; ++r) {
+      const __m512i init =
+          kOffset<KIND> ? _mm512_set1_epi32(-kOffset<KIND> * xsum[(n0 + r) * nb + b]) : _mm512_setzero_si512();
+      ia[0][r] = init, ia[1][r] = init;
+    }
+    const int8_t* xq = x.q + n0 * x.K + b * kQK;
+#pragma GCC unroll 8
+    for (int g = 0; g < 8; ++g) {
+      const __m512i w0 = w[(b * 8 + g) * 2], w1 = w[(b * 8 + g) * 2 + 1];
+      for (int r = 0; r < R; ++r) {
+        const __m512i xb = _mm512_set1_epi32(static_cast<int32_t>(load_u32(reinterpret_cast<const uint8_t*>(xq + r * x.K + 4 * g))));
+        ia[0][r] = _mm512_dpbusd_epi32(ia[0][r], w0, xb);
+        ia[1][r] = _mm512_dpbusd_epi32(ia[1][r], w1, xb);
+      }
+    }
+    const __m512 d0 = buf.d[static_cast<size_t>(2 * b)], d1 = buf.d[static_cast<size_t>(2 * b + 1)];
+    for (int r = 0; r < R; ++r) {
+      const __m512 dx = _mm512_set1_ps(x.d8[((n0 + r) * nb + b) * 8]);
+      acc[0][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[0][r]), _mm512_mul_ps(d0, dx), acc[0][r]);
+      acc[1][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[1][r]), _mm512_mul_ps(d1, dx), acc[1][r]);
+    }
+    if constexpr (Fmt<KIND>::kHasM) {
+      const __m512 m0 = buf.m[static_cast<size_t>(2 * b)], m1 = buf.m[static_cast<size_t>(2 * b + 1)];
+      for (int r = 0; r < R; ++r) {
+        const __m512 sx = _mm512_set1_ps(x.s[(n0 + r) * nb + b]);
+        acc[0][r] = _mm512_fmadd_ps(m0, sx, acc[0][r]);
+        acc[1][r] = _mm512_fmadd_ps(m1, sx, acc[1][r]);
+      }
+    }
+  }
+  const __mmask16 k0 = mo >= 16 ? __mmask16{0xffff} : static_cast<__mmask16>((1u << mo) - 1);
+  const __mmask16 k1 = mo >= 32 ? __mmask16{0xffff} : mo <= 16 ? __mmask16{0} : static_cast<__mmask16>((1u << (mo - 16)) - 1);
+  for (int r = 0; r < R; ++r) {
+    _mm512_mask_storeu_ps(Y + (n0 + r) * O + o0, k0, acc[0][r]);
+    _mm512_mask_storeu_ps(Y + (n0 + r) * O + o0 + 16, k1, acc[1][r]);
+  }
+}
+
+template <int KIND, int R>
+inline void panel_rest(const PanelBuf& buf, const XQ& x, const int32_t* xsum, int64_t O, float* Y, int64_t o0, int mo,
+                       int64_t n0, int64_t left) {
+  if constexpr (R > 0) {
+    if (left == R) return panel_tile<KIND, R>(buf, x, xsum, O, Y, o0, mo, n0);
+    panel_rest<KIND, R - 1>(buf, x, xsum, O, Y, o0, mo, n0, left);
+  }
+}
+
+constexpr int kPanelRows = 6;  // R
+
+// Panels [p0, p1) of W against rows [n0, n1) of x.
+template <int KIND>
+void panel_outputs(const uint8_t* W, int64_t row_bytes, const XQ& x, const int32_t* xsum, int64_t O, float* Y,
+                   int64_t p0, int64_t p1, int64_t n0, int64_t n1) {
+  thread_local PanelBuf buf;
+  for (int64_t p = p0; p < p1; ++p) {
+    const int64_t o = p * kPanel;
+    const int mo = static_cast<int>(std::min<int64_t>(kPanel, O - o));
+    if (p + 1 < p1) {  // the next panel's rows (one contiguous range) on their way while this one computes
+      const char* next = reinterpret_cast<const char*>(W + (o + kPanel) * row_bytes);
+      const int64_t bytes = std::min<int64_t>(kPanel, O - o - kPanel) * row_bytes;
+      for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(next + i, _MM_HINT_T1);
+    }
+    unpack_panel<KIND>(W, row_bytes, o, mo, x.nb, buf);
+    int64_t n = n0;
+    for (; n + kPanelRows <= n1; n += kPanelRows) panel_tile<KIND, kPanelRows>(buf, x, xsum, O, Y, o, mo, n);
+    if (n < n1) panel_rest<KIND, kPanelRows - 1>(buf, x, xsum, O, Y, o, mo, n, n1 - n);
+  }
+}
+
 template <int KIND>
 void qgemm_vnni(ffi::ThreadPool& pool, const uint8_t* W, const XQ& xq, int64_t N, int64_t O, float* Y) {
   const int64_t nb = xq.nb, np = (nb + 1) / 2, row_bytes = nb * Fmt<KIND>::kBytes;
+  if (N >= kPanelMinRows) {
+    // Runs of kRun rows; within one, tasks of whole panels (more tasks than threads: the
+    // threads take them as they finish, so an uneven split of cores costs one task, not half).
+    thread_local std::vector<int32_t> xsum;
+    xsum.resize(static_cast<size_t>(N * nb));
+    for (int64_t i = 0; i < N * nb; ++i) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.q + i * kQK));
+      const __m256i s16 = _mm256_maddubs_epi16(_mm256_set1_epi8(1), v);
+      const __m256i s32 = _mm256_madd_epi16(s16, _mm256_set1_epi16(1));
+      __m128i t = _mm_add_epi32(_mm256_castsi256_si128(s32), _mm256_extracti128_si256(s32, 1));
+      t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
+      xsum[static_cast<size_t>(i)] = _mm_cvtsi128_si32(_mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1)));
+    }
+    const int32_t* sums = xsum.data();  // not xsum in the tasks: a thread_local names each thread's own
+    const int64_t panels = (O + kPanel - 1) / kPanel;
+    const int64_t per_run = std::max<int64_t>(1, std::min<int64_t>(panels, 8 * pool.num_threads()));
+    for (int64_t n0 = 0; n0 < N; n0 += kRun) {
+      const int64_t n1 = std::min(N, n0 + kRun);
+      parallel_for(pool, per_run, [&](int64_t task) {
+        panel_outputs<KIND>(W, row_bytes, xq, sums, O, Y, panels * task / per_run, panels * (task + 1) / per_run,
+                            n0, n1);
+      });
+    }
+    return;
+  }
   thread_local std::vector<int8_t> q;
   thread_local std::vector<int32_t> c;
   thread_local std::vector<float> d, s;

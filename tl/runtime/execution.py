@@ -134,14 +134,16 @@ class ExecutionPlan:
             num_seqs, self.seq_buckets, "step sequences"
         )
 
-    def measure_classes(self) -> list[tuple[str, int]]:
-        """(kernel, rows) of every class whose kernel is chosen by measurement."""
+    def measure_classes(self, matmul_any_rows: bool = False) -> list[tuple[str, int]]:
+        """(kernel, rows) of every class whose kernel is chosen by measurement. `matmul_any_rows`:
+        the native matmul takes every row count of this model's linears (the block encodings'
+        integer kernel does), so the largest token bucket is a class of its own, as with "high"."""
         classes: list[tuple[str, int]] = []
         top = self.token_buckets[-1]
         if self.matmul_measured:
             rows = sorted({min(r, top) for r in verdicts.MATMUL_ROWS})
-            if self.precision.value == "high" and top > rows[-1]:
-                rows.append(top)  # the AMX kernel takes any row count
+            if (self.precision.value == "high" or matmul_any_rows) and top > rows[-1]:
+                rows.append(top)  # the AMX kernel takes any row count; so does qgemm
             classes += [("matmul", r) for r in rows]
         if self.attention_measured:
             classes += [("attention", t) for t, _ in self.attention_classes]

@@ -11,12 +11,13 @@ tests/test_verdicts.py.
 
 Classes (`MATMUL_ROWS`, `attention_classes`): a row count or a step's token count belongs to
 the smallest class at or above it.
-- matmuls by rows: 1, 4, 16, 64 (the native kernel takes at most 64 rows; with
-  matmul_precision "high" its AMX kernel takes any count, and the largest token bucket is a
-  class too). Each is timed on a chain of the model's own layer matmuls and its LM head, as a
-  step runs them, over enough layers that the weights stream from memory as in a real step.
-  The sampler's argmax/logsumexp goes with the matmul's verdict at its row count (it is its
-  own class only in name: measured together, it is a few percent of the LM head's time).
+- matmuls by rows: 1, 4, 16, 64 (the native float32 kernel takes at most 64 rows; with
+  matmul_precision "high" its AMX kernel takes any count, as the block encodings' integer
+  kernel does (`takes_rows`), and the largest token bucket is then a class too). Each is timed
+  on a chain of the model's own layer matmuls and its LM head, as a step runs them, over enough
+  layers that the weights stream from memory as in a real step. The sampler's argmax/logsumexp
+  goes with the matmul's verdict at its row count (it is its own class only in name: measured
+  together, it is a few percent of the LM head's time).
 - attention by step tokens: up to the one-call kernel's 16 (decodes of up to 16 sequences
   at context 256), up to max_num_seqs (a batch of decodes), and the largest token bucket
   (one fresh prompt chunk of that many tokens).
@@ -336,6 +337,38 @@ def measure(
     return verdicts
 
 
+def takes_rows(matmul: Callable[..., Any], layer: Layer, rows: int) -> bool:
+    """Whether the native matmul takes `rows` rows of every linear of this layer (traced on shapes
+    alone: each encoding says at trace time whether its kernel takes the call)."""
+    linears = [
+        w
+        for w in (
+            layer.wqkv,
+            layer.wq,
+            layer.wk,
+            layer.wv,
+            layer.wo,
+            layer.w_gate_up,
+            layer.w_gate,
+            layer.w_up,
+            layer.w_down,
+        )
+        if w is not None
+    ]
+
+    def takes(w: Any) -> bool:
+        taken: list[bool] = []
+
+        def call(x: jax.Array) -> jax.Array:
+            taken.append(matmul(x, w) is not None)
+            return x
+
+        jax.eval_shape(call, jax.ShapeDtypeStruct((rows, matrix(w).shape[-1]), jnp.float32))
+        return taken[0]
+
+    return bool(linears) and all(takes(w) for w in linears)
+
+
 def stream_layers(layers: Sequence[Layer]) -> list[Layer]:
     """The first layers whose weights together pass STREAM_BYTES (all, if fewer): a one-row chain
     over them reads from memory, as a step does, not from the last-level cache."""
@@ -353,13 +386,14 @@ def measure_runner(plan: ExecutionPlan, kernels: Kernels, cfg: ModelConfig, para
     library or timed now at this model's shapes over its own placed weights and KV cache."""
     from kernels import paged_attention
 
-    classes = plan.measure_classes()
-    if not classes:
-        return Verdicts()
     native = kernels.native
-    assert native is not None
     layers = stream_layers(params.layers)
     head = params.head()
+    mm = kernels.matmul.fn
+    classes = plan.measure_classes(mm is not None and takes_rows(mm, params.layers[0], plan.token_buckets[-1]))
+    if not classes:
+        return Verdicts()
+    assert native is not None
     attn = dict(plan.attention_classes)
 
     def prepare(kernel: str, rows: int) -> Timed:
