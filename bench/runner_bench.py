@@ -88,7 +88,7 @@ def run(argv: Sequence[str]) -> int:
     ap.add_argument(
         "--weight-dtype",
         default="float32",
-        choices=["auto", "float32", "int8", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"],
+        choices=["auto", "float32", "int8", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "f16", "bf16"],
         help="[engine] weight_dtype (auto: a GGUF --model, or a directory's model.gguf, as it is)",
     )
     ap.add_argument("--attention-kernel", default="auto")

@@ -7,7 +7,8 @@ contracts: `paged_attention` with the reference's contract (one call for small s
 native local and cached parts, merged by log-sum-exp), the matmuls over arrays, each saying
 by None what it does not take (`gemv`: float32, up to max_rows() rows; `gemv_int8`: one row of
 W8A8; `qgemm`: up to qgemm_max_rows() rows over ggml's q8_0 / q4_0 / q4_1 / q5_0 / q5_1 blocks
-and q4_k / q5_k / q6_k super-blocks as a GGUF stores them;
+and q4_k / q5_k / q6_k super-blocks as a GGUF stores them; `gemv_half`: up to max_rows() rows over
+16-bit float weights, f16 or bf16, widened as they stream;
 `matmul_bf16x3`: three bf16 products on AMX over weights `pack_bf16x3` packed at load,
 matmul_precision "high", worth it from HIGH_MIN_ROWS rows), `matmul` (a weight that says which
 of them runs it, `NativeLinear`; None: the caller's own dot) and `argmax_lse` (the sampler's
@@ -88,7 +89,9 @@ HANDLERS = {  # FFI target base name -> the library's handler symbol
     "tl_gemm_bf16x3": "TlGemmBf16x3",
     "tl_argmax_lse": "TlArgmaxLse",
     "tl_qgemm": "TlQGemm",
+    "tl_gemv_half": "TlGemvHalf",
 }
+HALF_KINDS = {"f16": 0, "bf16": 1}  # half.cc's kind of a 16-bit float format
 QUANT_KINDS = {  # ggml block format -> (quant.cc Kind, bytes a block, weights a block)
     "q8_0": (0, 34, 32),
     "q4_0": (1, 18, 32),
@@ -185,6 +188,19 @@ class NativeLib:
             return None
         out = jax.ShapeDtypeStruct((n, *w.shape[:-1]), jnp.float32)
         return self._call("tl_qgemm", out)(x, w, kind=np.int32(code))
+
+    def gemv_half(self, x: jax.Array, w: jax.Array, kind: str) -> jax.Array | None:
+        """float32 x [N,K] times uint8 w [*out, 2K], each output's K weights as IEEE half ("f16")
+        or bfloat16 ("bf16") bytes -> float32 [N,*out]: the weights widened exactly, float32
+        products and sums (kernels/cpu/half.cc). None where it does not take the call: another
+        kind or dtype, more than max_rows() rows, rows not 2K bytes."""
+        if kind not in HALF_KINDS or x.dtype != jnp.float32 or w.dtype != jnp.uint8 or x.ndim != 2 or w.ndim < 2:
+            return None
+        n, k = x.shape
+        if n > self.max_rows() or w.shape[-1] != 2 * k:
+            return None
+        out = jax.ShapeDtypeStruct((n, *w.shape[:-1]), jnp.float32)
+        return self._call("tl_gemv_half", out)(x, w, kind=np.int32(HALF_KINDS[kind]))
 
     def matmul(self, x: jax.Array, w: NativeLinear) -> jax.Array | None:
         """x [N,K] times the linear w -> [N,*out] by the native kernels, else None (the caller's own

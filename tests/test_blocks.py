@@ -62,11 +62,16 @@ def test_quantized_at_load_is_the_float_model_of_the_same_values(fmt: str) -> No
     assert isinstance(qw.embed, cls) and isinstance(qw.layers[0].wqkv, cls) and isinstance(qw.layers[1].w_down, cls)
     assert (qw.lm_head is None) == (fmt != "q4_0")
     down = host["model.layers.1.mlp.down_proj.weight"]
-    np.testing.assert_array_equal(qw.layers[1].w_down.data, quantize(down, Q[fmt.upper()]))
+    np.testing.assert_array_equal(qw.layers[1].w_down.data, quantize(down, Q[fmt.upper()]).view(np.uint8))
     f32 = llama.load_weights(_round_trip(host, fmt), cfg)
     ids = jnp.asarray(np.random.default_rng(4).integers(0, cfg.vocab_size, 40), jnp.int32)
     want, got = np.asarray(_dense(f32, cfg, ids)[1]), np.asarray(_dense(qw, cfg, ids)[1])
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+def _gguf_view(raw: np.ndarray, fmt: str) -> np.ndarray:
+    """Bytes as gguf-py's dequantize takes them: its F16 reads float16 values, the rest bytes."""
+    return raw.view(np.float16) if fmt == "f16" else raw
 
 
 @pytest.mark.parametrize("fmt", [*QUANTIZABLE, "q4_k", "q6_k"])
@@ -75,8 +80,8 @@ def test_dot_within_gamma_k_of_the_exact_product(fmt: str, rows: int) -> None:
     rng = np.random.default_rng(rows)
     wf = rng.standard_normal((6, 2, 512)).astype(np.float32)
     raw = {"q4_k": quantize_q4_k, "q6_k": quantize_q6_k}.get(fmt, lambda x: quantize(x, Q[fmt.upper()]))(wf)
-    w = BLOCK_ENCODINGS[fmt](np.asarray(raw, np.uint8).reshape(6, 2, -1), ())
-    exact = np.asarray(dequantize(np.asarray(w.data).reshape(12, -1), Q[fmt.upper()]), np.float64)
+    w = BLOCK_ENCODINGS[fmt](np.asarray(raw).view(np.uint8).reshape(6, 2, -1), ())
+    exact = np.asarray(dequantize(_gguf_view(np.asarray(w.data).reshape(12, -1), fmt), Q[fmt.upper()]), np.float64)
     x = rng.standard_normal((rows, 512)).astype(np.float32)
     got = np.asarray(jax.jit(llama.linear)(jnp.asarray(x), w), np.float64)
     assert got.shape == (rows, 6, 2)
@@ -176,10 +181,13 @@ def _k_config() -> ModelConfig:
 
 K_MIX = {k: Q.Q4_K for k in ("attn_q", "attn_k", "attn_output", "ffn_gate", "ffn_up")}
 K_MIX |= {"attn_v": Q.Q6_K, "ffn_down": Q.Q6_K, "token_embd": Q.Q4_K, "output": Q.Q6_K}
+HALF_MIX = {k: Q.F16 for k in ("attn_q", "attn_k", "attn_v", "ffn_down", "output")}
+HALF_MIX |= {k: Q.BF16 for k in ("attn_output", "ffn_gate", "ffn_up", "token_embd")}
 CASES = {
     "q4_1": (lambda: tiny_config(tie=True), {k: Q.Q4_1 for k in MIXED} | {"token_embd": Q.Q8_0}),
     "mixed": (lambda: tiny_config(tie=False), MIXED),
     "k_quants": (_k_config, K_MIX),
+    "halves": (lambda: tiny_config(tie=False), HALF_MIX),  # an F16 / BF16 file: 2 bytes a weight, as stored
 }
 
 
@@ -202,7 +210,7 @@ def test_gguf_served_as_it_is(tmp_path: Path, case: str) -> None:
     assert (lp.wqkv is not None) == fused_qkv and (lp.w_gate_up is not None) == (fmt["ffn_gate"] == fmt["ffn_up"])
     reader = gguf.GGUFReader(str(path))
     raw_down = next(t for t in reader.tensors if t.name == "blk.0.ffn_down.weight").data
-    np.testing.assert_array_equal(lp.w_down.data, raw_down)  # the file's bytes, not re-encoded
+    np.testing.assert_array_equal(lp.w_down.data, raw_down.view(np.uint8))  # the file's bytes, not re-encoded
     assert isinstance(w.embed, Blocks) and isinstance(w.final_norm.value, np.ndarray)
     f32 = llama.load_weights(ref, cfg)
     ids = jnp.asarray(np.random.default_rng(2).integers(0, cfg.vocab_size, 24), jnp.int32)
@@ -212,10 +220,12 @@ def test_gguf_served_as_it_is(tmp_path: Path, case: str) -> None:
         lib = cpu_native.library()
         for call in verdicts.matmul_case(w.layers, w.head(), cfg, lib.matmul, 1, lib.argmax_lse).values():
             jax.block_until_ready(call())
-    if case == "mixed":  # the paged runner over the .gguf file itself
-        engine = ENGINE.replace(model_dir=str(path), matmul_kernel="xla", native_cache_dir="")
+    if case in ("mixed", "halves"):  # the paged runner over the .gguf file itself (halves: the native few-row kernel)
+        engine = ENGINE.replace(
+            model_dir=str(path), matmul_kernel="xla" if case == "mixed" else "cpu_native", native_cache_dir=""
+        )
         runner = ModelRunner.from_model_dir(engine)
-        assert isinstance(runner.params.layers[1].wv, Blocks)
+        assert isinstance(runner.params.layers[1].wv if case == "mixed" else runner.params.layers[1].wqkv, Blocks)
         assert (
             _runner_greedy(runner, [3, 14, 15, 92, 65, 35, 89], 5)
             == dense_greedy(f32, cfg, [3, 14, 15, 92, 65, 35, 89], 5)[0]
@@ -250,7 +260,7 @@ def test_a_type_tl_does_not_serve_is_refused_naming_the_tensor(tmp_path: Path) -
             load(path)
         msg = str(e.value)
         assert "k.gguf: tensor 'blk.0.ffn_up.weight' has type Q2_K, which tl does not serve" in msg
-        assert "(served: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)" in msg
+        assert "(served: F32, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, F16, BF16)" in msg
     assert not (tmp_path / "o" / "config.json").exists()
 
 

@@ -29,6 +29,7 @@ from test_paged_attention import MIXED, WINDOW_MANY, build_case, inputs, naive
 
 from kernels import cpu_build, cpu_native, select
 from kernels.paged_attention import AttnArgs, AttnMetadata, local_state, paged_attention, to_stored
+from tl.model.encodings import ggml_formats
 from tl.model.weights import Dense
 
 RUNNABLE = [t.name for t in cpu_build.runnable()]
@@ -375,6 +376,26 @@ def test_matmul_within_gamma_k_of_the_exact_product(
     assert got.shape == want.shape
     bound = matmul_bound(x, w).reshape(want.shape)
     _within(got, want, bound)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 17, 64])
+@pytest.mark.parametrize("kind", ["f16", "bf16"])
+def test_half_weights_within_gamma_k_of_the_exact_product(lib: cpu_native.NativeLib, kind: str, rows: int) -> None:
+    """16-bit float weights (a GGUF's F16 / BF16 matrices, kept at 2 bytes): widened exactly,
+    then float32 products and sums, so within gamma_K of the exact product of the widened
+    weights; K a multiple of no vector width, O of no output block; more rows are declined."""
+    rng = np.random.default_rng(rows)
+    for shape in ((37, 40), (3, 13, 576), (5, 17)):
+        x = rng.standard_normal((rows, shape[-1]), dtype=np.float32)
+        raw = ggml_formats.quantize(kind, rng.standard_normal(shape, dtype=np.float32))
+        w = np.asarray(ggml_formats.dequantize(kind, jnp.asarray(raw)), np.float64)  # exact (checked vs gguf-py)
+        got = np.asarray(jax.jit(lambda x, r: lib.gemv_half(x, r, kind))(jnp.asarray(x), jnp.asarray(raw)))
+        want = np.einsum("nk,...k->n...", x.astype(np.float64), w)
+        assert got.shape == want.shape
+        _within(got, want, matmul_bound(x, w).reshape(want.shape))
+    assert lib.gemv_half(jnp.zeros((lib.max_rows() + 1, 8), jnp.float32), jnp.zeros((3, 16), jnp.uint8), kind) is None
+    assert lib.gemv_half(jnp.zeros((1, 8), jnp.float32), jnp.zeros((3, 15), jnp.uint8), kind) is None  # not 2K bytes
+    assert lib.gemv_half(jnp.zeros((1, 8), jnp.float32), jnp.zeros((3, 16), jnp.uint8), "f32") is None
 
 
 @pytest.mark.parametrize("linger_us", [0.0, 0.001, 50.0], ids=["off", "expires_at_once", "default"])

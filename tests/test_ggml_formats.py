@@ -34,7 +34,18 @@ F16_AT = {
     "q4_k": (0, 2),
     "q5_k": (0, 2),
     "q6_k": (208,),
+    "f16": (0,),
+    "bf16": (),
 }
+
+
+def _ref_deq(raw: np.ndarray, name: str) -> np.ndarray:
+    """gguf-py's dequantization of raw bytes (its F16 reads float16 values, not bytes)."""
+    return ref_dequantize(raw.view(np.float16) if name == "f16" else raw, _qtype(name))
+
+
+def _ref_q(w: np.ndarray, name: str) -> np.ndarray:
+    return np.asarray(ref_quantize(w, _qtype(name))).view(np.uint8)
 
 
 def _qtype(name: str) -> gguf.GGMLQuantizationType:
@@ -54,11 +65,14 @@ def _random_blocks(name: str, lead: tuple[int, ...], nb: int, seed: int) -> np.n
         mag = np.where(kind == 1, 0.0, mag)
         f16 = (mag * rng.choice([-1.0, 1.0], (*lead, nb))).astype(np.float16)
         blocks[..., at : at + 2] = f16[..., None].view(np.uint8)
+    if name == "bf16":  # finite bfloat16s: the top halves of finite float32s
+        f32 = (rng.standard_normal((*lead, nb)) * 2.0 ** rng.uniform(-20, 20, (*lead, nb))).astype(np.float32)
+        blocks[...] = (f32.view(np.uint32) >> 16).astype(np.uint16)[..., None].view(np.uint8)
     return blocks.reshape(*lead, nb * fmt.block_bytes)
 
 
 def test_geometry() -> None:
-    assert list(FORMATS) == ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k"]
+    assert list(FORMATS) == ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k", "f16", "bf16"]
     for name, fmt in FORMATS.items():
         t = _qtype(name)
         assert t.name.lower() == name
@@ -66,7 +80,9 @@ def test_geometry() -> None:
         assert by_ggml_type(int(t)) is fmt
         assert row_bytes(fmt, 3 * fmt.block_size) == 3 * fmt.block_bytes
     assert FORMATS["q4_k"].block_size == 256 and FORMATS["q6_k"].block_bytes == 210
-    assert by_ggml_type(int(gguf.GGMLQuantizationType.F16)) is None
+    assert by_ggml_type(int(gguf.GGMLQuantizationType.F16)) is FORMATS["f16"]
+    assert FORMATS["bf16"].block_size == 1 and FORMATS["bf16"].block_bytes == 2
+    assert by_ggml_type(int(gguf.GGMLQuantizationType.F32)) is None
     with pytest.raises(ValueError, match="blocks of 32 inputs: n_in=100 "):
         row_bytes(FORMATS["q4_0"], 100)
     with pytest.raises(ValueError, match="256") as e:
@@ -80,7 +96,7 @@ def test_geometry() -> None:
 def test_dequantize_random_blocks_bit_exact(name: str) -> None:
     for lead, nb, seed in (((3, 2), 4, 0), ((), 3, 1), ((1,), 1, 2)):
         raw = _random_blocks(name, lead, nb, seed)
-        want = ref_dequantize(raw, _qtype(name))
+        want = _ref_deq(raw, name)
         got = np.asarray(_deq(name, raw))
         assert got.dtype == np.float32 and got.shape == (*lead, nb * FORMATS[name].block_size)
         assert np.isfinite(want).all()
@@ -94,9 +110,9 @@ def test_quantize_then_dequantize_matches_gguf(name: str) -> None:
     w[0, 0, :32] = 0.0  # an all-zero block (d = 0)
     w[0, 1, 32:64] = 5.0  # a constant block (q4_1 / q5_1: d = 0, m = 5)
     raw = quantize(name, w)
-    np.testing.assert_array_equal(raw, ref_quantize(w, _qtype(name)))
+    np.testing.assert_array_equal(raw, _ref_q(w, name))
     assert raw.dtype == np.uint8 and raw.shape == (3, 2, row_bytes(FORMATS[name], 128))
-    want = ref_dequantize(raw, _qtype(name))
+    want = _ref_deq(raw, name)
     np.testing.assert_array_equal(np.asarray(_deq(name, raw)), want)
     np.testing.assert_array_equal(np.asarray(_deq(name, raw[1, 0])), want[1, 0])  # a single row
     assert np.abs(want - w).max() <= np.abs(w).max() / 6  # it is a quantization of w

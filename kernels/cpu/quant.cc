@@ -38,6 +38,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -129,28 +130,7 @@ int64_t block_inputs(int32_t kind) { return kind >= kQ4_K ? kQKK : kQK; }
 inline float half(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, sizeof h);
-#if defined(__F16C__)
-  return _cvtsh_ss(h);
-#elif defined(__aarch64__)
-  __fp16 f;
-  std::memcpy(&f, &h, sizeof f);
-  return static_cast<float>(f);
-#else
-  const uint32_t sign = static_cast<uint32_t>(h >> 15) << 31, exp = (h >> 10) & 0x1f, mant = h & 0x3ff;
-  uint32_t bits;
-  if (exp == 0) {  // zero or subnormal: mant * 2^-24, exact in float
-    const float v = static_cast<float>(mant) * 5.9604644775390625e-8f;
-    std::memcpy(&bits, &v, sizeof bits);
-    bits |= sign;
-  } else if (exp == 31) {
-    bits = sign | 0x7f800000u | (mant << 13);
-  } else {
-    bits = sign | ((exp + 112) << 23) | (mant << 13);
-  }
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-#endif
+  return half_to_float(h);
 }
 
 inline uint32_t load_u32(const uint8_t* p) {
@@ -968,24 +948,43 @@ constexpr int kPanel = 32;
 constexpr int64_t kPanelMinRows = 8;  // the panels from this many rows of x
 constexpr int64_t kRun = 256;          // rows of x a panel's unpacked weights serve before the next run
 
+// A thread's 64-byte aligned scratch, grown as needed (std::vector<__m512i> and any template over
+// a vector type drop its alignment attribute, with a warning).
+struct Scratch {
+  void* p = nullptr;
+  size_t bytes = 0;
+  template <typename T>
+  T* get(size_t count) {
+    const size_t want = (count * sizeof(T) + 63) / 64 * 64;
+    if (want > bytes) {
+      std::free(p);
+      p = std::aligned_alloc(64, want);
+      bytes = want;
+    }
+    return static_cast<T*>(p);
+  }
+  ~Scratch() { std::free(p); }
+};
+
 struct PanelBuf {
-  std::vector<__m512i> w;  // [nb][8 groups][2 halves of 16 outputs]
-  std::vector<__m512> d, m;  // [nb][2 halves]: d_w, m_w of each output
-  std::vector<__m256i> u;  // [kPanel][nb]: each output's blocks unpacked, in row order (the staging)
+  __m512i* w;  // [nb][8 groups][2 halves of 16 outputs]
+  __m512* d;   // [nb][2 halves]: d_w of each output
+  __m512* m;   // [nb][2 halves]: m_w
+  __m256i* u;  // [kPanel][nb]: each output's blocks unpacked, in row order (the staging)
 };
 
 // 8 x 8 int32 transposes in both 256-bit halves: in[i] = [row i (8 int32), row i + 8], out[g] =
 // [row 0..7's int32 g, row 8..15's int32 g].
 inline void transpose_8x8x2(const __m512i in[8], __m512i out[8]) {
-  __m512i t[8], u[8];
+  __m512i t[8], u[8];  // zero-masked unpacks: GCC 12's plain ones warn of an undefined operand
   for (int i = 0; i < 4; ++i) {
-    t[2 * i] = _mm512_unpacklo_epi32(in[2 * i], in[2 * i + 1]);      // r0g0 r1g0 r0g1 r1g1 | g4 g5
-    t[2 * i + 1] = _mm512_unpackhi_epi32(in[2 * i], in[2 * i + 1]);  // g2 g3 | g6 g7
+    t[2 * i] = _mm512_maskz_unpacklo_epi32(0xffff, in[2 * i], in[2 * i + 1]);      // r0g0 r1g0 r0g1 r1g1 | g4 g5
+    t[2 * i + 1] = _mm512_maskz_unpackhi_epi32(0xffff, in[2 * i], in[2 * i + 1]);  // g2 g3 | g6 g7
   }
   for (int i = 0; i < 2; ++i) {
     for (int h = 0; h < 2; ++h) {
-      u[4 * i + 2 * h] = _mm512_unpacklo_epi64(t[4 * i + h], t[4 * i + 2 + h]);      // r0..3 g(2h)   | g(2h+4)
-      u[4 * i + 2 * h + 1] = _mm512_unpackhi_epi64(t[4 * i + h], t[4 * i + 2 + h]);  // r0..3 g(2h+1) | g(2h+5)
+      u[4 * i + 2 * h] = _mm512_maskz_unpacklo_epi64(0xff, t[4 * i + h], t[4 * i + 2 + h]);      // r0..3 g(2h)   | g(2h+4)
+      u[4 * i + 2 * h + 1] = _mm512_maskz_unpackhi_epi64(0xff, t[4 * i + h], t[4 * i + 2 + h]);  // r0..3 g(2h+1) | g(2h+5)
     }
   }
   // u[0..3]: rows 0-3 (and 8-11), u[4..7]: rows 4-7 (12-15); within each, 128-bit lane k of
@@ -1003,17 +1002,13 @@ inline void transpose_8x8x2(const __m512i in[8], __m512i out[8]) {
 // block across the 32 rows ran a 49152 x 576 q8_0 call at 4-8 rows 2-3x slower), unpacked into
 // the staging, then transposed from there (L1 / L2).
 template <int KIND>
-void unpack_panel(const uint8_t* W, int64_t row_bytes, int64_t o0, int mo, int64_t nb, PanelBuf& buf) {
+void unpack_panel(const uint8_t* W, int64_t row_bytes, int64_t o0, int mo, int64_t nb, const PanelBuf& buf) {
   constexpr int64_t BB = Fmt<KIND>::kBytes;
-  buf.w.resize(static_cast<size_t>(nb * 16));
-  buf.d.resize(static_cast<size_t>(nb * 2));
-  buf.m.resize(static_cast<size_t>(nb * 2));
-  buf.u.resize(static_cast<size_t>(kPanel * nb));
-  float* dv = reinterpret_cast<float*>(buf.d.data());
-  float* mv = reinterpret_cast<float*>(buf.m.data());
+  float* dv = reinterpret_cast<float*>(buf.d);
+  float* mv = reinterpret_cast<float*>(buf.m);
   const __m256i off = _mm256_set1_epi8(static_cast<char>(kOffset<KIND>));
   for (int o = 0; o < kPanel; ++o) {
-    __m256i* u = buf.u.data() + o * nb;
+    __m256i* u = buf.u + o * nb;
     if (o >= mo) {
       for (int64_t b = 0; b < nb; ++b) u[b] = _mm256_setzero_si256(), dv[b * kPanel + o] = 0.0f, mv[b * kPanel + o] = 0.0f;
       continue;
@@ -1044,7 +1039,7 @@ inline void panel_tile(const PanelBuf& buf, const XQ& x, const int32_t* xsum, in
   __m512 acc[2][R];
   for (int h = 0; h < 2; ++h)
     for (int r = 0; r < R; ++r) acc[h][r] = _mm512_setzero_ps();
-  const __m512i* w = buf.w.data();
+  const __m512i* w = buf.w;
   for (int64_t b = 0; b < nb; ++b) {
     __m512i ia[2][R];
     for (int r = 0; r < R; ++r) {
@@ -1065,8 +1060,11 @@ inline void panel_tile(const PanelBuf& buf, const XQ& x, const int32_t* xsum, in
     const __m512 d0 = buf.d[static_cast<size_t>(2 * b)], d1 = buf.d[static_cast<size_t>(2 * b + 1)];
     for (int r = 0; r < R; ++r) {
       const __m512 dx = _mm512_set1_ps(x.d8[((n0 + r) * nb + b) * 8]);
-      acc[0][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[0][r]), _mm512_mul_ps(d0, dx), acc[0][r]);
-      acc[1][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[1][r]), _mm512_mul_ps(d1, dx), acc[1][r]);
+      // The masked conversion: GCC 12's plain one warns of its undefined pass-through operand.
+      const __m512 f0 = _mm512_mask_cvtepi32_ps(_mm512_setzero_ps(), 0xffff, ia[0][r]);
+      const __m512 f1 = _mm512_mask_cvtepi32_ps(_mm512_setzero_ps(), 0xffff, ia[1][r]);
+      acc[0][r] = _mm512_fmadd_ps(f0, _mm512_mul_ps(d0, dx), acc[0][r]);
+      acc[1][r] = _mm512_fmadd_ps(f1, _mm512_mul_ps(d1, dx), acc[1][r]);
     }
     if constexpr (Fmt<KIND>::kHasM) {
       const __m512 m0 = buf.m[static_cast<size_t>(2 * b)], m1 = buf.m[static_cast<size_t>(2 * b + 1)];
@@ -1100,7 +1098,9 @@ constexpr int kPanelRows = 6;  // R
 template <int KIND>
 void panel_outputs(const uint8_t* W, int64_t row_bytes, const XQ& x, const int32_t* xsum, int64_t O, float* Y,
                    int64_t p0, int64_t p1, int64_t n0, int64_t n1) {
-  thread_local PanelBuf buf;
+  thread_local Scratch w, d, m, u;
+  const size_t nb = static_cast<size_t>(x.nb);
+  const PanelBuf buf{w.get<__m512i>(nb * 16), d.get<__m512>(nb * 2), m.get<__m512>(nb * 2), u.get<__m256i>(kPanel * nb)};
   for (int64_t p = p0; p < p1; ++p) {
     const int64_t o = p * kPanel;
     const int mo = static_cast<int>(std::min<int64_t>(kPanel, O - o));

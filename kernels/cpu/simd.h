@@ -18,6 +18,10 @@
 #include <cstdint>
 #include <cstring>
 
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
 namespace tl {
 
 #if defined(__AVX512F__)
@@ -48,6 +52,40 @@ typedef float f8 __attribute__((vector_size(32)));
 typedef float f4 __attribute__((vector_size(16)));
 typedef float f16x __attribute__((vector_size(64)));
 typedef float f16xu __attribute__((vector_size(64), aligned(4)));
+
+// IEEE half bits -> float, exactly (F16C or aarch64's conversion where present, else by bits).
+inline float half_to_float(uint16_t h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#elif defined(__aarch64__)
+  __fp16 f;
+  std::memcpy(&f, &h, sizeof f);
+  return static_cast<float>(f);
+#else
+  const uint32_t sign = static_cast<uint32_t>(h >> 15) << 31, exp = (h >> 10) & 0x1f, mant = h & 0x3ff;
+  uint32_t bits;
+  if (exp == 0) {  // zero or subnormal: mant * 2^-24, exact in float
+    const float v = static_cast<float>(mant) * 5.9604644775390625e-8f;
+    std::memcpy(&bits, &v, sizeof bits);
+    bits |= sign;
+  } else if (exp == 31) {
+    bits = sign | 0x7f800000u | (mant << 13);
+  } else {
+    bits = sign | ((exp + 112) << 23) | (mant << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+#endif
+}
+
+// bfloat16 bits -> float: its top half, exactly.
+inline float bf16_to_float(uint16_t h) {
+  const uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
 
 inline vf loadv(const float* p) { return *reinterpret_cast<const vfu*>(p); }
 inline void storev(float* p, vf x) { *reinterpret_cast<vfu*>(p) = x; }

@@ -20,7 +20,7 @@ from typing import Any, Literal
 PrefixCache = Literal["none", "radix"]
 Speculative = Literal["none", "prompt_lookup"]
 DType = Literal["auto", "float32", "bfloat16"]
-WeightDType = Literal["auto", "float32", "int8", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"]
+WeightDType = Literal["auto", "float32", "int8", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "f16", "bf16"]
 KVCacheDType = Literal["auto", "bfloat16"]
 MatmulPrecision = Literal["highest", "high"]
 WeightPages = Literal["huge", "default"]
@@ -67,7 +67,8 @@ class EngineConfig:
     "float32": as `dtype` (a GGUF dequantized; a directory with safetensors reads those).
     "int8": per-output-channel scales, int8 dots. "q8_0", "q4_0", "q4_1", "q5_0", "q5_1":
     llama.cpp's block formats, quantized at load from the float weights (32 inputs a block; input
-    widths must be multiples of 32); integer dots on CPU."""
+    widths must be multiples of 32); integer dots on CPU. "f16", "bf16": 2 bytes a weight (a GGUF's
+    F16 / BF16 matrices are kept so under "auto"), widened to float32 as they are read."""
     kv_cache_dtype: KVCacheDType = "auto"
     """KV cache storage: "auto" is `dtype`; "bfloat16" halves the cache of a float32 model (twice the
     blocks in the same memory, half the bytes attention reads; keys and values rounded to bf16)."""

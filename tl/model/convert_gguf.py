@@ -171,19 +171,21 @@ def model_dir_of(model_dir: str) -> str:
 
 
 def served_types() -> tuple[str, ...]:
-    """The GGUF tensor types a model can be served in as they are (F32/F16/BF16 read as float)."""
+    """The GGUF tensor types a model can be served in as they are (F32 as float32; F16 and BF16
+    matrices kept at 2 bytes a weight, vectors widened)."""
     from tl.model.encodings.ggml_formats import FORMATS
 
-    return ("F32", "F16", "BF16", *(f.upper() for f in FORMATS))
+    return ("F32", *(f.upper() for f in FORMATS))
 
 
 def packed_tensors(path: Path) -> dict[str, np.ndarray | Packed]:
     """Every tensor of the GGUF at `path` under its HF name, as the file stores it: block formats
     as `Packed` (views of the mapped file where no rows move; each expert of a stacked expert
-    tensor its own slice), F32 as float32, F16 and BF16 widened to float32; llama.cpp's
+    tensor its own slice), F16 and BF16 matrices too (their bytes, a "block" of one value),
+    F32 as float32, F16 and BF16 vectors widened to float32; llama.cpp's
     conventions undone as `to_hf` does. A tensor type tl does not serve raises GGUFError naming
     the tensor, its type and the served types; a missing tensor, its GGUF name."""
-    from tl.model.encodings.ggml_formats import by_ggml_type
+    from tl.model.encodings.ggml_formats import HALVES, by_ggml_type
 
     reader = open_gguf(path)
     cfg = gguf_model_config(reader, path)
@@ -193,11 +195,14 @@ def packed_tensors(path: Path) -> dict[str, np.ndarray | Packed]:
         if name is None:
             continue
         fmt = by_ggml_type(int(Q(t.tensor_type)))
+        if fmt is not None and fmt.name in HALVES and len(t.shape) < 2:
+            fmt = None  # a 16-bit vector (a norm, a bias): widened, as the layers read float vectors
         w: np.ndarray | Packed
         if fmt is not None:  # data: uint8 [*reversed(shape[1:]), row_bytes]
             rows = tuple(int(n) for n in reversed(t.shape[1:]))
-            w = Packed(fmt.name, t.data.reshape(*rows, t.data.shape[-1]), int(t.shape[0]))
-        else:  # F32, F16 and BF16 as float32; any other type refused there
+            data = np.asarray(t.data).view(np.uint8)  # f16 tensors read as float16 values: their bytes
+            w = Packed(fmt.name, data.reshape(*rows, data.shape[-1] if data.ndim else 0), int(t.shape[0]))
+        else:  # F32, and F16 / BF16 vectors, as float32; any other type refused there
             w = dequantize_tensor(t, path)
         out |= dict(to_hf(cfg, name, w, path))
     _check_names(set(out), cfg, path)

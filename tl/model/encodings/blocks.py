@@ -2,14 +2,16 @@
 
 Owns: `Blocks` (a linear whose every output row is ggml blocks of its inputs: uint8
 [*out, row_bytes]) and one subclass a format (`Q4_0`, `Q4_1`, `Q5_0`, `Q5_1`, `Q8_0`, `Q4_K`,
-`Q5_K`, `Q6_K`, registered in `BLOCK_ENCODINGS` by format name), each naming its format of
+`Q5_K`, `Q6_K`, and `F16`, `BF16`: a GGUF's 16-bit float tensors, kept at 2 bytes a weight,
+registered in `BLOCK_ENCODINGS` by format name), each naming its format of
 tl/model/encodings/ggml_formats.py. For each: quantization at load of a float Hugging Face
 matrix (`encode`, gguf-py's reference quantizers: the formats it can make), XLA's arithmetic
 (the rows dequantized inside the step into XLA's float32 dot: runs on CPU, GPU and TPU, and is
 the reference the native kernels are tested against), lookups (only the looked-up rows
 dequantized), the native CPU kernel (kernels/cpu_native.py `qgemm`: activations quantized per
 block of 32, or of 256 for the K formats, to int8 and integer dot products, as llama.cpp
-computes; the formats it reads and the rows it takes are its own to say, None elsewhere), and
+computes; the formats it reads and the rows it takes are its own to say, None elsewhere; f16 /
+bf16: `gemv_half`, float32 products of the widened weights), and
 sharding (the byte axis split only at block boundaries: `in_block`).
 A GGUF's tensors arrive packed already (tl/model/files.py `Packed`) and are wrapped as they
 are, never expanded to float: the resident bytes of a weight are the file's.
@@ -28,7 +30,7 @@ from flax import struct
 from jax.sharding import PartitionSpec as P
 
 from tl.model.encodings import Axes, flat_dot
-from tl.model.encodings.ggml_formats import FORMATS, Format, dequantize, quantize
+from tl.model.encodings.ggml_formats import FORMATS, HALVES, Format, dequantize, quantize
 
 if TYPE_CHECKING:
     from kernels.cpu_native import NativeLib
@@ -88,7 +90,10 @@ class Blocks:
         return dequantize(self.fmt.name, self.data[ids])
 
     def native(self, lib: NativeLib, x: jax.Array) -> jax.Array | None:
-        """The integer-dot kernel where it reads this format and takes these rows."""
+        """The integer-dot kernel where it reads this format and takes these rows; for f16 / bf16
+        the few-row float kernel that widens the 16-bit weights as it streams them."""
+        if self.fmt.name in HALVES:
+            return lib.gemv_half(x, self.data, self.fmt.name)
         return lib.qgemm(x, self.data, self.fmt.name)
 
     def specs(self) -> Blocks:
@@ -112,5 +117,9 @@ Q8_0 = _format("q8_0")
 Q4_K = _format("q4_k")
 Q5_K = _format("q5_k")
 Q6_K = _format("q6_k")
-BLOCK_ENCODINGS: dict[str, type[Blocks]] = {c.fmt.name: c for c in (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)}
+F16 = _format("f16")
+BF16 = _format("bf16")
+BLOCK_ENCODINGS: dict[str, type[Blocks]] = {
+    c.fmt.name: c for c in (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, F16, BF16)
+}
 """Each block encoding by its format's name (a GGUF tensor's type, lowercased)."""

@@ -1,7 +1,8 @@
 """llama.cpp's (ggml's) block formats, kept as the raw bytes a GGUF file stores.
 
 Owns: the formats' geometry (`Format`, `FORMATS`, `by_ggml_type`, `row_bytes`: q4_0, q4_1,
-q5_0, q5_1, q8_0 with blocks of 32 inputs; q4_k, q5_k, q6_k with super-blocks of 256), their
+q5_0, q5_1, q8_0 with blocks of 32 inputs; q4_k, q5_k, q6_k with super-blocks of 256; f16 and
+bf16, "blocks" of one 16-bit value, `HALVES`), their
 dequantization inside a jitted step (`dequantize`: pure jnp/lax over uint8 bytes, as
 ggml-quants.c's dequantize_row_* reads them) and quantization at load for the formats gguf-py
 can write (`quantize`, numpy, through gguf.quants).
@@ -44,10 +45,14 @@ def _format(t: GGMLQuantizationType) -> Format:
 
 _T = GGMLQuantizationType
 FORMATS: dict[str, Format] = {
-    f.name: f for f in map(_format, (_T.Q4_0, _T.Q4_1, _T.Q5_0, _T.Q5_1, _T.Q8_0, _T.Q4_K, _T.Q5_K, _T.Q6_K))
+    f.name: f
+    for f in map(_format, (_T.Q4_0, _T.Q4_1, _T.Q5_0, _T.Q5_1, _T.Q8_0, _T.Q4_K, _T.Q5_K, _T.Q6_K, _T.F16, _T.BF16))
 }
-QUANTIZABLE = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0")
+QUANTIZABLE = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "f16", "bf16")
 """The formats gguf-py quantizes (it has no K-quant quantizer)."""
+HALVES = ("f16", "bf16")
+"""The 16-bit float formats: a "block" of one value in 2 bytes (IEEE half; bfloat16, the top half
+of a float32), kept as the file's bytes like the block formats and widened inside the step."""
 
 
 def by_ggml_type(t: int) -> Format | None:
@@ -82,6 +87,8 @@ def quantize(name: str, w: np.ndarray) -> np.ndarray:
         raise ValueError(f"{name} quantizes rows: got a scalar")
     row_bytes(fmt, x.shape[-1])
     out: np.ndarray = gguf_quants.quantize(x, GGMLQuantizationType(fmt.ggml_type))
+    if name == "f16":  # gguf-py returns float16 values, not their bytes
+        out = np.ascontiguousarray(out.astype("<f2")).view(np.uint8)
     return out
 
 
@@ -189,7 +196,19 @@ def _q6_k(b: jax.Array) -> jax.Array:
     return (d * q.reshape(*lead, 16, 16).astype(jnp.float32)).reshape(*lead, 256)
 
 
+def _f16_value(b: jax.Array) -> jax.Array:
+    return _f16(b, 0)
+
+
+def _bf16_value(b: jax.Array) -> jax.Array:
+    """The little-endian bfloat16 of each 2-byte block: the top 16 bits of its float32 (exact)."""
+    bits = lax.bitcast_convert_type(b, jnp.uint16).astype(jnp.uint32) << 16
+    return lax.bitcast_convert_type(bits, jnp.float32)[..., None]
+
+
 _DEQUANT: dict[str, Callable[[jax.Array], jax.Array]] = {
+    "f16": _f16_value,
+    "bf16": _bf16_value,
     "q4_0": _q4_0,
     "q4_1": _q4_1,
     "q5_0": _q5_0,
