@@ -6,7 +6,7 @@ tests run every build this CPU runs); and, per library (`NativeLib`), the calls 
 contracts: `paged_attention` with the reference's contract (one call for small steps; else
 native local and cached parts, merged by log-sum-exp), the matmuls over arrays, each saying
 by None what it does not take (`gemv`: float32, up to max_rows() rows; `gemv_int8`: one row of
-W8A8; `qgemm`: up to qgemm_max_rows() rows over ggml's q8_0 / q4_0 / q4_1 / q5_0 / q5_1 blocks
+W8A8; `qgemm`: up to qgemm_max_rows(kind) rows over ggml's q8_0 / q4_0 / q4_1 / q5_0 / q5_1 blocks
 and q4_k / q5_k / q6_k super-blocks as a GGUF stores them; `gemv_half`: up to max_rows() rows over
 16-bit float weights, f16 or bf16, widened as they stream;
 `matmul_bf16x3`: three bf16 products on AMX over weights `pack_bf16x3` packed at load,
@@ -134,9 +134,10 @@ class NativeLib:
         """Rows the native float matmul takes (matmul.cc kGemmRows)."""
         return int(self._lib.TlGemvMaxRows())
 
-    def qgemm_max_rows(self) -> int:
-        """Rows the native quantized matmul takes (quant.cc kQMaxRows)."""
-        return int(self._lib.TlQGemmMaxRows())
+    def qgemm_max_rows(self, kind: str) -> int:
+        """Rows the native quantized matmul takes of a QUANT_KINDS kind (quant.cc max_rows: any
+        count where this build has the panel kernel for it, else 64)."""
+        return int(self._lib.TlQGemmMaxRows(ctypes.c_int32(QUANT_KINDS[kind][0])))
 
     def amx_available(self) -> bool:
         """Whether this build and process can run AMX-BF16 (the CPU has it, the build has it, and
@@ -178,13 +179,13 @@ class NativeLib:
         its K weights as a GGUF stores them (`kind`: a QUANT_KINDS key) -> float32 [N,*out], with
         llama.cpp's arithmetic (x quantized to int8 per block of 32, or 256 for the K-quants,
         integer block dots, float scaling; kernels/cpu/quant.cc). None where it does not take the
-        call: another kind or dtype, more than qgemm_max_rows() rows, K not a multiple of the
+        call: another kind or dtype, more than qgemm_max_rows(kind) rows, K not a multiple of the
         block's weights (32, 256) or rows not K / that many blocks."""
         if kind not in QUANT_KINDS or x.dtype != jnp.float32 or w.dtype != jnp.uint8 or x.ndim != 2 or w.ndim < 2:
             return None
         code, block, size = QUANT_KINDS[kind]
         n, k = x.shape
-        if n > self.qgemm_max_rows() or k % size != 0 or w.shape[-1] != k // size * block:
+        if n > self.qgemm_max_rows(kind) or k % size != 0 or w.shape[-1] != k // size * block:
             return None
         out = jax.ShapeDtypeStruct((n, *w.shape[:-1]), jnp.float32)
         return self._call("tl_qgemm", out)(x, w, kind=np.int32(code))

@@ -48,7 +48,8 @@ def lib(request: pytest.FixtureRequest) -> cpu_native.NativeLib:
     return cpu_native.library(request.param)
 
 
-ROWS = (1, 2, 3, 5, 8, 16, 17, 64, 300)  # 300: past a run of 256 rows (quant.cc kRun)
+ROWS = (1, 2, 3, 5, 8, 16, 17, 64, 300)  # 300: past a run of 256 rows (quant.cc kRun), where a build takes it
+PANEL_BUILDS = ("x86-64-v4-vnni", "sapphirerapids")  # the panel kernel's (AVX-512 VNNI): any row count
 SHAPES = [((37,), 32), ((3, 40), 576), ((24,), 1536)]  # (out, K)
 
 
@@ -122,7 +123,8 @@ def test_qgemm_matches_float64_and_llama_cpp_arithmetic(
     deq = dequantize(rows, KINDS[kind]).astype(np.float64)  # gguf's float32 d w + m
     exact_w = (dw[..., None] * w + m[..., None]).reshape(deq.shape)
     assert (np.abs(deq - exact_w) <= U * (np.abs(dw[..., None] * w) + np.abs(m[..., None])).reshape(deq.shape)).all()
-    for n in ROWS:
+    assert lib.qgemm_max_rows(kind) == (1 << 16 if lib.target.name in PANEL_BUILDS else 64)
+    for n in (n for n in ROWS if n <= lib.qgemm_max_rows(kind)):
         xn = x[:n]
         got = lib.qgemm(jnp.asarray(xn), jnp.asarray(raw), kind)
         assert got is not None
@@ -268,8 +270,9 @@ def test_qgemm_declines_what_it_does_not_take(lib: cpu_native.NativeLib) -> None
     assert lib.qgemm(xj, wj, "q8_0") is None  # rows are not K/32 q8_0 blocks
     assert lib.qgemm(xj.astype(jnp.bfloat16), wj, "q4_0") is None
     assert lib.qgemm(xj, wj.view(jnp.int8), "q4_0") is None
-    many = jnp.zeros((lib.qgemm_max_rows() + 1, 64), jnp.float32)
+    many = jnp.zeros((lib.qgemm_max_rows("q4_0") + 1, 64), jnp.float32)
     assert lib.qgemm(many, wj, "q4_0") is None
+    assert lib.qgemm_max_rows("q4_k") == 64  # the K-quants' tiles only (no panel kernel)
     assert lib.qgemm(jnp.zeros((1, 48), jnp.float32), jnp.zeros((8, 27), jnp.uint8), "q4_0") is None  # K % 32
     assert lib.qgemm(jnp.zeros((1, 288), jnp.float32), jnp.zeros((8, 162), jnp.uint8), "q4_k") is None  # K % 256
     assert lib.qgemm(jnp.zeros((1, 256), jnp.float32), jnp.zeros((8, 145), jnp.uint8), "q4_k") is None  # not 144

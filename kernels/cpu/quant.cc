@@ -2,7 +2,7 @@
 //
 // Owns: TlQGemm, y [N, O] = x [N, K] @ W^T for W [O, row_bytes] whose rows are the raw ggml
 // blocks (32 weights each) of q8_0, q4_0, q4_1, q5_0 or q5_1, or super-blocks (256 weights) of
-// q4_k, q5_k or q6_k (the `kind` attribute, Kind below), N <= kQMaxRows; TlQGemmMaxRows. Must not: write anything but y. Built by
+// q4_k, q5_k or q6_k (the `kind` attribute, Kind below), N <= max_rows(kind); TlQGemmMaxRows. Must not: write anything but y. Built by
 // kernels/cpu_build.py, called by kernels/cpu_native.py (`qgemm`), tested by
 // tests/test_cpu_native_quant.py against float64 products of gguf's dequantized weights and a
 // numpy emulation of the integer arithmetic below.
@@ -58,7 +58,8 @@ namespace ffi = xla::ffi;
 namespace tl {
 namespace {
 
-constexpr int64_t kQMaxRows = int64_t{1} << 16;  // the most rows TlQGemm takes
+constexpr int64_t kQFewRows = 64;                 // the most rows the tiles take (below: the panels' kinds take more)
+constexpr int64_t kQManyRows = int64_t{1} << 16;  // the most rows a kind with a panel kernel takes
 constexpr int64_t kQK = 32;        // weights a block
 
 constexpr int64_t kQKK = 256;     // weights a K-quant super-block
@@ -1216,6 +1217,18 @@ void qgemm(ffi::ThreadPool& pool, const uint8_t* W, const XQ& x, int64_t N, int6
   }, /*linger_after=*/N == 1);
 }
 
+// The rows a call of `kind` takes: any count where the panel kernel runs it (AVX-512 VNNI, the
+// formats of 32-input blocks), else the tiles' 64 (past that their x streams from L2 for every
+// output: a 512-row call would run slower than XLA's dequantizing dot and take seconds to
+// measure at start-up).
+int64_t max_rows(int32_t kind) {
+#if defined(TL_QDOT_512)
+  if (kind >= kQ8_0 && kind <= kQ5_1) return kQManyRows;
+#endif
+  (void)kind;
+  return kQFewRows;
+}
+
 ffi::Error QGemm(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, int32_t kind,
                  ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions();
@@ -1226,7 +1239,7 @@ ffi::Error QGemm(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi:
   const int64_t N = xd[0], K = xd[1], row_bytes = wd[wd.size() - 1];
   if (K % bi != 0 || row_bytes != K / bi * bb)
     return ffi::Error::InvalidArgument("w's rows are not K / 32 blocks (K / 256 for the K-quants) of this kind");
-  if (N > kQMaxRows) return ffi::Error::InvalidArgument("qgemm takes at most qgemm_max_rows() rows");
+  if (N > max_rows(kind)) return ffi::Error::InvalidArgument("qgemm takes at most qgemm_max_rows(kind) rows");
   const int64_t O = row_bytes > 0 ? static_cast<int64_t>(w.element_count()) / row_bytes : 0;
   float* Y = y->typed_data();
   if (N == 0 || O == 0) return ffi::Error::Success();
@@ -1284,7 +1297,7 @@ ffi::Error QGemm(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi:
 }  // namespace
 }  // namespace tl
 
-extern "C" int64_t TlQGemmMaxRows() { return tl::kQMaxRows; }
+extern "C" int64_t TlQGemmMaxRows(int32_t kind) { return tl::max_rows(kind); }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TlQGemm, tl::QGemm,
                               ffi::Ffi::Bind()
