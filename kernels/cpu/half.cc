@@ -13,9 +13,9 @@
 // bits, an error 2^-9 relative per product where this has 2^-24), for no gain where a step
 // streams the weights from memory, which is what bounds a one-row step.
 //
-// Form: matmul.cc's dot form. Output rows in contiguous ranges over the threads, MO = 4 rows
-// of W streamed together (the next 4 prefetched), each weight vector widened once and dotted
-// with NB rows of x (NB accumulators a weight row); the helper lingers after one-row calls.
+// Form: dot.h's dot form, as matmul.cc's few rows: output rows in contiguous ranges over the
+// threads, 4 rows of W streamed together (the next 4 prefetched), each weight vector widened
+// once and dotted with up to 4 rows of x; the helper lingers after one-row calls.
 // The widening: AVX-512 vcvtph2ps / vpmovzxwd + vpslld of 16 values, AVX2 with F16C the same
 // of 8, elsewhere scalar conversions (simd.h) into a vector.
 
@@ -27,6 +27,7 @@
 #include <immintrin.h>
 #endif
 
+#include "dot.h"
 #include "simd.h"
 #include "threads.h"
 #include "xla/ffi/api/ffi.h"
@@ -37,8 +38,6 @@ namespace tl {
 namespace {
 
 constexpr int64_t kHalfMaxRows = 64;  // as TlGemv: more rows run XLA's dot of the widened weights
-constexpr int kHalfMO = 4;
-constexpr int kHalfNB = kRegs >= 32 ? 4 : 2;
 
 // kLanes weights at p widened to float32 (KIND 0: IEEE half, 1: bfloat16).
 template <int KIND>
@@ -59,63 +58,13 @@ inline vf widen(const uint16_t* p) {
 #endif
 }
 
+// The loader of dot.h for 16-bit weights of KIND.
 template <int KIND>
-inline float widen1(uint16_t h) {
-  return KIND == 0 ? half_to_float(h) : bf16_to_float(h);
-}
-
-// Rows [n0, n0 + NB) of x against outputs [o0, o0 + MO).
-template <int KIND, int NB, int MO>
-inline void half_block(const float* X, int64_t K, const uint16_t* W, int64_t O, float* Y, int64_t n0, int64_t o0,
-                       bool prefetch) {
-  vf acc[NB][MO];
-  for (int i = 0; i < NB; ++i)
-    for (int j = 0; j < MO; ++j) acc[i][j] = vf{};
-  const int64_t KV = K / kLanes * kLanes;
-  const uint16_t* w = W + o0 * K;
-  const float* x = X + n0 * K;
-  for (int64_t k = 0; k < KV; k += kLanes) {
-    if (prefetch && (k & 31) == 0)  // one 64-byte line a row every 32 weights
-      for (int j = 0; j < MO; ++j) __builtin_prefetch(w + (MO + j) * K + k);
-    vf wv[MO];
-    for (int j = 0; j < MO; ++j) wv[j] = widen<KIND>(w + j * K + k);
-    for (int i = 0; i < NB; ++i) {
-      const vf xv = loadv(x + i * K + k);
-      for (int j = 0; j < MO; ++j) acc[i][j] += xv * wv[j];
-    }
-  }
-  for (int i = 0; i < NB; ++i)
-    for (int j = 0; j < MO; ++j) {
-      float r = hsumv(acc[i][j]);
-      for (int64_t k = KV; k < K; ++k) r += x[i * K + k] * widen1<KIND>(w[j * K + k]);
-      Y[(n0 + i) * O + o0 + j] = r;
-    }
-}
-
-template <int KIND, int MO>
-inline void half_outputs(const float* X, int64_t N, int64_t K, const uint16_t* W, int64_t O, float* Y, int64_t o0,
-                         bool prefetch) {
-  int64_t n = 0;
-  for (; n + kHalfNB <= N; n += kHalfNB) half_block<KIND, kHalfNB, MO>(X, K, W, O, Y, n, o0, prefetch && n == 0);
-  switch (N - n) {
-    case 3: half_block<KIND, 3, MO>(X, K, W, O, Y, n, o0, prefetch && n == 0); break;
-    case 2: half_block<KIND, 2, MO>(X, K, W, O, Y, n, o0, prefetch && n == 0); break;
-    case 1: half_block<KIND, 1, MO>(X, K, W, O, Y, n, o0, prefetch && n == 0); break;
-    default: break;
-  }
-}
-
-template <int KIND>
-void gemv_half(ffi::ThreadPool& pool, const float* X, int64_t N, int64_t K, const uint16_t* W, int64_t O, float* Y) {
-  const int64_t blocks = O / kHalfMO;  // the last O % kHalfMO outputs one by one
-  const int64_t tasks = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), blocks / 4));
-  parallel_for(pool, tasks, [&](int64_t task) {
-    const int64_t b0 = blocks * task / tasks, b1 = blocks * (task + 1) / tasks;
-    for (int64_t b = b0; b < b1; ++b) half_outputs<KIND, kHalfMO>(X, N, K, W, O, Y, kHalfMO * b, b + 1 < b1);
-    if (task == tasks - 1)
-      for (int64_t o = kHalfMO * blocks; o < O; ++o) half_outputs<KIND, 1>(X, N, K, W, O, Y, o, false);
-  }, /*linger_after=*/N == 1);
-}
+struct HalfWeights {
+  using T = uint16_t;
+  static vf vec(const uint16_t* p) { return widen<KIND>(p); }
+  static float one(uint16_t h) { return KIND == 0 ? half_to_float(h) : bf16_to_float(h); }
+};
 
 ffi::Error GemvHalf(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, int32_t kind,
                     ffi::ResultBuffer<ffi::F32> y) {
@@ -136,9 +85,9 @@ ffi::Error GemvHalf(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
   // XLA's buffers are 64-byte aligned, so the uint8 rows are 2-byte aligned uint16 rows.
   const uint16_t* W = reinterpret_cast<const uint16_t*>(w.typed_data());
   if (kind == 0)
-    gemv_half<0>(pool, x.typed_data(), N, K, W, O, Y);
+    dot_form<HalfWeights<0>>(pool, x.typed_data(), N, K, W, O, Y, /*linger_after=*/N == 1);
   else
-    gemv_half<1>(pool, x.typed_data(), N, K, W, O, Y);
+    dot_form<HalfWeights<1>>(pool, x.typed_data(), N, K, W, O, Y, /*linger_after=*/N == 1);
   return ffi::Error::Success();
 }
 

@@ -37,6 +37,7 @@
 #include <immintrin.h>
 #endif
 
+#include "dot.h"
 #include "simd.h"
 #include "threads.h"
 #include "xla/ffi/api/ffi.h"
@@ -46,57 +47,12 @@ namespace ffi = xla::ffi;
 namespace tl {
 namespace {
 
-constexpr int kDotNB = kRegs >= 32 ? 4 : 2;  // x rows a dot block
-constexpr int kDotMO = 4;                    // outputs a dot block
 constexpr int64_t kGemmRows = 64;            // the most rows TlGemv takes (at 96 and 128 XLA's dot was as fast, AVX-512)
 #if TL_LANES == 16
 constexpr int64_t kDotMaxRows = 16;
 #else
 constexpr int64_t kDotMaxRows = 4;
 #endif
-
-template <int NB, int MO>
-inline void dot_block(const float* X, int64_t K, const float* W, int64_t O, float* Y, int64_t n0, int64_t o0,
-                      bool prefetch) {
-  vf acc[NB][MO];
-  for (int i = 0; i < NB; ++i)
-    for (int j = 0; j < MO; ++j) acc[i][j] = vf{};
-  const int64_t KV = K / kLanes * kLanes;
-  const float* w = W + o0 * K;
-  const float* x = X + n0 * K;
-  for (int64_t k = 0; k < KV; k += kLanes) {
-    if (prefetch && (k & 15) == 0)  // one 64-byte line a row every 16 floats
-      for (int j = 0; j < MO; ++j) __builtin_prefetch(w + (MO + j) * K + k);
-    vf wv[MO];
-    for (int j = 0; j < MO; ++j) wv[j] = loadv(w + j * K + k);
-    for (int i = 0; i < NB; ++i) {
-      const vf xv = loadv(x + i * K + k);
-      for (int j = 0; j < MO; ++j) acc[i][j] += xv * wv[j];
-    }
-  }
-  for (int i = 0; i < NB; ++i)
-    for (int j = 0; j < MO; ++j) {
-      float r = hsumv(acc[i][j]);
-      for (int64_t k = KV; k < K; ++k) r += x[i * K + k] * w[j * K + k];
-      Y[(n0 + i) * O + o0 + j] = r;
-    }
-}
-
-// Outputs [o0, o0 + MO) against every row of x.
-template <int MO>
-inline void dot_outputs(const float* X, int64_t N, int64_t K, const float* W, int64_t O, float* Y, int64_t o0,
-                        bool prefetch) {
-  int64_t n = 0;
-  for (; n + kDotNB <= N; n += kDotNB) {  // the MO rows of w stay in L1 after the first block of x rows
-    dot_block<kDotNB, MO>(X, K, W, O, Y, n, o0, prefetch && n == 0);
-  }
-  switch (N - n) {
-    case 3: dot_block<3, MO>(X, K, W, O, Y, n, o0, prefetch && n == 0); break;
-    case 2: dot_block<2, MO>(X, K, W, O, Y, n, o0, prefetch && n == 0); break;
-    case 1: dot_block<1, MO>(X, K, W, O, Y, n, o0, prefetch && n == 0); break;
-    default: break;
-  }
-}
 
 // One row of x: each output's weights read front to back (4 accumulators break the FMA chain),
 // so a thread's range of w is one linear stream. (Reading 4 rows of w at once, as the dot
@@ -121,21 +77,14 @@ void row_outputs(const float* x, int64_t K, const float* W, float* y, int64_t o0
   }
 }
 
-void dot_form(ffi::ThreadPool& pool, const float* X, int64_t N, int64_t K, const float* W, int64_t O, float* Y) {
+void dot_rows(ffi::ThreadPool& pool, const float* X, int64_t N, int64_t K, const float* W, int64_t O, float* Y) {
   if (N == 1) {
     const int64_t tasks = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), O / 16));
     parallel_for(pool, tasks, [&](int64_t task) { row_outputs(X, K, W, Y, O * task / tasks, O * (task + 1) / tasks); },
                  /*linger_after=*/true);
     return;
   }
-  const int64_t blocks = O / kDotMO;  // the last O % kDotMO outputs one by one
-  const int64_t tasks = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), blocks));
-  parallel_for(pool, tasks, [&](int64_t task) {
-    const int64_t b0 = blocks * task / tasks, b1 = blocks * (task + 1) / tasks;
-    for (int64_t b = b0; b < b1; ++b) dot_outputs<kDotMO>(X, N, K, W, O, Y, kDotMO * b, b + 1 < b1);
-    if (task == tasks - 1)
-      for (int64_t o = kDotMO * blocks; o < O; ++o) dot_outputs<1>(X, N, K, W, O, Y, o, false);
-  });
+  dot_form<FloatWeights>(pool, X, N, K, W, O, Y, /*linger_after=*/false);
 }
 
 template <int RO, int J>
@@ -307,7 +256,7 @@ void broadcast_form(ffi::ThreadPool& pool, const float* X, int64_t N, int64_t K,
 }
 
 void gemm(ffi::ThreadPool& pool, const float* X, int64_t N, int64_t K, const float* W, int64_t O, float* Y) {
-  if (N <= kDotMaxRows) return dot_form(pool, X, N, K, W, O, Y);
+  if (N <= kDotMaxRows) return dot_rows(pool, X, N, K, W, O, Y);
 #if TL_LANES == 16
   if (N > 48) return broadcast_form<6, 4>(pool, X, N, K, W, O, Y);  // tiles of 64, 48, 32 rows: the smallest N fills
   if (N > 32) return broadcast_form<8, 3>(pool, X, N, K, W, O, Y);
