@@ -48,7 +48,7 @@ def lib(request: pytest.FixtureRequest) -> cpu_native.NativeLib:
     return cpu_native.library(request.param)
 
 
-ROWS = (1, 2, 3, 5, 8, 16, 17, 64, 300)  # 300: past a run of 256 rows (quant.cc kRun), where a build takes it
+ROWS = (1, 2, 3, 5, 8, 16, 17, 64, 65, 300)  # 65, 300: the panels (300: past a run of 256 rows)
 PANEL_BUILDS = ("x86-64-v4-vnni", "sapphirerapids")  # the panel kernel's (AVX-512 VNNI): any row count
 SHAPES = [((37,), 32), ((3, 40), 576), ((24,), 1536)]  # (out, K)
 
@@ -143,6 +143,24 @@ def test_qgemm_matches_float64_and_llama_cpp_arithmetic(
         bound = quant_bound + fp_bound + deq_bound
         assert (err64 <= bound).all(), f"n={n}: {err64.max():.3g} from float64, bound {bound.min():.3g}"
         assert err64.max() > 0  # the x quantization is really there
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_a_rows_result_does_not_depend_on_the_other_rows(lib: cpu_native.NativeLib, kind: str) -> None:
+    """Batch invariance, bit for bit, up to 64 rows: each row of a call equals that row alone, and
+    that row in any other slice (another tile), so a request alone or in a batch of decodes, and
+    a prompt chunk's last rows computed again after a prefix-cache hit, give the same tokens."""
+    if lib.target.name == "x86-64" and kind.endswith("_1"):  # noted in the stop note of 2026-12-03
+        pytest.xfail("the SSE2 scalar tiles: -ffast-math contracts the m term's float sums differently per tile size")
+    rng = np.random.default_rng(len(kind))
+    n = 64  # the tiles: every step of up to 64 rows (past that, prompt chunks, the panels)
+    x, raw = case(rng, kind, (37,), 576, n)
+    w = jnp.asarray(raw)
+    whole = np.asarray(lib.qgemm(jnp.asarray(x), w, kind))
+    for i in (0, 1, 5, n - 1):
+        np.testing.assert_array_equal(np.asarray(lib.qgemm(jnp.asarray(x[i : i + 1]), w, kind)), whole[i : i + 1])
+    for a, b in ((3, 10), (1, n), (n // 2, n)):
+        np.testing.assert_array_equal(np.asarray(lib.qgemm(jnp.asarray(x[a:b]), w, kind)), whole[a:b])
 
 
 K_KINDS = ("q4_k", "q5_k", "q6_k")
@@ -272,7 +290,7 @@ def test_qgemm_declines_what_it_does_not_take(lib: cpu_native.NativeLib) -> None
     assert lib.qgemm(xj, wj.view(jnp.int8), "q4_0") is None
     many = jnp.zeros((lib.qgemm_max_rows("q4_0") + 1, 64), jnp.float32)
     assert lib.qgemm(many, wj, "q4_0") is None
-    assert lib.qgemm_max_rows("q4_k") == 64  # the K-quants' tiles only (no panel kernel)
+    assert lib.qgemm_max_rows("q4_k") == 64
     assert lib.qgemm(jnp.zeros((1, 48), jnp.float32), jnp.zeros((8, 27), jnp.uint8), "q4_0") is None  # K % 32
     assert lib.qgemm(jnp.zeros((1, 288), jnp.float32), jnp.zeros((8, 162), jnp.uint8), "q4_k") is None  # K % 256
     assert lib.qgemm(jnp.zeros((1, 256), jnp.float32), jnp.zeros((8, 145), jnp.uint8), "q4_k") is None  # not 144

@@ -19,8 +19,8 @@
 // x86-64-v4) one block a 256-bit vector, vpmaddubsw then vpmaddwd with ones, the same sign
 // trick (|w| * sign(x, w) < 2 * 128 * 127 per pair: no int16 saturation); aarch64 with dotprod
 // vdotq_s32 on the signed values; elsewhere (SSE2, plain armv8-a) scalar code the compiler
-// vectorizes. On AVX-512 VNNI, from 8 rows (batched decodes, prompt chunks) a panel kernel with
-// outputs in the vector lanes (panel_tile below): its measured rate is 2x-3x the tiles' there. Each weight block is unpacked once per tile of up to kTileRows rows of x and
+// vectorizes. On AVX-512 VNNI, past 64 rows (prompt chunks) a panel kernel with outputs in the
+// vector lanes (panel_tile below): its measured rate is 2x-3x the tiles' at 64 rows. Each weight block is unpacked once per tile of up to kTileRows rows of x and
 // dotted against all of them; a row's blocks stream front to back, each thread one contiguous
 // range of outputs, its helper lingering after one-row calls as TlGemv's does (threads.h).
 //
@@ -777,8 +777,9 @@ inline void dot_rows_k(const uint8_t* w, const XQ& x, int64_t n0, float out[R]) 
 // high 16] (the order the two 16-byte qs arrays split into), for q8_0 [b0, b1]; each int32 lane's
 // block scale d_x (and s_x / 8 for the m term: a lane value counted in 8 lanes' sum) beside it.
 // A tile is MO output rows x R rows of x: one x row (one-stream decode) takes MO = 4 outputs at
-// once, four independent accumulator chains sharing each x load; 2 to 7 rows take MO = 2 x R = 4;
-// from kPanelMinRows rows the panels below take over.
+// once, four independent accumulator chains sharing each x load; 2 to 64 rows take MO = 2 x R = 4;
+// from kPanelMinRows (65) rows the panels below take over. Up to 64 rows a row's result is the
+// same whatever else the call holds (tests/test_cpu_native_quant.py).
 // Each thread streams one contiguous range of outputs and prefetches the rows six tiles ahead (24 outputs: a SmolLM2 Q4_1 decode step 3.72 / 4.12 / 3.79 ms against 3.90 / 4.24 / 4.32 two tiles ahead, alternated; twelve was slower).
 // (Before: one output at a time, its blocks' scales built from scalars, its m term a scalar
 // chain: 14.7 us for a 576 x 576 q4_1 one-row matmul from L2, 29.7 from memory, a 3-4x
@@ -946,7 +947,16 @@ void vnni_outputs(const uint8_t* W, int64_t row_bytes, const XL& x, int64_t N, i
 // vpdpbusd and 3 float operations per 16 x 32 products, where vnni_tile spends 1 and 3 per
 // 64. Rows go R at a time (2 x R int32 and 2 x R float accumulators in registers).
 constexpr int kPanel = 32;
-constexpr int64_t kPanelMinRows = 8;  // the panels from this many rows of x
+// The panels from this many rows of x: past the tiles' 64 (prompt chunks). A panel sums a block
+// exactly in int32 and scales it once; a tile scales each int32 lane (4 products) and sums the
+// lanes at the end: the same integers, other float roundings. A row's result must not depend on
+// what else its step holds (a request alone or in a batch of decodes, a prompt after a
+// prefix-cache hit: the same tokens at temperature 0), so every step of up to 64 rows runs the
+// tiles; a chunk of more ran XLA's dequantizing float dot before, as far from the tiles'
+// arithmetic. Panels from 8 rows served 16 and 64 Q8_0 decode streams at 2.0x and 2.5x
+// llama.cpp over HTTP (Zen 5), and parted a greedy answer from its repeat: a one-row kernel
+// with the panels' arithmetic is what would let them take every batch.
+constexpr int64_t kPanelMinRows = 65;
 constexpr int64_t kRun = 256;          // rows of x a panel's unpacked weights serve before the next run
 
 // A thread's 64-byte aligned scratch, grown as needed (std::vector<__m512i> and any template over
