@@ -45,9 +45,29 @@ USED = 'tl_engine_kv_blocks{state="used"}'
 
 
 def free_port() -> int:
-    with socket.socket() as s:
+    """A loopback port free now, drawn below the kernel's ephemeral range: a port that bind(0)
+    hands out is an ephemeral one, which any client socket may take as its source port before
+    the server that was given it binds (a test group's JAX coordinator once failed to start so)."""
+    lo = _ephemeral_low()
+    draw = random.SystemRandom()
+    for _ in range(100):
+        port = draw.randrange(max(1024, lo - 12000), lo)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # that range full: any port the kernel gives
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default; elsewhere a guess as good as any
 
 
 @dataclass

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -18,15 +17,10 @@ from pathlib import Path
 
 import httpx
 
+from bench.soak import free_port as free_port  # one picker for every test server (re-exported)
 from serve.launch import granian_command
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def granian_argv(port: int, app: str = "serve.app:app", kill_timeout: int = 40) -> list[str]:
