@@ -20,9 +20,10 @@
 // trick (|w| * sign(x, w) < 2 * 128 * 127 per pair: no int16 saturation); aarch64 with dotprod
 // vdotq_s32 on the signed values; elsewhere (SSE2, plain armv8-a) scalar code the compiler
 // vectorizes. On AVX-512 VNNI, past 64 rows (prompt chunks) a panel kernel with outputs in the
-// vector lanes (panel_tile below): its measured rate is 2x-3x the tiles' at 64 rows. Each weight block is unpacked once per tile of up to kTileRows rows of x and
-// dotted against all of them; a row's blocks stream front to back, each thread one contiguous
-// range of outputs, its helper lingering after one-row calls as TlGemv's does (threads.h).
+// vector lanes (panel_tile below): its measured rate is 2x-3x the tiles' at 64 rows. Each weight
+// block is unpacked once per tile of up to kTileRows rows of x and dotted against all of them; a
+// row's blocks stream front to back, each thread one contiguous range of outputs, its helper
+// lingering after one-row calls as TlGemv's does (threads.h).
 //
 // The K-quants as llama.cpp's ggml_vec_dot_q{4,5,6}_K_q8_K: x quantized per super-block of 256
 // (Q8_K's geometry: one float d, and bsums, each 16 values' sum; the rounding rule above), the
@@ -936,7 +937,7 @@ void vnni_outputs(const uint8_t* W, int64_t row_bytes, const XL& x, int64_t N, i
   }
 }
 
-// Many rows (a batch of decodes, a prompt chunk): the lanes of a vector are 16 outputs, not 16
+// Prompt chunks (more than 64 rows): the lanes of a vector are 16 outputs, not 16
 // groups of one output's inputs. Each thread takes panels of kPanel (32) outputs; a panel's
 // weights are unpacked once per run of rows into a thread-local buffer as unsigned bytes u (as
 // above) interleaved [block][group of 4 inputs][output] (the 16 x 8 int32 transpose of 16

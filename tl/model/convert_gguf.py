@@ -201,7 +201,7 @@ def packed_tensors(path: Path) -> dict[str, np.ndarray | Packed]:
         if fmt is not None:  # data: uint8 [*reversed(shape[1:]), row_bytes]
             rows = tuple(int(n) for n in reversed(t.shape[1:]))
             data = np.asarray(t.data).view(np.uint8)  # f16 tensors read as float16 values: their bytes
-            w = Packed(fmt.name, data.reshape(*rows, data.shape[-1] if data.ndim else 0), int(t.shape[0]))
+            w = Packed(fmt.name, data.reshape(*rows, data.shape[-1]), int(t.shape[0]))
         else:  # F32, and F16 / BF16 vectors, as float32; any other type refused there
             w = dequantize_tensor(t, path)
         out |= dict(to_hf(cfg, name, w, path))

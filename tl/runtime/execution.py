@@ -137,7 +137,8 @@ class ExecutionPlan:
     def measure_classes(self, matmul_any_rows: bool = False) -> list[tuple[str, int]]:
         """(kernel, rows) of every class whose kernel is chosen by measurement. `matmul_any_rows`:
         the native matmul takes every row count of this model's linears (the block encodings'
-        integer kernel does), so the largest token bucket is a class of its own, as with "high"."""
+        integer kernel does on AVX-512 VNNI builds), so the largest token bucket is a class of its
+        own, as with "high"."""
         classes: list[tuple[str, int]] = []
         top = self.token_buckets[-1]
         if self.matmul_measured:
