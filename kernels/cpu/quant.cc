@@ -19,11 +19,13 @@
 // x86-64-v4) one block a 256-bit vector, vpmaddubsw then vpmaddwd with ones, the same sign
 // trick (|w| * sign(x, w) < 2 * 128 * 127 per pair: no int16 saturation); aarch64 with dotprod
 // vdotq_s32 on the signed values; elsewhere (SSE2, plain armv8-a) scalar code the compiler
-// vectorizes. On AVX-512 VNNI, past 64 rows (prompt chunks) a panel kernel with outputs in the
-// vector lanes (panel_tile below): its measured rate is 2x-3x the tiles' at 64 rows. Each weight
-// block is unpacked once per tile of up to kTileRows rows of x and dotted against all of them; a
-// row's blocks stream front to back, each thread one contiguous range of outputs, its helper
-// lingering after one-row calls as TlGemv's does (threads.h).
+// vectorizes. On AVX-512 VNNI, one arithmetic whatever the row count (a row's result does not
+// depend on its step's other rows): exact block sums scaled once a block, by exact_row /
+// exact_tile below 8 rows and from 8 by a panel kernel with outputs in the vector lanes
+// (panel_tile), any row count. Elsewhere each weight block is unpacked once per tile of up to
+// kTileRows rows of x and dotted against all of them. A row's blocks stream front to back, each
+// thread one contiguous range of outputs, its helper lingering after one-row calls as TlGemv's
+// does (threads.h).
 //
 // The K-quants as llama.cpp's ggml_vec_dot_q{4,5,6}_K_q8_K: x quantized per super-block of 256
 // (Q8_K's geometry: one float d, and bsums, each 16 values' sum; the rounding rule above), the
@@ -775,23 +777,23 @@ inline void dot_rows_k(const uint8_t* w, const XQ& x, int64_t n0, float out[R]) 
 // alone: it is computed once a call, negated, and is the accumulator vpdpbusd starts from, so
 // each block's int32 sum comes out exact. x is laid out once a call as the weights unpack: a
 // pair of blocks a 512-bit vector, for the nibble formats [b0 low 16, b1 low 16, b0 high 16, b1
-// high 16] (the order the two 16-byte qs arrays split into), for q8_0 [b0, b1]; each int32 lane's
-// block scale d_x (and s_x / 8 for the m term: a lane value counted in 8 lanes' sum) beside it.
-// A tile is MO output rows x R rows of x: one x row (one-stream decode) takes MO = 4 outputs at
-// once, four independent accumulator chains sharing each x load; 2 to 64 rows take MO = 2 x R = 4;
-// from kPanelMinRows (65) rows the panels below take over. Up to 64 rows a row's result is the
-// same whatever else the call holds (tests/test_cpu_native_quant.py).
-// Each thread streams one contiguous range of outputs and prefetches the rows six tiles ahead (24 outputs: a SmolLM2 Q4_1 decode step 3.72 / 4.12 / 3.79 ms against 3.90 / 4.24 / 4.32 two tiles ahead, alternated; twelve was slower).
-// (Before: one output at a time, its blocks' scales built from scalars, its m term a scalar
-// chain: 14.7 us for a 576 x 576 q4_1 one-row matmul from L2, 29.7 from memory, a 3-4x
-// shortfall against the memory rate on SmolLM2's layer shapes; the gain is measured in the
-// commit that brought this.)
+// high 16] (the order the two 16-byte qs arrays split into), for q8_0 [b0, b1], each int32
+// lane's offset term beside it.
+//
+// One arithmetic for every row count, so that a row's result is the same bit for bit whatever
+// else its step holds (a request alone or among other decodes, a prompt after a prefix-cache
+// hit; tests/test_cpu_native_quant.py): each block's exact int32 sum is converted once and added
+// as acc = fma(sum, d_w * d_x, acc), then acc = fma(m_w, s_x, acc), block by block in order.
+// Steps of up to kPanelMinRows - 1 rows run exact_row / exact_tile (the weights streamed as
+// stored, a vector a pair of blocks, the lanes reduced to block sums); more run the panels,
+// whose lanes are outputs. (The tiles before these scaled each 4-product int32 lane and summed
+// the lanes at the end: the same integers, other roundings, so the panels could take only prompt
+// chunks. Panels from 8 rows serve 16 decode streams' matmuls about 1.8x faster than those
+// tiles did, at SmolLM2's shapes.)
 
 struct XL {  // x in the VNNI layout, `np` pairs a row
   const int8_t* q;    // [N][np][64]
   const int32_t* c;   // [N][np][16]: -(offset * the lane's x sum)
-  const float* d;     // [N][np][16]: the lane's block d_x
-  const float* s;     // [N][np][16]: the lane's block s_x / 8
   int64_t np;
 };
 
@@ -801,11 +803,9 @@ template <int KIND>
 constexpr int kOffset = KIND == kQ8_0 ? 128 : KIND == kQ4_0 ? 8 : KIND == kQ5_0 ? 16 : 0;
 
 // x in that layout, a vector a pair: the bytes by 128-bit moves (the second block zero past a
-// row's last), each lane's offset term from one vpdpbusd of ones, each lane's d_x (and s_x / 8)
-// by a blend of its pair's two scales.
+// row's last), each lane's offset term from one vpdpbusd of ones.
 template <int KIND>
-void layout_x(const XQ& x, int64_t N, int8_t* q, int32_t* c, float* d, float* s, int64_t np) {
-  constexpr __mmask16 kSecond = kNibbles<KIND> ? 0xf0f0 : 0xff00;  // lanes of the pair's second block
+void layout_x(const XQ& x, int64_t N, int8_t* q, int32_t* c, int64_t np) {
   const __m512i ones = _mm512_set1_epi8(1);
   for (int64_t n = 0; n < N; ++n)
     for (int64_t p = 0; p < np; ++p) {
@@ -824,12 +824,6 @@ void layout_x(const XQ& x, int64_t N, int8_t* q, int32_t* c, float* d, float* s,
       _mm512_storeu_si512(q + at * 64, v);
       const __m512i sum4 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, v);
       _mm512_storeu_si512(c + at * 16, _mm512_mullo_epi32(sum4, _mm512_set1_epi32(-kOffset<KIND>)));
-      const float d0 = x.d8[(n * x.nb + b0) * 8], d1 = pair ? x.d8[(n * x.nb + b0 + 1) * 8] : 0.0f;
-      _mm512_storeu_ps(d + at * 16, _mm512_mask_blend_ps(kSecond, _mm512_set1_ps(d0), _mm512_set1_ps(d1)));
-      if constexpr (Fmt<KIND>::kHasM) {
-        const float s0 = x.s[n * x.nb + b0] * 0.125f, s1 = pair ? x.s[n * x.nb + b0 + 1] * 0.125f : 0.0f;
-        _mm512_storeu_ps(s + at * 16, _mm512_mask_blend_ps(kSecond, _mm512_set1_ps(s0), _mm512_set1_ps(s1)));
-      }
     }
 }
 
@@ -860,104 +854,205 @@ inline __m512i unpack_pair(const uint8_t* blk, bool pair) {
   }
 }
 
-// The pair's d (and m) of the weights, each in the lanes of its block.
+// Steps of a few rows (decodes) with the panels' arithmetic (above). The weights stream as the tiles above read them (unpack_pair, a pair of blocks
+// a vector, MO output rows at once), but the 16 lanes of the accumulator are 16 (row of x,
+// output) pairs, c = r * MO + j: each pair's vpdpbusd vector (16 int32 lanes, four products
+// each) is reduced with 15 others to its two blocks' sums by a transpose-and-add network
+// (reduce_blocks: 44 shuffles and adds per 16 vpdpbusd), and the pairs' d_w (and m_w) come by
+// one gather a block.
 template <int KIND>
-inline void scales_pair(const uint8_t* blk, bool pair, __m512& dw, __m512& mw) {
-  constexpr int64_t BB = Fmt<KIND>::kBytes;
-  const uint32_t a0 = load_u32(blk), a1 = pair ? load_u32(blk + BB) : 0;  // d (and m) halves
-  const __m128 f = _mm_cvtph_ps(_mm_set_epi32(0, 0, static_cast<int32_t>(a1), static_cast<int32_t>(a0)));
-  // f: d0, m0, d1, m1 (the m lanes junk without m), spread over the lanes of their blocks by
-  // vpermps (its masked form: the plain intrinsic's undefined operand warns on GCC 12; a
-  // __builtin_shufflevector of f ran the 576 x 576 one-row q4_1 call 3x slower).
-  const __m512 v = _mm512_castps128_ps512(f);
-  const __m512 z = _mm512_setzero_ps();
-  if constexpr (kNibbles<KIND>) {
-    dw = _mm512_mask_permutexvar_ps(z, 0xffff, _mm512_set_epi32(2, 2, 2, 2, 0, 0, 0, 0, 2, 2, 2, 2, 0, 0, 0, 0), v);
-    if constexpr (Fmt<KIND>::kHasM)
-      mw = _mm512_mask_permutexvar_ps(z, 0xffff, _mm512_set_epi32(3, 3, 3, 3, 1, 1, 1, 1, 3, 3, 3, 3, 1, 1, 1, 1), v);
-  } else {
-    dw = _mm512_mask_permutexvar_ps(z, 0xffff, _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0), v);
-  }
+inline void reduce_blocks(const __m512i v[16], __m512i& s0, __m512i& s1) {
+  __m512i t[8], u[4], w[2];
+  // Zero-masked forms throughout: GCC 12's plain ones warn of an undefined operand.
+  for (int k = 0; k < 8; ++k)  // each 128-bit lane: [a0 + a2, b0 + b2, a1 + a3, b1 + b3]
+    t[k] = _mm512_add_epi32(_mm512_maskz_unpacklo_epi32(0xffff, v[2 * k], v[2 * k + 1]),
+                            _mm512_maskz_unpackhi_epi32(0xffff, v[2 * k], v[2 * k + 1]));
+  for (int j = 0; j < 4; ++j)  // each 128-bit lane: v[4j..4j+3]'s sums over that lane
+    u[j] = _mm512_add_epi32(_mm512_maskz_unpacklo_epi64(0xff, t[2 * j], t[2 * j + 1]),
+                            _mm512_maskz_unpackhi_epi64(0xff, t[2 * j], t[2 * j + 1]));
+  // A block's 128-bit lanes: 0 and 2 (the first block of the pair) and 1 and 3 for the nibble
+  // formats' layout, 0-1 and 2-3 for q8_0's.
+  constexpr int a = kNibbles<KIND> ? _MM_SHUFFLE(1, 0, 1, 0) : _MM_SHUFFLE(2, 0, 2, 0);
+  constexpr int b = kNibbles<KIND> ? _MM_SHUFFLE(3, 2, 3, 2) : _MM_SHUFFLE(3, 1, 3, 1);
+  for (int i = 0; i < 2; ++i)  // [u(2i) block 0, u(2i) block 1, u(2i+1) block 0, u(2i+1) block 1]
+    w[i] = _mm512_add_epi32(_mm512_maskz_shuffle_i32x4(0xffff, u[2 * i], u[2 * i + 1], a),
+                            _mm512_maskz_shuffle_i32x4(0xffff, u[2 * i], u[2 * i + 1], b));
+  s0 = _mm512_maskz_shuffle_i32x4(0xffff, w[0], w[1], _MM_SHUFFLE(2, 0, 2, 0));
+  s1 = _mm512_maskz_shuffle_i32x4(0xffff, w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1));
 }
 
+constexpr int kExactAhead = 32;  // weight rows prefetched ahead of the first row of x
+
+// Outputs [o0, o0 + mo) (mo <= MO) against rows [n0, n0 + R) of x; MO * R <= 16.
 template <int KIND, int MO, int R>
-inline void vnni_tile(const uint8_t* W, int64_t row_bytes, const XL& x, int64_t O, float* Y, int64_t o0, int64_t n0,
-                      int64_t nb, bool prefetch) {
+inline void exact_tile(const uint8_t* W, int64_t row_bytes, const XL& x, const XQ& xq, int64_t O, float* Y,
+                       int64_t o0, int mo, int64_t n0, bool prefetch) {
+  static_assert(MO * R <= 16, "16 lanes");
   constexpr int64_t BB = Fmt<KIND>::kBytes;
-  __m512 acc[MO][R];
-  for (int j = 0; j < MO; ++j)
-    for (int r = 0; r < R; ++r) acc[j][r] = _mm512_setzero_ps();
-  const uint8_t* w = W + o0 * row_bytes;
+  const int64_t nb = xq.nb;
+  const uint8_t* rows[MO];
+  alignas(64) int32_t at[16];
+  for (int j = 0; j < MO; ++j) rows[j] = W + (o0 + std::min(j, mo - 1)) * row_bytes;  // past mo: computed, not stored
+  for (int c = 0; c < 16; ++c) at[c] = static_cast<int32_t>(std::min(c % MO, mo - 1) * row_bytes);
+  const __m512i gat = _mm512_load_si512(at);
+  const __m512 z = _mm512_setzero_ps();
+  __m512 acc = z;
   for (int64_t p = 0; p < x.np; ++p) {
-    const bool pair = 2 * p + 1 < nb;
-    if (prefetch)
-      for (int j = 0; j < MO; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + (6 * MO + j) * row_bytes + 2 * p * BB), _MM_HINT_T0);
-    for (int j = 0; j < MO; ++j) {
-      const uint8_t* blk = w + j * row_bytes + 2 * p * BB;
-      const __m512i u = unpack_pair<KIND>(blk, pair);
-      __m512 dw, mw = _mm512_setzero_ps();
-      scales_pair<KIND>(blk, pair, dw, mw);
-      for (int r = 0; r < R; ++r) {
-        const int64_t at = (n0 + r) * x.np + p;
-        const __m512i xv = _mm512_loadu_si512(x.q + at * 64);
-        const __m512i c0 = kOffset<KIND> ? _mm512_loadu_si512(x.c + at * 16) : _mm512_setzero_si512();
-        const __m512 f = _mm512_mask_cvtepi32_ps(_mm512_setzero_ps(), 0xffff, _mm512_dpbusd_epi32(c0, u, xv));
-        acc[j][r] = _mm512_fmadd_ps(_mm512_mul_ps(f, _mm512_loadu_ps(x.d + at * 16)), dw, acc[j][r]);
-        if constexpr (Fmt<KIND>::kHasM) acc[j][r] = _mm512_fmadd_ps(mw, _mm512_loadu_ps(x.s + at * 16), acc[j][r]);
+    const int64_t b0 = 2 * p;
+    const bool pair = b0 + 1 < nb;
+    if (prefetch)  // the lines of this pair, kExactAhead rows on
+      for (int j = 0; j < MO; ++j)
+        for (int64_t l = 0; l < 2 * BB; l += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(rows[j] + kExactAhead * row_bytes + b0 * BB + l), _MM_HINT_T0);
+    __m512i u[MO], v[16];
+    for (int j = 0; j < MO; ++j) u[j] = unpack_pair<KIND>(rows[j] + b0 * BB, pair);
+    for (int r = 0; r < R; ++r) {
+      const int64_t i = (n0 + r) * x.np + p;
+      const __m512i xv = _mm512_loadu_si512(x.q + i * 64);
+      const __m512i c0 = kOffset<KIND> ? _mm512_loadu_si512(x.c + i * 16) : _mm512_setzero_si512();
+      for (int j = 0; j < MO; ++j) v[r * MO + j] = _mm512_dpbusd_epi32(c0, u[j], xv);
+    }
+    for (int c = MO * R; c < 16; ++c) v[c] = _mm512_setzero_si512();
+    __m512i s[2];
+    reduce_blocks<KIND>(v, s[0], s[1]);
+    for (int h = 0; h < (pair ? 2 : 1); ++h) {
+      const int64_t b = b0 + h;
+      // Each lane's (d, m) halves of its output's block, and its row's d_x and s_x.
+      const __m512i g = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), 0xffff, gat, rows[0] + b * BB, 1);
+      const __m512 dw = _mm512_maskz_cvtph_ps(0xffff, _mm512_maskz_cvtepi32_epi16(0xffff, g));
+      __m512 dx = _mm512_set1_ps(xq.d8[(n0 * nb + b) * 8]);
+      for (int r = 1; r < R; ++r)
+        dx = _mm512_mask_blend_ps(static_cast<__mmask16>(((1u << MO) - 1) << (r * MO)), dx,
+                                  _mm512_set1_ps(xq.d8[((n0 + r) * nb + b) * 8]));
+      acc = _mm512_fmadd_ps(_mm512_mask_cvtepi32_ps(z, 0xffff, s[h]), _mm512_mul_ps(dw, dx), acc);
+      if constexpr (Fmt<KIND>::kHasM) {
+        const __m512 mw = _mm512_maskz_cvtph_ps(0xffff, _mm512_maskz_cvtepi32_epi16(0xffff, _mm512_maskz_srli_epi32(0xffff, g, 16)));
+        __m512 sx = _mm512_set1_ps(xq.s[n0 * nb + b]);
+        for (int r = 1; r < R; ++r)
+          sx = _mm512_mask_blend_ps(static_cast<__mmask16>(((1u << MO) - 1) << (r * MO)), sx,
+                                    _mm512_set1_ps(xq.s[(n0 + r) * nb + b]));
+        acc = _mm512_fmadd_ps(mw, sx, acc);
       }
     }
   }
-  for (int j = 0; j < MO; ++j)
-    for (int r = 0; r < R; ++r) Y[(n0 + r) * O + o0 + j] = hsum(v16(acc[j][r]));
+  alignas(64) float out[16];
+  _mm512_store_ps(out, acc);
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < mo; ++j) Y[(n0 + r) * O + o0 + j] = out[r * MO + j];
+}
+
+// One row of x against outputs [o0, o0 + mo) (mo <= 8), two pairs of blocks at a time: lanes
+// 0-7 the 8 outputs' pair p, 8-15 their pair p + 1, so all 16 lanes of the reduction carry
+// sums; the accumulator is 8 floats, the four blocks added in their order.
+template <int KIND>
+inline void exact_row(const uint8_t* W, int64_t row_bytes, const XL& x, const XQ& xq, int64_t O, float* Y, int64_t o0,
+                      int mo, int64_t n, bool prefetch) {
+  constexpr int MO = 8;
+  constexpr int64_t BB = Fmt<KIND>::kBytes;
+  const int64_t nb = xq.nb;
+  const uint8_t* rows[MO];
+  alignas(64) int32_t at[16];
+  for (int j = 0; j < MO; ++j) rows[j] = W + (o0 + std::min(j, mo - 1)) * row_bytes;
+  for (int c = 0; c < 16; ++c) at[c] = static_cast<int32_t>(std::min(c % MO, mo - 1) * row_bytes + (c < MO ? 0 : 2 * BB));
+  const __m512i gat = _mm512_load_si512(at);
+  const float* dx = xq.d8 + n * nb * 8;  // block b's d_x at dx[8 b]
+  const float* sx = xq.s + n * nb;
+  const __m512 z = _mm512_setzero_ps();
+  __m256 acc = _mm256_setzero_ps();
+  // Block b's share: lanes [8 half, 8 half + 8) of f (its sums), d (d_w) and m (m_w).
+  auto add = [&](__m512 f, __m512 d, __m512 m, int half, int64_t b) {
+    const __m512 prod = _mm512_mul_ps(d, _mm512_set1_ps(dx[8 * b]));
+    const __m256 fh = half ? __builtin_shufflevector(f, f, 8, 9, 10, 11, 12, 13, 14, 15)
+                           : __builtin_shufflevector(f, f, 0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256 ph = half ? __builtin_shufflevector(prod, prod, 8, 9, 10, 11, 12, 13, 14, 15)
+                           : __builtin_shufflevector(prod, prod, 0, 1, 2, 3, 4, 5, 6, 7);
+    acc = _mm256_fmadd_ps(fh, ph, acc);
+    if constexpr (Fmt<KIND>::kHasM) {
+      const __m256 mh = half ? __builtin_shufflevector(m, m, 8, 9, 10, 11, 12, 13, 14, 15)
+                             : __builtin_shufflevector(m, m, 0, 1, 2, 3, 4, 5, 6, 7);
+      acc = _mm256_fmadd_ps(mh, _mm256_set1_ps(sx[b]), acc);
+    }
+  };
+  for (int64_t p = 0; p < x.np;) {
+    const int64_t b0 = 2 * p;
+    const bool two = b0 + 3 < nb;  // pairs p and p + 1 both whole
+    const bool pair = b0 + 1 < nb;
+    if (prefetch)  // the lines of the next four blocks, kExactAhead rows on
+      for (int j = 0; j < MO; ++j)
+        for (int64_t l = 0; l < 4 * BB; l += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(rows[j] + kExactAhead * row_bytes + b0 * BB + l), _MM_HINT_T0);
+    __m512i v[16];
+    const __m512i xv = _mm512_loadu_si512(x.q + (n * x.np + p) * 64);
+    const __m512i c0 = kOffset<KIND> ? _mm512_loadu_si512(x.c + (n * x.np + p) * 16) : _mm512_setzero_si512();
+    for (int j = 0; j < MO; ++j) v[j] = _mm512_dpbusd_epi32(c0, unpack_pair<KIND>(rows[j] + b0 * BB, two || pair), xv);
+    if (two) {
+      const __m512i xv1 = _mm512_loadu_si512(x.q + (n * x.np + p + 1) * 64);
+      const __m512i c1 = kOffset<KIND> ? _mm512_loadu_si512(x.c + (n * x.np + p + 1) * 16) : _mm512_setzero_si512();
+      for (int j = 0; j < MO; ++j) v[MO + j] = _mm512_dpbusd_epi32(c1, unpack_pair<KIND>(rows[j] + (b0 + 2) * BB, true), xv1);
+    } else {
+      for (int j = 0; j < MO; ++j) v[MO + j] = _mm512_setzero_si512();
+    }
+    __m512i s[2];
+    reduce_blocks<KIND>(v, s[0], s[1]);
+    const __mmask16 k = two ? __mmask16{0xffff} : __mmask16{0x00ff};  // no gather past a row's blocks
+    __m512 f[2], d[2], m[2] = {z, z};
+    for (int h = 0; h < (pair ? 2 : 1); ++h) {
+      const __m512i g = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), k, gat, rows[0] + (b0 + h) * BB, 1);
+      f[h] = _mm512_mask_cvtepi32_ps(z, 0xffff, s[h]);
+      d[h] = _mm512_maskz_cvtph_ps(0xffff, _mm512_maskz_cvtepi32_epi16(0xffff, g));
+      if constexpr (Fmt<KIND>::kHasM)
+        m[h] = _mm512_maskz_cvtph_ps(0xffff, _mm512_maskz_cvtepi32_epi16(0xffff, _mm512_maskz_srli_epi32(0xffff, g, 16)));
+    }
+    add(f[0], d[0], m[0], 0, b0);
+    if (pair) add(f[1], d[1], m[1], 0, b0 + 1);
+    if (two) {
+      add(f[0], d[0], m[0], 1, b0 + 2);
+      add(f[1], d[1], m[1], 1, b0 + 3);
+    }
+    p += two ? 2 : 1;
+  }
+  alignas(32) float out[8];
+  _mm256_store_ps(out, acc);
+  for (int j = 0; j < mo; ++j) Y[n * O + o0 + j] = out[j];
 }
 
 template <int KIND, int MO, int R>
-inline void vnni_rows_rest(const uint8_t* W, int64_t row_bytes, const XL& x, int64_t O, float* Y, int64_t o, int64_t n0,
-                           int64_t nb, int64_t left) {
+inline void exact_rest(const uint8_t* W, int64_t row_bytes, const XL& x, const XQ& xq, int64_t O, float* Y, int64_t o0,
+                       int mo, int64_t n0, int64_t left) {
   if constexpr (R > 0) {
-    if (left == R) return vnni_tile<KIND, MO, R>(W, row_bytes, x, O, Y, o, n0, nb, false);
-    vnni_rows_rest<KIND, MO, R - 1>(W, row_bytes, x, O, Y, o, n0, nb, left);
+    if (left == R) return exact_tile<KIND, MO, R>(W, row_bytes, x, xq, O, Y, o0, mo, n0, false);
+    exact_rest<KIND, MO, R - 1>(W, row_bytes, x, xq, O, Y, o0, mo, n0, left);
   }
 }
 
-// Outputs [o0, o1) in tiles of MO against every row of x (R rows a tile, the rest in one).
+// Outputs [o0, o1) in tiles of MO against every row of x, R rows a tile (the rest in one).
 template <int KIND, int MO, int R>
-void vnni_outputs(const uint8_t* W, int64_t row_bytes, const XL& x, int64_t N, int64_t O, float* Y, int64_t o0,
-                  int64_t o1, int64_t nb) {
-  int64_t o = o0;
-  for (; o + MO <= o1; o += MO) {
+void exact_outputs(const uint8_t* W, int64_t row_bytes, const XL& x, const XQ& xq, int64_t N, int64_t O, float* Y,
+                   int64_t o0, int64_t o1) {
+  for (int64_t o = o0; o < o1; o += MO) {
+    const int mo = static_cast<int>(std::min<int64_t>(MO, o1 - o));
     int64_t n = 0;
-    for (; n + R <= N; n += R) vnni_tile<KIND, MO, R>(W, row_bytes, x, O, Y, o, n, nb, n == 0 && o + 7 * MO <= o1);
-    if (n < N) vnni_rows_rest<KIND, MO, R - 1>(W, row_bytes, x, O, Y, o, n, nb, N - n);
-  }
-  for (; o < o1; ++o) {
-    int64_t n = 0;
-    for (; n + R <= N; n += R) vnni_tile<KIND, 1, R>(W, row_bytes, x, O, Y, o, n, nb, false);
-    if (n < N) vnni_rows_rest<KIND, 1, R - 1>(W, row_bytes, x, O, Y, o, n, nb, N - n);
+    for (; n + R <= N; n += R)
+      exact_tile<KIND, MO, R>(W, row_bytes, x, xq, O, Y, o, mo, n, n == 0 && o + MO + kExactAhead <= o1);
+    if (n < N) exact_rest<KIND, MO, R - 1>(W, row_bytes, x, xq, O, Y, o, mo, n, N - n);
   }
 }
 
-// Prompt chunks (more than 64 rows): the lanes of a vector are 16 outputs, not 16
-// groups of one output's inputs. Each thread takes panels of kPanel (32) outputs; a panel's
-// weights are unpacked once per run of rows into a thread-local buffer as unsigned bytes u (as
-// above) interleaved [block][group of 4 inputs][output] (the 16 x 8 int32 transpose of 16
-// outputs' unpacked blocks), with d_w (and m_w) [block][output]. A row of x then meets a block
-// as eight vpdpbusd of the panel's group vectors with its own 4 bytes broadcast, summed in int32
-// (one block: exact), starting from -offset * sum(q_x) (q_x's block sum, once per row and
-// block, in place of the weights' offset), then converted and scaled once per block: 8
-// vpdpbusd and 3 float operations per 16 x 32 products, where vnni_tile spends 1 and 3 per
-// 64. Rows go R at a time (2 x R int32 and 2 x R float accumulators in registers).
+// Steps of kPanelMinRows rows or more: the lanes of a vector are 16 outputs, not 16 groups of
+// one output's inputs. Each thread takes panels of kPanel (32) outputs; a panel's weights are
+// unpacked once per run of rows into a thread-local buffer as unsigned bytes u (as above)
+// interleaved [block][group of 4 inputs][output] (the 16 x 8 int32 transpose of 16 outputs'
+// unpacked blocks), with d_w (and m_w) [block][output]. A row of x then meets a block as eight
+// vpdpbusd of the panel's group vectors with its own 4 bytes broadcast, summed in int32 (one
+// block: exact), starting from -offset * sum(q_x) (q_x's block sum, once per row and block, in
+// place of the weights' offset), then converted and scaled once per block: 8 vpdpbusd and 3
+// float operations per 16 x 32 products. Rows go R at a time (2 x R int32 and 2 x R float
+// accumulators in registers).
 constexpr int kPanel = 32;
-// The panels from this many rows of x: past the tiles' 64 (prompt chunks). A panel sums a block
-// exactly in int32 and scales it once; a tile scales each int32 lane (4 products) and sums the
-// lanes at the end: the same integers, other float roundings. A row's result must not depend on
-// what else its step holds (a request alone or in a batch of decodes, a prompt after a
-// prefix-cache hit: the same tokens at temperature 0), so every step of up to 64 rows runs the
-// tiles; a chunk of more ran XLA's dequantizing float dot before, as far from the tiles'
-// arithmetic. Panels from 8 rows served 16 and 64 Q8_0 decode streams at 2.0x and 2.5x
-// llama.cpp over HTTP (Zen 5), and parted a greedy answer from its repeat: a one-row kernel
-// with the panels' arithmetic is what would let them take every batch.
-constexpr int64_t kPanelMinRows = 65;
+// The panels from this many rows of x; fewer run exact_row / exact_tile, the same arithmetic.
+// The chain of SmolLM2's decode matmuls (q8_0, 30 layers and the head, from memory, Zen 5) at 4
+// rows: panels 1.16x the exact tiles' time; at 8 rows 0.69x, at 16 0.46x.
+constexpr int64_t kPanelMinRows = 8;
 constexpr int64_t kRun = 256;          // rows of x a panel's unpacked weights serve before the next run
 
 // A thread's 64-byte aligned scratch, grown as needed (std::vector<__m512i> and any template over
@@ -1158,22 +1253,23 @@ void qgemm_vnni(ffi::ThreadPool& pool, const uint8_t* W, const XQ& xq, int64_t N
   }
   thread_local std::vector<int8_t> q;
   thread_local std::vector<int32_t> c;
-  thread_local std::vector<float> d, s;
   q.resize(static_cast<size_t>(N * np * 64));
   c.resize(static_cast<size_t>(N * np * 16));
-  d.resize(static_cast<size_t>(N * np * 16));
-  s.resize(static_cast<size_t>(N * np * 16));
-  layout_x<KIND>(xq, N, q.data(), c.data(), d.data(), s.data(), np);
-  const XL x{q.data(), c.data(), d.data(), s.data(), np};
+  layout_x<KIND>(xq, N, q.data(), c.data(), np);
+  const XL x{q.data(), c.data(), np};
   const int64_t tasks = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), O / 16));
   parallel_for(pool, tasks, [&](int64_t task) {
-    // Ranges of whole tiles of 4 outputs (the last range takes the rest).
-    const int64_t tiles = O / 4;
-    const int64_t a = 4 * (tiles * task / tasks), b = task + 1 == tasks ? O : 4 * (tiles * (task + 1) / tasks);
+    // Ranges of whole tiles of 16 outputs (the last range takes the rest).
+    const int64_t tiles = O / 16;
+    const int64_t a = 16 * (tiles * task / tasks), b = task + 1 == tasks ? O : 16 * (tiles * (task + 1) / tasks);
     if (N == 1)
-      vnni_outputs<KIND, 4, 1>(W, row_bytes, x, N, O, Y, a, b, nb);
+      for (int64_t o = a; o < b; o += 8)
+        exact_row<KIND>(W, row_bytes, x, xq, O, Y, o, static_cast<int>(std::min<int64_t>(8, b - o)), 0,
+                        o + 8 + kExactAhead <= b);
+    else if (N == 2)
+      exact_outputs<KIND, 8, 2>(W, row_bytes, x, xq, N, O, Y, a, b);
     else
-      vnni_outputs<KIND, 2, 4>(W, row_bytes, x, N, O, Y, a, b, nb);
+      exact_outputs<KIND, 4, 4>(W, row_bytes, x, xq, N, O, Y, a, b);
   }, /*linger_after=*/N == 1);
 }
 #endif
