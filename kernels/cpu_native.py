@@ -7,8 +7,8 @@ contracts: `paged_attention` with the reference's contract (one call for small s
 native local and cached parts, merged by log-sum-exp), the matmuls over arrays, each saying
 by None what it does not take (`gemv`: float32, up to max_rows() rows; `gemv_int8`: one row of
 W8A8; `qgemm`: up to qgemm_max_rows(kind) rows over ggml's q8_0 / q4_0 / q4_1 / q5_0 / q5_1 blocks
-and q4_k / q5_k / q6_k super-blocks as a GGUF stores them; `gemv_half`: up to max_rows() rows over
-16-bit float weights, f16 or bf16, widened as they stream;
+and q4_k / q5_k / q6_k super-blocks as a GGUF stores them; `gemv_half`: up to gemv_half_max_rows(kind) rows
+over 16-bit float weights, f16 or bf16, widened as they stream (bf16 on AVX512-BF16: vdpbf16ps);
 `matmul_bf16x3`: three bf16 products on AMX over weights `pack_bf16x3` packed at load,
 matmul_precision "high", worth it from HIGH_MIN_ROWS rows), `matmul` (a weight that says which
 of them runs it, `NativeLinear`; None: the caller's own dot) and `argmax_lse` (the sampler's
@@ -121,6 +121,7 @@ class NativeLib:
         lib = self._lib = ctypes.cdll.LoadLibrary(str(self.path))
         lib.TlGemvMaxRows.restype = ctypes.c_int64
         lib.TlQGemmMaxRows.restype = ctypes.c_int64
+        lib.TlGemvHalfMaxRows.restype = ctypes.c_int64
         lib.TlAmxAvailable.restype = ctypes.c_int64
         suffix = "_" + target.name.replace("-", "_")
         self.ffi_names = {base: base + suffix for base in HANDLERS}
@@ -138,6 +139,11 @@ class NativeLib:
         """Rows the native quantized matmul takes of a QUANT_KINDS kind (quant.cc max_rows: any
         count where this build has the panel kernel for it, else 64)."""
         return int(self._lib.TlQGemmMaxRows(ctypes.c_int32(QUANT_KINDS[kind][0])))
+
+    def gemv_half_max_rows(self, kind: str) -> int:
+        """Rows the native 16-bit float matmul takes of a HALF_KINDS kind (half.cc max_rows: any
+        count for bf16 where this build has AVX512-BF16's vdpbf16ps, else 64)."""
+        return int(self._lib.TlGemvHalfMaxRows(ctypes.c_int32(HALF_KINDS[kind])))
 
     def amx_available(self) -> bool:
         """Whether this build and process can run AMX-BF16 (the CPU has it, the build has it, and
@@ -193,12 +199,13 @@ class NativeLib:
     def gemv_half(self, x: jax.Array, w: jax.Array, kind: str) -> jax.Array | None:
         """float32 x [N,K] times uint8 w [*out, 2K], each output's K weights as IEEE half ("f16")
         or bfloat16 ("bf16") bytes -> float32 [N,*out]: the weights widened exactly, float32
-        products and sums (kernels/cpu/half.cc). None where it does not take the call: another
-        kind or dtype, more than max_rows() rows, rows not 2K bytes."""
+        products and sums; bf16 on AVX512-BF16 builds x rounded to bfloat16 and vdpbf16ps, as
+        llama.cpp (kernels/cpu/half.cc). None where it does not take the call: another kind or
+        dtype, more than gemv_half_max_rows(kind) rows, rows not 2K bytes."""
         if kind not in HALF_KINDS or x.dtype != jnp.float32 or w.dtype != jnp.uint8 or x.ndim != 2 or w.ndim < 2:
             return None
         n, k = x.shape
-        if n > self.max_rows() or w.shape[-1] != 2 * k:
+        if n > self.gemv_half_max_rows(kind) or w.shape[-1] != 2 * k:
             return None
         out = jax.ShapeDtypeStruct((n, *w.shape[:-1]), jnp.float32)
         return self._call("tl_gemv_half", out)(x, w, kind=np.int32(HALF_KINDS[kind]))

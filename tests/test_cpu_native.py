@@ -378,12 +378,22 @@ def test_matmul_within_gamma_k_of_the_exact_product(
     _within(got, want, bound)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 5, 17, 64])
+def _bf16_dot(lib: cpu_native.NativeLib, kind: str) -> bool:
+    """Whether this build runs `kind` by vdpbf16ps (x rounded to bfloat16): bf16 on AVX512-BF16."""
+    return kind == "bf16" and lib.gemv_half_max_rows(kind) > 64
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 17, 64, 65, 300])
 @pytest.mark.parametrize("kind", ["f16", "bf16"])
 def test_half_weights_within_gamma_k_of_the_exact_product(lib: cpu_native.NativeLib, kind: str, rows: int) -> None:
     """16-bit float weights (a GGUF's F16 / BF16 matrices, kept at 2 bytes): widened exactly,
     then float32 products and sums, so within gamma_K of the exact product of the widened
-    weights; K a multiple of no vector width, O of no output block; more rows are declined."""
+    weights; K a multiple of no vector width, O of no output block; more rows are declined.
+    bf16 on AVX512-BF16 builds (any row count): x rounded to bfloat16 first (|x^ - x| <= 2^-8 |x|),
+    then exact products summed in float32 (gamma_K of |x^| |w|), denormal products flushed
+    (under 2^-126 each)."""
+    if rows > lib.gemv_half_max_rows(kind):
+        pytest.skip(f"{lib.target.name} takes {lib.gemv_half_max_rows(kind)} rows of {kind}")
     rng = np.random.default_rng(rows)
     for shape in ((37, 40), (3, 13, 576), (5, 17)):
         x = rng.standard_normal((rows, shape[-1]), dtype=np.float32)
@@ -392,10 +402,30 @@ def test_half_weights_within_gamma_k_of_the_exact_product(lib: cpu_native.Native
         got = np.asarray(jax.jit(lambda x, r: lib.gemv_half(x, r, kind))(jnp.asarray(x), jnp.asarray(raw)))
         want = np.einsum("nk,...k->n...", x.astype(np.float64), w)
         assert got.shape == want.shape
-        _within(got, want, matmul_bound(x, w).reshape(want.shape))
-    assert lib.gemv_half(jnp.zeros((lib.max_rows() + 1, 8), jnp.float32), jnp.zeros((3, 16), jnp.uint8), kind) is None
+        bound = matmul_bound(x, w).reshape(want.shape)
+        if _bf16_dot(lib, kind):
+            k = shape[-1]
+            xw = (np.abs(x.astype(np.float64)) @ np.abs(w.reshape(-1, k)).T).reshape(want.shape)
+            bound = bound * (1 + 2.0**-8) + 2.0**-8 * xw + k * 2.0**-126
+            assert np.abs(got - want).max() > gamma(k) * xw.max() / 64  # x really is rounded (not the widening)
+        _within(got, want, bound)
+    too_many = lib.gemv_half_max_rows(kind) + 1
+    assert lib.gemv_half(jnp.zeros((too_many, 8), jnp.float32), jnp.zeros((3, 16), jnp.uint8), kind) is None
     assert lib.gemv_half(jnp.zeros((1, 8), jnp.float32), jnp.zeros((3, 15), jnp.uint8), kind) is None  # not 2K bytes
     assert lib.gemv_half(jnp.zeros((1, 8), jnp.float32), jnp.zeros((3, 16), jnp.uint8), "f32") is None
+
+
+@pytest.mark.parametrize("kind", ["f16", "bf16"])
+def test_half_rows_result_does_not_depend_on_the_other_rows(lib: cpu_native.NativeLib, kind: str) -> None:
+    """Batch invariance, bit for bit, at every row count the build takes of 16-bit weights (the
+    vdpbf16ps kernel's tiles of 1, 2 and 4 rows, its lanes summed by one tree for all)."""
+    rng = np.random.default_rng(7)
+    n = min(300, lib.gemv_half_max_rows(kind))
+    x = jnp.asarray(rng.standard_normal((n, 600), dtype=np.float32))  # K = 600: a tail of 24 past 32-wide steps
+    raw = jnp.asarray(ggml_formats.quantize(kind, rng.standard_normal((45, 600), dtype=np.float32)))
+    whole = np.asarray(lib.gemv_half(x, raw, kind))
+    for a, b in ((0, 1), (5, 6), (n - 1, n), (0, 2), (2, 5), (3, 10), (1, 64), (32, 64)):
+        np.testing.assert_array_equal(np.asarray(lib.gemv_half(x[a:b], raw, kind)), whole[a:b])
 
 
 @pytest.mark.parametrize("linger_us", [0.0, 0.001, 50.0], ids=["off", "expires_at_once", "default"])
