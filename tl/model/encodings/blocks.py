@@ -11,7 +11,8 @@ the reference the native kernels are tested against), lookups (only the looked-u
 dequantized), the native CPU kernel (kernels/cpu_native.py `qgemm`: activations quantized per
 block of 32, or of 256 for the K formats, to int8 and integer dot products, as llama.cpp
 computes; the formats it reads and the rows it takes are its own to say, None elsewhere; f16 /
-bf16: `gemv_half`, float32 products of the widened weights), and
+bf16: `gemv_half`, float32 products of the widened weights, or for bf16 on AVX512-BF16 x rounded
+to bfloat16 and vdpbf16ps), and
 sharding (the byte axis split only at block boundaries: `in_block`).
 A GGUF's tensors arrive packed already (tl/model/files.py `Packed`) and are wrapped as they
 are, never expanded to float: the resident bytes of a weight are the file's.
