@@ -61,7 +61,7 @@ namespace ffi = xla::ffi;
 namespace tl {
 namespace {
 
-constexpr int64_t kQFewRows = 64;                 // the most rows the tiles take (below: the panels' kinds take more)
+constexpr int64_t kQFewRows = 64;                 // the most rows the tiles take (the VNNI build's 32-input kinds: more)
 constexpr int64_t kQManyRows = int64_t{1} << 16;  // the most rows a kind with a panel kernel takes
 constexpr int64_t kQK = 32;        // weights a block
 
@@ -854,12 +854,13 @@ inline __m512i unpack_pair(const uint8_t* blk, bool pair) {
   }
 }
 
-// Steps of a few rows (decodes) with the panels' arithmetic (above). The weights stream as the tiles above read them (unpack_pair, a pair of blocks
-// a vector, MO output rows at once), but the 16 lanes of the accumulator are 16 (row of x,
-// output) pairs, c = r * MO + j: each pair's vpdpbusd vector (16 int32 lanes, four products
-// each) is reduced with 15 others to its two blocks' sums by a transpose-and-add network
-// (reduce_blocks: 44 shuffles and adds per 16 vpdpbusd), and the pairs' d_w (and m_w) come by
-// one gather a block.
+// Steps of fewer than kPanelMinRows rows (decodes) with the panels' arithmetic (below). The
+// weights stream as stored (unpack_pair: a pair of blocks a vector, MO output rows at once), and
+// the 16 lanes of the accumulator are 16 (row of x, output) pairs, c = r * MO + j: each pair's
+// vpdpbusd vector (16 int32 lanes, four products each) is reduced with 15 others to its two
+// blocks' sums by a transpose-and-add network (reduce_blocks: 44 shuffles and adds per 16
+// vpdpbusd); the pairs' d_w (and m_w) come by one gather a block (exact_row's nibble formats:
+// scalar loads).
 template <int KIND>
 inline void reduce_blocks(const __m512i v[16], __m512i& s0, __m512i& s1) {
   __m512i t[8], u[4], w[2];
