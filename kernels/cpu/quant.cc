@@ -859,8 +859,8 @@ inline __m512i unpack_pair(const uint8_t* blk, bool pair) {
 // the 16 lanes of the accumulator are 16 (row of x, output) pairs, c = r * MO + j: each pair's
 // vpdpbusd vector (16 int32 lanes, four products each) is reduced with 15 others to its two
 // blocks' sums by a transpose-and-add network (reduce_blocks: 44 shuffles and adds per 16
-// vpdpbusd); the pairs' d_w (and m_w) come by scalar loads inserted into a vector (exact_row's
-// q8_0: one gather a block).
+// vpdpbusd); the pairs' d_w (and m_w) come by scalar loads inserted into a vector (scales8;
+// exact_row's q8_0: one gather a block).
 template <int KIND>
 inline void reduce_blocks(const __m512i v[16], __m512i& s0, __m512i& s1) {
   __m512i t[8], u[4], w[2];
@@ -884,18 +884,27 @@ inline void reduce_blocks(const __m512i v[16], __m512i& s0, __m512i& s1) {
 
 constexpr int kExactAhead = 32;  // weight rows prefetched ahead of the first row of x
 
-// Outputs [o0, o0 + mo) (mo <= MO) against rows [n0, n0 + R) of x; MO * R <= 16.
+// Eight lanes' (d, m) halves, lane j's from rows[j % MO] at byte `at`: scalar loads inserted into
+// a vector. vpgatherdd ran the 2-4 row tiles 1.4-1.7x slower and held a sixth of exact_row's
+// q4_1 time (perf); eight stores and a vector load of them stall on store forwarding.
+template <int MO>
+inline __m256i scales8(const uint8_t* const* rows, int64_t at) {
+  return _mm256_setr_epi32(
+      static_cast<int32_t>(load_u32(rows[0 % MO] + at)), static_cast<int32_t>(load_u32(rows[1 % MO] + at)),
+      static_cast<int32_t>(load_u32(rows[2 % MO] + at)), static_cast<int32_t>(load_u32(rows[3 % MO] + at)),
+      static_cast<int32_t>(load_u32(rows[4 % MO] + at)), static_cast<int32_t>(load_u32(rows[5 % MO] + at)),
+      static_cast<int32_t>(load_u32(rows[6 % MO] + at)), static_cast<int32_t>(load_u32(rows[7 % MO] + at)));
+}
+
+// Outputs [o0, o0 + mo) (mo <= MO <= 8) against rows [n0, n0 + R) of x; MO * R <= 16.
 template <int KIND, int MO, int R>
 inline void exact_tile(const uint8_t* W, int64_t row_bytes, const XL& x, const XQ& xq, int64_t O, float* Y,
                        int64_t o0, int mo, int64_t n0, bool prefetch) {
-  static_assert(MO * R <= 16, "16 lanes");
+  static_assert(MO * R <= 16 && MO <= 8 && 8 % MO == 0, "16 lanes, each 8 a whole number of output rows");
   constexpr int64_t BB = Fmt<KIND>::kBytes;
   const int64_t nb = xq.nb;
   const uint8_t* rows[MO];
-  alignas(64) int32_t at[16];
   for (int j = 0; j < MO; ++j) rows[j] = W + (o0 + std::min(j, mo - 1)) * row_bytes;  // past mo: computed, not stored
-  for (int c = 0; c < 16; ++c) at[c] = static_cast<int32_t>(std::min(c % MO, mo - 1) * row_bytes);
-  const __m512i gat = _mm512_load_si512(at);
   const __m512 z = _mm512_setzero_ps();
   __m512 acc = z;
   for (int64_t p = 0; p < x.np; ++p) {
@@ -919,17 +928,7 @@ inline void exact_tile(const uint8_t* W, int64_t row_bytes, const XL& x, const X
     for (int h = 0; h < (pair ? 2 : 1); ++h) {
       const int64_t b = b0 + h;
       // Each lane's (d, m) halves of its output's block, and its row's d_x and s_x.
-      __m512i g;
-      if constexpr (MO <= 8) {  // scalar loads, lane c's from output c % MO: the gather ran 2-4 rows 1.4-1.7x slower
-        const __m256i v = _mm256_setr_epi32(
-            static_cast<int32_t>(load_u32(rows[0] + b * BB)), static_cast<int32_t>(load_u32(rows[1 % MO] + b * BB)),
-            static_cast<int32_t>(load_u32(rows[2 % MO] + b * BB)), static_cast<int32_t>(load_u32(rows[3 % MO] + b * BB)),
-            static_cast<int32_t>(load_u32(rows[4 % MO] + b * BB)), static_cast<int32_t>(load_u32(rows[5 % MO] + b * BB)),
-            static_cast<int32_t>(load_u32(rows[6 % MO] + b * BB)), static_cast<int32_t>(load_u32(rows[7 % MO] + b * BB)));
-        g = _mm512_maskz_broadcast_i64x4(0xff, v);  // lanes 8-15 as 0-7 (16 = 8 x 2, 4 x 4, ...)
-      } else {
-        g = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), 0xffff, gat, rows[0] + b * BB, 1);
-      }
+      const __m512i g = _mm512_maskz_broadcast_i64x4(0xff, scales8<MO>(rows, b * BB));  // lane c: output c % MO
       const __m512 dw = _mm512_maskz_cvtph_ps(0xffff, _mm512_maskz_cvtepi32_epi16(0xffff, g));
       __m512 dx = _mm512_set1_ps(xq.d8[(n0 * nb + b) * 8]);
       for (int r = 1; r < R; ++r)
@@ -1008,20 +1007,12 @@ inline void exact_row(const uint8_t* W, int64_t row_bytes, const XL& x, const XQ
     const __mmask16 k = two ? __mmask16{0xffff} : __mmask16{0x00ff};  // no gather past a row's blocks
     __m512 f[2], d[2], m[2] = {z, z};
     for (int h = 0; h < (pair ? 2 : 1); ++h) {
-      // Each lane's (d, m) halves. The nibble formats by scalar loads: there vpgatherdd held a
-      // sixth of the kernel's time (perf), and the loads ran the SmolLM2 decode chain 9-10%
-      // faster for q4_0 / q4_1 (2% q5_1); q8_0, bound by its bytes, ran 5% slower with them.
+      // Each lane's (d, m) halves: the nibble formats by scales8 (9-10% faster for q4_0 / q4_1,
+      // 2% q5_1), q8_0 by one gather (5% slower with the loads: bound by its bytes).
       __m512i g;
       const int64_t b = b0 + h;
       if constexpr (kNibbles<KIND>) {
-        // (Inserted into vectors: eight stores and a vector load of them stall on forwarding.)
-        auto eight = [&](int64_t at) __attribute__((always_inline)) {
-          return _mm256_setr_epi32(static_cast<int32_t>(load_u32(rows[0] + at)), static_cast<int32_t>(load_u32(rows[1] + at)),
-                                   static_cast<int32_t>(load_u32(rows[2] + at)), static_cast<int32_t>(load_u32(rows[3] + at)),
-                                   static_cast<int32_t>(load_u32(rows[4] + at)), static_cast<int32_t>(load_u32(rows[5] + at)),
-                                   static_cast<int32_t>(load_u32(rows[6] + at)), static_cast<int32_t>(load_u32(rows[7] + at)));
-        };
-        const __m256i lo = eight(b * BB), hi = two ? eight((b + 2) * BB) : _mm256_setzero_si256();
+        const __m256i lo = scales8<MO>(rows, b * BB), hi = two ? scales8<MO>(rows, (b + 2) * BB) : _mm256_setzero_si256();
         g = __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7);
       } else {
         g = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), k, gat, rows[0] + b * BB, 1);
