@@ -14,11 +14,11 @@ the smallest class at or above it.
 - matmuls by rows: 1, 4, 16, 64 (the native float32 kernel takes at most 64 rows; with
   matmul_precision "high" its AMX kernel takes any count, as the block encodings' integer
   kernel does on AVX-512 VNNI builds and the bf16 one on AVX512-BF16 builds (`takes_rows`),
-  and the largest token bucket is then a
-  class too). Each is timed on a chain of the model's own layer matmuls and its LM head, as a
-  step runs them, over enough layers that the weights stream from memory as in a real step.
-  The sampler's argmax/logsumexp goes with the matmul's verdict at its row count (it is its
-  own class only in name: measured together, it is a few percent of the LM head's time).
+  and the largest token bucket is then a class too). Each is timed on a chain of the model's
+  own layer matmuls and its LM head, as a step runs them, over enough layers that the weights
+  stream from memory as in a real step. The sampler's argmax/logsumexp goes with the matmul's
+  verdict at its row count (it is its own class only in name: measured together, it is a few
+  percent of the LM head's time).
 - attention by step tokens: up to the one-call kernel's 16 (decodes of up to 16 sequences
   at context 256), up to max_num_seqs (a batch of decodes), and the largest token bucket
   (one fresh prompt chunk of that many tokens).
