@@ -20,13 +20,13 @@ import random
 from pathlib import Path
 from typing import Any
 
-import gguf
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from spm_reference import SpmReference
 from test_convert_gguf import write_gguf
 
+from tl.model.convert_gguf import open_gguf
 from tl.model.gguf_tokenizer import GGUFError, TokenizerMeta, tokenizer_config, tokenizer_json, tokenizer_meta
 from tl.text.tokenizer import Tokenizer
 
@@ -76,7 +76,7 @@ def spm_meta(tokens: list[str], scores: list[float], types: list[int], space_pre
 
 def tokenizer_dir(out: Path, gguf_path: Path) -> Path:
     """tokenizer.json and tokenizer_config.json of the GGUF, as convert_gguf writes them."""
-    meta = tokenizer_meta(gguf.GGUFReader(str(gguf_path)), gguf_path)
+    meta = tokenizer_meta(open_gguf(gguf_path), gguf_path)
     out.mkdir(parents=True, exist_ok=True)
     (out / "tokenizer.json").write_text(json.dumps(tokenizer_json(meta, gguf_path)), encoding="utf-8")
     (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(meta, 128)), encoding="utf-8")
@@ -175,8 +175,8 @@ def test_tokenizer_config_carries_the_gguf_flags(tmp_path: Path) -> None:
     assert cfg["unk_token"] == "<unk>" and cfg["pad_token"] == "<pad>"
     del meta["tokenizer.ggml.add_bos_token"], meta["tokenizer.ggml.add_space_prefix"]
     path = write_gguf(tmp_path / "b.gguf", "llama", {}, meta)
-    spec = tokenizer_json(tokenizer_meta(gguf.GGUFReader(str(path)), path), path)
-    assert tokenizer_meta(gguf.GGUFReader(str(path)), path).add_bos_token  # llama.cpp's SPM default
+    spec = tokenizer_json(tokenizer_meta(open_gguf(path), path), path)
+    assert tokenizer_meta(open_gguf(path), path).add_bos_token  # llama.cpp's SPM default
     assert spec["normalizer"]["type"] == "Sequence"  # and its space prefix
     assert spec["model"]["byte_fallback"] and spec["decoder"]["decoders"][-1]["type"] == "Strip"
 
@@ -188,10 +188,10 @@ def test_unsupported_tokenizers_are_named(tmp_path: Path) -> None:
     with pytest.raises(
         GGUFError, match=r"t5.gguf: tokenizer.ggml.model 't5' is not supported \(supported: gpt2, llama\)"
     ):
-        tokenizer_meta(gguf.GGUFReader(str(path)), path)
+        tokenizer_meta(open_gguf(path), path)
     path = write_gguf(tmp_path / "short.gguf", "gemma3", {}, {**meta, "tokenizer.ggml.scores": scores[:10]})
     with pytest.raises(GGUFError, match="short.gguf: tokenizer.ggml.scores must give one score per token"):
-        tokenizer_meta(gguf.GGUFReader(str(path)), path)
+        tokenizer_meta(open_gguf(path), path)
     dup = TokenizerMeta("llama", "default", ("a", "a"), (1, 1), (0.0, -1.0), (), {}, True, False, False, None)
     with pytest.raises(GGUFError, match="dup.gguf: tokenizer.ggml.tokens has duplicate entries"):
         tokenizer_json(dup, Path("dup.gguf"))
@@ -225,7 +225,7 @@ def test_gemma3_matches_llama_cpp_golden(gemma_tok: Tokenizer) -> None:
 @pytest.fixture(scope="module")
 def gemma_reference(gemma_dir: Path) -> SpmReference:
     path = gemma_dir / "model.gguf"
-    meta = tokenizer_meta(gguf.GGUFReader(str(path)), path)
+    meta = tokenizer_meta(open_gguf(path), path)
     return SpmReference(meta.tokens, meta.scores, meta.types, add_space_prefix=meta.add_space_prefix)
 
 

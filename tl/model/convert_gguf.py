@@ -36,6 +36,7 @@ from tqdm import tqdm
 
 from tl.model.config import FULL, SLIDING, ModelConfig, ModelDirError, hf_shapes
 from tl.model.files import GGUF_FILE, Packed
+from tl.model.gguf_file import GGUFFile, GGUFTensor
 from tl.model.gguf_tokenizer import (
     PRE_TOKENIZERS,
     GGUFError,
@@ -110,7 +111,7 @@ def convert_gguf(
     return out
 
 
-def _check_served(reader: gguf.GGUFReader, cfg: ModelConfig, path: Path) -> dict[str, np.ndarray]:
+def _check_served(reader: GGUFFile, cfg: ModelConfig, path: Path) -> dict[str, np.ndarray]:
     """GGUFError unless every tensor has a type tl serves and none the config needs is missing
     (what serving the GGUF as it is would find); {} (no float tensors)."""
     for t in reader.tensors:
@@ -120,7 +121,7 @@ def _check_served(reader: gguf.GGUFReader, cfg: ModelConfig, path: Path) -> dict
     return {}
 
 
-def _side_files(reader: gguf.GGUFReader, cfg: ModelConfig, path: Path, out: Path) -> Path:
+def _side_files(reader: GGUFFile, cfg: ModelConfig, path: Path, out: Path) -> Path:
     """config.json, the tokenizer's files and generation_config.json of the GGUF into `out`."""
     tok = tokenizer_meta(reader, path)
     out.mkdir(parents=True, exist_ok=True)
@@ -209,25 +210,24 @@ def packed_tensors(path: Path) -> dict[str, np.ndarray | Packed]:
     return out
 
 
-def open_gguf(path: Path) -> gguf.GGUFReader:
+def open_gguf(path: Path) -> GGUFFile:
     if not path.is_file():
         raise GGUFError(f"{path}: file not found")
     with path.open("rb") as f:
         if f.read(4) != b"GGUF":
             raise GGUFError(f"{path}: not a GGUF file (bad magic)")
     try:
-        return gguf.GGUFReader(str(path))
+        return GGUFFile(path)
     except Exception as e:  # noqa: BLE001 (a damaged file raises ValueError, IndexError, struct.error, ...)
         raise GGUFError(f"{path}: malformed GGUF ({type(e).__name__}: {e})") from None
 
 
-def field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
+def field(reader: GGUFFile, key: str, default: Any = None) -> Any:
     """A metadata value as a Python scalar, string or list; `default` when absent."""
-    f = reader.fields.get(key)
-    return default if f is None else f.contents()
+    return reader.field(key, default)
 
 
-def _need(reader: gguf.GGUFReader, key: str, path: Path) -> Any:
+def _need(reader: GGUFFile, key: str, path: Path) -> Any:
     v = field(reader, key)
     if v is None:
         raise GGUFError(f"{path}: missing metadata key {key!r}")
@@ -239,7 +239,7 @@ def _f32_round(x: float) -> float:
     return float(str(np.float32(x)))
 
 
-def gguf_model_config(reader: gguf.GGUFReader, path: Path) -> ModelConfig:
+def gguf_model_config(reader: GGUFFile, path: Path) -> ModelConfig:
     """The GGUF's architecture as a ModelConfig: its metadata written as the config.json keys
     (`gguf_config_dict`) and parsed as config.json is, errors naming the file."""
     try:
@@ -248,7 +248,7 @@ def gguf_model_config(reader: gguf.GGUFReader, path: Path) -> ModelConfig:
         raise GGUFError(str(e)) from None
 
 
-def gguf_config_dict(reader: gguf.GGUFReader, path: Path) -> dict[str, Any]:
+def gguf_config_dict(reader: GGUFFile, path: Path) -> dict[str, Any]:
     """config.json of the GGUF's model, from `{arch}.*` metadata as llama.cpp's loaders read it."""
     arch = field(reader, "general.architecture")
     if arch not in ARCHITECTURES:
@@ -259,13 +259,13 @@ def gguf_config_dict(reader: gguf.GGUFReader, path: Path) -> dict[str, Any]:
     rope_dims = field(reader, f"{arch}.rope.dimension_count")
     if rope_dims is not None and int(rope_dims) != head_dim:
         raise GGUFError(f"{path}: {arch}.rope.dimension_count {rope_dims} (partial RoPE) is not supported")
-    tokens = reader.fields.get("tokenizer.ggml.tokens")  # counted, not decoded (262k strings for Gemma)
+    tokens = reader.field("tokenizer.ggml.tokens")
     eos = [field(reader, "tokenizer.ggml.eos_token_id"), field(reader, "tokenizer.ggml.eot_token_id")]
     names = {t.name for t in reader.tensors}
     eos_ids = list(dict.fromkeys(int(e) for e in eos if e is not None))
     d: dict[str, Any] = {
         "architectures": [ARCHITECTURES[arch]],
-        "vocab_size": int(field(reader, f"{arch}.vocab_size", 0 if tokens is None else len(tokens.data))),
+        "vocab_size": int(field(reader, f"{arch}.vocab_size", 0 if tokens is None else len(tokens))),
         "hidden_size": hidden,
         "intermediate_size": int(field(reader, f"{arch}.feed_forward_length", 0)),
         "num_hidden_layers": int(_need(reader, f"{arch}.block_count", path)),
@@ -292,7 +292,7 @@ def gguf_config_dict(reader: gguf.GGUFReader, path: Path) -> dict[str, Any]:
     return d
 
 
-def _gemma3_keys(reader: gguf.GGUFReader, d: dict[str, Any], path: Path) -> dict[str, Any]:
+def _gemma3_keys(reader: GGUFFile, d: dict[str, Any], path: Path) -> dict[str, Any]:
     """Gemma 3's config keys as llama.cpp's gemma3 loader derives them: sliding layers when
     `gemma3.attention.sliding_window` is set, every GEMMA3_SWA_PATTERN-th layer full (or the
     per-layer `sliding_window_pattern` array / the pattern it gives), their RoPE base
@@ -323,7 +323,7 @@ def _gemma3_keys(reader: gguf.GGUFReader, d: dict[str, Any], path: Path) -> dict
     }
 
 
-def _qwen3moe_keys(reader: gguf.GGUFReader, d: dict[str, Any], path: Path) -> dict[str, Any]:
+def _qwen3moe_keys(reader: GGUFFile, d: dict[str, Any], path: Path) -> dict[str, Any]:
     """Qwen3-MoE: every layer a MoE layer, top-k weights renormalized (llama.cpp's qwen3moe
     graph always normalizes them)."""
     moe_size = int(_need(reader, "qwen3moe.expert_feed_forward_length", path))
@@ -338,7 +338,7 @@ def _qwen3moe_keys(reader: gguf.GGUFReader, d: dict[str, Any], path: Path) -> di
     }
 
 
-def _rope_scaling(reader: gguf.GGUFReader, arch: str, d: dict[str, Any], path: Path) -> dict[str, Any] | None:
+def _rope_scaling(reader: GGUFFile, arch: str, d: dict[str, Any], path: Path) -> dict[str, Any] | None:
     """The config's rope_scaling: `{arch}.rope.scaling.type` linear (factor), or Llama 3's
     scaling, which llama.cpp's converter writes as a `rope_freqs.weight` tensor of per-frequency
     divisors (`llama3_from_rope_freqs`); other scaling types are refused by ModelConfig."""
@@ -488,7 +488,7 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def dequantize_tensor(t: gguf.ReaderTensor, path: Path) -> np.ndarray:
+def dequantize_tensor(t: GGUFTensor, path: Path) -> np.ndarray:
     """float32 array in HF/numpy order ([out, in] for matrices)."""
     ttype = Q(t.tensor_type)
     if ttype.name not in served_types():
@@ -500,7 +500,7 @@ def dequantize_tensor(t: gguf.ReaderTensor, path: Path) -> np.ndarray:
     return np.ascontiguousarray(gguf.quants.dequantize(t.data, ttype), dtype=np.float32).reshape(shape)
 
 
-def hf_tensors(reader: gguf.GGUFReader, cfg: ModelConfig, path: Path, progress: bool = True) -> dict[str, np.ndarray]:
+def hf_tensors(reader: GGUFFile, cfg: ModelConfig, path: Path, progress: bool = True) -> dict[str, np.ndarray]:
     """All tensors, dequantized, under HF names, llama.cpp's conventions undone (`to_hf`)."""
     out: dict[str, np.ndarray] = {}
     for t in tqdm(reader.tensors, desc=f"convert {path.name}", unit="tensor", file=sys.stderr, disable=not progress):

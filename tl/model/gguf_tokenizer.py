@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import gguf
+from tl.model.gguf_file import GGUFFile
 
 TOKEN_TYPE_NORMAL, TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED, TOKEN_TYPE_BYTE = 1, 3, 4, 6
 TOKENIZER_MODELS = ("gpt2", "llama")
@@ -71,12 +71,11 @@ class TokenizerMeta:
     chat_template: str | None
 
 
-def _field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
-    f = reader.fields.get(key)
-    return default if f is None else f.contents()
+def _field(reader: GGUFFile, key: str, default: Any = None) -> Any:
+    return reader.field(key, default)
 
 
-def tokenizer_meta(reader: gguf.GGUFReader, path: Path) -> TokenizerMeta:
+def tokenizer_meta(reader: GGUFFile, path: Path) -> TokenizerMeta:
     """The tokenizer metadata of the GGUF at `path`; GGUFError names an unsupported
     `tokenizer.ggml.model` / `tokenizer.ggml.pre`, or a missing key."""
     model = _field(reader, "tokenizer.ggml.model")
