@@ -222,13 +222,8 @@ def open_gguf(path: Path) -> GGUFFile:
         raise GGUFError(f"{path}: malformed GGUF ({type(e).__name__}: {e})") from None
 
 
-def field(reader: GGUFFile, key: str, default: Any = None) -> Any:
-    """A metadata value as a Python scalar, string or list; `default` when absent."""
-    return reader.field(key, default)
-
-
 def _need(reader: GGUFFile, key: str, path: Path) -> Any:
-    v = field(reader, key)
+    v = reader.field(key)
     if v is None:
         raise GGUFError(f"{path}: missing metadata key {key!r}")
     return v
@@ -250,34 +245,34 @@ def gguf_model_config(reader: GGUFFile, path: Path) -> ModelConfig:
 
 def gguf_config_dict(reader: GGUFFile, path: Path) -> dict[str, Any]:
     """config.json of the GGUF's model, from `{arch}.*` metadata as llama.cpp's loaders read it."""
-    arch = field(reader, "general.architecture")
+    arch = reader.field("general.architecture")
     if arch not in ARCHITECTURES:
         raise GGUFError(f"{path}: architecture {arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})")
     hidden = int(_need(reader, f"{arch}.embedding_length", path))
     heads = int(_need(reader, f"{arch}.attention.head_count", path))
-    head_dim = int(field(reader, f"{arch}.attention.key_length", hidden // heads))
-    rope_dims = field(reader, f"{arch}.rope.dimension_count")
+    head_dim = int(reader.field(f"{arch}.attention.key_length", hidden // heads))
+    rope_dims = reader.field(f"{arch}.rope.dimension_count")
     if rope_dims is not None and int(rope_dims) != head_dim:
         raise GGUFError(f"{path}: {arch}.rope.dimension_count {rope_dims} (partial RoPE) is not supported")
     tokens = reader.field("tokenizer.ggml.tokens")
-    eos = [field(reader, "tokenizer.ggml.eos_token_id"), field(reader, "tokenizer.ggml.eot_token_id")]
+    eos = [reader.field("tokenizer.ggml.eos_token_id"), reader.field("tokenizer.ggml.eot_token_id")]
     names = {t.name for t in reader.tensors}
     eos_ids = list(dict.fromkeys(int(e) for e in eos if e is not None))
     d: dict[str, Any] = {
         "architectures": [ARCHITECTURES[arch]],
-        "vocab_size": int(field(reader, f"{arch}.vocab_size", 0 if tokens is None else len(tokens))),
+        "vocab_size": int(reader.field(f"{arch}.vocab_size", 0 if tokens is None else len(tokens))),
         "hidden_size": hidden,
-        "intermediate_size": int(field(reader, f"{arch}.feed_forward_length", 0)),
+        "intermediate_size": int(reader.field(f"{arch}.feed_forward_length", 0)),
         "num_hidden_layers": int(_need(reader, f"{arch}.block_count", path)),
         "num_attention_heads": heads,
-        "num_key_value_heads": int(field(reader, f"{arch}.attention.head_count_kv", heads)),
+        "num_key_value_heads": int(reader.field(f"{arch}.attention.head_count_kv", heads)),
         "head_dim": head_dim,
-        "rope_theta": _f32_round(field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        "rope_theta": _f32_round(reader.field(f"{arch}.rope.freq_base", 10000.0)),
         "rms_norm_eps": _f32_round(_need(reader, f"{arch}.attention.layer_norm_rms_epsilon", path)),
-        "max_position_embeddings": int(field(reader, f"{arch}.context_length", 2048)),
+        "max_position_embeddings": int(reader.field(f"{arch}.context_length", 2048)),
         "tie_word_embeddings": "output.weight" not in names,
         "attention_bias": "blk.0.attn_q.bias" in names,
-        "bos_token_id": field(reader, "tokenizer.ggml.bos_token_id"),
+        "bos_token_id": reader.field("tokenizer.ggml.bos_token_id"),
         "eos_token_id": eos_ids[0] if len(eos_ids) == 1 else eos_ids,
     }
     scaling = _rope_scaling(reader, arch, d, path)
@@ -298,8 +293,8 @@ def _gemma3_keys(reader: GGUFFile, d: dict[str, Any], path: Path) -> dict[str, A
     per-layer `sliding_window_pattern` array / the pattern it gives), their RoPE base
     `rope.freq_base_swa` (default 10000); the softmax scale head_dim**-0.5, except the 62-layer
     (27B) model's (hidden / heads)**-0.5."""
-    layers, window = d["num_hidden_layers"], int(field(reader, "gemma3.attention.sliding_window", 0))
-    pattern = field(reader, "gemma3.attention.sliding_window_pattern", GEMMA3_SWA_PATTERN)
+    layers, window = d["num_hidden_layers"], int(reader.field("gemma3.attention.sliding_window", 0))
+    pattern = reader.field("gemma3.attention.sliding_window_pattern", GEMMA3_SWA_PATTERN)
     if not window:
         types = [FULL] * layers
     elif isinstance(pattern, list):
@@ -315,11 +310,11 @@ def _gemma3_keys(reader: GGUFFile, d: dict[str, Any], path: Path) -> dict[str, A
     return {
         "sliding_window": window or None,
         "layer_types": types,
-        "rope_local_base_freq": _f32_round(field(reader, "gemma3.rope.freq_base_swa", GEMMA3_LOCAL_ROPE_BASE)),
+        "rope_local_base_freq": _f32_round(reader.field("gemma3.rope.freq_base_swa", GEMMA3_LOCAL_ROPE_BASE)),
         "query_pre_attn_scalar": scalar,
         "hidden_activation": "gelu_pytorch_tanh",
-        "final_logit_softcapping": field(reader, "gemma3.final_logit_softcapping"),
-        "attn_logit_softcapping": field(reader, "gemma3.attn_logit_softcapping"),
+        "final_logit_softcapping": reader.field("gemma3.final_logit_softcapping"),
+        "attn_logit_softcapping": reader.field("gemma3.attn_logit_softcapping"),
     }
 
 
@@ -342,8 +337,8 @@ def _rope_scaling(reader: GGUFFile, arch: str, d: dict[str, Any], path: Path) ->
     """The config's rope_scaling: `{arch}.rope.scaling.type` linear (factor), or Llama 3's
     scaling, which llama.cpp's converter writes as a `rope_freqs.weight` tensor of per-frequency
     divisors (`llama3_from_rope_freqs`); other scaling types are refused by ModelConfig."""
-    kind = field(reader, f"{arch}.rope.scaling.type")
-    factor = field(reader, f"{arch}.rope.scaling.factor", field(reader, f"{arch}.rope.scale_linear"))
+    kind = reader.field(f"{arch}.rope.scaling.type")
+    factor = reader.field(f"{arch}.rope.scaling.factor", reader.field(f"{arch}.rope.scale_linear"))
     freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
     if freqs is not None:
         if kind not in (None, "none") or factor not in (None, 1.0):

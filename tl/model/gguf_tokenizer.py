@@ -71,31 +71,27 @@ class TokenizerMeta:
     chat_template: str | None
 
 
-def _field(reader: GGUFFile, key: str, default: Any = None) -> Any:
-    return reader.field(key, default)
-
-
 def tokenizer_meta(reader: GGUFFile, path: Path) -> TokenizerMeta:
     """The tokenizer metadata of the GGUF at `path`; GGUFError names an unsupported
     `tokenizer.ggml.model` / `tokenizer.ggml.pre`, or a missing key."""
-    model = _field(reader, "tokenizer.ggml.model")
+    model = reader.field("tokenizer.ggml.model")
     if model not in TOKENIZER_MODELS:
         raise GGUFError(
             f"{path}: tokenizer.ggml.model {model!r} is not supported (supported: {', '.join(TOKENIZER_MODELS)})"
         )
-    pre = _field(reader, "tokenizer.ggml.pre", "default")
+    pre = reader.field("tokenizer.ggml.pre", "default")
     if model == "gpt2" and pre not in PRE_TOKENIZERS:
         raise GGUFError(f"{path}: tokenizer.ggml.pre {pre!r} is not supported (supported: {', '.join(PRE_TOKENIZERS)})")
-    tokens = _field(reader, "tokenizer.ggml.tokens")
+    tokens = reader.field("tokenizer.ggml.tokens")
     if not tokens:
         raise GGUFError(f"{path}: missing metadata key 'tokenizer.ggml.tokens'")
     spm = model == "llama"
-    scores = _field(reader, "tokenizer.ggml.scores") if spm else ()
+    scores = reader.field("tokenizer.ggml.scores") if spm else ()
     if spm and (scores is None or len(scores) != len(tokens)):
         raise GGUFError(f"{path}: tokenizer.ggml.scores must give one score per token ({len(tokens)})")
-    if spm and _field(reader, "tokenizer.ggml.remove_extra_whitespaces", False):
+    if spm and reader.field("tokenizer.ggml.remove_extra_whitespaces", False):
         raise GGUFError(f"{path}: tokenizer.ggml.remove_extra_whitespaces true is not supported")
-    types = _field(reader, "tokenizer.ggml.token_type", [TOKEN_TYPE_NORMAL] * len(tokens))
+    types = reader.field("tokenizer.ggml.token_type", [TOKEN_TYPE_NORMAL] * len(tokens))
     if len(types) != len(tokens):
         raise GGUFError(f"{path}: tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens")
     return TokenizerMeta(
@@ -104,12 +100,12 @@ def tokenizer_meta(reader: GGUFFile, path: Path) -> TokenizerMeta:
         tokens=tuple(tokens),
         types=tuple(int(t) for t in types),
         scores=tuple(float(s) for s in scores),
-        merges=tuple(_field(reader, "tokenizer.ggml.merges", [])),
-        ids={k: _field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos", "unknown", "padding")},
-        add_bos_token=bool(_field(reader, "tokenizer.ggml.add_bos_token", spm)),
-        add_eos_token=bool(_field(reader, "tokenizer.ggml.add_eos_token", False)),
-        add_space_prefix=bool(_field(reader, "tokenizer.ggml.add_space_prefix", spm)),
-        chat_template=_field(reader, "tokenizer.chat_template"),
+        merges=tuple(reader.field("tokenizer.ggml.merges", [])),
+        ids={k: reader.field(f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos", "unknown", "padding")},
+        add_bos_token=bool(reader.field("tokenizer.ggml.add_bos_token", spm)),
+        add_eos_token=bool(reader.field("tokenizer.ggml.add_eos_token", False)),
+        add_space_prefix=bool(reader.field("tokenizer.ggml.add_space_prefix", spm)),
+        chat_template=reader.field("tokenizer.chat_template"),
     )
 
 
