@@ -5,14 +5,18 @@ and compiles nothing."""
 from __future__ import annotations
 
 import threading
+import time
 
+import jax
 import numpy as np
 import pytest
-from test_runner import ENGINE, Driver, Seq, make_runner
+from test_runner import ENGINE, Driver, Seq, make_runner, tiny_cfg
 
 from tl.core.request import SamplingParams
+from tl.model import llama
 from tl.runtime.compiler import StepCompiler, compiling_now
 from tl.runtime.execution import startup_variants, step_variants
+from tl.runtime.startup import start
 
 VARIANTS = [(1, 1), (4, 1), (4, 4), (8, 1), (8, 4), (16, 4)]
 
@@ -181,3 +185,28 @@ def test_steps_in_a_larger_variant_give_the_same_tokens(two_runners: tuple) -> N
         outs.append([s.out for s in seqs])
     assert outs[0] == outs[1]
     assert part.num_compilations == compiled  # (8, 4) steps ran in (32, 4): nothing compiled
+
+
+def test_a_background_start_compiles_one_sequences_several_steps_program_unasked() -> None:
+    """A server's start-up (warmup "background") asks for one sequence's several-decode-steps
+    program itself, compiled once the step variants are: a lone request's first decodes then run
+    several steps a call, not one while it compiles. Other sequence counts' wait for a step to
+    ask; a start-up that compiles everything now ("all": tests, benchmarks) asks for none."""
+    cfg = tiny_cfg()
+    params = jax.tree.map(np.asarray, llama.init_params(cfg, jax.random.key(0)))
+    started = start(cfg, params, ENGINE, warmup="background")
+    assert started.several is not None
+    try:
+        one = started.plan.shape(1, 1)
+        assert len(started.several.variants) > 1
+        assert started.compiler.wait(120)
+        deadline = time.monotonic() + 120
+        while started.several.num_requested_pending and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert started.several.compiled == (one,)
+    finally:
+        started.compiler.stop()
+        started.several.stop()
+    everything = start(cfg, params, ENGINE, warmup="all")
+    assert everything.several is not None
+    assert everything.several.num_compiled == 0 and everything.several.num_requested_pending == 0
