@@ -92,8 +92,10 @@ def test_default_config_serves_the_gguf_as_llama_cpp_does(smol_dir: Path) -> Non
     llama.cpp (llama-server from the llama-cpp-python 0.3.36 sdist, greedy) answers "L'Étoile,
     la Marseillaise,", the float model "The capital of France is Paris.". tl's kernels sum each
     block exactly and scale it once with x's block scale kept in float32 (llama.cpp rounds it to
-    half) and answer as the float model; its earlier kernels, which scaled each 4-product lane,
-    answered as llama.cpp. A wrong nibble, scale or sign answers neither."""
+    half); on AVX-512 VNNI they answer as the float model, on AVX2 (Zen 3) "L'Étoile, la Cité,":
+    the float model's own eighth token is a near tie too (" Mar" 2.690, " Cit" 2.525, float64 teacher-forced
+    on that answer, every other token its top choice). The AVX2 kernels before, which scaled each
+    4-product lane, answered as llama.cpp. A wrong nibble, scale or sign answers none of these."""
     from tl.core.config import EngineConfig
     from tl.core.request import GenRequest, SamplingParams
     from tl.model.encodings.blocks import Blocks
@@ -126,4 +128,4 @@ def test_default_config_serves_the_gguf_as_llama_cpp_does(smol_dir: Path) -> Non
     # The first tokens: later ones sit on near-ties that float rounding (the attention kernel's
     # one-call or two-part form) can flip ("Marseilla" at 64-token steps, "Marsebe" at one).
     text = tok.decode(got)
-    assert text.startswith(("L'Étoile, la Mars", "The capital of France is Paris.")), text
+    assert text.startswith(("L'Étoile, la Mars", "L'Étoile, la Cité", "The capital of France is Paris.")), text

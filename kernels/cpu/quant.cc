@@ -398,12 +398,42 @@ inline __m256i dot_u8s8_256(__m256i a, __m256i b) {
 #endif
 }
 
+// Each of `blocks` blocks of 32 int8 at q: its exact sum.
+inline void block_sums(const int8_t* q, int64_t blocks, int32_t* out) {
+  for (int64_t i = 0; i < blocks; ++i) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + i * kQK));
+    const __m256i s16 = _mm256_maddubs_epi16(_mm256_set1_epi8(1), v);
+    const __m256i s32 = _mm256_madd_epi16(s16, _mm256_set1_epi16(1));
+    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(s32), _mm256_extracti128_si256(s32, 1));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
+    out[i] = _mm_cvtsi128_si32(_mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1)));
+  }
+}
+
 inline float hsum256(__m256 v) {
   const __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   const __m128 b = _mm_add_ps(a, _mm_movehl_ps(a, a));
   return _mm_cvtss_f32(_mm_add_ss(b, _mm_movehdup_ps(b)));
 }
 #endif
+
+// A thread's 64-byte aligned scratch, grown as needed (std::vector<__m512i> and any template over
+// a vector type drop its alignment attribute, with a warning).
+struct Scratch {
+  void* p = nullptr;
+  size_t bytes = 0;
+  template <typename T>
+  T* get(size_t count) {
+    const size_t want = (count * sizeof(T) + 63) / 64 * 64;
+    if (want > bytes) {
+      std::free(p);
+      p = std::aligned_alloc(64, want);
+      bytes = want;
+    }
+    return static_cast<T*>(p);
+  }
+  ~Scratch() { std::free(p); }
+};
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define TL_QDOT_512 1
@@ -453,85 +483,223 @@ inline void dot_rows(const uint8_t* w, const XQ& x, int64_t n0, float out[R]) {
 #define TL_QDOT_256 1
 constexpr int kTileRows = kRegs >= 32 ? 8 : 4;
 
-// Weight row `w` (nb blocks) against rows n0..n0+R of x, one block a 256-bit vector.
+// The 32-input kinds run the exact family below, the K-quants their own dot_rows_k; tile's
+// reference to dot_rows is never instantiated here.
 template <int KIND, int R>
-inline void dot_rows(const uint8_t* w, const XQ& x, int64_t n0, float out[R]) {
-  constexpr int64_t BB = Fmt<KIND>::kBytes;
-  __m256 acc[R];
-  float accm[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps(), accm[r] = 0.0f;
-  const int8_t* xq = x.q + n0 * x.K;
-  const float* xd = x.d8 + n0 * x.nb * 8;
-  const float* xs = x.s + n0 * x.nb;
-  for (int64_t b = 0; b < x.nb; ++b) {
-    const uint8_t* blk = w + b * BB;
-    const __m256i wv = unpack256<KIND>(blk);
-    const __m256 dw = _mm256_set1_ps(half(blk));
-    const __m256i aw = Fmt<KIND>::kSigned ? _mm256_sign_epi8(wv, wv) : wv;
-    for (int r = 0; r < R; ++r) {
-      __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * x.K + b * kQK));
-      if (Fmt<KIND>::kSigned) xv = _mm256_sign_epi8(xv, wv);
-      const __m256i p = dot_u8s8_256(aw, xv);
-      const __m256 dx = _mm256_loadu_ps(xd + (r * x.nb + b) * 8);
-      acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(p), dx), dw, acc[r]);
-    }
-    if constexpr (Fmt<KIND>::kHasM) {
-      const float m = half(blk + 2);
-      for (int r = 0; r < R; ++r) accm[r] += m * xs[r * x.nb + b];
-    }
+void dot_rows(const uint8_t* w, const XQ& x, int64_t n0, float out[R]);
+
+// The exact family (AVX2 without VNNI: x86-64-v3, x86-64-v4), the 32-input kinds: one arithmetic
+// for every row count, as the VNNI path's below, so a row's result does not depend on its
+// step's other rows: each block's int32 sum is exact and is added as acc = fma(sum, d_w * d_x,
+// acc), then acc = fma(m_w, s_x, acc), block by block, in 8 lanes that are 8 outputs. The
+// weights are codes u: the nibble formats unsigned (q4_0: the nibble, w = u - 8; q5_0: w = u -
+// 16; q4_1 / q5_1 as stored), their offset's share -off * sum(q_x) added once per block and row
+// (exact: |sum| < 2^20); q8_0 signed, by the sign trick (|w| * sign(x, w)). vpmaddubsw's int16
+// pairs cannot saturate: u <= 31 (2 * 31 * 128), |w| <= 128 against |x| <= 127. One row: exact8
+// (8 outputs' blocks unpacked as stored, the row's 8 dot vectors reduced to 8 block sums by
+// vphaddd); more: panels of 8 outputs, unpacked once a call into [block][group of 4
+// inputs][output] (the 8 x 8 int32 transpose), which a row meets as 8 vpmaddubsw against its 4
+// bytes broadcast, the lanes already outputs. SmolLM2 Q4_1 decode steps on Zen 3 (bench runner,
+// noisy machine): 1 row 7.0-9.9 ms, 2 rows 12.9-13.8, 4 rows 17.5-18.3, 16 rows 44-48, where the
+// tiles before (4 rows a tile per output, 8 float lanes a block summed at the end) took 9.9-10.3,
+// -, 17.4 and 81; exact8 for 2 rows (8 dot vectors and a reduction a row) took 13.8 ms, the
+// panels 12.9, so the panels start at 2.
+template <int KIND>
+inline __m256i codes256(const uint8_t* b) {
+  if constexpr (KIND == kQ4_0) {
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2));
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), _mm256_set1_epi8(15));
+  } else if constexpr (KIND == kQ5_0) {
+    return _mm256_add_epi8(unpack256<kQ5_0>(b), _mm256_set1_epi8(16));
+  } else {
+    return unpack256<KIND>(b);  // q4_1 / q5_1 codes as stored; q8_0 signed
   }
-  for (int r = 0; r < R; ++r) out[r] = hsum256(acc[r]) + accm[r];
+}
+template <int KIND>
+constexpr int kOff256 = KIND == kQ4_0 ? 8 : KIND == kQ5_0 ? 16 : 0;
+
+// 8 int32 lanes of u8 codes (q8_0: signed w) against s8 x.
+template <int KIND>
+inline __m256i dot_codes(__m256i u, __m256i x) {
+  if constexpr (KIND == kQ8_0) return dot_u8s8_256(_mm256_sign_epi8(u, u), _mm256_sign_epi8(x, u));
+  return dot_u8s8_256(u, x);
 }
 
-// One row of x against the 8 weight rows at w (row_bytes apart), into out[8]: each output's
-// arithmetic exactly dot_rows<KIND, 1>'s (so a one-row call equals a row of any call), but the
-// eight share each block's x loads, their scales d (and offsets m) come from the rows' block
-// headers by one conversion, the m terms are one vector fma, and the eight accumulators are
-// independent chains (dot_rows<KIND, 1> is one fma chain a block: bound by its latency, not by
-// the memory, on AVX2). Eight rows read side by side are eight streams 360 bytes apart (K = 576,
-// q4_1), which the hardware prefetcher follows badly: without the prefetch two groups ahead
-// this ran a Zen 3 chain of 210 q4_1 1536 x 576 calls at 9-10 GB/s, against 16 for
-// dot_rows<KIND, 1> and 17 with it; a q8_0 49152 x 576 call (SmolLM2's head) 27-31 against
-// 23.5 GB/s. `ahead`: rows 16 to 23 from w exist, to prefetch.
+// Lane j: the sum of p[j]'s 8 lanes.
+inline __m256i reduce8(const __m256i p[8]) {
+  const __m256i t0 = _mm256_hadd_epi32(p[0], p[1]), t1 = _mm256_hadd_epi32(p[2], p[3]);
+  const __m256i t2 = _mm256_hadd_epi32(p[4], p[5]), t3 = _mm256_hadd_epi32(p[6], p[7]);
+  const __m256i u0 = _mm256_hadd_epi32(t0, t1), u1 = _mm256_hadd_epi32(t2, t3);  // [p0..p3 low | high], p4..p7
+  return _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20), _mm256_permute2x128_si256(u0, u1, 0x31));
+}
+
+// The 8 rows' (d, m) of block b as floats: lanes j of d and m.
 template <int KIND>
-inline void dot_8_outputs(const uint8_t* w, int64_t row_bytes, const XQ& x, float out[8], bool ahead) {
-  constexpr int64_t BB = Fmt<KIND>::kBytes;
-  __m256 acc[8];
-  for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
-  __m256 accm = _mm256_setzero_ps();
+inline void scales_8(const uint8_t* const rows[8], int64_t at, __m256& d, __m256& m) {
+  const __m256i heads = _mm256_setr_epi32(
+      static_cast<int32_t>(load_u32(rows[0] + at)), static_cast<int32_t>(load_u32(rows[1] + at)),
+      static_cast<int32_t>(load_u32(rows[2] + at)), static_cast<int32_t>(load_u32(rows[3] + at)),
+      static_cast<int32_t>(load_u32(rows[4] + at)), static_cast<int32_t>(load_u32(rows[5] + at)),
+      static_cast<int32_t>(load_u32(rows[6] + at)), static_cast<int32_t>(load_u32(rows[7] + at)));
   // Bytes 0-1 (d) of each 32-bit lane to the low 128 bits, bytes 2-3 (m) to the high.
   const __m256i split = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15, 0, 1, 4, 5, 8, 9, 12,
                                          13, 2, 3, 6, 7, 10, 11, 14, 15);
-  const int64_t span = 8 * row_bytes;  // the group's bytes, prefetched one block's share a block
-  const int64_t share = (span + x.nb - 1) / x.nb;
-  for (int64_t b = 0; b < x.nb; ++b) {
-    const uint8_t* blk = w + b * BB;
-    if (ahead)
-      for (int64_t l = 0; l < share; l += 64) _mm_prefetch(reinterpret_cast<const char*>(w + 2 * span + b * share + l), _MM_HINT_T0);
-    const __m256i heads = _mm256_setr_epi32(
-        static_cast<int32_t>(load_u32(blk)), static_cast<int32_t>(load_u32(blk + row_bytes)),
-        static_cast<int32_t>(load_u32(blk + 2 * row_bytes)), static_cast<int32_t>(load_u32(blk + 3 * row_bytes)),
-        static_cast<int32_t>(load_u32(blk + 4 * row_bytes)), static_cast<int32_t>(load_u32(blk + 5 * row_bytes)),
-        static_cast<int32_t>(load_u32(blk + 6 * row_bytes)), static_cast<int32_t>(load_u32(blk + 7 * row_bytes)));
-    const __m256i dm = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(heads, split), 0xd8);
-    const __m256 dw = _mm256_cvtph_ps(_mm256_castsi256_si128(dm));
-    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + b * kQK));
-    const __m256 dx = _mm256_loadu_ps(x.d8 + b * 8);
-    for (int j = 0; j < 8; ++j) {
-      const __m256i wv = unpack256<KIND>(blk + j * row_bytes);
-      const __m256i aw = Fmt<KIND>::kSigned ? _mm256_sign_epi8(wv, wv) : wv;
-      const __m256i p = dot_u8s8_256(aw, Fmt<KIND>::kSigned ? _mm256_sign_epi8(xv, wv) : xv);
-      acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(p), dx),
-                               _mm256_permutevar8x32_ps(dw, _mm256_set1_epi32(j)), acc[j]);
-    }
-    if constexpr (Fmt<KIND>::kHasM)
-      accm = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(dm, 1)), _mm256_set1_ps(x.s[b]), accm);
-  }
-  alignas(32) float m[8];
-  _mm256_store_ps(m, accm);
-  for (int j = 0; j < 8; ++j) out[j] = hsum256(acc[j]) + m[j];
+  const __m256i dm = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(heads, split), 0xd8);
+  d = _mm256_cvtph_ps(_mm256_castsi256_si128(dm));
+  m = Fmt<KIND>::kHasM ? _mm256_cvtph_ps(_mm256_extracti128_si256(dm, 1)) : _mm256_setzero_ps();
 }
-#define TL_QDOT_8_OUTPUTS 1
+
+// Row n's share of block b: acc = fma(sum, d_w * d_x, acc) (+ fma(m_w, s_x, acc)).
+template <int KIND>
+inline __m256 scale_block(__m256i sum, __m256 dw, __m256 mw, const XQ& x, const int32_t* xsum, int64_t n, int64_t b,
+                          __m256 acc) {
+  const int64_t at = n * x.nb + b;
+  if constexpr (kOff256<KIND> != 0) sum = _mm256_add_epi32(sum, _mm256_set1_epi32(-kOff256<KIND> * xsum[at]));
+  acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(dw, _mm256_set1_ps(x.d8[at * 8])), acc);
+  if constexpr (Fmt<KIND>::kHasM) acc = _mm256_fmadd_ps(mw, _mm256_set1_ps(x.s[at]), acc);
+  return acc;
+}
+
+// Outputs [o0, o0 + mo) (mo <= 8; past mo computed, not stored) against the one row of x.
+// `ahead`: rows 16 to 23 from o0 exist, prefetched a block's share a block (8 rows read side by
+// side are 8 streams row_bytes apart, which the hardware prefetcher follows badly: without it
+// one-row calls of a q4_1 1536 x 576 chain on Zen 3 ran at 9-10 GB/s, with it 21).
+template <int KIND>
+inline void exact8(const uint8_t* W, int64_t row_bytes, const XQ& x, const int32_t* xsum, float* Y, int64_t o0, int mo,
+                   bool ahead) {
+  constexpr int64_t BB = Fmt<KIND>::kBytes;
+  const uint8_t* rows[8];
+  for (int j = 0; j < 8; ++j) rows[j] = W + (o0 + std::min(j, mo - 1)) * row_bytes;
+  __m256 acc = _mm256_setzero_ps();
+  const int64_t span = 8 * row_bytes, share = (span + x.nb - 1) / x.nb;
+  for (int64_t b = 0; b < x.nb; ++b) {
+    if (ahead)
+      for (int64_t l = 0; l < share; l += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(rows[0] + 2 * span + b * share + l), _MM_HINT_T0);
+    __m256 dw, mw;
+    scales_8<KIND>(rows, b * BB, dw, mw);
+    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + b * kQK));
+    __m256i p[8];
+    for (int j = 0; j < 8; ++j) p[j] = dot_codes<KIND>(codes256<KIND>(rows[j] + b * BB), xv);
+    acc = scale_block<KIND>(reduce8(p), dw, mw, x, xsum, 0, b, acc);
+  }
+  alignas(32) float out[8];
+  _mm256_store_ps(out, acc);
+  for (int j = 0; j < mo; ++j) Y[o0 + j] = out[j];
+}
+
+// A panel of 8 outputs unpacked: w [nb][8 groups] (lane j: output j's 4 codes of the group),
+// d and m [nb] (lane j: output j's d_w, m_w).
+struct Panel8 {
+  __m256i* w;
+  __m256* d;
+  __m256* m;
+};
+
+// 8 x 8 int32 transpose: out[g] lane j = in[j] lane g.
+inline void transpose8(const __m256i in[8], __m256i out[8]) {
+  __m256i t[8], v[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_epi32(in[2 * i], in[2 * i + 1]);      // a0 b0 a1 b1 | a4 b4 a5 b5
+    t[2 * i + 1] = _mm256_unpackhi_epi32(in[2 * i], in[2 * i + 1]);  // a2 b2 a3 b3 | a6 b6 a7 b7
+  }
+  for (int i = 0; i < 2; ++i)
+    for (int h = 0; h < 2; ++h) {
+      v[4 * i + 2 * h] = _mm256_unpacklo_epi64(t[4 * i + h], t[4 * i + 2 + h]);      // rows 4i..4i+3, g 2h | 2h+4
+      v[4 * i + 2 * h + 1] = _mm256_unpackhi_epi64(t[4 * i + h], t[4 * i + 2 + h]);  // g 2h+1 | 2h+5
+    }
+  for (int g = 0; g < 4; ++g) {
+    out[g] = _mm256_permute2x128_si256(v[g], v[4 + g], 0x20);
+    out[g + 4] = _mm256_permute2x128_si256(v[g], v[4 + g], 0x31);
+  }
+}
+
+template <int KIND>
+void unpack_panel8(const uint8_t* W, int64_t row_bytes, int64_t o0, int mo, int64_t nb, const Panel8& p) {
+  constexpr int64_t BB = Fmt<KIND>::kBytes;
+  const uint8_t* rows[8];
+  for (int j = 0; j < 8; ++j) rows[j] = W + (o0 + std::min(j, mo - 1)) * row_bytes;
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256i in[8];
+    for (int j = 0; j < 8; ++j) in[j] = codes256<KIND>(rows[j] + b * BB);
+    transpose8(in, p.w + b * 8);
+    scales_8<KIND>(rows, b * BB, p.d[b], p.m[b]);
+  }
+}
+
+template <int KIND, int R>
+inline void panel8_tile(const Panel8& p, const XQ& x, const int32_t* xsum, int64_t O, float* Y, int64_t o0, int mo,
+                        int64_t n0) {
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < x.nb; ++b) {
+    __m256i ia[R];
+    for (int r = 0; r < R; ++r) ia[r] = _mm256_setzero_si256();
+    const int8_t* xq = x.q + n0 * x.K + b * kQK;
+    if constexpr (KIND == kQ8_0) {
+#pragma GCC unroll 8
+      for (int g = 0; g < 8; ++g) {
+        const __m256i w = p.w[b * 8 + g];
+        for (int r = 0; r < R; ++r)
+          ia[r] = _mm256_add_epi32(ia[r], dot_codes<KIND>(w, _mm256_set1_epi32(static_cast<int32_t>(
+                                                                 load_u32(reinterpret_cast<const uint8_t*>(xq + r * x.K + 4 * g))))));
+      }
+    } else {
+      // vpmaddubsw's int16 pairs summed in int16 over a run of groups before vpmaddwd: a pair is
+      // at most 2 * 15 * 127 (4-bit codes: 8 groups, 30480) or 2 * 31 * 127 (5-bit: 4, 31496).
+      constexpr int kRunG = KIND == kQ4_0 || KIND == kQ4_1 ? 8 : 4;
+      for (int g0 = 0; g0 < 8; g0 += kRunG) {
+        __m256i i16[R];
+        for (int r = 0; r < R; ++r) i16[r] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int g = g0; g < g0 + kRunG; ++g) {
+          const __m256i w = p.w[b * 8 + g];
+          for (int r = 0; r < R; ++r)
+            i16[r] = _mm256_add_epi16(i16[r], _mm256_maddubs_epi16(w, _mm256_set1_epi32(static_cast<int32_t>(
+                                                                         load_u32(reinterpret_cast<const uint8_t*>(xq + r * x.K + 4 * g))))));
+        }
+        for (int r = 0; r < R; ++r) ia[r] = _mm256_add_epi32(ia[r], _mm256_madd_epi16(i16[r], _mm256_set1_epi16(1)));
+      }
+    }
+    for (int r = 0; r < R; ++r) acc[r] = scale_block<KIND>(ia[r], p.d[b], p.m[b], x, xsum, n0 + r, b, acc[r]);
+  }
+  for (int r = 0; r < R; ++r) {
+    alignas(32) float out[8];
+    _mm256_store_ps(out, acc[r]);
+    for (int j = 0; j < mo; ++j) Y[(n0 + r) * O + o0 + j] = out[j];
+  }
+}
+
+template <int KIND, int R>
+inline void panel8_rest(const Panel8& p, const XQ& x, const int32_t* xsum, int64_t O, float* Y, int64_t o0, int mo,
+                        int64_t n0, int64_t left) {
+  if constexpr (R > 0) {
+    if (left == R) return panel8_tile<KIND, R>(p, x, xsum, O, Y, o0, mo, n0);
+    panel8_rest<KIND, R - 1>(p, x, xsum, O, Y, o0, mo, n0, left);
+  }
+}
+
+// Outputs [o0, o1) against every row of x, 8 outputs at a time.
+template <int KIND>
+void exact_outputs8(const uint8_t* W, int64_t row_bytes, const XQ& x, const int32_t* xsum, int64_t N, int64_t O,
+                    float* Y, int64_t o0, int64_t o1) {
+  if (N == 1) {
+    for (int64_t o = o0; o < o1; o += 8)
+      exact8<KIND>(W, row_bytes, x, xsum, Y, o, static_cast<int>(std::min<int64_t>(8, o1 - o)), o + 24 <= o1);
+    return;
+  }
+  thread_local Scratch scratch;  // the panel: w, then d, then m
+  __m256i* w = scratch.get<__m256i>(static_cast<size_t>(x.nb * 10));
+  const Panel8 p{w, reinterpret_cast<__m256*>(w + x.nb * 8), reinterpret_cast<__m256*>(w + x.nb * 9)};
+  for (int64_t o = o0; o < o1; o += 8) {
+    const int mo = static_cast<int>(std::min<int64_t>(8, o1 - o));
+    unpack_panel8<KIND>(W, row_bytes, o, mo, x.nb, p);
+    int64_t n = 0;
+    for (; n + 4 <= N; n += 4) panel8_tile<KIND, 4>(p, x, xsum, O, Y, o, mo, n);
+    if (n < N) panel8_rest<KIND, 3>(p, x, xsum, O, Y, o, mo, n, N - n);
+  }
+}
+#define TL_QDOT_EXACT_256 1
 
 #elif defined(__aarch64__) && defined(__ARM_FEATURE_DOTPROD)
 #define TL_QDOT_NEON 1
@@ -1125,24 +1293,6 @@ constexpr int kPanel = 32;
 constexpr int64_t kPanelMinRows = 8;
 constexpr int64_t kRun = 256;          // rows of x a panel's unpacked weights serve before the next run
 
-// A thread's 64-byte aligned scratch, grown as needed (std::vector<__m512i> and any template over
-// a vector type drop its alignment attribute, with a warning).
-struct Scratch {
-  void* p = nullptr;
-  size_t bytes = 0;
-  template <typename T>
-  T* get(size_t count) {
-    const size_t want = (count * sizeof(T) + 63) / 64 * 64;
-    if (want > bytes) {
-      std::free(p);
-      p = std::aligned_alloc(64, want);
-      bytes = want;
-    }
-    return static_cast<T*>(p);
-  }
-  ~Scratch() { std::free(p); }
-};
-
 struct PanelBuf {
   __m512i* w;  // [nb][8 groups][2 halves of 16 outputs]
   __m512* d;   // [nb][2 halves]: d_w of each output
@@ -1301,14 +1451,7 @@ void qgemm_vnni(ffi::ThreadPool& pool, const uint8_t* W, const XQ& xq, int64_t N
     // threads take them as they finish, so an uneven split of cores costs one task, not half).
     thread_local std::vector<int32_t> xsum;
     xsum.resize(static_cast<size_t>(N * nb));
-    for (int64_t i = 0; i < N * nb; ++i) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.q + i * kQK));
-      const __m256i s16 = _mm256_maddubs_epi16(_mm256_set1_epi8(1), v);
-      const __m256i s32 = _mm256_madd_epi16(s16, _mm256_set1_epi16(1));
-      __m128i t = _mm_add_epi32(_mm256_castsi256_si128(s32), _mm256_extracti128_si256(s32, 1));
-      t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
-      xsum[static_cast<size_t>(i)] = _mm_cvtsi128_si32(_mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1)));
-    }
+    block_sums(xq.q, N * nb, xsum.data());
     const int32_t* sums = xsum.data();  // not xsum in the tasks: a thread_local names each thread's own
     const int64_t panels = (O + kPanel - 1) / kPanel;
     const int64_t per_run = std::max<int64_t>(1, std::min<int64_t>(panels, 8 * pool.num_threads()));
@@ -1375,13 +1518,7 @@ void outputs(const uint8_t* W, int64_t row_bytes, const XQ& x, int64_t N, int64_
   const int64_t run = kSuper<KIND> ? std::max<int64_t>(kTileRows, 32768 / x.K / kTileRows * kTileRows) : N;
   for (int64_t n0 = 0; n0 < N; n0 += run) {
     const int64_t n1 = std::min(N, n0 + run);
-    int64_t o = o0;
-#if defined(TL_QDOT_8_OUTPUTS)
-    if constexpr (!kSuper<KIND>)
-      if (N == 1)
-        for (; o + 8 <= o1; o += 8) dot_8_outputs<KIND>(W + o * row_bytes, row_bytes, x, Y + o, o + 24 <= o1);
-#endif
-    for (; o < o1; ++o) {
+    for (int64_t o = o0; o < o1; ++o) {
       int64_t n = n0;
       for (; n + kTileRows <= n1; n += kTileRows) tile<KIND, kTileRows>(W, row_bytes, x, O, Y, o, n);
       if (n < n1) rest<KIND, kTileRows - 1>(W, row_bytes, x, O, Y, o, n, n1 - n);
@@ -1395,9 +1532,25 @@ void qgemm(ffi::ThreadPool& pool, const uint8_t* W, const XQ& x, int64_t N, int6
   // One contiguous range of outputs a thread (one stream of weights each); after a one-row
   // call the helper lingers for the next (threads.h).
   const int64_t tasks = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), O / 16));
-  parallel_for(pool, tasks, [&](int64_t task) {
-    outputs<KIND>(W, row_bytes, x, N, O, Y, O * task / tasks, O * (task + 1) / tasks);
-  }, /*linger_after=*/N == 1);
+#if defined(TL_QDOT_EXACT_256)
+  if constexpr (!kSuper<KIND>) {
+    // Each row's block sums of q_x (the offset kinds' share), then ranges of whole groups of 8.
+    thread_local std::vector<int32_t> xsum;
+    xsum.resize(static_cast<size_t>(N * x.nb));
+    if constexpr (kOff256<KIND> != 0) block_sums(x.q, N * x.nb, xsum.data());
+    const int32_t* sums = xsum.data();  // not xsum in the tasks: a thread_local names each thread's own
+    const int64_t groups = (O + 7) / 8;
+    parallel_for(pool, tasks, [&](int64_t task) {
+      exact_outputs8<KIND>(W, row_bytes, x, sums, N, O, Y, std::min(O, 8 * (groups * task / tasks)),
+                           std::min(O, 8 * (groups * (task + 1) / tasks)));
+    }, /*linger_after=*/N == 1);
+  } else
+#endif
+  {
+    parallel_for(pool, tasks, [&](int64_t task) {
+      outputs<KIND>(W, row_bytes, x, N, O, Y, O * task / tasks, O * (task + 1) / tasks);
+    }, /*linger_after=*/N == 1);
+  }
 }
 
 // The rows a call of `kind` takes: any count where the panel kernel runs it (AVX-512 VNNI, the
