@@ -49,7 +49,7 @@ def lib(request: pytest.FixtureRequest) -> cpu_native.NativeLib:
 
 
 ROWS = (1, 2, 3, 5, 8, 16, 17, 64, 65, 300)  # 65, 300: the panels (300: past a run of 256 rows)
-PANEL_BUILDS = ("x86-64-v4-vnni", "sapphirerapids")  # the panel kernel's (AVX-512 VNNI): any row count
+PANEL_BUILDS = ("x86-64-v3", "x86-64-v4", "x86-64-v4-vnni", "sapphirerapids")  # the panel kernels': any row count
 SHAPES = [((37,), 32), ((3, 40), 576), ((24,), 1536)]  # (out, K)
 
 

@@ -15,18 +15,17 @@
 // are), then scaled by d_w * d_x in float32 (plus m_w * s_x) and summed over the blocks.
 //
 // Kernels by target (simd.h's families): AVX-512 VNNI (x86-64-v4-vnni, sapphirerapids) two
-// blocks a 512-bit vector, vpdpbusd on |w| (u8) and x with w's sign (s8); AVX2 (x86-64-v3,
-// x86-64-v4) one block a 256-bit vector, vpmaddubsw then vpmaddwd with ones, the same sign
-// trick (|w| * sign(x, w) < 2 * 128 * 127 per pair: no int16 saturation); aarch64 with dotprod
-// vdotq_s32 on the signed values; elsewhere (SSE2, plain armv8-a) scalar code the compiler
-// vectorizes. On AVX-512 VNNI, one arithmetic whatever the row count (a row's result does not
-// depend on its step's other rows): exact block sums scaled once a block, by exact_row /
-// exact_tile below 8 rows and from 8 by a panel kernel with outputs in the vector lanes
-// (panel_tile), any row count. Elsewhere each weight block is unpacked once per tile of up to
-// kTileRows rows of x and dotted against all of them; a one-row call on AVX2 takes its outputs
-// eight at a time (dot_8_outputs: the same arithmetic as a tile's). A row's blocks stream front to back, each
-// thread one contiguous range of outputs, its helper lingering after one-row calls as TlGemv's
-// does (threads.h).
+// blocks a 512-bit vector, vpdpbusd on unsigned codes against x; AVX2 (x86-64-v3, x86-64-v4) one
+// block a 256-bit vector, vpmaddubsw then vpmaddwd with ones (q8_0 by the sign trick, |w| *
+// sign(x, w) < 2 * 128 * 127 per pair: no int16 saturation); aarch64 with dotprod vdotq_s32 on
+// the signed values; elsewhere (SSE2, plain armv8-a) scalar code the compiler vectorizes. On
+// AVX-512 VNNI and AVX2, one arithmetic whatever the row count (a row's result does not depend
+// on its step's other rows): exact block sums scaled once a block, by exact_row / exact_tile
+// (VNNI) or exact8 (AVX2) for the fewest rows and by panel kernels with outputs in the vector
+// lanes for more (panel_tile, panel8_tile), any row count. Elsewhere each weight block is
+// unpacked once per tile of up to kTileRows rows of x and dotted against all of them. A row's
+// blocks stream front to back, each thread one contiguous range of outputs, its helper
+// lingering after one-row calls as TlGemv's does (threads.h).
 //
 // The K-quants as llama.cpp's ggml_vec_dot_q{4,5,6}_K_q8_K: x quantized per super-block of 256
 // (Q8_K's geometry: one float d, and bsums, each 16 values' sum; the rounding rule above), the
@@ -679,6 +678,8 @@ inline void panel8_rest(const Panel8& p, const XQ& x, const int32_t* xsum, int64
   }
 }
 
+constexpr int64_t kRun256 = 256;  // rows of x a panel's unpacked weights serve before the next run
+
 // Outputs [o0, o1) against every row of x, 8 outputs at a time.
 template <int KIND>
 void exact_outputs8(const uint8_t* W, int64_t row_bytes, const XQ& x, const int32_t* xsum, int64_t N, int64_t O,
@@ -691,12 +692,16 @@ void exact_outputs8(const uint8_t* W, int64_t row_bytes, const XQ& x, const int3
   thread_local Scratch scratch;  // the panel: w, then d, then m
   __m256i* w = scratch.get<__m256i>(static_cast<size_t>(x.nb * 10));
   const Panel8 p{w, reinterpret_cast<__m256*>(w + x.nb * 8), reinterpret_cast<__m256*>(w + x.nb * 9)};
-  for (int64_t o = o0; o < o1; o += 8) {
-    const int mo = static_cast<int>(std::min<int64_t>(8, o1 - o));
-    unpack_panel8<KIND>(W, row_bytes, o, mo, x.nb, p);
-    int64_t n = 0;
-    for (; n + 4 <= N; n += 4) panel8_tile<KIND, 4>(p, x, xsum, O, Y, o, mo, n);
-    if (n < N) panel8_rest<KIND, 3>(p, x, xsum, O, Y, o, mo, n, N - n);
+  // Runs of kRun rows (their x stays in L2 across the panels), each panel unpacked once a run.
+  for (int64_t n0 = 0; n0 < N; n0 += kRun256) {
+    const int64_t n1 = std::min(N, n0 + kRun256);
+    for (int64_t o = o0; o < o1; o += 8) {
+      const int mo = static_cast<int>(std::min<int64_t>(8, o1 - o));
+      unpack_panel8<KIND>(W, row_bytes, o, mo, x.nb, p);
+      int64_t n = n0;
+      for (; n + 4 <= n1; n += 4) panel8_tile<KIND, 4>(p, x, xsum, O, Y, o, mo, n);
+      if (n < n1) panel8_rest<KIND, 3>(p, x, xsum, O, Y, o, mo, n, n1 - n);
+    }
   }
 }
 #define TL_QDOT_EXACT_256 1
@@ -1553,12 +1558,13 @@ void qgemm(ffi::ThreadPool& pool, const uint8_t* W, const XQ& x, int64_t N, int6
   }
 }
 
-// The rows a call of `kind` takes: any count where the panel kernel runs it (AVX-512 VNNI, the
-// formats of 32-input blocks), else the tiles' 64 (past that their x streams from L2 for every
-// output: a 512-row call would run slower than XLA's dequantizing dot and take seconds to
-// measure at start-up).
+// The rows a call of `kind` takes: any count where a panel kernel runs it (AVX-512 VNNI, and
+// AVX2's exact family: the formats of 32-input blocks), else the tiles' 64 (past that their x
+// streams from L2 for every output: a 512-row call would run slower than XLA's dequantizing dot
+// and take seconds to measure at start-up). The AVX2 panels ran SmolLM2 Q4_1's 512-token
+// prefill at 736-770 tok/s on Zen 3 where 64 rows a call and XLA's dot past them gave 510.
 int64_t max_rows(int32_t kind) {
-#if defined(TL_QDOT_512)
+#if defined(TL_QDOT_512) || defined(TL_QDOT_EXACT_256)
   if (kind >= kQ8_0 && kind <= kQ5_1) return kQManyRows;
 #endif
   (void)kind;

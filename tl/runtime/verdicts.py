@@ -13,7 +13,7 @@ Classes (`MATMUL_ROWS`, `attention_classes`): a row count or a step's token coun
 the smallest class at or above it.
 - matmuls by rows: 1, 4, 16, 64 (the native float32 kernel takes at most 64 rows; with
   matmul_precision "high" its AMX kernel takes any count, as the block encodings' integer
-  kernel does on AVX-512 VNNI builds and the bf16 one on AVX512-BF16 builds (`takes_rows`),
+  kernel does on AVX-512 VNNI and AVX2 builds and the bf16 one on AVX512-BF16 builds (`takes_rows`),
   and the largest token bucket is then a class too). Each is timed on a chain of the model's
   own layer matmuls and its LM head, as a step runs them, over enough layers that the weights
   stream from memory as in a real step. The sampler's argmax/logsumexp goes with the matmul's
