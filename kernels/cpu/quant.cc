@@ -39,6 +39,7 @@
 // vmlaq; scalar elsewhere.
 
 #include <algorithm>
+#include <type_traits>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -141,6 +142,16 @@ inline uint32_t load_u32(const uint8_t* p) {
   uint32_t v;
   std::memcpy(&v, p, sizeof v);
   return v;
+}
+
+// fn(std::integral_constant<int, left>()) for 0 < left <= R: a tile template's row count chosen
+// at run time for the rows left after its whole tiles.
+template <int R, typename F>
+inline void with_rows(int64_t left, F&& fn) {
+  if constexpr (R > 0) {
+    if (left == R) return fn(std::integral_constant<int, R>());
+    with_rows<R - 1>(left, fn);
+  }
 }
 
 // A block's scale d, offset m (0 without) and 32 signed weights, the scalar way.
@@ -669,15 +680,6 @@ inline void panel8_tile(const Panel8& p, const XQ& x, const int32_t* xsum, int64
   }
 }
 
-template <int KIND, int R>
-inline void panel8_rest(const Panel8& p, const XQ& x, const int32_t* xsum, int64_t O, float* Y, int64_t o0, int mo,
-                        int64_t n0, int64_t left) {
-  if constexpr (R > 0) {
-    if (left == R) return panel8_tile<KIND, R>(p, x, xsum, O, Y, o0, mo, n0);
-    panel8_rest<KIND, R - 1>(p, x, xsum, O, Y, o0, mo, n0, left);
-  }
-}
-
 constexpr int64_t kRun256 = 256;  // rows of x a panel's unpacked weights serve before the next run
 
 // Outputs [o0, o1) against every row of x, 8 outputs at a time.
@@ -700,7 +702,7 @@ void exact_outputs8(const uint8_t* W, int64_t row_bytes, const XQ& x, const int3
       unpack_panel8<KIND>(W, row_bytes, o, mo, x.nb, p);
       int64_t n = n0;
       for (; n + 4 <= n1; n += 4) panel8_tile<KIND, 4>(p, x, xsum, O, Y, o, mo, n);
-      if (n < n1) panel8_rest<KIND, 3>(p, x, xsum, O, Y, o, mo, n, n1 - n);
+      with_rows<3>(n1 - n, [&](auto r) { panel8_tile<KIND, decltype(r)::value>(p, x, xsum, O, Y, o, mo, n); });
     }
   }
 }
@@ -1259,15 +1261,6 @@ inline void exact_row(const uint8_t* W, int64_t row_bytes, const XL& x, const XQ
   for (int j = 0; j < mo; ++j) Y[n * O + o0 + j] = out[j];
 }
 
-template <int KIND, int MO, int R>
-inline void exact_rest(const uint8_t* W, int64_t row_bytes, const XL& x, const XQ& xq, int64_t O, float* Y, int64_t o0,
-                       int mo, int64_t n0, int64_t left) {
-  if constexpr (R > 0) {
-    if (left == R) return exact_tile<KIND, MO, R>(W, row_bytes, x, xq, O, Y, o0, mo, n0, false);
-    exact_rest<KIND, MO, R - 1>(W, row_bytes, x, xq, O, Y, o0, mo, n0, left);
-  }
-}
-
 // Outputs [o0, o1) in tiles of MO against every row of x, R rows a tile (the rest in one).
 template <int KIND, int MO, int R>
 void exact_outputs(const uint8_t* W, int64_t row_bytes, const XL& x, const XQ& xq, int64_t N, int64_t O, float* Y,
@@ -1277,7 +1270,7 @@ void exact_outputs(const uint8_t* W, int64_t row_bytes, const XL& x, const XQ& x
     int64_t n = 0;
     for (; n + R <= N; n += R)
       exact_tile<KIND, MO, R>(W, row_bytes, x, xq, O, Y, o, mo, n, n == 0 && o + MO + kExactAhead <= o1);
-    if (n < N) exact_rest<KIND, MO, R - 1>(W, row_bytes, x, xq, O, Y, o, mo, n, N - n);
+    with_rows<R - 1>(N - n, [&](auto r) { exact_tile<KIND, MO, decltype(r)::value>(W, row_bytes, x, xq, O, Y, o, mo, n, false); });
   }
 }
 
@@ -1415,15 +1408,6 @@ inline void panel_tile(const PanelBuf& buf, const XQ& x, const int32_t* xsum, in
   }
 }
 
-template <int KIND, int R>
-inline void panel_rest(const PanelBuf& buf, const XQ& x, const int32_t* xsum, int64_t O, float* Y, int64_t o0, int mo,
-                       int64_t n0, int64_t left) {
-  if constexpr (R > 0) {
-    if (left == R) return panel_tile<KIND, R>(buf, x, xsum, O, Y, o0, mo, n0);
-    panel_rest<KIND, R - 1>(buf, x, xsum, O, Y, o0, mo, n0, left);
-  }
-}
-
 constexpr int kPanelRows = 6;  // R
 
 // Panels [p0, p1) of W against rows [n0, n1) of x.
@@ -1444,7 +1428,7 @@ void panel_outputs(const uint8_t* W, int64_t row_bytes, const XQ& x, const int32
     unpack_panel<KIND>(W, row_bytes, o, mo, x.nb, buf);
     int64_t n = n0;
     for (; n + kPanelRows <= n1; n += kPanelRows) panel_tile<KIND, kPanelRows>(buf, x, xsum, O, Y, o, mo, n);
-    if (n < n1) panel_rest<KIND, kPanelRows - 1>(buf, x, xsum, O, Y, o, mo, n, n1 - n);
+    with_rows<kPanelRows - 1>(n1 - n, [&](auto r) { panel_tile<KIND, decltype(r)::value>(buf, x, xsum, O, Y, o, mo, n); });
   }
 }
 
@@ -1503,15 +1487,6 @@ inline void tile(const uint8_t* W, int64_t row_bytes, const XQ& x, int64_t O, fl
   for (int r = 0; r < R; ++r) Y[(n0 + r) * O + o] = out[r];
 }
 
-template <int KIND, int R>
-inline void rest(const uint8_t* W, int64_t row_bytes, const XQ& x, int64_t O, float* Y, int64_t o, int64_t n0,
-                 int64_t left) {
-  if constexpr (R > 0) {
-    if (left == R) return tile<KIND, R>(W, row_bytes, x, O, Y, o, n0);
-    rest<KIND, R - 1>(W, row_bytes, x, O, Y, o, n0, left);
-  }
-}
-
 // Outputs [o0, o1) against every row of x: each weight row once per tile of kTileRows rows
 // (from L1 after the first), each block unpacked once per tile. The K-quants take the rows of x
 // in runs of at most 32 KB of int8 (an L1's worth), the outputs' weights streamed again for each
@@ -1526,7 +1501,7 @@ void outputs(const uint8_t* W, int64_t row_bytes, const XQ& x, int64_t N, int64_
     for (int64_t o = o0; o < o1; ++o) {
       int64_t n = n0;
       for (; n + kTileRows <= n1; n += kTileRows) tile<KIND, kTileRows>(W, row_bytes, x, O, Y, o, n);
-      if (n < n1) rest<KIND, kTileRows - 1>(W, row_bytes, x, O, Y, o, n, n1 - n);
+      with_rows<kTileRows - 1>(n1 - n, [&](auto r) { tile<KIND, decltype(r)::value>(W, row_bytes, x, O, Y, o, n); });
     }
   }
 }
