@@ -39,11 +39,11 @@
 // vmlaq; scalar elsewhere.
 
 #include <algorithm>
-#include <type_traits>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__x86_64__)
@@ -408,6 +408,18 @@ inline __m256i dot_u8s8_256(__m256i a, __m256i b) {
 #endif
 }
 
+// Eight lanes' (d, m) halves, lane j's from rows[j % MO] at byte `at`: scalar loads inserted into
+// a vector. vpgatherdd ran the 2-4 row tiles 1.4-1.7x slower and held a sixth of exact_row's
+// q4_1 time (perf); eight stores and a vector load of them stall on store forwarding.
+template <int MO>
+inline __m256i scales8(const uint8_t* const* rows, int64_t at) {
+  return _mm256_setr_epi32(
+      static_cast<int32_t>(load_u32(rows[0 % MO] + at)), static_cast<int32_t>(load_u32(rows[1 % MO] + at)),
+      static_cast<int32_t>(load_u32(rows[2 % MO] + at)), static_cast<int32_t>(load_u32(rows[3 % MO] + at)),
+      static_cast<int32_t>(load_u32(rows[4 % MO] + at)), static_cast<int32_t>(load_u32(rows[5 % MO] + at)),
+      static_cast<int32_t>(load_u32(rows[6 % MO] + at)), static_cast<int32_t>(load_u32(rows[7 % MO] + at)));
+}
+
 // Each of `blocks` blocks of 32 int8 at q: its exact sum.
 inline void block_sums(const int8_t* q, int64_t blocks, int32_t* out) {
   for (int64_t i = 0; i < blocks; ++i) {
@@ -515,18 +527,15 @@ void dot_rows(const uint8_t* w, const XQ& x, int64_t n0, float out[R]);
 // -, 17.4 and 81; exact8 for 2 rows (8 dot vectors and a reduction a row) took 13.8 ms, the
 // panels 12.9, so the panels start at 2.
 template <int KIND>
-inline __m256i codes256(const uint8_t* b) {
-  if constexpr (KIND == kQ4_0) {
-    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2));
-    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), _mm256_set1_epi8(15));
-  } else if constexpr (KIND == kQ5_0) {
-    return _mm256_add_epi8(unpack256<kQ5_0>(b), _mm256_set1_epi8(16));
-  } else {
-    return unpack256<KIND>(b);  // q4_1 / q5_1 codes as stored; q8_0 signed
-  }
-}
-template <int KIND>
 constexpr int kOff256 = KIND == kQ4_0 ? 8 : KIND == kQ5_0 ? 16 : 0;
+
+// A block's 32 codes: q4_0 / q5_0 their signed values plus the offset, q4_1 / q5_1 as stored,
+// q8_0 signed.
+template <int KIND>
+inline __m256i codes256(const uint8_t* b) {
+  if constexpr (kOff256<KIND> != 0) return _mm256_add_epi8(unpack256<KIND>(b), _mm256_set1_epi8(kOff256<KIND>));
+  return unpack256<KIND>(b);
+}
 
 // 8 int32 lanes of u8 codes (q8_0: signed w) against s8 x.
 template <int KIND>
@@ -546,11 +555,7 @@ inline __m256i reduce8(const __m256i p[8]) {
 // The 8 rows' (d, m) of block b as floats: lanes j of d and m.
 template <int KIND>
 inline void scales_8(const uint8_t* const rows[8], int64_t at, __m256& d, __m256& m) {
-  const __m256i heads = _mm256_setr_epi32(
-      static_cast<int32_t>(load_u32(rows[0] + at)), static_cast<int32_t>(load_u32(rows[1] + at)),
-      static_cast<int32_t>(load_u32(rows[2] + at)), static_cast<int32_t>(load_u32(rows[3] + at)),
-      static_cast<int32_t>(load_u32(rows[4] + at)), static_cast<int32_t>(load_u32(rows[5] + at)),
-      static_cast<int32_t>(load_u32(rows[6] + at)), static_cast<int32_t>(load_u32(rows[7] + at)));
+  const __m256i heads = scales8<8>(rows, at);
   // Bytes 0-1 (d) of each 32-bit lane to the low 128 bits, bytes 2-3 (m) to the high.
   const __m256i split = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15, 0, 1, 4, 5, 8, 9, 12,
                                          13, 2, 3, 6, 7, 10, 11, 14, 15);
@@ -1110,18 +1115,6 @@ inline void reduce_blocks(const __m512i v[16], __m512i& s0, __m512i& s1) {
 
 constexpr int kExactAhead = 32;  // weight rows prefetched ahead of the first row of x
 
-// Eight lanes' (d, m) halves, lane j's from rows[j % MO] at byte `at`: scalar loads inserted into
-// a vector. vpgatherdd ran the 2-4 row tiles 1.4-1.7x slower and held a sixth of exact_row's
-// q4_1 time (perf); eight stores and a vector load of them stall on store forwarding.
-template <int MO>
-inline __m256i scales8(const uint8_t* const* rows, int64_t at) {
-  return _mm256_setr_epi32(
-      static_cast<int32_t>(load_u32(rows[0 % MO] + at)), static_cast<int32_t>(load_u32(rows[1 % MO] + at)),
-      static_cast<int32_t>(load_u32(rows[2 % MO] + at)), static_cast<int32_t>(load_u32(rows[3 % MO] + at)),
-      static_cast<int32_t>(load_u32(rows[4 % MO] + at)), static_cast<int32_t>(load_u32(rows[5 % MO] + at)),
-      static_cast<int32_t>(load_u32(rows[6 % MO] + at)), static_cast<int32_t>(load_u32(rows[7 % MO] + at)));
-}
-
 // Outputs [o0, o0 + mo) (mo <= MO <= 8) against rows [n0, n0 + R) of x; MO * R <= 16.
 template <int KIND, int MO, int R>
 inline void exact_tile(const uint8_t* W, int64_t row_bytes, const XL& x, const XQ& xq, int64_t O, float* Y,
@@ -1516,9 +1509,12 @@ void qgemm(ffi::ThreadPool& pool, const uint8_t* W, const XQ& x, int64_t N, int6
   if constexpr (!kSuper<KIND>) {
     // Each row's block sums of q_x (the offset kinds' share), then ranges of whole groups of 8.
     thread_local std::vector<int32_t> xsum;
-    xsum.resize(static_cast<size_t>(N * x.nb));
-    if constexpr (kOff256<KIND> != 0) block_sums(x.q, N * x.nb, xsum.data());
-    const int32_t* sums = xsum.data();  // not xsum in the tasks: a thread_local names each thread's own
+    const int32_t* sums = nullptr;  // not xsum in the tasks: a thread_local names each thread's own
+    if constexpr (kOff256<KIND> != 0) {
+      xsum.resize(static_cast<size_t>(N * x.nb));
+      block_sums(x.q, N * x.nb, xsum.data());
+      sums = xsum.data();
+    }
     const int64_t groups = (O + 7) / 8;
     parallel_for(pool, tasks, [&](int64_t task) {
       exact_outputs8<KIND>(W, row_bytes, x, sums, N, O, Y, std::min(O, 8 * (groups * task / tasks)),
