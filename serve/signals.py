@@ -7,9 +7,18 @@ from a second one, and the hand-over to granian's own worker shutdown.
 granian's worker installs loop handlers for both signals that set its `WorkerSignal` (the
 event its HTTP server and its lifespan shutdown wait on) at once, whatever the app is doing.
 `take_over_granian()` (called when serve.app is imported, which granian's worker does before
-it sets up those handlers) wraps granian's `set_loop_signals`: granian still creates its
-event, but the handlers are ours, so a stop signal reaches the App (drain, or a start-up
+it sets up those handlers) replaces granian's `set_loop_signals`: it creates granian's event
+itself, but the handlers are ours, so a stop signal reaches the App (drain, or a start-up
 given up) and granian's event is set only by `StopSignals.hand_over()`.
+
+The handlers are the process's own (`signal.signal`), not the loop's (`add_signal_handler`):
+granian runs its loop in separate stretches (the lifespan start-up, then the serving, then
+the shutdown), and uvloop, granian's loop where installed, loses a signal that arrives
+between two of them (its handler only notes the signal, and the note is read when a later
+signal wakes the loop: a SIGTERM just after /readyz turned 200 left the worker serving
+forever). A process handler runs in the main thread at its next Python instruction, loop
+running or not, and hands the signal to the loop with `call_soon_threadsafe`, which keeps
+it until the loop runs again. Tested by tests/test_stop.py, a signal in that gap included.
 
 The rules (README, "Stopping"):
 - the first SIGTERM or SIGINT asks for a stop (`on_stop`): the App drains, or gives up a
@@ -70,11 +79,21 @@ class StopSignals:
         return self.first_at is not None
 
     def bind(self, loop: asyncio.AbstractEventLoop, event: GranianEvent | None) -> None:
-        """Hear SIGTERM and SIGINT on `loop` from now on; `event` is granian's (None: no granian,
-        hand_over then stops the loop's process with SIGINT's default action)."""
+        """Hear SIGTERM and SIGINT from now on, each handled on `loop` (when it next runs, if it
+        is not running now); `event` is granian's (None: no granian, hand_over then stops the
+        loop's process with SIGINT's default action). Call from the main thread."""
         self._event = event
+
+        def arrived(sig: int, frame: object) -> None:
+            at = self._clock()  # the arrival, not the loop's later turn, dates the signal
+            try:
+                loop.call_soon_threadsafe(self._heard, sig, at)
+            except RuntimeError:  # the loop is closed: the process is ending anyway
+                pass
+
         for sig in STOP_SIGNALS:
-            loop.add_signal_handler(sig, self._heard, sig)
+            signal.signal(sig, arrived)
+            signal.siginterrupt(sig, False)  # SA_RESTART, as the loops' own handlers set it
 
     def on(self, stop: Callable[[], None], second: Callable[[], None]) -> None:
         """What a stop request and a second one do (the App's drain and its stop at once); a
@@ -83,9 +102,8 @@ class StopSignals:
         if self.requested:
             stop()
 
-    def _heard(self, sig: int) -> None:
+    def _heard(self, sig: int, now: float) -> None:
         name = signal.Signals(sig).name
-        now = self._clock()
         if self.first_at is None:
             self.first_at = now
             log.info("%s: stop requested", name)
@@ -114,9 +132,8 @@ class StopSignals:
         if self._event is not None:
             self._event.set()
         else:  # not under granian: the process's own SIGINT
-            loop = asyncio.get_running_loop()
-            for sig in STOP_SIGNALS:
-                loop.remove_signal_handler(sig)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            signal.signal(signal.SIGINT, signal.default_int_handler)
             signal.raise_signal(signal.SIGINT)
 
 
@@ -138,11 +155,12 @@ def take_over_granian() -> None:
     except ImportError:
         return
     original = getattr(granian_signals, "set_loop_signals", None)
-    if original is None or getattr(original, "_tl_wrapped", False):
+    worker_signal = getattr(granian_signals, "WorkerSignal", None)
+    if original is None or worker_signal is None or getattr(original, "_tl_wrapped", False):
         return
 
     def set_loop_signals(loop: asyncio.AbstractEventLoop) -> GranianEvent:
-        event: GranianEvent = original(loop)
+        event: GranianEvent = worker_signal()  # granian's own handlers never installed
         STOP.bind(loop, event)
         return event
 

@@ -88,7 +88,12 @@ class Served:
 
 @contextmanager
 def tl_serve(
-    model_dir: Path, tmp_path: Path, delays: str, extra: str = "", drain_s: float = DRAIN_S
+    model_dir: Path,
+    tmp_path: Path,
+    delays: str,
+    extra: str = "",
+    drain_s: float = DRAIN_S,
+    app: str = "serve.app:app",
 ) -> Iterator[Served]:
     port, hport = free_port(), free_port()
     cfg = tmp_path / f"stop-{port}.toml"
@@ -102,8 +107,8 @@ def tl_serve(
         'attention_kernel = "reference"\nmatmul_kernel = "xla"\nweight_pages = "default"\n'
         'model_id = "tiny"\n' + extra
     )
-    env = {**os.environ, "TL_DEBUG_DELAYS": delays, "PYTHONPATH": f"{ROOT}"}
-    argv = [sys.executable, "-c", f"from serve.launch import serve_main; serve_main({str(cfg)!r})"]
+    env = {**os.environ, "TL_DEBUG_DELAYS": delays, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}
+    argv = [sys.executable, "-c", f"from serve.launch import serve_main; serve_main({str(cfg)!r}, {app!r})"]
     proc = subprocess.Popen(
         argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
     )
@@ -163,6 +168,22 @@ def test_a_stop_signal_stops_the_server_at_every_moment(
         assert "Unexpected exit" not in text, text
         if moment == "background compiles":
             assert "draining: 0 requests in flight" in text, text
+
+
+def test_a_stop_signal_between_the_start_up_and_the_serving_stops_the_server(tiny_dir: Path, tmp_path: Path) -> None:
+    """granian runs its loop in stretches: the lifespan start-up, then (once its HTTP server is
+    built) the serving. tests/gap_app.py signals its process group between the two. Under
+    uvloop, granian's default loop, a signal taken by the loop's own handler there was lost
+    (noted, but read only when a later signal woke the loop) and the server served on after
+    /readyz turned 200 (why the "background compiles" cases above failed now and then): the
+    stop must be heard, drain and exit 0."""
+    with tl_serve(tiny_dir, tmp_path, "", app="gap_app:app") as srv:
+        srv.wait_line(r"serving \S+ \(context \d+\) ready", 60)
+        status, took = srv.exited_within(time.monotonic(), QUICK_S)
+        assert status == 0, srv.log()
+        text = srv.log()
+        assert "SIGTERM: stop requested" in text and "draining: 0 requests in flight" in text, text
+        assert "Unexpected exit" not in text, text
 
 
 def _stream(api: str, max_tokens: int, out: list[str]) -> threading.Thread:
