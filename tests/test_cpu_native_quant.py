@@ -167,7 +167,8 @@ def test_a_rows_result_does_not_depend_on_the_other_rows(lib: cpu_native.NativeL
 
 
 K_KINDS = ("q4_k", "q5_k", "q6_k")
-K_ROWS = (1, 3, 16, 64)
+K_ROWS = (1, 3, 16, 64, 150)  # 150: past the tiles' 64 (the SIMD builds: several runs of x)
+K_ANY_ROWS = (*PANEL_BUILDS, "aarch64-dotprod")  # the builds whose K-quant tiles take any row count
 K_SHAPES = [((37,), 256), ((3, 40), 768), ((24,), 2048)]  # (out, K): 1, 3 and 8 super-blocks
 
 
@@ -261,7 +262,8 @@ def test_qgemm_k_quants_match_float64_and_llama_cpp_arithmetic(
     exact_w, parts = exact_w.reshape(len(rows), k), parts.reshape(len(rows), k)
     deq = dequantize(rows, gguf.GGMLQuantizationType[kind.upper()]).astype(np.float64)
     assert (np.abs(deq - exact_w) <= U * parts).all()  # our reading of the bytes is gguf's
-    for n in K_ROWS:
+    assert lib.qgemm_max_rows(kind) == (1 << 16 if lib.target.name in K_ANY_ROWS else 64)
+    for n in (n for n in K_ROWS if n <= lib.qgemm_max_rows(kind)):
         xn = x[:n]
         got = lib.qgemm(jnp.asarray(xn), jnp.asarray(raw), kind)
         assert got is not None
@@ -282,6 +284,24 @@ def test_qgemm_k_quants_match_float64_and_llama_cpp_arithmetic(
         assert err64.max() > 0
 
 
+@pytest.mark.parametrize("kind", K_KINDS)
+@pytest.mark.parametrize("k", [768, 2048])  # runs of x of 40 or 16 rows (AVX2), 40 or 16 (VNNI): many in 150 rows
+def test_a_k_quant_rows_result_does_not_depend_on_the_other_rows(lib: cpu_native.NativeLib, kind: str, k: int) -> None:
+    """The K-quants' batch invariance, bit for bit: each row of a call equals that row alone and
+    in other slices, whatever tile and run of x it falls in."""
+    if lib.target.name == "x86-64" and kind != "q6_k":
+        pytest.xfail("the SSE2 scalar tiles: -ffast-math contracts the dmin term's sums differently per tile size")
+    rng = np.random.default_rng(len(kind) + k)
+    n = min(150, lib.qgemm_max_rows(kind))
+    x, raw = k_case(rng, kind, (21,), k, n)
+    w = jnp.asarray(raw)
+    whole = np.asarray(lib.qgemm(jnp.asarray(x), w, kind))
+    for i in (0, 1, 5, 63, n - 1):
+        np.testing.assert_array_equal(np.asarray(lib.qgemm(jnp.asarray(x[i : i + 1]), w, kind)), whole[i : i + 1])
+    for a, b in ((0, 2), (2, 5), (3, 10), (7, 15), (1, 64), (17, n)):
+        np.testing.assert_array_equal(np.asarray(lib.qgemm(jnp.asarray(x[a:b]), w, kind)), whole[a:b])
+
+
 def test_qgemm_declines_what_it_does_not_take(lib: cpu_native.NativeLib) -> None:
     rng = np.random.default_rng(0)
     x, raw = case(rng, "q4_0", (8,), 64, 2)
@@ -293,7 +313,7 @@ def test_qgemm_declines_what_it_does_not_take(lib: cpu_native.NativeLib) -> None
     assert lib.qgemm(xj, wj.view(jnp.int8), "q4_0") is None
     many = jnp.zeros((lib.qgemm_max_rows("q4_0") + 1, 64), jnp.float32)
     assert lib.qgemm(many, wj, "q4_0") is None
-    assert lib.qgemm_max_rows("q4_k") == 64
+    assert lib.qgemm_max_rows("q4_k") == (1 << 16 if lib.target.name in K_ANY_ROWS else 64)
     assert lib.qgemm(jnp.zeros((1, 48), jnp.float32), jnp.zeros((8, 27), jnp.uint8), "q4_0") is None  # K % 32
     assert lib.qgemm(jnp.zeros((1, 288), jnp.float32), jnp.zeros((8, 162), jnp.uint8), "q4_k") is None  # K % 256
     assert lib.qgemm(jnp.zeros((1, 256), jnp.float32), jnp.zeros((8, 145), jnp.uint8), "q4_k") is None  # not 144
