@@ -98,6 +98,7 @@ def run(argv: Sequence[str]) -> int:
     ap.add_argument("--batches", default="1,4,16,64")
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument("--json", default="", help="also append JSON lines to this file")
+    ap.add_argument("--native-target", default="auto", help="[engine] native_target: the native kernels' build")
     ap.add_argument("--compare-kernel", default="", help="also time a runner with this attention_kernel, alternately")
     args = ap.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
@@ -120,6 +121,7 @@ def run(argv: Sequence[str]) -> int:
         token_buckets=tuple(sorted(set(batches) | {args.prefill})),
         max_num_batched_tokens=max(args.prefill, max(batches)),
         prefill_chunk=args.prefill,
+        native_target=args.native_target,
     )
     print(
         "config:",

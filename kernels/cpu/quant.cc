@@ -198,6 +198,16 @@ struct XQ {
 
 #define TL_STRICT_MATH __attribute__((optimize("no-fast-math")))
 
+#if defined(__x86_64__)
+// The few-row kernels' software prefetch of the weight rows they read next, into L2, not L1
+// (prefetcht2; L2 is what AMD's and Intel's cores fill for it): the lines of 8-32 rows ahead
+// are many outstanding misses, which L2 takes where L1's miss buffers stall. Gemma 3 270M's
+// 178 MB q8_0 head, one row on Zen 4 (x86-64-v4-vnni, 2 threads): 13.9 GB/s prefetching into L1
+// (prefetcht0), 26 into L2 by prefetcht1, 29-31 by prefetcht2; its one-row decode step 19 ->
+// 12-13 ms; SmolLM2 Q4_1's 1.3x (bench runner, alternated).
+inline void prefetch_l2(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T2); }
+#endif
+
 #if defined(__AVX2__)
 // One block of L (32, 256) values by the rule below, 8 a vector: the same IEEE operations (|x|
 // max, d, id, v = x * id, its integer part, its fraction against one half), so the same q and d;
@@ -578,7 +588,9 @@ inline __m256 scale_block(__m256i sum, __m256 dw, __m256 mw, const XQ& x, const 
 // Outputs [o0, o0 + mo) (mo <= 8; past mo computed, not stored) against the one row of x.
 // `ahead`: rows 16 to 23 from o0 exist, prefetched a block's share a block (8 rows read side by
 // side are 8 streams row_bytes apart, which the hardware prefetcher follows badly: without it
-// one-row calls of a q4_1 1536 x 576 chain on Zen 3 ran at 9-10 GB/s, with it 21).
+// one-row calls of a q4_1 1536 x 576 chain on Zen 3 ran at 9-10 GB/s, with it 21), into L2
+// (prefetch_l2: this build's SmolLM2 Q4_1 one-row decode steps on Zen 4 1.17x those prefetching
+// into L1).
 template <int KIND>
 inline void exact8(const uint8_t* W, int64_t row_bytes, const XQ& x, const int32_t* xsum, float* Y, int64_t o0, int mo,
                    bool ahead) {
@@ -590,7 +602,7 @@ inline void exact8(const uint8_t* W, int64_t row_bytes, const XQ& x, const int32
   for (int64_t b = 0; b < x.nb; ++b) {
     if (ahead)
       for (int64_t l = 0; l < share; l += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(rows[0] + 2 * span + b * share + l), _MM_HINT_T0);
+        prefetch_l2(rows[0] + 2 * span + b * share + l);
     __m256 dw, mw;
     scales_8<KIND>(rows, b * BB, dw, mw);
     const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + b * kQK));
@@ -1113,7 +1125,7 @@ inline void reduce_blocks(const __m512i v[16], __m512i& s0, __m512i& s1) {
   s1 = _mm512_maskz_shuffle_i32x4(0xffff, w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1));
 }
 
-constexpr int kExactAhead = 32;  // weight rows prefetched ahead of the first row of x
+constexpr int kExactAhead = 32;  // weight rows prefetched (into L2: prefetch_l2) ahead of the first row of x
 
 // Outputs [o0, o0 + mo) (mo <= MO <= 8) against rows [n0, n0 + R) of x; MO * R <= 16.
 template <int KIND, int MO, int R>
@@ -1132,7 +1144,7 @@ inline void exact_tile(const uint8_t* W, int64_t row_bytes, const XL& x, const X
     if (prefetch)  // the lines of this pair, kExactAhead rows on
       for (int j = 0; j < MO; ++j)
         for (int64_t l = 0; l < 2 * BB; l += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(rows[j] + kExactAhead * row_bytes + b0 * BB + l), _MM_HINT_T0);
+          prefetch_l2(rows[j] + kExactAhead * row_bytes + b0 * BB + l);
     __m512i u[MO], v[16];
     for (int j = 0; j < MO; ++j) u[j] = unpack_pair<KIND>(rows[j] + b0 * BB, pair);
     for (int r = 0; r < R; ++r) {
@@ -1209,7 +1221,7 @@ inline void exact_row(const uint8_t* W, int64_t row_bytes, const XL& x, const XQ
     if (prefetch)  // the lines of the next four blocks, kExactAhead rows on
       for (int j = 0; j < MO; ++j)
         for (int64_t l = 0; l < 4 * BB; l += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(rows[j] + kExactAhead * row_bytes + b0 * BB + l), _MM_HINT_T0);
+          prefetch_l2(rows[j] + kExactAhead * row_bytes + b0 * BB + l);
     __m512i v[16];
     const __m512i xv = _mm512_loadu_si512(x.q + (n * x.np + p) * 64);
     const __m512i c0 = kOffset<KIND> ? _mm512_loadu_si512(x.c + (n * x.np + p) * 16) : _mm512_setzero_si512();
