@@ -12,9 +12,11 @@ import json
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from test_runner import ENGINE, make_runner
 
+from kernels import paged_attention
 from tl.runtime import runner as runner_mod
 from tl.runtime import verdicts
 from tl.runtime.verdicts import Verdict, Verdicts
@@ -182,3 +184,27 @@ def test_the_start_up_compiles_run_on_daemon_threads_in_order() -> None:
     with pytest.raises(ValueError, match="item 2"):
         _map_on_daemon_threads(fails, [1, 2, 3, 4], 2)
     assert len(seen) == 4
+
+
+def test_the_largest_attention_class_is_a_prompt_chunk_after_decodes() -> None:
+    """The case timed for the largest token bucket is a busy server's large step: 15 decodes at
+    DECODE_CONTEXT (or what a block table holds) packed first (head_rows), then one fresh prompt
+    chunk filling the bucket; both kernels compute the same attention on it."""
+    runner, _ = make_runner(ENGINE.replace(token_buckets=(1, 8, 32), max_num_batched_tokens=32))
+    if runner.kernels.native is None:
+        pytest.skip("the native library does not build here (tests/test_cpu_build.py says why)")
+    plan, cfg = runner.plan, runner.model_config
+    k, v = runner.kv_cache
+    case = verdicts.attention_case(
+        32, False, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, k,
+        plan.chunk_blocks, plan.max_blocks, plan.compute_dtype, decodes=verdicts.PROMPT_CLASS_DECODES,
+    )  # fmt: skip
+    q, kv, meta = case
+    d = verdicts.PROMPT_CLASS_DECODES
+    ctx = min(verdicts.DECODE_CONTEXT, runner.block_size * (plan.max_blocks - 1))  # as long as a table holds
+    assert meta.head_rows == d and q.shape[0] == 32
+    assert list(np.asarray(meta.seq_idx)) == list(range(d)) + [d] * (32 - d)
+    assert list(np.asarray(meta.positions)) == [ctx] * d + list(range(32 - d))
+    assert list(np.asarray(meta.start_pos)) == [ctx] * d + [0]
+    timed = verdicts.attention_timed(runner.kernels.attention.fn, paged_attention.paged_attention, case, k, v, 2)
+    np.testing.assert_allclose(np.asarray(timed["native"]()), np.asarray(timed["xla"]()), rtol=1e-4, atol=1e-4)

@@ -21,7 +21,7 @@ the smallest class at or above it.
   percent of the LM head's time).
 - attention by step tokens: up to the one-call kernel's 16 (decodes of up to 16 sequences
   at context 256), up to max_num_seqs (a batch of decodes), and the largest token bucket
-  (one fresh prompt chunk of that many tokens).
+  (a fresh prompt chunk filling it after PROMPT_CLASS_DECODES decodes at context 256).
 A class is native when its native time is below XLA's: never slower than XLA, as measured.
 """
 
@@ -54,6 +54,11 @@ log = logging.getLogger("tl.runtime.verdicts")
 
 MATMUL_ROWS = (1, 4, 16, 64)
 DECODE_CONTEXT = 256  # tokens of context of each decoding sequence in the attention classes
+PROMPT_CLASS_DECODES = 15
+"""Decodes beside the prompt chunk of the largest attention class: a busy server's large steps
+(chunked prefill beside running decodes) are what that class serves, and the reference's time
+there differs from a lone prompt's (Gemma 3 on Zen 4: native 0.99x XLA on a lone 512-token
+chunk, which chose XLA, and the 16-stream sweep's TTFT p50 doubled)."""
 STREAM_BYTES = 96 << 20  # the matmul chain's weights: past the last-level cache, as a step's are
 
 
@@ -182,27 +187,34 @@ def attention_case(
     chunk_blocks: int,
     max_blocks: int,
     dtype: Any,
+    decodes: int = 0,
 ) -> tuple[Any, ...]:
     """One step's attention inputs over (a view of) the runner's cache: `tokens` decoding
-    sequences at DECODE_CONTEXT (decode), or one fresh prompt of `tokens` tokens."""
+    sequences at DECODE_CONTEXT (decode), or a fresh prompt chunk of `tokens - decodes` tokens
+    packed after `decodes` decoding sequences at DECODE_CONTEXT (as the runner packs a busy
+    server's large steps: decode rows first, `head_rows` of them)."""
     bs, nb = k_cache.shape[-1], k_cache.shape[1]
     rng = np.random.default_rng(tokens)
-    seqs = tokens if decode else 1
-    ctx = min(DECODE_CONTEXT, bs * (max_blocks - 1)) if decode else 0
-    per_seq = -(-(ctx + (1 if decode else tokens)) // bs)
+    ctx = min(DECODE_CONTEXT, bs * (max_blocks - 1))
+    d = tokens if decode else min(decodes, tokens - 1)
+    prompt = 0 if decode else tokens - d
+    seqs = d + (0 if decode else 1)
+    need = [-(-(ctx + 1) // bs)] * d + ([-(-prompt // bs)] if prompt else [])
+    per_seq = max(need)
     blocks = rng.choice(nb - 1, size=(seqs, per_seq), replace=seqs * per_seq > nb - 1).astype(np.int32)
     tables = np.full((seqs, max_blocks), nb - 1, np.int32)
-    tables[:, :per_seq] = blocks
-    if decode:
-        seq_idx, positions, starts = np.arange(seqs), np.full(seqs, ctx), np.full(seqs, ctx)
-    else:
-        seq_idx, positions, starts = np.zeros(tokens, np.int64), np.arange(tokens), np.zeros(1, np.int64)
+    for i, n in enumerate(need):
+        tables[i, :n] = blocks[i, :n]
+    seq_idx = np.concatenate([np.arange(d), np.full(prompt, d)]).astype(np.int64)
+    positions = np.concatenate([np.full(d, ctx), np.arange(prompt)]).astype(np.int64)
+    starts = np.concatenate([np.full(d, ctx), np.zeros(1 if prompt else 0)]).astype(np.int64)
     meta = AttnMetadata(
         seq_idx=jnp.asarray(seq_idx, jnp.int32),
         positions=jnp.asarray(positions, jnp.int32),
         start_pos=jnp.asarray(starts, jnp.int32),
         block_tables=jnp.asarray(tables),
         chunk_blocks=chunk_blocks,
+        head_rows=d if 0 < d < tokens else 0,
     )
     q = jnp.asarray(rng.standard_normal((tokens, num_heads, head_dim), dtype=np.float32)).astype(dtype)
     kv = jnp.asarray(rng.standard_normal((tokens, num_kv_heads, head_dim), dtype=np.float32)).astype(dtype)
@@ -414,6 +426,7 @@ def measure_runner(plan: ExecutionPlan, kernels: Kernels, cfg: ModelConfig, para
             plan.chunk_blocks,
             plan.max_blocks,
             plan.compute_dtype,
+            decodes=PROMPT_CLASS_DECODES,
         )
         return attention_timed(kernels.attention.fn, paged_attention.paged_attention, case, kv[0], kv[1], layers=2)
 
@@ -433,5 +446,6 @@ def measure_runner(plan: ExecutionPlan, kernels: Kernels, cfg: ModelConfig, para
         "block_size": plan.block_size,
         "tp": plan.tensor_parallel,
         "classes": sorted(classes),
+        "prompt_class": f"a chunk after {PROMPT_CLASS_DECODES} decodes",
     }
     return measure(cache_path(native.path, key), key, classes, prepare)
