@@ -8,13 +8,15 @@ concurrent requests, to the same tokens, or part from llama.cpp only on a near t
 tokens among both implementations' top 5, and the two logprob gaps between them (llama.cpp's
 for its token, tl's for its own) together within twice BAND, where BAND is the 95th
 percentile of |tl's logprob - llama.cpp's| over every top-5 token of every step before the
-parting, measured in the same run. The two differ in arithmetic: both quantize activations to
-int8 per block for few-row matmuls, but llama.cpp keeps an F16 KV cache and fuses its own
-kernels, and tl's prefill of more than 64 rows dequantizes to float32 (there tl equals
-transformers on the dequantized weights to 3e-5). Measured (Zen 5, this batch): median
-difference 0.078 nats, 95th percentile 0.34, max 0.76 over 445 top-5 entries; 4 of the 7
-prompts identical for all 16 tokens, the other 3 parting at steps 5, 11 and 12 on gaps of
-0.14 + 0.15 nats and less. (With 8-row steps, all native: median 0.068, 95th 0.30.)
+parting, measured in the same run; at most 4 of the 7 prompts may part so. The two differ in
+arithmetic: both quantize activations to int8 per block, but llama.cpp keeps an F16 KV cache
+and fuses its own kernels. Measured (Zen 5, when tl's K-quant steps of more than 64 rows still
+dequantized to float32): median difference 0.078 nats, 95th percentile 0.34, max 0.76 over 445
+top-5 entries; 3 prompts parting, at steps 5, 11 and 12, on gaps of 0.14 + 0.15 nats and less.
+Zen 4, every step on the integer kernels (this batch's 62-token prompt step is a 128-row one):
+95th percentile 0.35; 4 prompts parting, at steps 1, 4, 5 and 11, on gaps of 0.10 + 0.16 nats
+and less. (On XLA's float32 path, `matmul_kernel = "xla"`, 4 part too, at steps 1, 10, 15
+and 15: near ties are that common among these 7 prompts.)
 """
 
 from __future__ import annotations
@@ -75,7 +77,7 @@ def test_greedy_continuations_are_llama_cpps(gemma_dir: Path) -> None:
             )
     band.sort()
     limit = 2 * band[int(0.95 * len(band))]
-    assert len(parted) <= 3 and limit < 1.0, (parted, limit)
+    assert len(parted) <= 4 and limit < 1.0, (parted, limit)
     for prompt, n, a, b, theirs, out in parted:  # a: llama.cpp's token, b: tl's
         ours = dict(out.top_logprobs)
         assert a in ours and b in theirs, f"{prompt!r} step {n}: {b} (tl) vs {a} (llama.cpp), not a near tie"
