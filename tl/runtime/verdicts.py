@@ -21,7 +21,8 @@ the smallest class at or above it.
   percent of the LM head's time).
 - attention by step tokens: up to the one-call kernel's 16 (decodes of up to 16 sequences
   at context 256), up to max_num_seqs (a batch of decodes), and the largest token bucket
-  (a fresh prompt chunk filling it after PROMPT_CLASS_DECODES decodes at context 256).
+  (a fresh prompt chunk filling it after PROMPT_CLASS_DECODES decodes at context 256, at most
+  max_num_seqs - 1).
 A class is native when its native time is below XLA's: never slower than XLA, as measured.
 """
 
@@ -55,7 +56,8 @@ log = logging.getLogger("tl.runtime.verdicts")
 MATMUL_ROWS = (1, 4, 16, 64)
 DECODE_CONTEXT = 256  # tokens of context of each decoding sequence in the attention classes
 PROMPT_CLASS_DECODES = 15
-"""Decodes beside the prompt chunk of the largest attention class: a busy server's large steps
+"""Decodes beside the prompt chunk of the largest attention class (fewer where max_num_seqs
+is smaller): a busy server's large steps
 (chunked prefill beside running decodes) are what that class serves, and the reference's time
 there differs from a lone prompt's (Gemma 3 on Zen 4: native 0.99x XLA on a lone 512-token
 chunk, which chose XLA, and the 16-stream sweep's TTFT p50 doubled)."""
@@ -409,6 +411,9 @@ def measure_runner(plan: ExecutionPlan, kernels: Kernels, cfg: ModelConfig, para
         return Verdicts()
     assert native is not None
     attn = dict(plan.attention_classes)
+    # The largest class's decodes: no more than a step can hold beside its prompt (the largest
+    # decode class is max_num_seqs decodes).
+    decodes = min(PROMPT_CLASS_DECODES, max((t for t, dec in plan.attention_classes if dec), default=1) - 1)
 
     def prepare(kernel: str, rows: int) -> Timed:
         if kernel == "matmul":
@@ -426,7 +431,7 @@ def measure_runner(plan: ExecutionPlan, kernels: Kernels, cfg: ModelConfig, para
             plan.chunk_blocks,
             plan.max_blocks,
             plan.compute_dtype,
-            decodes=PROMPT_CLASS_DECODES,
+            decodes=decodes,
         )
         return attention_timed(kernels.attention.fn, paged_attention.paged_attention, case, kv[0], kv[1], layers=2)
 
@@ -446,6 +451,6 @@ def measure_runner(plan: ExecutionPlan, kernels: Kernels, cfg: ModelConfig, para
         "block_size": plan.block_size,
         "tp": plan.tensor_parallel,
         "classes": sorted(classes),
-        "prompt_class": f"a chunk after {PROMPT_CLASS_DECODES} decodes",
+        "prompt_class": f"a chunk after {decodes} decodes",
     }
     return measure(cache_path(native.path, key), key, classes, prepare)
