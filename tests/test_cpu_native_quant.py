@@ -285,7 +285,7 @@ def test_qgemm_k_quants_match_float64_and_llama_cpp_arithmetic(
 
 
 @pytest.mark.parametrize("kind", K_KINDS)
-@pytest.mark.parametrize("k", [768, 2048])  # runs of x of 40 or 16 rows (AVX2), 40 or 16 (VNNI): many in 150 rows
+@pytest.mark.parametrize("k", [768, 2048])  # runs of x of 40 or 16 rows: many in 150 rows
 def test_a_k_quant_rows_result_does_not_depend_on_the_other_rows(lib: cpu_native.NativeLib, kind: str, k: int) -> None:
     """The K-quants' batch invariance, bit for bit: each row of a call equals that row alone and
     in other slices, whatever tile and run of x it falls in."""
