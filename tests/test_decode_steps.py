@@ -165,6 +165,44 @@ def test_several_steps_and_overlap_give_exactly_the_single_steps_outputs(
     assert (s.kv_blocks_used, s.running, s.queue_depth) == (0, 0, 0)
 
 
+class _Ahead(NarrowKV):
+    """The runner, noting how many sequences each call launched ahead follows."""
+
+    def __init__(self, runner: Any, num_kv_blocks: int) -> None:
+        super().__init__(runner, num_kv_blocks)
+        self.after_sizes: list[int] = []
+
+    def launch(self, plan: Any, after: Any = None) -> Any:
+        if after is not None:
+            self.after_sizes.append(len(after.plan.work))
+        return self._runner.launch(plan, after)
+
+
+def test_auto_overlap_on_a_cpu_launches_ahead_for_a_lone_sequence_only(runner: Any) -> None:
+    """[engine] overlap "auto" on the CPU backend (runner.overlap_auto_seqs 1): a call is launched
+    ahead only after a call of one sequence, never while two run; the tokens are the single
+    steps' all the same."""
+    assert runner.overlap_auto_seqs == 1
+    cfg = CFG.replace(overlap="auto")
+    lone = [Arrival(0, GenRequest(PROMPT, SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)))]
+    spy = _Ahead(runner, 64)
+    many = Engine(spy, cfg)  # type: ignore[arg-type]
+    one = Engine(NarrowKV(runner, 64), ONE)  # type: ignore[arg-type]
+    drive(many, lone, check=_books)  # once to measure the step: what several steps per call go by
+    warm = many.stats()
+    _same(drive(many, lone, check=_books)[0], drive(one, lone, check=_books)[0])
+    assert many.stats().overlapped_steps > warm.overlapped_steps and spy.after_sizes
+    spy.after_sizes.clear()
+    pair = [  # together for 6 tokens, then the second alone
+        Arrival(0, GenRequest(PROMPT, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))),
+        Arrival(0, GenRequest(tuple(range(40, 49)), SamplingParams(temperature=0.8, max_tokens=24, seed=7))),
+    ]
+    for a, b in zip(drive(many, pair, check=_books), drive(one, pair, check=_books), strict=True):
+        _same(a, b)
+    assert spy.after_sizes and set(spy.after_sizes) == {1}, spy.after_sizes
+    assert (many.stats().kv_blocks_used, many.stats().running) == (0, 0)
+
+
 @pytest.mark.parametrize("mode", list(MODES))
 def test_an_abort_between_calls_frees_its_blocks_and_changes_no_other_request(runner: Any, mode: str) -> None:
     """With overlap the aborted row's next call is already launched: its token is dropped."""

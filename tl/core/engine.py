@@ -78,7 +78,9 @@ class Engine:
             getattr(runner, "decode_steps", None) if config.decode_steps > 1 else None
         )
         self._decode_step_s: dict[int, float] = {}  # by sequences: the last decode step's seconds
-        wanted = config.overlap == "on" or (config.overlap == "auto" and getattr(runner, "overlap_pays", False))
+        # The most sequences a step launching the next call ahead may carry (None: any).
+        self._overlap_seqs: int | None = getattr(runner, "overlap_auto_seqs", 0) if config.overlap == "auto" else None
+        wanted = config.overlap == "on" or (config.overlap == "auto" and self._overlap_seqs != 0)
         self._overlap = wanted and hasattr(runner, "launch") and getattr(runner, "can_overlap", False)
         self._inflight: Launched | None = None  # a call launched ahead, its results not folded in yet
         self._inflight_at = 0.0  # when it was handed to the runner
@@ -160,7 +162,7 @@ class Engine:
             current = self.runner.launch(plan)  # type: ignore[attr-defined]
             assert current is not None, "a call that follows none is always launched"
         t0 = time.perf_counter()
-        ahead = self.scheduler.schedule_ahead(current.plan, steps) if self._overlap else None
+        ahead = self.scheduler.schedule_ahead(current.plan, steps) if self._launches_ahead(current.plan) else None
         schedule_s += time.perf_counter() - t0
         if ahead is not None:
             debug_delay("step")
@@ -173,6 +175,12 @@ class Engine:
             self._inflight = None  # it followed the failed call on the device: nothing to wait for
             raise
         return self._fold(current.plan, output, begun, schedule_s, launched_at, own, self._inflight)
+
+    def _launches_ahead(self, plan: SchedulerOutput) -> bool:
+        """Whether the call after plan's (in flight) may be launched before its results are in:
+        overlap on, and plan carries no more sequences than overlap "auto" launches ahead for
+        on this runner (the runner's `overlap_auto_seqs`)."""
+        return self._overlap and (self._overlap_seqs is None or len(plan.work) <= self._overlap_seqs)
 
     def _fold(
         self,
