@@ -171,7 +171,12 @@ def test_sliding_window_matches_naive_and_reference(lib: cpu_native.NativeLib, p
         np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5, err_msg=f"window {args.meta.window}")
 
 
-WINDOWED_SMOL = [([300, 5, 16, 0, 129], 1, 20), ([47, 0, 100], 20, 16), ([47, 0, 100], 20, 37)]  # contexts, new, window
+WINDOWED_SMOL = [  # contexts, new, window: the last split into runs (SmallAttention) from inside a block
+    ([300, 5, 16, 0, 129], 1, 20),
+    ([47, 0, 100], 20, 16),
+    ([47, 0, 100], 20, 37),
+    ([300, 129, 250], 1, 150),
+]
 
 
 @functools.cache
@@ -181,6 +186,30 @@ def _windowed_smol(case: int) -> tuple[AttnArgs, np.ndarray]:
     args, _ = _smol_case(np.random.default_rng(window), contexts, new)
     args = args._replace(meta=dataclasses.replace(args.meta, window=window))
     return args, np.asarray(jax.jit(paged_attention)(args))
+
+
+def test_a_tokens_one_call_answer_does_not_depend_on_the_steps_other_tokens(lib: cpu_native.NativeLib) -> None:
+    """The one-call kernel splits a token's cached blocks into runs by its own context alone
+    (one run a few blocks, the runs over the threads, merged by the last to finish): a decode's
+    output is bit for bit the same alone as beside other sequences' tokens, at every context
+    (one run up to 5 blocks; 2, 3, 8 runs; a window)."""
+    for window in (0, 150):
+        args, _ = _smol_case(np.random.default_rng(3), [300, 47, 0, 129, 90, 700], 1)
+        args = args._replace(meta=dataclasses.replace(args.meta, window=window))
+        together = np.asarray(jax.jit(lib.small_path)(args))
+        for t in range(args.q.shape[0]):
+            meta = dataclasses.replace(  # the sequence alone: index 0 of a step of one
+                args.meta,
+                seq_idx=jnp.zeros(1, jnp.int32),
+                positions=args.meta.positions[t : t + 1],
+                start_pos=args.meta.start_pos[t : t + 1],
+                block_tables=args.meta.block_tables[t : t + 1],
+            )
+            alone = args._replace(
+                q=args.q[t : t + 1], k_new=args.k_new[t : t + 1], v_new=args.v_new[t : t + 1], meta=meta
+            )
+            got = np.asarray(jax.jit(lib.small_path)(alone))
+            assert np.array_equal(got[0], together[t]), f"token {t}, window {window}"
 
 
 def _bf16_bits(x: jax.Array) -> jax.Array:

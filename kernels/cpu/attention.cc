@@ -9,9 +9,9 @@
 // (2) TlLocalAttention: the softmax state of each token over this step's own keys (same
 // sequence, causal, inside the window), tiles of query tokens x KV head on the pool's threads.
 // (3) TlSmallAttention(Bf16): both parts, merged and normalised, in one call for steps of a few
-// tokens, (token, KV head) items on the threads. Each takes the layer's sliding window as the
-// attribute `window` (0: none; kernels/paged_attention.py AttnMetadata.window) and skips the
-// blocks and key chunks before a token's window.
+// tokens, (token, KV head, run of its cached blocks) items on the threads. Each takes the
+// layer's sliding window as the attribute `window` (0: none; kernels/paged_attention.py
+// AttnMetadata.window) and skips the blocks and key chunks before a token's window.
 // Must not: write anything but its outputs. Built by kernels/cpu_build.py, called by
 // kernels/cpu_native.py, tested by tests/test_cpu_native.py against the jnp reference and a
 // float64 one; whether a step shape runs here or on the reference is measured at start-up
@@ -22,6 +22,7 @@
 // the elementwise passes of a masked softmax on one thread.
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -61,6 +62,7 @@ struct ProblemT {
   int64_t T, Hk, G, hd, NB, bs, S, MB, layer;
   const int32_t* positions = nullptr;  // [T]; read only with a window
   int64_t window = 0;                  // sliding window (0: none): keys at positions > the token's - window
+  int64_t part = 0, parts = 1;         // fold only run `part` of `parts` even runs of a token's blocks
 };
 using Problem = ProblemT<float>;
 
@@ -72,6 +74,18 @@ constexpr int64_t kMaxHeadDim = 256;
 template <typename KV>
 inline int64_t first_key(const ProblemT<KV>& p, int64_t t) {
   return p.window > 0 ? std::max<int64_t>(0, p.positions[t] - p.window + 1) : 0;
+}
+
+// The cached blocks [b0, b1) a fold of token t reads, its context ctx and first key k0: from
+// its window's first block to its context's last, and of those only run p.part of p.parts (the
+// split of a few tokens' work over the threads, SmallAttention: one part, the whole range,
+// elsewhere).
+template <typename KV>
+inline void block_span(const ProblemT<KV>& p, int64_t ctx, int64_t k0, int64_t& b0, int64_t& b1) {
+  const int64_t nblocks = (ctx + p.bs - 1) / p.bs;
+  const int64_t first = k0 < ctx ? k0 / p.bs : nblocks;
+  b0 = first + (nblocks - first) * p.part / p.parts;
+  b1 = first + (nblocks - first) * (p.part + 1) / p.parts;
 }
 
 // One block of one KV head (its keys [j0, n)) folded into the softmax state of its G query
@@ -144,11 +158,12 @@ void fold_token(const Problem& p, int64_t t, int64_t h0, int64_t h1) {
   const int64_t block_floats = Hk * hd * bs;
   const float* q = p.q + t * Hk * G * hd;
   const int32_t* table = p.tables + seq * p.MB;
-  const int64_t nblocks = (ctx + bs - 1) / bs;
   const int64_t k0 = first_key(p, t);
-  for (int64_t b = k0 < ctx ? k0 / bs : nblocks; b < nblocks; ++b) {
+  int64_t b0, b1;
+  block_span(p, ctx, k0, b0, b1);
+  for (int64_t b = b0; b < b1; ++b) {
     const int64_t base = (p.layer * p.NB + table[b]) * block_floats;
-    if (b + 1 < nblocks) {
+    if (b + 1 < b1) {
       const int64_t next = (p.layer * p.NB + table[b + 1]) * block_floats;
       prefetch_pair(p.k + next, p.v + next, block_floats);
     }
@@ -204,9 +219,9 @@ void fold_token_vec(const ProblemT<KV>& p, int64_t t, int64_t h0, int64_t h1) {
   float* acc_out = p.acc + t * Hk * G * hd;
   const int32_t seq = p.seq_idx[t];
   const int64_t ctx = seq < 0 ? 0 : p.start_pos[seq];
-  const int64_t nblocks = (ctx + bs - 1) / bs;
   const int64_t k0 = seq < 0 ? 0 : first_key(p, t);
-  const int64_t b0 = k0 < ctx ? k0 / bs : nblocks;  // the first block of the window
+  int64_t b0, nblocks;  // from the first block of the window (of this part)
+  block_span(p, ctx, k0, b0, nblocks);
   const int32_t* table = seq < 0 ? nullptr : p.tables + seq * p.MB;
   const int64_t block_floats = Hk * hd * bs;
   const i16 iota = iota16();
@@ -285,9 +300,9 @@ void fold_token_blocks(const ProblemT<KV>& p, int64_t t, int64_t h0, int64_t h1)
   const int64_t Hk = p.Hk;
   const int32_t seq = p.seq_idx[t];
   const int64_t ctx = seq < 0 ? 0 : p.start_pos[seq];
-  const int64_t nblocks = (ctx + bs - 1) / bs;
   const int64_t k0 = seq < 0 ? 0 : first_key(p, t);
-  const int64_t b0 = k0 < ctx ? k0 / bs : nblocks;  // the first block of the window
+  int64_t b0, nblocks;  // from the first block of the window (of this part)
+  block_span(p, ctx, k0, b0, nblocks);
   const int32_t* table = seq < 0 ? nullptr : p.tables + seq * p.MB;
   const int64_t block_floats = Hk * hd * bs;
   const i16 iota = iota16();
@@ -771,10 +786,41 @@ ffi::Error LocalAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
 //
 // out [T, Hk, G, hd]: each token's attention over its cached keys (the fold above) and this
 // step's own keys of its sequence (a plain online softmax loop), merged and normalised; padding
-// rows 0. Work items are (token, KV head), so one decoding sequence's 3 KV heads split over
-// both threads. For a one-row decode step this replaces two calls, a cond and the merge's ops a
-// layer. Meant for steps of a few tokens (kernels/cpu_native.py: SMALL_MAX_TOKENS): it is right
+// rows 0. Work items are (token, KV head, run of its cached blocks), so one decoding sequence's
+// heads split evenly over the threads. For a one-row decode step this replaces two calls, a
+// cond and the merge's ops a layer. Meant for steps of a few tokens (kernels/cpu_native.py: SMALL_MAX_TOKENS): it is right
 // at any size, but its local loop is quadratic in a run's length, where the tile kernel is not.
+
+constexpr int64_t kMinRunBlocks = 2;  // the fewest cached blocks a run of SmallAttention's split reads
+constexpr int64_t kMaxParts = 16;
+
+// P runs' softmax states (m, l [P, G], acc [P, G, hd], in the runs' order) merged into one (m,
+// l, acc [G, hd]): rescaled to their common max and summed, in the runs' order. A run that saw
+// no key (l = 0) adds nothing; none: m = -inf, l = 0, acc = 0, as a fold over no block leaves.
+void merge_runs(const float* rm, const float* rl, const float* racc, int64_t P, int64_t G, int64_t hd, float* m,
+                float* l, float* acc) {
+  for (int64_t g = 0; g < G; ++g) {
+    float mx = kNoScore;
+    bool any = false;
+    for (int64_t c = 0; c < P; ++c)
+      if (rl[c * G + g] > 0.0f) {
+        mx = any ? std::max(mx, rm[c * G + g]) : rm[c * G + g];
+        any = true;
+      }
+    float* ag = acc + g * hd;
+    std::fill(ag, ag + hd, 0.0f);
+    float lg = 0.0f;
+    for (int64_t c = 0; c < P; ++c) {
+      if (!(rl[c * G + g] > 0.0f)) continue;
+      const float w = std::exp(rm[c * G + g] - mx);
+      lg += rl[c * G + g] * w;
+      const float* a = racc + (c * G + g) * hd;
+      for (int64_t d = 0; d < hd; ++d) ag[d] += w * a[d];
+    }
+    m[g] = any ? mx : -std::numeric_limits<float>::infinity();
+    l[g] = lg;
+  }
+}
 
 void local_fold_small(const float* q, const float* k, const float* v, int64_t lo, int64_t t, int64_t Hk,
                       int64_t h, int64_t G, int64_t hd, float* m, float* l, float* acc) {
@@ -828,8 +874,40 @@ ffi::Error SmallAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
   const auto fold = pick(p);
   const float* K = k_new.typed_data();
   const float* V = v_new.typed_data();
-  parallel_for(pool, T * Hk, [&](int64_t i) {
-    const int64_t t = i / Hk, h = i % Hk;
+  // Each token's cached blocks in parts_t even runs (by its own span and the model's heads
+  // alone: a token's result does not depend on the step's other tokens), a work item each
+  // (token, KV head, run); the last of a (token, head)'s runs to finish merges their states, adds
+  // the local part and normalises. Before, one sequence's 3 KV heads (SmolLM2) were 3 items on 2
+  // threads, one thread folding two while the other waited, and Gemma 3's one KV head ran on one
+  // thread. One-stream decode, runner, alternated (2-core Zen 4): SmolLM2 Q4_1 at context 256
+  // and 1024 about 1.01-1.05x, Gemma 3 Q4_K_M 1.16x at 256 and 1.21x at 1024; 16 sequences 0.99x.
+  // Runs a token: enough for one token's heads to give each thread two items, none under
+  // kMinRunBlocks blocks.
+  const int64_t want = std::max<int64_t>(1, (2 * pool.num_threads() + Hk - 1) / Hk);
+  std::vector<int64_t> first(static_cast<size_t>(T + 1), 0);  // the first item of each token
+  std::vector<int64_t> parts(static_cast<size_t>(T), 1);
+  for (int64_t t = 0; t < T; ++t) {
+    const int32_t seq = p.seq_idx[t];
+    if (seq >= 0 && lo[t] >= 0) {
+      const int64_t ctx = p.start_pos[seq], k0 = first_key(p, t);
+      const int64_t span = k0 < ctx ? (ctx + p.bs - 1) / p.bs - k0 / p.bs : 0;
+      parts[t] = std::clamp<int64_t>(std::min(want, span / kMinRunBlocks), 1, kMaxParts);
+    }
+    first[t + 1] = first[t] + Hk * parts[t];
+  }
+  const int64_t items = first[T];
+  // Each run's state: m, l [items, G], acc [items, G, hd]; the runs of a (token, head) together.
+  thread_local std::vector<float> run_ml, run_acc;  // kept between calls: no allocation a layer
+  run_ml.resize(static_cast<size_t>(2 * items * G));
+  run_acc.resize(static_cast<size_t>(items * G * hd));
+  float* const rml = run_ml.data();  // not run_ml in the items: a thread_local names each thread's own
+  float* const racc = run_acc.data();
+  std::unique_ptr<std::atomic<int32_t>[]> left(new std::atomic<int32_t>[static_cast<size_t>(T * Hk)]);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t h = 0; h < Hk; ++h) left[t * Hk + h].store(static_cast<int32_t>(parts[t]), std::memory_order_relaxed);
+  parallel_for(pool, items, [&](int64_t i) {
+    const int64_t t = std::upper_bound(first.begin(), first.end(), i) - first.begin() - 1;
+    const int64_t P = parts[t], h = (i - first[t]) / P, c = (i - first[t]) % P;
     float* m = p.m + (t * Hk + h) * G;
     float* l = p.l + (t * Hk + h) * G;
     float* acc = p.acc + (t * Hk + h) * G * hd;
@@ -837,7 +915,22 @@ ffi::Error SmallAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
       std::fill(acc, acc + G * hd, 0.0f);
       return;
     }
-    fold(p, t, h, h + 1);
+    if (P == 1) {
+      fold(p, t, h, h + 1);
+    } else {
+      // Run c into its slot: a Problem whose state arrays put (t, h) at this run's slot.
+      const int64_t slot = first[t] + h * P + c;
+      ProblemT<ffi::NativeType<KVT>> pc = p;
+      pc.part = c;
+      pc.parts = P;
+      pc.m = rml + (slot - (t * Hk + h)) * G;
+      pc.l = rml + items * G + (slot - (t * Hk + h)) * G;
+      pc.acc = racc + (slot - (t * Hk + h)) * G * hd;
+      fold(pc, t, h, h + 1);
+      if (left[t * Hk + h].fetch_sub(1, std::memory_order_acq_rel) != 1) return;  // not the last run
+      const int64_t r0 = first[t] + h * P;
+      merge_runs(rml + r0 * G, rml + items * G + r0 * G, racc + r0 * G * hd, P, G, hd, m, l, acc);
+    }
     local_fold_small(p.q + (t * Hk + h) * G * hd, K, V, lo[t], t, Hk, h, G, hd, m, l, acc);
     for (int64_t g = 0; g < G; ++g) {
       const float inv = 1.0f / l[g];
