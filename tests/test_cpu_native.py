@@ -124,7 +124,7 @@ def _smol_case(
     return args, case
 
 
-# (contexts, new tokens a sequence, (Hk, G, hd)): the vector fold's shapes (block 16; hd 64 with
+# (contexts, new tokens a sequence, (Hk, G, hd)): the vector fold's shapes (block 16; hd 64 and 256 with
 # G 1-4, hd 128 with G 1-2), which read float32 and bf16 caches alike.
 VECTOR_FOLD_CASES = [
     pytest.param([300, 5, 16, 0, 129], 1, (3, 3, 64), id="decodes"),
@@ -132,6 +132,8 @@ VECTOR_FOLD_CASES = [
     pytest.param([100, 17, 0], 2, (2, 2, 128), id="hd128_g2"),
     pytest.param([33, 64], 1, (4, 1, 64), id="mha"),
     pytest.param([40, 2], 1, (2, 4, 64), id="g4"),
+    pytest.param([300, 5, 129], 1, (1, 4, 256), id="hd256_g4"),  # Gemma 3 270M
+    pytest.param([70, 33], 2, (2, 2, 256), id="hd256_g2"),
 ]
 
 

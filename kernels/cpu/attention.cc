@@ -401,6 +401,14 @@ FoldFnT<KV> pick(const ProblemT<KV>& p) {
   }
   if (p.bs == 16 && p.hd == 128 && (p.G == 1 || p.G == 2))
     return p.G == 1 ? fold_vec<KV, 1, 8>() : fold_vec<KV, 2, 8>();
+  if (p.bs == 16 && p.hd == 256 && p.G >= 1 && p.G <= 4) {  // Gemma 3's heads (the blocks' order)
+    switch (p.G) {
+      case 1: return fold_vec<KV, 1, 16>();
+      case 2: return fold_vec<KV, 2, 16>();
+      case 3: return fold_vec<KV, 3, 16>();
+      default: return fold_vec<KV, 4, 16>();
+    }
+  }
   if constexpr (!std::is_same_v<KV, float>) {
     return nullptr;
   } else {
