@@ -359,7 +359,7 @@ def amx_available(target: str = "auto") -> bool:
 
 def bf16_supported(block_size: int, head_dim: int, group: int) -> bool:
     """Whether attention.cc's vector fold (the only one reading bf16 caches) covers these shapes."""
-    return block_size == 16 and (head_dim in (64, 256) and 1 <= group <= 4 or head_dim == 128 and 1 <= group <= 2)
+    return block_size == 16 and ((head_dim in (64, 256) and 1 <= group <= 4) or (head_dim == 128 and 1 <= group <= 2))
 
 
 def pack_bf16x3(w: np.ndarray) -> np.ndarray:

@@ -796,8 +796,9 @@ ffi::Error LocalAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
 // step's own keys of its sequence (a plain online softmax loop), merged and normalised; padding
 // rows 0. Work items are (token, KV head, run of its cached blocks), so one decoding sequence's
 // heads split evenly over the threads. For a one-row decode step this replaces two calls, a
-// cond and the merge's ops a layer. Meant for steps of a few tokens (kernels/cpu_native.py: SMALL_MAX_TOKENS): it is right
-// at any size, but its local loop is quadratic in a run's length, where the tile kernel is not.
+// cond and the merge's ops a layer. Meant for steps of a few tokens (kernels/cpu_native.py:
+// SMALL_MAX_TOKENS): it is right at any size, but its local loop is quadratic in a run's length,
+// where the tile kernel is not.
 
 constexpr int64_t kMinRunBlocks = 2;  // the fewest cached blocks a run of SmallAttention's split reads
 constexpr int64_t kMaxParts = 16;
@@ -890,16 +891,16 @@ ffi::Error SmallAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
   // thread. One-stream decode, runner, alternated (2-core Zen 4): SmolLM2 Q4_1 at context 256
   // and 1024 about 1.01-1.05x, Gemma 3 Q4_K_M 1.16x at 256 and 1.21x at 1024; 16 sequences 0.99x.
   // Runs a token: enough for one token's heads to give each thread two items, none under
-  // kMinRunBlocks blocks.
+  // kMinRunBlocks blocks (p itself is one part: block_span gives the whole span).
   const int64_t want = std::max<int64_t>(1, (2 * pool.num_threads() + Hk - 1) / Hk);
   std::vector<int64_t> first(static_cast<size_t>(T + 1), 0);  // the first item of each token
   std::vector<int64_t> parts(static_cast<size_t>(T), 1);
   for (int64_t t = 0; t < T; ++t) {
     const int32_t seq = p.seq_idx[t];
     if (seq >= 0 && lo[t] >= 0) {
-      const int64_t ctx = p.start_pos[seq], k0 = first_key(p, t);
-      const int64_t span = k0 < ctx ? (ctx + p.bs - 1) / p.bs - k0 / p.bs : 0;
-      parts[t] = std::clamp<int64_t>(std::min(want, span / kMinRunBlocks), 1, kMaxParts);
+      int64_t b0, b1;
+      block_span(p, p.start_pos[seq], first_key(p, t), b0, b1);
+      parts[t] = std::clamp<int64_t>(std::min(want, (b1 - b0) / kMinRunBlocks), 1, kMaxParts);
     }
     first[t + 1] = first[t] + Hk * parts[t];
   }

@@ -1546,8 +1546,8 @@ void qgemm(ffi::ThreadPool& pool, const uint8_t* W, const XQ& x, int64_t N, int6
 // builds (their tiles take x in runs of an L1's worth, so a row count costs only the weights
 // streamed again a run: Gemma 3 270M's q6_k ffn_down at 512 rows ran 1.9x XLA's dequantizing
 // dot on Zen 4, its q4_k attn_output 1.24x, at 128-256 rows 0.77-1.0x: the verdicts weigh the
-// whole layer chain at 64 rows and at the largest token bucket, not each matrix); else the tiles' 64 (the scalar builds: past that their x streams from L2 for every
-// output, and a 512-row call would take seconds to measure at start-up). The AVX2 panels ran
+// whole layer chain at 64 rows and at the largest token bucket, not each matrix); else the
+// tiles' 64 (the scalar builds: past that their x streams from L2 for every output, and a 512-row call would take seconds to measure at start-up). The AVX2 panels ran
 // SmolLM2 Q4_1's 512-token prefill at 736-770 tok/s on Zen 3 where 64 rows a call and XLA's dot
 // past them gave 510.
 int64_t max_rows(int32_t kind) {

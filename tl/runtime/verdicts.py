@@ -57,10 +57,10 @@ MATMUL_ROWS = (1, 4, 16, 64)
 DECODE_CONTEXT = 256  # tokens of context of each decoding sequence in the attention classes
 PROMPT_CLASS_DECODES = 15
 """Decodes beside the prompt chunk of the largest attention class (fewer where max_num_seqs
-is smaller): a busy server's large steps
-(chunked prefill beside running decodes) are what that class serves, and the reference's time
-there differs from a lone prompt's (Gemma 3 on Zen 4: native 0.99x XLA on a lone 512-token
-chunk, which chose XLA, and the 16-stream sweep's TTFT p50 doubled)."""
+is smaller): a busy server's large steps (chunked prefill beside running decodes) are what that
+class serves, and the reference's time there differs from a lone prompt's (Gemma 3 on Zen 4:
+native 0.99x XLA on a lone 512-token chunk, which chose XLA, and the 16-stream sweep's TTFT p50
+doubled)."""
 STREAM_BYTES = 96 << 20  # the matmul chain's weights: past the last-level cache, as a step's are
 
 
