@@ -55,10 +55,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import struct
 from jax import lax
 
 from kernels.paged_attention import AttnArgs, AttnMetadata, PagedAttention, paged_attention, write_kv
+from tl.model import tree
 from tl.model.config import ModelConfig, ModelDirError, RopeScaling, hf_shapes
 from tl.model.files import HostTensor, Packed, read_tensors
 from tl.model.weights import ENCODINGS, Axes, Bf16x3, Blocks, Dense, Linear, Table, Tensor
@@ -75,7 +75,7 @@ block formats), "bf16x3" (float32 with its AMX packing: matmul_precision "high")
 (each tensor as its file stores it)."""
 
 
-@struct.dataclass
+@tree.dataclass
 class Layer:
     attn_norm: Tensor
     wo: Linear
@@ -99,7 +99,7 @@ class Layer:
     moe: Any = None  # tl/model/moe.py Experts: a mixture-of-experts layer in place of the MLP
 
 
-@struct.dataclass
+@tree.dataclass
 class Weights:
     embed: Table  # [V, D]
     layers: tuple[Layer, ...]

@@ -33,6 +33,7 @@ import numpy as np
 from flax import struct
 from jax import lax
 
+from tl.model import tree
 from tl.model.config import ModelConfig, ModelDirError
 from tl.model.encodings.ggml_formats import dequantize
 from tl.model.files import HostTensor, Packed
@@ -41,7 +42,7 @@ from tl.model.weights import Axes, Bf16x3, Blocks, Dense, Int8, Linear, Tensor
 Activation = Callable[[jax.Array], jax.Array]
 
 
-@struct.dataclass
+@tree.dataclass
 class Experts:
     """One MoE layer: router [E, D] (float), w_gate_up [E, Fm, 2, D] (gate and up rows
     interleaved per expert, as the dense layer's [F, 2, D]), w_down [E, D, Fm]."""

@@ -21,6 +21,7 @@ import jax
 from flax import struct
 from jax.sharding import PartitionSpec as P
 
+from tl.model import tree
 from tl.model.encodings import Axes, Encoding
 from tl.model.encodings.bf16x3 import Bf16x3
 from tl.model.encodings.blocks import BLOCK_ENCODINGS, Blocks
@@ -43,7 +44,7 @@ __all__ = [
 ]
 
 
-@struct.dataclass
+@tree.dataclass
 class Tensor:
     """A parameter used as it is (a norm's scale, a bias)."""
 

@@ -18,6 +18,7 @@ from flax import struct
 from jax.sharding import PartitionSpec as P
 
 from kernels import cpu_native
+from tl.model import tree
 from tl.model.encodings import Axes
 from tl.model.encodings.dense import Dense
 
@@ -25,7 +26,7 @@ if TYPE_CHECKING:
     from tl.model.weights import Table, Tensor
 
 
-@struct.dataclass
+@tree.dataclass
 class Bf16x3:
     """A float32 linear [*out, in] `w` with its bf16x3 packing (kernels/cpu_native.pack_bf16x3):
     the AMX kernel runs the packing for many rows; XLA and the few-row kernels use `w`."""

@@ -30,6 +30,7 @@ import numpy as np
 from flax import struct
 from jax.sharding import PartitionSpec as P
 
+from tl.model import tree
 from tl.model.encodings import Axes, flat_dot
 from tl.model.encodings.ggml_formats import FORMATS, HALVES, Format, dequantize, quantize
 
@@ -38,7 +39,7 @@ if TYPE_CHECKING:
     from tl.model.weights import Table, Tensor
 
 
-@struct.dataclass
+@tree.dataclass
 class Blocks:
     """uint8 data [*out, row_bytes]: for each output, the ggml blocks of its inputs, exactly as a
     GGUF stores them (the format is the subclass's `fmt`)."""
@@ -107,7 +108,7 @@ def _format(name: str) -> type[Blocks]:
     fmt = FORMATS[name]
     cls = type(name.upper(), (Blocks,), {"fmt": fmt, "in_block": fmt.block_size, "__module__": __name__})
     cls.__doc__ = f"ggml's {name.upper()} blocks ({fmt.block_bytes} bytes a block of {fmt.block_size} inputs)."
-    return struct.dataclass(cls)
+    return tree.dataclass(cls)
 
 
 Q4_0 = _format("q4_0")

@@ -17,6 +17,7 @@ from flax import struct
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from tl.model import tree
 from tl.model.encodings import Axes, flat_dot
 
 if TYPE_CHECKING:
@@ -24,7 +25,7 @@ if TYPE_CHECKING:
     from tl.model.weights import Table, Tensor
 
 
-@struct.dataclass
+@tree.dataclass
 class Dense:
     """A float linear [*out, in] (PyTorch's layout: XLA:CPU's dot transposed [in, out] weights
     on every call). An embedding [V, D] is one too ([out = V, in = D] as a tied LM head)."""

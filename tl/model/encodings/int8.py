@@ -18,6 +18,7 @@ from flax import struct
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from tl.model import tree
 from tl.model.encodings import Axes
 
 if TYPE_CHECKING:
@@ -39,7 +40,7 @@ def quantize_int8(w_out_in: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return q, scale.astype(np.float32)
 
 
-@struct.dataclass
+@tree.dataclass
 class Int8:
     """int8 q [*out, in] with float32 scale [*out] per output channel: w ~= q * scale[..., None].
     The dot quantizes the activations per row and runs int8 x int8 -> int32 (XLA:CPU's int8 ->
