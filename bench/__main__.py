@@ -1,6 +1,6 @@
 """`python -m bench <name> [args]` (also `tl bench ...`).
 
-Names: runner | engine | mixed | http | structured | quant | kl | kernels | soak | multihost.
+Names: runner | engine | mixed | http | structured | quant | kl | kernels | qlayout | soak | multihost.
 """
 
 from __future__ import annotations
@@ -31,12 +31,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         from bench.kl_bench import run
     elif name == "kernels":
         from bench.kernels_bench import run
+    elif name == "qlayout":
+        from bench.qlayout_bench import run
     elif name == "soak":
         from bench.soak import run
     elif name == "multihost":
         from bench.multihost_bench import run
     else:
-        names = "runner, engine, mixed, http, structured, quant, kl, kernels, soak or multihost"
+        names = "runner, engine, mixed, http, structured, quant, kl, kernels, qlayout, soak or multihost"
         print(f"unknown benchmark {name!r}; choose {names}", file=sys.stderr)
         return 2
     return run(rest)

@@ -1,0 +1,222 @@
+// What a load-time repacked weight layout would buy one-row Q4_1 matmuls (issue 31's "weights
+// repacked at load into an interleaved layout the micro-kernel streams"), measured before it is
+// built into the engine. Built and run by bench/qlayout_bench.py (`python -m bench qlayout`) for
+// the x86-64-v4-vnni target; not part of the library.
+//
+// Includes kernels/cpu/quant.cc whole, so that its one-row kernel (exact_row, on the rows as a
+// GGUF stores them) runs here as the engine runs it, beside a prototype on repacked weights:
+// panels of 16 outputs, each block of 32 inputs as 4 x 64 bytes of nibbles with the 16 outputs
+// in the 16 int32 lanes (vector v, lane l, byte j: low nibble input 4v + j, high nibble input
+// 4(v + 4) + j of output l), then the 16 d and the 16 m as halves: 320 bytes, as many as the 16
+// stored blocks. No horizontal reduction and no scalar scale loads: 4 loads, 8 vpdpbusd against
+// x's 4-byte groups broadcast, one conversion and two fmas a block and 16 outputs, the same
+// arithmetic as exact_row (exact int32 block sums, acc = fma(sum, d_w d_x, acc), then fma(m_w,
+// s_x, acc), block by block), so the outputs must be the same bit for bit (checked).
+//
+// Prints: one matrix resident in L2, one thread (the kernels' compute), then SmolLM2-135M's 30
+// layers of one-row matmuls (wqkv 960 x 576, wo 576 x 576, gate_up 3072 x 576, down 576 x 1536;
+// 66 MB of distinct weights, from memory) on one thread and on two (each half of each matrix's
+// outputs, a spin barrier between matrices, as a decode step's chain), the layouts alternated.
+
+#include "../kernels/cpu/quant.cc"
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <random>
+#include <thread>
+
+namespace {
+using tl::XL;
+using tl::XQ;
+
+double now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
+
+// Stored Q4_1 rows [O][nb][20] -> panels [O / 16][nb][320] (O a multiple of 16).
+void repack(const uint8_t* W, int64_t O, int64_t nb, uint8_t* P) {
+  for (int64_t p = 0; p < O / 16; ++p)
+    for (int64_t b = 0; b < nb; ++b) {
+      uint8_t* out = P + (p * nb + b) * 320;
+      for (int l = 0; l < 16; ++l) {
+        const uint8_t* blk = W + ((p * 16 + l) * nb + b) * 20;
+        uint8_t u[32];
+        for (int i = 0; i < 16; ++i) u[i] = blk[4 + i] & 15, u[i + 16] = blk[4 + i] >> 4;
+        for (int v = 0; v < 4; ++v)
+          for (int j = 0; j < 4; ++j) out[v * 64 + l * 4 + j] = static_cast<uint8_t>(u[4 * v + j] | (u[4 * (v + 4) + j] << 4));
+        std::memcpy(out + 256 + 2 * l, blk, 2);      // d
+        std::memcpy(out + 288 + 2 * l, blk + 2, 2);  // m
+      }
+    }
+}
+
+// One row of x against panels [p0, p1) (a multiple of 4 apart), four panels at a time.
+void packed_row(const uint8_t* P, const XQ& x, int64_t p0, int64_t p1, float* Y) {
+  constexpr int PN = 4;
+  const int64_t nb = x.nb;
+  const __m512i lo4 = _mm512_set1_epi8(15);
+  for (int64_t p = p0; p < p1; p += PN) {
+    __m512 acc[PN];
+    for (auto& a : acc) a = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* xb = reinterpret_cast<const uint8_t*>(x.q + b * 32);
+      __m512i xv[8];
+      for (int g = 0; g < 8; ++g) xv[g] = _mm512_set1_epi32(static_cast<int32_t>(tl::load_u32(xb + 4 * g)));
+      const __m512 dx = _mm512_set1_ps(x.d8[b * 8]), sx = _mm512_set1_ps(x.s[b]);
+      for (int k = 0; k < PN; ++k) {
+        const uint8_t* blk = P + ((p + k) * nb + b) * 320;
+        for (int l = 0; l < 320; l += 64) _mm_prefetch(reinterpret_cast<const char*>(blk + 320 * nb + l), _MM_HINT_T0);
+        __m512i ia = _mm512_setzero_si512(), ib = _mm512_setzero_si512();
+        for (int v = 0; v < 4; ++v) {
+          const __m512i w = _mm512_loadu_si512(blk + 64 * v);
+          ia = _mm512_dpbusd_epi32(ia, _mm512_and_si512(w, lo4), xv[v]);
+          ib = _mm512_dpbusd_epi32(ib, _mm512_and_si512(_mm512_srli_epi16(w, 4), lo4), xv[v + 4]);
+        }
+        const __m512 f = _mm512_mask_cvtepi32_ps(_mm512_setzero_ps(), 0xffff, _mm512_add_epi32(ia, ib));  // masked: GCC 12 warns of the plain one's operand
+        const __m512 d = _mm512_maskz_cvtph_ps(0xffff, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 256)));
+        const __m512 m = _mm512_maskz_cvtph_ps(0xffff, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 288)));
+        acc[k] = _mm512_fmadd_ps(f, _mm512_mul_ps(d, dx), acc[k]);
+        acc[k] = _mm512_fmadd_ps(m, sx, acc[k]);
+      }
+    }
+    for (int k = 0; k < PN; ++k) _mm512_storeu_ps(Y + (p + k) * 16, acc[k]);
+  }
+}
+
+struct Mat {
+  int64_t O, K;
+  std::vector<uint8_t> W, P;
+};
+
+Mat random_q4_1(int64_t O, int64_t K, std::mt19937& rng) {
+  std::uniform_int_distribution<int> byte(0, 255), scale(0, 6);
+  Mat m{O, K, std::vector<uint8_t>(static_cast<size_t>(O * K / 32 * 20)), {}};
+  const int64_t nb = K / 32;
+  for (int64_t i = 0; i < O * nb; ++i) {
+    uint8_t* blk = m.W.data() + i * 20;
+    const uint16_t d = _cvtss_sh(0.01f + 0.001f * static_cast<float>(scale(rng)), 0), mn = _cvtss_sh(-0.08f, 0);
+    std::memcpy(blk, &d, 2), std::memcpy(blk + 2, &mn, 2);
+    for (int j = 4; j < 20; ++j) blk[j] = static_cast<uint8_t>(byte(rng));
+  }
+  m.P.resize(m.W.size());
+  repack(m.W.data(), O, nb, m.P.data());
+  return m;
+}
+
+// x quantized as the engine does, in both kernels' forms.
+struct XForms {
+  std::vector<int8_t> q, lq;
+  std::vector<float> d8, s;
+  std::vector<int32_t> lc;
+  XQ xq{};
+  XL xl{};
+  void set(const float* X, int64_t K) {
+    const int64_t nb = K / 32, np = (nb + 1) / 2;
+    q.assign(static_cast<size_t>(K + 64), 0), d8.assign(static_cast<size_t>(nb * 8 + 8), 0), s.assign(static_cast<size_t>(nb), 0);
+    lq.assign(static_cast<size_t>(np * 64), 0), lc.assign(static_cast<size_t>(np * 16), 0);
+    tl::quantize_x(X, 1, K, q.data(), d8.data(), s.data());
+    xq = XQ{q.data(), d8.data(), s.data(), K, nb};
+    tl::layout_x<tl::kQ4_1>(xq, 1, lq.data(), lc.data(), np);
+    xl = XL{lq.data(), lc.data(), np};
+  }
+};
+
+// Outputs [o0, o1) of m: exact_row on the stored rows or the prototype on the panels.
+void part(const Mat& m, const XForms& x, bool packed, int64_t o0, int64_t o1, float* Y) {
+  if (packed) return packed_row(m.P.data(), x.xq, o0 / 16, o1 / 16, Y);
+  for (int64_t o = o0; o < o1; o += 8)
+    tl::exact_row<tl::kQ4_1>(m.W.data(), m.K / 32 * 20, x.xl, x.xq, m.O, Y, o, 8, 0, o + 8 + tl::kExactAhead <= o1);
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+}  // namespace
+
+int main() {
+  std::mt19937 rng(1);
+  std::normal_distribution<float> nd(0, 1);
+  std::vector<float> X(1536);
+  for (auto& v : X) v = nd(rng);
+
+  {  // One matrix in L2, one thread.
+    const Mat m = random_q4_1(960, 576, rng);
+    XForms x;
+    x.set(X.data(), 576);
+    std::vector<float> ya(960), yb(960);
+    part(m, x, false, 0, 960, ya.data());
+    part(m, x, true, 0, 960, yb.data());
+    int differ = 0;
+    for (int i = 0; i < 960; ++i) differ += ya[i] != yb[i];
+    std::vector<double> t[2];
+    for (int round = 0; round < 30; ++round)
+      for (int packed = 0; packed < 2; ++packed) {
+        const double t0 = now();
+        for (int r = 0; r < 100; ++r) part(m, x, packed, 0, 960, packed ? yb.data() : ya.data());
+        t[packed].push_back((now() - t0) / 100);
+      }
+    const double bytes = static_cast<double>(m.W.size());
+    std::printf("case one-960x576-in-L2-1-thread stored_us %.2f packed_us %.2f stored_GBs %.1f packed_GBs %.1f differ %d\n", median(t[0]) * 1e6,
+                median(t[1]) * 1e6, bytes / median(t[0]) / 1e9, bytes / median(t[1]) / 1e9, differ);
+  }
+
+  // SmolLM2's layers from memory.
+  std::vector<Mat> ms;
+  const int64_t shapes[4][2] = {{960, 576}, {576, 576}, {3072, 576}, {576, 1536}};
+  double total = 0;
+  for (int l = 0; l < 30; ++l)
+    for (const auto& sh : shapes) {
+      ms.push_back(random_q4_1(sh[0], sh[1], rng));
+      total += static_cast<double>(ms.back().W.size());
+    }
+  std::vector<XForms> xs(ms.size());
+  for (size_t i = 0; i < ms.size(); ++i) xs[i].set(X.data(), ms[i].K);
+  std::vector<float> Y0(3072), Y1(3072);
+  std::atomic<int> arrived{0}, go{-1}, finished{0};
+  std::atomic<bool> stop{false};
+  auto chain_half = [&](int h, bool packed, bool two) {
+    for (size_t i = 0; i < ms.size(); ++i) {
+      const Mat& m = ms[i];
+      const int64_t cut = two ? m.O / 128 * 64 : m.O;  // a multiple of 64 outputs: whole groups of 4 panels
+      part(m, xs[i], packed, h ? cut : 0, h ? m.O : cut, h ? Y1.data() : Y0.data());
+      if (two) {  // the barrier between a step's dependent matmuls
+        arrived.fetch_add(1);
+        while (arrived.load() < 2 * static_cast<int>(i + 1)) _mm_pause();
+      }
+    }
+  };
+  std::thread helper([&] {
+    for (int seen = -1; !stop.load();) {
+      const int g = go.load();
+      if (g == seen || g < 0) {
+        _mm_pause();
+        continue;
+      }
+      seen = g;
+      chain_half(1, g & 1, true);
+      finished.fetch_add(1);
+    }
+  });
+  std::vector<double> t[2][2];  // [threads - 1][packed]
+  for (int round = 0; round < 16; ++round) {
+    const bool packed = round & 1;
+    const double t0 = now();
+    chain_half(0, packed, false);
+    t[0][packed].push_back(now() - t0);
+    arrived.store(0);
+    const int before = finished.load();
+    const double t1 = now();
+    go.store(round);
+    chain_half(0, packed, true);
+    while (finished.load() == before) _mm_pause();
+    t[1][packed].push_back(now() - t1);
+  }
+  stop.store(true);
+  helper.join();
+  for (int th = 0; th < 2; ++th)
+    std::printf("case smollm2-layers-%d-thread(s) MB %.1f stored_ms %.2f packed_ms %.2f stored_GBs %.1f packed_GBs %.1f\n", th + 1,
+                total / 1e6, median(t[th][0]) * 1e3, median(t[th][1]) * 1e3, total / median(t[th][0]) / 1e9,
+                total / median(t[th][1]) / 1e9);
+  return 0;
+}
