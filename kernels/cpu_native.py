@@ -89,8 +89,10 @@ HANDLERS = {  # FFI target base name -> the library's handler symbol
     "tl_gemm_bf16x3": "TlGemmBf16x3",
     "tl_argmax_lse": "TlArgmaxLse",
     "tl_qgemm": "TlQGemm",
+    "tl_qgemm_panels": "TlQGemmPanels",
     "tl_gemv_half": "TlGemvHalf",
 }
+PANEL_KINDS = ("q8_0", "q4_0", "q4_1")  # the kinds quant.cc's TlQGemmPanels reads repacked
 HALF_KINDS = {"f16": 0, "bf16": 1}  # half.cc's kind of a 16-bit float format
 QUANT_KINDS = {  # ggml block format -> (quant.cc Kind, bytes a block, weights a block)
     "q8_0": (0, 34, 32),
@@ -121,6 +123,7 @@ class NativeLib:
         lib = self._lib = ctypes.cdll.LoadLibrary(str(self.path))
         lib.TlGemvMaxRows.restype = ctypes.c_int64
         lib.TlQGemmMaxRows.restype = ctypes.c_int64
+        lib.TlQGemmPanelsBuilt.restype = ctypes.c_int64
         lib.TlGemvHalfMaxRows.restype = ctypes.c_int64
         lib.TlAmxAvailable.restype = ctypes.c_int64
         suffix = "_" + target.name.replace("-", "_")
@@ -139,6 +142,11 @@ class NativeLib:
         """Rows the native quantized matmul takes of a QUANT_KINDS kind (quant.cc max_rows: any
         count where this build has the panel kernel for it, else 64)."""
         return int(self._lib.TlQGemmMaxRows(ctypes.c_int32(QUANT_KINDS[kind][0])))
+
+    def panels_built(self) -> bool:
+        """Whether this build has the kernels of weights repacked into panels (quant.cc
+        TlQGemmPanels: AVX-512 VNNI builds); elsewhere the engine keeps the stored rows."""
+        return bool(self._lib.TlQGemmPanelsBuilt())
 
     def gemv_half_max_rows(self, kind: str) -> int:
         """Rows the native 16-bit float matmul takes of a HALF_KINDS kind (half.cc max_rows: any
@@ -195,6 +203,20 @@ class NativeLib:
             return None
         out = jax.ShapeDtypeStruct((n, *w.shape[:-1]), jnp.float32)
         return self._call("tl_qgemm", out)(x, w, kind=np.int32(code))
+
+    def qgemm_panels(self, x: jax.Array, w: jax.Array, kind: str) -> jax.Array | None:
+        """float32 x [N,K] times uint8 w [panels, K/32, 16 x block bytes], `kind`'s blocks repacked
+        16 outputs a panel (tl/model/encodings/panels.py) -> float32 [N, 16 panels], the stored
+        kernel's arithmetic and results bit for bit (kernels/cpu/quant.cc TlQGemmPanels). None where
+        it does not take the call: a build without the panel kernels, a kind other than q8_0,
+        q4_0, q4_1, or shapes that do not match."""
+        if not self.panels_built() or kind not in PANEL_KINDS or x.dtype != jnp.float32 or w.dtype != jnp.uint8:
+            return None
+        code, block, size = QUANT_KINDS[kind]
+        if x.ndim != 2 or w.ndim != 3 or x.shape[1] != w.shape[1] * size or w.shape[2] != 16 * block:
+            return None
+        out = jax.ShapeDtypeStruct((x.shape[0], 16 * w.shape[0]), jnp.float32)
+        return self._call("tl_qgemm_panels", out)(x, w, kind=np.int32(code))
 
     def gemv_half(self, x: jax.Array, w: jax.Array, kind: str) -> jax.Array | None:
         """float32 x [N,K] times uint8 w [*out, 2K], each output's K weights as IEEE half ("f16")

@@ -19,6 +19,7 @@ BACKEND_KEYS = (
     "matmul_kernel",
     "matmul_precision",
     "weight_pages",
+    "weight_layout",
     "kv_cache_dtype",
     "native_target",
 )
@@ -37,6 +38,7 @@ def test_forced_choices_are_configured_and_say_so() -> None:
             matmul_kernel="xla",
             matmul_precision="highest",
             weight_pages="default",
+            weight_layout="stored",
             kv_cache_dtype="bfloat16",
         )
     )
@@ -44,6 +46,7 @@ def test_forced_choices_are_configured_and_say_so() -> None:
     assert plan.matmul == Decision("xla", "configured")
     assert plan.precision == Decision("highest", "configured")
     assert plan.weight_pages == Decision("default", "configured")
+    assert plan.weight_layout == Decision("stored", "configured")
     assert plan.kv_storage == Decision("bfloat16", "kv_cache_dtype bfloat16") and plan.kv_dtype.name == "uint16"
     assert plan.native_target == "" and plan.measure_classes() == []  # nothing native: nothing to measure
     assert not plan.attention_measured and not plan.matmul_measured

@@ -1541,6 +1541,156 @@ void qgemm(ffi::ThreadPool& pool, const uint8_t* W, const XQ& x, int64_t N, int6
   }
 }
 
+// Weights repacked at load into panels (TlQGemmPanels; tl/model/encodings/panels.py packs them):
+// q8_0, q4_0 and q4_1 rows regrouped 16 outputs a panel, each block of 32 inputs of a panel as
+// its 16 stored blocks' quant bytes transposed, [G][16 outputs][4 bytes] (G = 8 for q8_0's 32
+// bytes, 4 for the nibble formats' 16), then the 16 d and (q4_1) the 16 m as halves: as many
+// bytes as the 16 stored blocks. A vector of 64 bytes is then 16 outputs' 4 bytes each, so a
+// vpdpbusd against x's matching 4 bytes broadcast adds one output's 4 products to each int32
+// lane (a nibble format's vector twice: its low nibbles are inputs 4v..4v+3, its high ones
+// 16+4v..16+4v+3): no reduction across lanes and no scalar loads of scales, which is where
+// exact_row spends most of its instructions (bench/qlayout.cc: one matrix in L2 3.7x faster; its
+// chain of SmolLM2's layers from memory 1.2x on this 2-core Zen 4). The arithmetic is
+// exact_row's and the panels': each block's int32 sum exact (from -offset * the x block's sum),
+// then acc = fma(sum, d_w d_x, acc) and (q4_1) acc = fma(m_w, s_x, acc), block by block, so the
+// outputs are theirs bit for bit whatever the row count.
+constexpr int64_t kPanelOut = 16;
+
+template <int KIND>
+constexpr int64_t kPanelGroups = KIND == kQ8_0 ? 8 : 4;  // G: vectors of quant bytes a block
+
+template <int KIND>
+constexpr int64_t panel_block_bytes() {
+  return kPanelOut * Fmt<KIND>::kBytes;
+}
+
+#if defined(TL_QDOT_512)
+#define TL_QPANELS 1
+// Panels [p0, p0 + PN) against rows [n0, n0 + R) of x into Y [N, OP].
+template <int KIND, int PN, int R>
+inline void panels_tile(const uint8_t* P, const XQ& x, const int32_t* xsum, int64_t OP, float* Y, int64_t p0,
+                        int64_t n0, bool prefetch) {
+  constexpr int64_t G = kPanelGroups<KIND>, PB = panel_block_bytes<KIND>();
+  const int64_t nb = x.nb;
+  const __m512i lo4 = _mm512_set1_epi8(15), flip = _mm512_set1_epi8(-128);
+  __m512 acc[PN][R];
+  for (int k = 0; k < PN; ++k)
+    for (int r = 0; r < R; ++r) acc[k][r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512i ia[PN][R];
+    for (int r = 0; r < R; ++r) {
+      const __m512i init =
+          kOffset<KIND> ? _mm512_set1_epi32(-kOffset<KIND> * xsum[(n0 + r) * nb + b]) : _mm512_setzero_si512();
+      for (int k = 0; k < PN; ++k) ia[k][r] = init;
+    }
+    const uint8_t* xb = reinterpret_cast<const uint8_t*>(x.q + n0 * x.K + b * kQK);
+#pragma GCC unroll 8
+    for (int64_t g = 0; g < G; ++g) {
+      __m512i wl[PN], wh[PN];
+      for (int k = 0; k < PN; ++k) {
+        const uint8_t* blk = P + ((p0 + k) * nb + b) * PB;
+        if (prefetch && g == 0)
+          for (int64_t l = 0; l < PB; l += 64) _mm_prefetch(reinterpret_cast<const char*>(blk + PN * nb * PB + l), _MM_HINT_T0);
+        const __m512i w = _mm512_loadu_si512(blk + 64 * g);
+        if constexpr (kNibbles<KIND>) {
+          wl[k] = _mm512_and_si512(w, lo4);
+          wh[k] = _mm512_and_si512(_mm512_srli_epi16(w, 4), lo4);
+        } else {
+          wl[k] = _mm512_xor_si512(w, flip);  // int8 -> the unsigned code + 128 (the offset)
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m512i xl = _mm512_set1_epi32(static_cast<int32_t>(load_u32(xb + r * x.K + 4 * g)));
+        for (int k = 0; k < PN; ++k) ia[k][r] = _mm512_dpbusd_epi32(ia[k][r], wl[k], xl);
+        if constexpr (kNibbles<KIND>) {
+          const __m512i xh = _mm512_set1_epi32(static_cast<int32_t>(load_u32(xb + r * x.K + 16 + 4 * g)));
+          for (int k = 0; k < PN; ++k) ia[k][r] = _mm512_dpbusd_epi32(ia[k][r], wh[k], xh);
+        }
+      }
+    }
+    for (int k = 0; k < PN; ++k) {
+      const uint8_t* heads = P + ((p0 + k) * nb + b) * PB + 64 * G;
+      const __m512 d = _mm512_maskz_cvtph_ps(0xffff, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(heads)));
+      for (int r = 0; r < R; ++r) {
+        const __m512 dx = _mm512_set1_ps(x.d8[((n0 + r) * nb + b) * 8]);
+        // The masked conversion: GCC 12's plain one warns of its undefined pass-through operand.
+        const __m512 f = _mm512_mask_cvtepi32_ps(_mm512_setzero_ps(), 0xffff, ia[k][r]);
+        acc[k][r] = _mm512_fmadd_ps(f, _mm512_mul_ps(d, dx), acc[k][r]);
+      }
+      if constexpr (Fmt<KIND>::kHasM) {
+        const __m512 m = _mm512_maskz_cvtph_ps(0xffff, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(heads + 32)));
+        for (int r = 0; r < R; ++r) acc[k][r] = _mm512_fmadd_ps(m, _mm512_set1_ps(x.s[(n0 + r) * nb + b]), acc[k][r]);
+      }
+    }
+  }
+  for (int k = 0; k < PN; ++k)
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(Y + (n0 + r) * OP + (p0 + k) * kPanelOut, acc[k][r]);
+}
+
+// Panels [p0, p1) against every row of x: one row four panels at a time (four independent
+// chains of vpdpbusd), more rows two panels by up to 4 rows.
+template <int KIND>
+void panels_range(const uint8_t* P, const XQ& x, const int32_t* xsum, int64_t N, int64_t OP, float* Y, int64_t p0,
+                  int64_t p1) {
+  if (N == 1) {
+    int64_t p = p0;
+    for (; p + 4 <= p1; p += 4) panels_tile<KIND, 4, 1>(P, x, xsum, OP, Y, p, 0, p + 8 <= p1);
+    for (; p < p1; ++p) panels_tile<KIND, 1, 1>(P, x, xsum, OP, Y, p, 0, false);
+    return;
+  }
+  for (int64_t p = p0; p < p1; p += 2) {
+    const bool two = p + 2 <= p1;
+    int64_t n = 0;
+    for (; n + 4 <= N; n += 4)
+      two ? panels_tile<KIND, 2, 4>(P, x, xsum, OP, Y, p, n, false) : panels_tile<KIND, 1, 4>(P, x, xsum, OP, Y, p, n, false);
+    with_rows<3>(N - n, [&](auto r) {
+      constexpr int R = decltype(r)::value;
+      two ? panels_tile<KIND, 2, R>(P, x, xsum, OP, Y, p, n, false) : panels_tile<KIND, 1, R>(P, x, xsum, OP, Y, p, n, false);
+    });
+  }
+}
+
+template <int KIND>
+void qgemm_panels(ffi::ThreadPool& pool, const uint8_t* P, const XQ& x, int64_t N, int64_t panels, float* Y) {
+  thread_local std::vector<int32_t> xsum;
+  xsum.resize(static_cast<size_t>(N * x.nb));
+  block_sums(x.q, N * x.nb, xsum.data());
+  const int32_t* sums = xsum.data();  // not xsum in the tasks: a thread_local names each thread's own
+  // One row: one contiguous range of panels a thread (a stream of weights each; finer tasks ran
+  // SmolLM2's one-stream decode 0.8-0.95x), the helper lingering for the next call. More rows:
+  // runs of rows of x of half an L2 (a pair of panels' weights stays in L1 while the run's rows
+  // pass), tasks of panels that the threads take as they finish.
+  if (N == 1) {
+    const int64_t tasks = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), panels / 4));
+    parallel_for(pool, tasks, [&](int64_t task) {
+      panels_range<KIND>(P, x, sums, 1, panels * kPanelOut, Y, 4 * (panels / 4 * task / tasks),
+                         task + 1 == tasks ? panels : 4 * (panels / 4 * (task + 1) / tasks));
+    }, /*linger_after=*/true);
+    return;
+  }
+  const int64_t tasks = std::max<int64_t>(1, std::min<int64_t>((panels + 1) / 2, 8 * pool.num_threads()));
+  const int64_t run = std::max<int64_t>(4, 524288 / x.K / 4 * 4);  // x's int8 in half an L2
+  for (int64_t n0 = 0; n0 < N; n0 += run) {
+    const int64_t rows = std::min(run, N - n0);
+    const XQ xr{x.q + n0 * x.K, x.d8 + n0 * x.nb * 8, x.s + n0 * x.nb, x.K, x.nb};
+    parallel_for(pool, tasks, [&](int64_t task) {
+      panels_range<KIND>(P, xr, sums + n0 * x.nb, rows, panels * kPanelOut, Y + n0 * panels * kPanelOut,
+                         2 * ((panels + 1) / 2 * task / tasks), std::min(panels, 2 * ((panels + 1) / 2 * (task + 1) / tasks)));
+    });
+  }
+}
+#endif
+
+// Whether this build has the panel kernels (AVX-512 VNNI): where it has not, the engine keeps
+// the stored rows (TlQGemmPanels then refuses every call).
+bool panels_built() {
+#if defined(TL_QPANELS)
+  return true;
+#else
+  return false;
+#endif
+}
+
 // The rows a call of `kind` takes: any count where a panel kernel runs it (AVX-512 VNNI, and
 // AVX2's exact family: the formats of 32-input blocks), and the K-quants' any count on the SIMD
 // builds (their tiles take x in runs of an L1's worth, so a row count costs only the weights
@@ -1626,10 +1776,55 @@ ffi::Error QGemm(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi:
   return ffi::Error::Success();
 }
 
+ffi::Error QGemmPanels(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, int32_t kind,
+                       ffi::ResultBuffer<ffi::F32> y) {
+  if (!panels_built()) return ffi::Error::InvalidArgument("this build has no panel kernels (AVX-512 VNNI)");
+  if (kind != kQ8_0 && kind != kQ4_0 && kind != kQ4_1) return ffi::Error::InvalidArgument("panels are q8_0, q4_0 or q4_1");
+  const auto xd = x.dimensions();
+  const auto wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 3) return ffi::Error::InvalidArgument("expected x [N,K] and w [panels, blocks, bytes]");
+  const int64_t N = xd[0], K = xd[1], panels = wd[0], nb = wd[1];
+  if (K != nb * kQK || wd[2] != kPanelOut * block_bytes(kind))
+    return ffi::Error::InvalidArgument("w is not panels of 16 outputs' blocks of x's K inputs");
+  float* Y = y->typed_data();
+  if (N == 0 || panels == 0) return ffi::Error::Success();
+  if (K == 0) {
+    std::fill(Y, Y + N * panels * kPanelOut, 0.0f);
+    return ffi::Error::Success();
+  }
+#if defined(TL_QPANELS)
+  thread_local std::vector<int8_t> q;
+  thread_local std::vector<float> d8, s;
+  q.resize(static_cast<size_t>(N * K + kQK));
+  d8.resize(static_cast<size_t>(N * nb * 8 + 8));
+  s.resize(static_cast<size_t>(N * nb));
+  quantize_x(x.typed_data(), N, K, q.data(), d8.data(), s.data());
+  const XQ xq{q.data(), d8.data(), s.data(), K, nb};
+  const uint8_t* P = w.typed_data();
+  switch (kind) {
+    case kQ8_0: qgemm_panels<kQ8_0>(pool, P, xq, N, panels, Y); break;
+    case kQ4_0: qgemm_panels<kQ4_0>(pool, P, xq, N, panels, Y); break;
+    default: qgemm_panels<kQ4_1>(pool, P, xq, N, panels, Y); break;
+  }
+#else
+  (void)pool;
+#endif
+  return ffi::Error::Success();
+}
+
 }  // namespace
 }  // namespace tl
 
 extern "C" int64_t TlQGemmMaxRows(int32_t kind) { return tl::max_rows(kind); }
+extern "C" int64_t TlQGemmPanelsBuilt() { return tl::panels_built() ? 1 : 0; }
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TlQGemmPanels, tl::QGemmPanels,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // x [N, K]
+                                  .Arg<ffi::Buffer<ffi::U8>>()    // w [panels, K / 32, 16 block bytes]: repacked
+                                  .Attr<int32_t>("kind")          // Kind: 0 q8_0, 1 q4_0, 2 q4_1
+                                  .Ret<ffi::Buffer<ffi::F32>>()); // y [N, 16 panels]
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TlQGemm, tl::QGemm,
                               ffi::Ffi::Bind()

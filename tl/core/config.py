@@ -24,6 +24,7 @@ WeightDType = Literal["auto", "float32", "int8", "q8_0", "q4_0", "q4_1", "q5_0",
 KVCacheDType = Literal["auto", "bfloat16"]
 MatmulPrecision = Literal["highest", "high"]
 WeightPages = Literal["huge", "default"]
+WeightLayout = Literal["auto", "stored", "panels"]
 Backend = Literal["auto", "cpu", "gpu", "tpu"]
 ToolParser = Literal["auto", "hermes", "smollm2"]
 ReasoningParser = Literal["auto", "none", "think"]
@@ -81,6 +82,12 @@ class EngineConfig:
     huge pages (madvise), read by XLA without a copy; a one-row decode step streams every weight,
     and 2 MiB pages spare it a page walk every 4 KiB (+3-5% one-stream decode here). "default":
     XLA's own buffers. Ignored where THP is "never", on GPU/TPU and under tensor parallelism."""
+    weight_layout: WeightLayout = "auto"
+    """Where a model's q8_0, q4_0 and q4_1 matrices lie in memory for the native CPU kernels:
+    "panels" repacks them at load, 16 outputs a panel with the outputs in the vector lanes (the
+    same bytes and results, bit for bit; one-row matmuls spend a quarter of the instructions),
+    "stored" keeps the GGUF's rows. "auto" is "panels" where the layer matmuls run the native
+    kernels of a build that has the panel kernels (AVX-512 VNNI) on one device, else "stored"."""
     tensor_parallel: int = 1
     """Devices the model is sharded over (Megatron layout on the mesh's "model" axis)."""
     attention_kernel: AttentionKernel = "auto"

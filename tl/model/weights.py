@@ -27,6 +27,7 @@ from tl.model.encodings.bf16x3 import Bf16x3
 from tl.model.encodings.blocks import BLOCK_ENCODINGS, Blocks
 from tl.model.encodings.dense import Dense
 from tl.model.encodings.int8 import Int8
+from tl.model.encodings.panels import Panels
 
 __all__ = [
     "ENCODINGS",
@@ -36,6 +37,7 @@ __all__ = [
     "Dense",
     "Int8",
     "Linear",
+    "Panels",
     "Table",
     "Tensor",
     "is_param",
@@ -55,16 +57,16 @@ class Tensor:
         return Tensor(P(*self.axes), self.axes)
 
 
-Linear: TypeAlias = Dense | Int8 | Blocks | Bf16x3
+Linear: TypeAlias = Dense | Int8 | Blocks | Bf16x3 | Panels
 """Every registered encoding (a new one joins here and in ENCODINGS)."""
-Table: TypeAlias = Dense | Int8 | Blocks
+Table: TypeAlias = Dense | Int8 | Blocks | Panels
 """What an embedding / LM head is kept as (looked up by rows): each encoding's `table`."""
 ENCODINGS: dict[str, type[Linear]] = {"float32": Dense, "int8": Int8, **BLOCK_ENCODINGS, "bf16x3": Bf16x3}
 """Each linear encoding by the name load_weights takes ("float32": the float dtype as loaded;
 "int8": weight_dtype int8; "q8_0", "q4_1", "q4_k", ...: llama.cpp's block formats, as a GGUF
 stores them or quantized at load; "bf16x3": matmul_precision "high")."""
 _HOOKED: list[type[Encoding]] = list(ENCODINGS.values())  # mypy: each has every hook of Encoding
-PARAM_TYPES = (Tensor, *ENCODINGS.values())
+PARAM_TYPES = (Tensor, *ENCODINGS.values(), Panels)  # Panels: made from Blocks at placement, not loaded
 
 
 def is_param(x: Any) -> bool:

@@ -94,6 +94,7 @@ class ExecutionPlan:
     matmul: Decision  # the layers' matmul: "xla" or "cpu_native"
     precision: Decision  # float32 matmuls: "highest", or "high" (bf16x3 on AMX)
     weight_pages: Decision  # "huge" (one mapping advised MADV_HUGEPAGE) or "default"
+    weight_layout: Decision  # "panels" (q8_0 / q4_0 / q4_1 repacked for the native kernels) or "stored"
     native_target: str  # the native library's build where a kernel uses it, else ""
     weight_dtype: str  # "float32", "int8" or "q8_0" linears (configured)
     block_size: int
@@ -189,7 +190,8 @@ class ExecutionPlan:
             f"attention: {self.summary('attention')} ({self.attention.reason})",
             f"layer matmuls: {self.summary('matmul')} ({self.matmul.reason}), precision {self.precision.value}"
             f" ({self.precision.reason})",
-            f"weight pages: {self.weight_pages.value} ({self.weight_pages.reason})",
+            f"weight pages: {self.weight_pages.value} ({self.weight_pages.reason});"
+            f" block weights {self.weight_layout.value} ({self.weight_layout.reason})",
             f"buckets: tokens {list(self.token_buckets)}, sequences {list(self.seq_buckets)}: {len(self.variants)}"
             f" step variants, {len(self.startup_variants)} compiled before ready {list(self.startup_variants)}",
         ]
@@ -251,6 +253,29 @@ def _huge_pages(ec: EngineConfig, platform: str, mesh: Mesh) -> Decision:
     else:
         why = weight_pages.unavailable_reason()
     return Decision("default", f"huge configured; default pages: {why}") if why else Decision("huge", "configured")
+
+
+def _weight_layout(
+    ec: EngineConfig, matmul: kernel_select.MatmulChoice, native: NativeLib | None, mesh: Mesh
+) -> Decision:
+    """ "panels" where the layer matmuls run the native kernels of a build with the panel kernels,
+    on one device (a panel holds 16 whole outputs: a tensor-parallel split of the outputs would
+    cut them); "stored" otherwise or as configured."""
+    if ec.weight_layout == "stored":
+        return Decision("stored", "configured")
+    if matmul.name != "cpu_native" or native is None:
+        why = "the layer matmuls are XLA's"
+    elif not native.panels_built():
+        why = f"the {native.target.name} build has no panel kernels (AVX-512 VNNI)"
+    elif mesh.devices.size > 1:
+        why = f"{mesh.devices.size} devices: panels are packed for one"
+    else:
+        return Decision(
+            "panels", "configured" if ec.weight_layout == "panels" else "auto: the native kernels read them"
+        )
+    return Decision(
+        "stored", f"{ec.weight_layout} configured; {why}" if ec.weight_layout == "panels" else f"auto: {why}"
+    )
 
 
 def _precision(ec: EngineConfig, dtype: str, matmul: kernel_select.MatmulChoice, native: NativeLib | None) -> Decision:
@@ -349,6 +374,7 @@ def plan_execution(
         matmul=Decision(matmul.name, matmul.reason),
         precision=_precision(ec, dtype, matmul, native),
         weight_pages=_huge_pages(ec, platform, mesh),
+        weight_layout=_weight_layout(ec, matmul, native, mesh),
         native_target=native.target.name if uses_native and native is not None else "",
         weight_dtype=ec.weight_dtype,
         block_size=ec.block_size,

@@ -25,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 from kernels import paged_attention
 from tl.model import llama, weights
 from tl.model.config import ModelConfig
+from tl.model.encodings.panels import PANEL_FORMATS, pack
 from tl.runtime import backend, weight_pages
 
 
@@ -47,11 +48,13 @@ def place_weights(
     *,
     pack_bf16x3: bool,
     huge_pages: bool,
+    panels: bool = False,
 ) -> PlacedWeights:
     """tensors: Hugging Face names -> host arrays (memory-mapped where the file allows).
     pack_bf16x3: keep each float matrix's packed bf16x3 copy beside it (matmul_precision
     "high"). huge_pages: as the plan says; where the mapping then fails, XLA's buffers, and the
-    reason is the failure."""
+    reason is the failure. panels: q8_0 / q4_0 / q4_1 matrices repacked for the native kernels
+    (tl/model/encodings/panels.py `pack`), on the host before placement."""
     if pack_bf16x3 and weight_dtype != "float32":
         raise ValueError(f"{weight_dtype} weights have no bf16x3 packing")
     encoding = "bf16x3" if pack_bf16x3 else weight_dtype  # tl/model/weights.py ENCODINGS
@@ -64,6 +67,12 @@ def place_weights(
         vocab_sharded=layout.vocab_sharded,
         tensor_parallel=layout.tensor_parallel,
     )
+    if panels:
+        step = jax.tree.map(
+            lambda w: pack(w) if isinstance(w, weights.Blocks) and w.fmt.name in PANEL_FORMATS else w,
+            step,
+            is_leaf=weights.is_param,
+        )
     shardings = jax.tree.map(
         lambda s: NamedSharding(mesh, s), weights.partition_specs(step), is_leaf=lambda x: isinstance(x, P)
     )

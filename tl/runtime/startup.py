@@ -137,6 +137,7 @@ def _place_weights(
         ec.weight_dtype,
         pack_bf16x3=plan.precision.value == "high",
         huge_pages=plan.weight_pages.value == "huge",
+        panels=plan.weight_layout.value == "panels",
     )
 
 

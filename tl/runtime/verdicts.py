@@ -44,7 +44,7 @@ import numpy as np
 
 from kernels import cpu_build
 from kernels.paged_attention import AttnArgs, AttnMetadata, PagedAttention
-from tl.model.weights import matrix
+from tl.model.weights import is_param, matrix
 
 if TYPE_CHECKING:
     from tl.model.config import ModelConfig
@@ -396,6 +396,12 @@ def stream_layers(layers: Sequence[Layer]) -> list[Layer]:
     return out
 
 
+def _encoding_name(w: Any) -> str:
+    fmt = getattr(w, "fmt", None)
+    name = fmt if isinstance(fmt, str) else getattr(fmt, "name", "")
+    return f"{type(w).__name__}:{name}" if name else type(w).__name__
+
+
 def measure_runner(plan: ExecutionPlan, kernels: Kernels, cfg: ModelConfig, params: Any, kv: Any) -> Verdicts:
     """The verdicts of each class `plan.measure_classes()` names, from the cache beside the
     library or timed now at this model's shapes over its own placed weights and KV cache."""
@@ -446,6 +452,10 @@ def measure_runner(plan: ExecutionPlan, kernels: Kernels, cfg: ModelConfig, para
         ],
         "dtype": plan.dtype.value,
         "weight_dtype": plan.weight_dtype,
+        # What the weights are as placed ("auto" serves a GGUF's own formats; panels repack them):
+        # each encoding's class and format, so a Q8_0 file and a Q4_1 one of the same shapes, or
+        # the two layouts, are measured apart.
+        "encodings": sorted({_encoding_name(w) for w in jax.tree.leaves(params, is_leaf=is_param) if is_param(w)}),
         "kv": str(jnp.dtype(plan.kv_dtype)),
         "precision": plan.precision.value,
         "block_size": plan.block_size,
