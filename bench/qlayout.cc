@@ -1,17 +1,14 @@
-// What a load-time repacked weight layout would buy one-row Q4_1 matmuls (issue 31's "weights
-// repacked at load into an interleaved layout the micro-kernel streams"), measured before it is
-// built into the engine. Built and run by bench/qlayout_bench.py (`python -m bench qlayout`) for
-// the x86-64-v4-vnni target; not part of the library.
+// What the panel layout (weight_layout "panels": tl/model/encodings/panels.py) buys one-row Q4_1
+// matmuls over the rows as a GGUF stores them, kernel against kernel without XLA around them.
+// Built and run by bench/qlayout_bench.py (`python -m bench qlayout`) for the x86-64-v4-vnni
+// target; not part of the library.
 //
-// Includes kernels/cpu/quant.cc whole, so that its one-row kernel (exact_row, on the rows as a
-// GGUF stores them) runs here as the engine runs it, beside a prototype on repacked weights:
-// panels of 16 outputs, each block of 32 inputs as 4 x 64 bytes of nibbles with the 16 outputs
-// in the 16 int32 lanes (vector v, lane l, byte j: low nibble input 4v + j, high nibble input
-// 4(v + 4) + j of output l), then the 16 d and the 16 m as halves: 320 bytes, as many as the 16
-// stored blocks. No horizontal reduction and no scalar scale loads: 4 loads, 8 vpdpbusd against
-// x's 4-byte groups broadcast, one conversion and two fmas a block and 16 outputs, the same
-// arithmetic as exact_row (exact int32 block sums, acc = fma(sum, d_w d_x, acc), then fma(m_w,
-// s_x, acc), block by block), so the outputs must be the same bit for bit (checked).
+// Includes kernels/cpu/quant.cc whole, so that both one-row kernels run here as the engine runs
+// them: exact_row on the stored rows (its lanes reduced to block sums, the scales loaded output
+// by output) and panels_range on the panels (16 outputs in the lanes: 4 loads, 8 vpdpbusd, one
+// conversion and two fmas a block and 16 outputs). repack() below writes the layout panels.py
+// packs (the quant bytes of a block transposed to [4][16 outputs][4], then the 16 d and 16 m);
+// the two must give the same outputs bit for bit (checked).
 //
 // Prints: one matrix resident in L2, one thread (the kernels' compute), then SmolLM2-135M's 30
 // layers of one-row matmuls (wqkv 960 x 576, wo 576 x 576, gate_up 3072 x 576, down 576 x 1536;
@@ -33,7 +30,7 @@ using tl::XQ;
 
 double now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
 
-// Stored Q4_1 rows [O][nb][20] -> panels [O / 16][nb][320] (O a multiple of 16).
+// Stored Q4_1 rows [O][nb][20] -> panels [O / 16][nb][320] (O a multiple of 16), as panels.py's pack.
 void repack(const uint8_t* W, int64_t O, int64_t nb, uint8_t* P) {
   for (int64_t p = 0; p < O / 16; ++p)
     for (int64_t b = 0; b < nb; ++b) {
@@ -48,39 +45,6 @@ void repack(const uint8_t* W, int64_t O, int64_t nb, uint8_t* P) {
         std::memcpy(out + 288 + 2 * l, blk + 2, 2);  // m
       }
     }
-}
-
-// One row of x against panels [p0, p1) (a multiple of 4 apart), four panels at a time.
-void packed_row(const uint8_t* P, const XQ& x, int64_t p0, int64_t p1, float* Y) {
-  constexpr int PN = 4;
-  const int64_t nb = x.nb;
-  const __m512i lo4 = _mm512_set1_epi8(15);
-  for (int64_t p = p0; p < p1; p += PN) {
-    __m512 acc[PN];
-    for (auto& a : acc) a = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* xb = reinterpret_cast<const uint8_t*>(x.q + b * 32);
-      __m512i xv[8];
-      for (int g = 0; g < 8; ++g) xv[g] = _mm512_set1_epi32(static_cast<int32_t>(tl::load_u32(xb + 4 * g)));
-      const __m512 dx = _mm512_set1_ps(x.d8[b * 8]), sx = _mm512_set1_ps(x.s[b]);
-      for (int k = 0; k < PN; ++k) {
-        const uint8_t* blk = P + ((p + k) * nb + b) * 320;
-        for (int l = 0; l < 320; l += 64) _mm_prefetch(reinterpret_cast<const char*>(blk + 320 * nb + l), _MM_HINT_T0);
-        __m512i ia = _mm512_setzero_si512(), ib = _mm512_setzero_si512();
-        for (int v = 0; v < 4; ++v) {
-          const __m512i w = _mm512_loadu_si512(blk + 64 * v);
-          ia = _mm512_dpbusd_epi32(ia, _mm512_and_si512(w, lo4), xv[v]);
-          ib = _mm512_dpbusd_epi32(ib, _mm512_and_si512(_mm512_srli_epi16(w, 4), lo4), xv[v + 4]);
-        }
-        const __m512 f = _mm512_mask_cvtepi32_ps(_mm512_setzero_ps(), 0xffff, _mm512_add_epi32(ia, ib));  // masked: GCC 12 warns of the plain one's operand
-        const __m512 d = _mm512_maskz_cvtph_ps(0xffff, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 256)));
-        const __m512 m = _mm512_maskz_cvtph_ps(0xffff, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 288)));
-        acc[k] = _mm512_fmadd_ps(f, _mm512_mul_ps(d, dx), acc[k]);
-        acc[k] = _mm512_fmadd_ps(m, sx, acc[k]);
-      }
-    }
-    for (int k = 0; k < PN; ++k) _mm512_storeu_ps(Y + (p + k) * 16, acc[k]);
-  }
 }
 
 struct Mat {
@@ -107,7 +71,7 @@ Mat random_q4_1(int64_t O, int64_t K, std::mt19937& rng) {
 struct XForms {
   std::vector<int8_t> q, lq;
   std::vector<float> d8, s;
-  std::vector<int32_t> lc;
+  std::vector<int32_t> lc, sums;  // sums: each block's sum of q_x (q4_1 has no offset to weigh it)
   XQ xq{};
   XL xl{};
   void set(const float* X, int64_t K) {
@@ -118,12 +82,14 @@ struct XForms {
     xq = XQ{q.data(), d8.data(), s.data(), K, nb};
     tl::layout_x<tl::kQ4_1>(xq, 1, lq.data(), lc.data(), np);
     xl = XL{lq.data(), lc.data(), np};
+    sums.assign(static_cast<size_t>(nb), 0);
+    tl::block_sums(xq.q, nb, sums.data());
   }
 };
 
-// Outputs [o0, o1) of m: exact_row on the stored rows or the prototype on the panels.
+// Outputs [o0, o1) of m: exact_row on the stored rows or the panel kernel on the panels.
 void part(const Mat& m, const XForms& x, bool packed, int64_t o0, int64_t o1, float* Y) {
-  if (packed) return packed_row(m.P.data(), x.xq, o0 / 16, o1 / 16, Y);
+  if (packed) return tl::panels_range<tl::kQ4_1>(m.P.data(), x.xq, x.sums.data(), 1, m.O, Y, o0 / 16, o1 / 16);
   for (int64_t o = o0; o < o1; o += 8)
     tl::exact_row<tl::kQ4_1>(m.W.data(), m.K / 32 * 20, x.xl, x.xq, m.O, Y, o, 8, 0, o + 8 + tl::kExactAhead <= o1);
 }

@@ -7,7 +7,8 @@ TlQGemmPanels, the plan's weight_layout).
 - The panel kernel gives the stored kernel's results bit for bit, at 1 to 70 rows, on every
   build this CPU runs that has it (AVX-512 VNNI); the others refuse the call (None), and XLA's
   path over panels is XLA's path over the stored blocks exactly.
-- The plan packs only where the native kernels read panels on one device, and says why not.
+- The plan packs only where the native kernels read panels on one device, and says why not;
+  placement packs every such linear and table but a mixture-of-experts layer's.
 - The paged runner over a GGUF file with panels answers as with the stored rows, token for token.
 """
 
@@ -29,7 +30,10 @@ from kernels import cpu_build, cpu_native
 from tests.test_runner import ENGINE
 from tl.model.encodings.blocks import BLOCK_ENCODINGS, Blocks
 from tl.model.encodings.panels import PANEL_FORMATS, Panels, pack, stored
+from tl.model.moe import Experts
+from tl.model.weights import Tensor
 from tl.runtime.execution import _weight_layout
+from tl.runtime.placement import _pack_panels
 from tl.runtime.runner import ModelRunner
 
 Q = gguf.GGMLQuantizationType
@@ -119,3 +123,14 @@ def test_the_runner_over_panels_answers_as_over_the_stored_rows(tmp_path: Path, 
         assert isinstance(runner.params.layers[0].wqkv, kind) and isinstance(runner.params.embed, kind)
         answers.append(_runner_greedy(runner, [3, 14, 15, 92, 65, 35, 89, 79, 32, 38], 8))
     assert answers[0] == answers[1]
+
+
+def test_placement_packs_the_layers_and_tables_but_not_a_mixture_of_experts() -> None:
+    """Expert weights [E, ...] are looked up by expert (tl/model/moe.py `take`): they keep their rows."""
+    q = BLOCK_ENCODINGS["q4_1"](np.zeros((4, 16, 40), np.uint8))
+    experts = Experts(Tensor(np.zeros((4, 64), np.float32)), q, q, top_k=2, norm_topk_prob=True)
+    out = _pack_panels(
+        {"experts": experts, "linear": q, "other": BLOCK_ENCODINGS["q5_0"](np.zeros((16, 44), np.uint8))}
+    )
+    assert isinstance(out["experts"].w_gate_up, Blocks) and isinstance(out["experts"].w_down, Blocks)
+    assert isinstance(out["linear"], Panels) and isinstance(out["other"], Blocks)

@@ -26,6 +26,7 @@ from kernels import paged_attention
 from tl.model import llama, weights
 from tl.model.config import ModelConfig
 from tl.model.encodings.panels import PANEL_FORMATS, pack
+from tl.model.moe import Experts
 from tl.runtime import backend, weight_pages
 
 
@@ -68,11 +69,7 @@ def place_weights(
         tensor_parallel=layout.tensor_parallel,
     )
     if panels:
-        step = jax.tree.map(
-            lambda w: pack(w) if isinstance(w, weights.Blocks) and w.fmt.name in PANEL_FORMATS else w,
-            step,
-            is_leaf=weights.is_param,
-        )
+        step = _pack_panels(step)
     shardings = jax.tree.map(
         lambda s: NamedSharding(mesh, s), weights.partition_specs(step), is_leaf=lambda x: isinstance(x, P)
     )
@@ -83,6 +80,18 @@ def place_weights(
     except OSError as e:
         return PlacedWeights(jax.device_put(step, shardings), "default", f"huge configured; default pages: {e}")
     return PlacedWeights(params, "huge", f"{nbytes >> 20} MiB advised MADV_HUGEPAGE")
+
+
+def _pack_panels(step: llama.Weights) -> llama.Weights:
+    """Every q8_0 / q4_0 / q4_1 linear and table repacked into panels, but a mixture-of-experts
+    layer's: its expert weights [E, ...] are looked up by expert (tl/model/moe.py `take`), and a
+    panel spans 16 rows of the flattened outputs."""
+
+    def one(w: Any) -> Any:
+        return pack(w) if isinstance(w, weights.Blocks) and w.fmt.name in PANEL_FORMATS else w
+
+    packed: llama.Weights = jax.tree.map(one, step, is_leaf=lambda x: weights.is_param(x) or isinstance(x, Experts))
+    return packed
 
 
 def alloc_kv(
