@@ -163,7 +163,8 @@ def test_tiny_blocks_identical_for_tp_1_2_4() -> None:
 
     cfg = tiny_config(vocab_size=264)
     params = llama.init_params(cfg, jax.random.key(1))
-    engine_cfg = CFG.replace(weight_dtype="q4_1", speculative="none")
+    # The stored rows at every N (one device would repack them into panels: tests/test_panels.py).
+    engine_cfg = CFG.replace(weight_dtype="q4_1", speculative="none", weight_layout="stored")
     results = {}
     for n in (1, 2, 4):
         runner = ModelRunner(start(cfg, params, engine_cfg.replace(tensor_parallel=n)))
