@@ -25,6 +25,7 @@ import numpy as np
 from flax import struct
 from jax.sharding import PartitionSpec as P
 
+from kernels.cpu_native import PANEL_KINDS
 from tl.model import tree
 from tl.model.encodings import Axes, flat_dot
 from tl.model.encodings.blocks import Blocks
@@ -34,8 +35,8 @@ if TYPE_CHECKING:
     from kernels.cpu_native import NativeLib
     from tl.model.weights import Table, Tensor
 
-PANEL_FORMATS = ("q8_0", "q4_0", "q4_1")
-"""The formats that can be packed (kernels/cpu_native.py PANEL_KINDS)."""
+PANEL_FORMATS = PANEL_KINDS
+"""The formats that can be packed: those the panel kernel reads."""
 LANES = 16
 """Outputs a panel."""
 
@@ -100,19 +101,11 @@ class Panels:
         return self.dot(h.astype(jnp.float32)).astype(jnp.float32)
 
     def rows(self, ids: jax.Array) -> jax.Array:
-        """Only the looked-up rows read back and dequantized: [len(ids), in] float32."""
-        bb, heads, g = _geometry(self.fmt)
-        n, nb = ids.shape[0], self.data.shape[1]
-        sel = self.data[ids // LANES]  # [n, nb, 16 bb]
-        lane = ids % LANES
-        pick = jnp.arange(n)
-        qs = sel[..., : 64 * g].reshape(n, nb, g, LANES, 4).transpose(0, 3, 1, 2, 4)[pick, lane]  # [n, nb, g, 4]
-        parts = [
-            sel[..., 64 * g + 32 * i : 64 * g + 32 * (i + 1)].reshape(n, nb, LANES, 2).transpose(0, 2, 1, 3)[pick, lane]
-            for i in range(heads // 2)
-        ]
-        blocks = jnp.concatenate([*parts, qs.reshape(n, nb, 4 * g)], axis=-1)  # [n, nb, bb]
-        return dequantize(self.fmt, blocks.reshape(n, nb * bb))
+        """Only the looked-up rows' panels read back, each row's own lane kept and dequantized:
+        [len(ids), in] float32."""
+        n = ids.shape[0]
+        back = stored(self.fmt, self.data[ids // LANES]).reshape(n, LANES, -1)
+        return dequantize(self.fmt, back[jnp.arange(n), ids % LANES])
 
     def native(self, lib: NativeLib, x: jax.Array) -> jax.Array | None:
         """The panel kernel (kernels/cpu_native.py `qgemm_panels`), or None where the build has none."""
