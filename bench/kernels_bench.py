@@ -171,7 +171,7 @@ def run(argv: Sequence[str]) -> int:
             {k: {"f32": w, "bf16x3": jnp.asarray(cpu_native.pack_bf16x3(np.asarray(w)))} for k, w in lw.items()}
             for lw in ws
         ]
-        for n in [r for r in (int(r) for r in args.rows.split(",")) if r >= cpu_native.HIGH_MIN_ROWS] + [512]:
+        for n in [int(r) for r in args.rows.split(",")] + [512]:
             x = jnp.asarray(rng.standard_normal((n, D), dtype=np.float32))
             base = "native float32" if n <= lib.max_rows() else "xla"
             med = _alternate(

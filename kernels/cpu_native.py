@@ -1,39 +1,35 @@
-"""Native CPU kernels (C++, XLA FFI): paged attention (both parts), matmuls of a few rows, argmax.
+"""Native CPU kernels (C++, XLA FFI): paged attention, matmuls, argmax.
 
 Owns: loading one built target's library (kernels/cpu_build.py builds it) and registering its
 FFI targets under names that carry the target, so that several builds live in one process (the
 tests run every build this CPU runs); and, per library (`NativeLib`), the calls with their
-contracts: `paged_attention` with the reference's contract (one call for small steps; else
-native local and cached parts, merged by log-sum-exp), the matmuls over arrays, each saying
+contracts: `paged_attention` with the reference's contract (each token as a decode of its own),
+the matmuls over arrays, each saying
 by None what it does not take (`gemv`: float32, up to max_rows() rows; `gemv_int8`: one row of
 W8A8; `qgemm`: up to qgemm_max_rows(kind) rows over ggml's q8_0 / q4_0 / q4_1 / q5_0 / q5_1 blocks
 and q4_k / q5_k / q6_k super-blocks as a GGUF stores them; `gemv_half`: up to gemv_half_max_rows(kind) rows
 over 16-bit float weights, f16 or bf16, widened as they stream (bf16 on AVX512-BF16: vdpbf16ps);
 `matmul_bf16x3`: three bf16 products on AMX over weights `pack_bf16x3` packed at load,
-matmul_precision "high", worth it from HIGH_MIN_ROWS rows), `matmul` (a weight that says which
-of them runs it, `NativeLinear`; None: the caller's own dot) and `argmax_lse` (the sampler's
+matmul_precision "high"), `matmul` (a weight that says which of them runs it, `NativeLinear`,
+at any row count: a call past a kernel's rows in runs of RUN_ROWS; None: the caller's own dot)
+and `argmax_lse` (the sampler's
 greedy token and logsumexp of each logits row in one pass).
 Must not: write the cache, know about requests or the model's weight types (kernels/ imports
 nothing from tl), decide when a kernel is worth calling (tl/runtime/verdicts.py measures that).
 Tested by tests/test_cpu_native.py against the jnp reference, float64 products, XLA's int8 dot
 and jnp's argmax/logsumexp, once per build.
 
-Why the cached part: on XLA:CPU it is a gather of every block into a copy, element by element,
-then tiny batched dots; it was half of a decode step at 64 sequences. The native part reads
-each block where it lies and keeps an online softmax per token and KV head, one token range
-per thread of XLA's intra-op pool.
-
-Why one call for small steps (`small_attention`, at most SMALL_MAX_TOKENS tokens): both parts,
-their merge and the normalisation in one native call, work items (token, KV head) over both
-threads, in place of two calls, a cond and the merge's ops a layer: a decode step 1.01x at 1
-sequence, 1.06x at 4, 1.0x at 16 (runner, alternated with the two-part path, AVX-512).
-
-Why the local part (this step's own keys): in jnp it is a dense [T,T] masked softmax per KV
-head, and XLA:CPU runs its elementwise passes (mask, max, exp, sum over 9.4 MB of scores a
-layer at T=512) on one thread: 4.7-7 ms a layer, ~20% of a 512-token prefill. The native one
-is a flash-attention forward over tiles of query tokens x 64 keys that visits only the key
-chunks a tile can see (a causal prompt: half; a batch of decodes: its diagonal). Head dims
-other than 32/64/128 keep the jnp local part.
+Why one arithmetic for every token (`paged_attention`): each token is computed as a decode of its
+own, by the one-call kernel over metadata that makes it a sequence of one (its keys before it
+read from the cache, where the forward wrote this step's keys first; its own from k_new), so a
+token's result depends on its sequence's keys alone: not on the step's size, its place in the
+step, or how much of its prompt came from the prefix cache or an earlier chunk (issue 48: the
+tiled local part and the cached part, merged, summed a prompt token's keys in an order set by
+where its chunk began, and the quantized model's int8 activations turned those last-bit
+differences into other answers). The kernel reads each block where it lies, keeps an online
+softmax per (token, KV head) and splits a token's blocks into runs by its own context alone,
+work items over both threads. What it cost against the tiled local part: docs/bench/
+batch-invariance.md.
 
 Why the few-row matmul: XLA:CPU runs a matrix-vector product on one thread and few-row
 products far below the FMA units' rate; kernels/cpu/matmul.cc says how the native one is
@@ -58,11 +54,10 @@ from typing import Any, Protocol
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from kernels import cpu_build
 from kernels.cpu_build import NativeUnavailable
-from kernels.paged_attention import AttnArgs, AttnMetadata, grouped_query, local_state
+from kernels.paged_attention import AttnArgs, AttnMetadata, grouped_query
 
 __all__ = [
     "NativeLib",
@@ -75,15 +70,10 @@ __all__ = [
     "bf16_supported",
 ]
 
-HIGH_MIN_ROWS = 17  # "high" precision: from this many rows the AMX kernel, below it the float32 few-row one
-SMALL_MAX_TOKENS = 16  # steps of at most this many tokens take both parts in one call
-LOCAL_HEAD_DIMS = (32, 64, 128)  # the native local part's head dims; others keep the jnp one
+RUN_ROWS = 64  # a matmul of more rows than its kernel takes runs in slices of this many (every kernel takes 64)
 HANDLERS = {  # FFI target base name -> the library's handler symbol
-    "tl_paged_attention_cached": "TlPagedAttentionCached",
-    "tl_paged_attention_cached_bf16": "TlPagedAttentionCachedBf16",
     "tl_small_attention": "TlSmallAttention",
     "tl_small_attention_bf16": "TlSmallAttentionBf16",
-    "tl_local_attention": "TlLocalAttention",
     "tl_gemv": "TlGemv",
     "tl_gemv_int8": "TlGemvInt8",
     "tl_gemm_bf16x3": "TlGemmBf16x3",
@@ -238,7 +228,16 @@ class NativeLib:
         (tl/model/encodings/): float32 x only."""
         if x.dtype != jnp.float32:
             return None
-        return w.native(self, x)
+        y = w.native(self, x)
+        if y is not None or x.shape[0] <= RUN_ROWS:
+            return y
+        # More rows than the kernel takes (the few-row float kernels, the SSE2 and ARM integer
+        # ones): slices of RUN_ROWS, so that a row is the kernel's arithmetic at every step size
+        # (never XLA's at some and the kernel's at others) and a row's result its own alone.
+        runs = [w.native(self, x[i : i + RUN_ROWS]) for i in range(0, x.shape[0], RUN_ROWS)]
+        if any(r is None for r in runs):
+            return None
+        return jnp.concatenate(runs)
 
     def argmax_lse(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         """(first index of each row's max [R] int32, log-sum-exp of each row [R] f32) of float32
@@ -261,36 +260,6 @@ class NativeLib:
             )
         return base + "_bf16"
 
-    def cached_state(
-        self, qg: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array, meta: AttnMetadata
-    ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """(m, l [T,Hk,G], acc [T,Hk,G,hd]) of each token over its cached keys, inside meta.window if
-        any (m = -inf, l = 0 if none)."""
-        base = self._cache_target("tl_paged_attention_cached", qg, k_cache, v_cache)
-        f32, i32 = jnp.float32, jnp.int32
-        call = self._call(base, _state_out(qg.shape))
-        return call(
-            qg.astype(f32),
-            k_cache,
-            v_cache,
-            jnp.asarray(layer, i32).reshape(1),
-            meta.seq_idx.astype(i32),
-            meta.positions.astype(i32),
-            meta.start_pos.astype(i32),
-            meta.block_tables.astype(i32),
-            window=np.int32(meta.window),
-        )
-
-    def local_state(self, qg: jax.Array, k: jax.Array, v: jax.Array, meta: AttnMetadata) -> tuple[jax.Array, ...]:
-        """kernels.paged_attention.local_state by the native kernel (float32, head dim in
-        LOCAL_HEAD_DIMS; padding rows get m 0, l 1, acc 0); other head dims take the jnp one."""
-        if qg.shape[-1] not in LOCAL_HEAD_DIMS:
-            return local_state(qg, k, v, meta)
-        f32, i32 = jnp.float32, jnp.int32
-        call = self._call("tl_local_attention", _state_out(qg.shape))
-        seq_idx, positions = meta.seq_idx.astype(i32), meta.positions.astype(i32)
-        return call(qg.astype(f32), k.astype(f32), v.astype(f32), seq_idx, positions, window=np.int32(meta.window))
-
     def small_attention(
         self,
         qg: jax.Array,
@@ -301,8 +270,9 @@ class NativeLib:
         layer: jax.Array,
         meta: AttnMetadata,
     ) -> jax.Array:
-        """Attention [T,Hk,G,hd] of a step of at most SMALL_MAX_TOKENS tokens (qg scaled, float32 or
-        bf16 caches): both parts, their merge and the normalisation in one native call (padding rows 0)."""
+        """Attention [T,Hk,G,hd] (qg scaled, float32 or bf16 caches): each token over its cached keys
+        (positions before its sequence's start_pos) and this step's keys of its sequence up to it,
+        merged and normalised in one native call (padding rows 0)."""
         base = self._cache_target("tl_small_attention", qg, k_cache, v_cache)
         f32, i32 = jnp.float32, jnp.int32
         call = self._call(base, jax.ShapeDtypeStruct(qg.shape, f32))
@@ -321,38 +291,21 @@ class NativeLib:
         )
 
     def paged_attention(self, a: AttnArgs) -> jax.Array:
-        """kernels/paged_attention.py's `PagedAttention`: steps of at most SMALL_MAX_TOKENS tokens
-        in one call (`small_path`), larger ones in two parts."""
-        if a.q.shape[0] <= SMALL_MAX_TOKENS:
-            return self.small_path(a)
-        return self.two_part_attention(a)
-
-    def small_path(self, a: AttnArgs) -> jax.Array:
-        """`paged_attention` by the one-call kernel (steps of at most SMALL_MAX_TOKENS tokens)."""
-        out = self.small_attention(grouped_query(a), a.k_new, a.v_new, a.k_cache, a.v_cache, a.layer, a.meta)
+        """kernels/paged_attention.py's `PagedAttention`, every token computed as a decode of its
+        own (the module's note says why): the one-call kernel over metadata that makes each token
+        a sequence of one, its keys before it read from the cache (the forward writes the step's
+        keys there before attention) and its own key from k_new."""
+        meta = a.meta
+        seq = meta.seq_idx.astype(jnp.int32)
+        own = AttnMetadata(
+            seq_idx=jnp.where(seq >= 0, jnp.arange(seq.shape[0], dtype=jnp.int32), -1),
+            positions=meta.positions,
+            start_pos=meta.positions.astype(jnp.int32),
+            block_tables=meta.block_tables[jnp.maximum(seq, 0)],
+            window=meta.window,
+        )
+        out = self.small_attention(grouped_query(a), a.k_new, a.v_new, a.k_cache, a.v_cache, a.layer, own)
         return out.reshape(a.q.shape).astype(a.q.dtype)
-
-    def two_part_attention(self, a: AttnArgs) -> jax.Array:
-        """`paged_attention` for steps of more than SMALL_MAX_TOKENS tokens: the local part (tiled),
-        the cached part when any sequence has cached keys, merged by log-sum-exp."""
-        qg = grouped_query(a)
-        m1, l1, acc1 = self.local_state(qg, a.k_new.astype(jnp.float32), a.v_new.astype(jnp.float32), a.meta)
-
-        def with_cached() -> jax.Array:
-            m2, l2, acc2 = self.cached_state(qg, a.k_cache, a.v_cache, a.layer, a.meta)
-            m = jnp.maximum(m1, m2)  # m1 is finite: the local part keeps the diagonal
-            c1, c2 = jnp.exp(m1 - m), jnp.exp(m2 - m)
-            return (acc1 * c1[..., None] + acc2 * c2[..., None]) / (l1 * c1 + l2 * c2)[..., None]
-
-        # A step of fresh prompts only (no cached keys anywhere) skips the call and its merge.
-        out = lax.cond(jnp.any(a.meta.start_pos > 0), with_cached, lambda: acc1 / l1[..., None])
-        return out.reshape(a.q.shape).astype(a.q.dtype)
-
-
-def _state_out(shape: tuple[int, ...]) -> tuple[jax.ShapeDtypeStruct, ...]:
-    """The softmax state a part returns for qg of `shape` [T,Hk,G,hd]: m, l [T,Hk,G], acc [T,Hk,G,hd]."""
-    f32 = jnp.float32
-    return jax.ShapeDtypeStruct(shape[:3], f32), jax.ShapeDtypeStruct(shape[:3], f32), jax.ShapeDtypeStruct(shape, f32)
 
 
 _libraries: dict[str, NativeLib] = {}

@@ -8,13 +8,13 @@ under tensor parallelism (a Pallas or FFI call is opaque to XLA's partitioner), 
 the real shapes so that a kernel that refuses them falls back to the reference with the
 kernel's own message as the reason (traced with every sliding window the model's layers use:
 a kernel without windows, pallas_gpu, falls back for such a model); the layers' matmul from
-`[engine].matmul_kernel`; and the per-shape dispatch (`per_shape`) that runs, at each step
-shape, the implementation tl/runtime/verdicts.py measured faster there.
+`[engine].matmul_kernel`.
 Must not: write the cache, measure anything. Tested by tests/test_pallas_attention.py,
 tests/test_cpu_native.py and tests/test_verdicts.py.
 
-"auto": pallas_tpu on TPU, pallas_gpu on GPU, cpu_native on CPU (where the library builds; each
-step shape then takes whichever of it and the reference measured faster). Naming a Pallas
+"auto": pallas_tpu on TPU, pallas_gpu on GPU, cpu_native on CPU (where the library builds; it
+or the reference then runs every step shape, whichever tl/runtime/verdicts.py measured faster on
+the model). Naming a Pallas
 kernel of another platform runs it in interpret mode (tests do this); cpu_native runs on CPU
 only, and naming it forces it at every shape.
 """
@@ -47,7 +47,7 @@ class Choice:
     fn: PagedAttention
     name: str  # "reference", "cpu_native", "pallas_tpu" or "pallas_gpu" (+ " (interpret)")
     reason: str  # why, for the start-up log
-    measured: bool = False  # cpu_native under "auto": each step shape takes the faster of it and the reference
+    measured: bool = False  # cpu_native under "auto": it or the reference, as measured on the model
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,7 @@ class MatmulChoice:
     # The sampler's argmax and logsumexp of the logits rows in one pass (None: jnp's), chosen
     # with the matmul: an opaque call needs whole (unsharded) rows.
     argmax_lse: ArgmaxLse | None = None
-    measured: bool = False  # "auto": each row count takes the faster of native and XLA
+    measured: bool = False  # "auto": native or XLA at every row count, as measured on the model
 
 
 def native_library(platform: str, target: str, *, cache_dir: str = "", cxx: str = "") -> tuple[NativeLib | None, str]:
@@ -86,7 +86,7 @@ def select_matmul(requested: str, native: NativeLib | None, why_not: str, mesh: 
     if mesh.shape["model"] > 1:
         return MatmulChoice(None, "xla", "tensor parallel: XLA partitions its own dot")
     auto = requested == "auto"
-    why = f"{native.target.name} build: " + ("by measurement per row count" if auto else "configured")
+    why = f"{native.target.name} build: " + ("by measurement on the model" if auto else "configured")
     return MatmulChoice(native.matmul, "cpu_native", why, argmax_lse=native.argmax_lse, measured=auto)
 
 
@@ -157,20 +157,6 @@ def select(
     if name == "cpu_native":
         assert native is not None
         auto = requested == "auto"
-        why = f"{native.target.name} build: " + ("by measurement per step shape" if auto else "configured")
+        why = f"{native.target.name} build: " + ("by measurement on the model" if auto else "configured")
         return Choice(fn, label, why, measured=auto)
     return Choice(fn, label, "configured" if requested != "auto" else f"native kernel for {platform}")
-
-
-def per_shape(
-    use_native: Callable[[int], bool], native: Callable[..., Any], other: Callable[..., Any]
-) -> Callable[..., Any]:
-    """A function that runs `native` where use_native(rows of its first argument: an array's
-    leading axis, an `AttnArgs`' query tokens) holds and `other` elsewhere: decided at trace
-    time, per compiled step shape (rows are static)."""
-
-    def call(x: jax.Array | AttnArgs, *args: Any) -> Any:
-        rows = (x.q if isinstance(x, AttnArgs) else x).shape[0]
-        return native(x, *args) if use_native(rows) else other(x, *args)
-
-    return call

@@ -34,7 +34,7 @@ from models import BYTE_VOCAB_SIZE, IM_END_ID, byte_tokenizer_json
 
 from tl.core.async_engine import AsyncEngine
 from tl.core.config import EngineConfig
-from tl.core.plan import RunnerOutput, SchedulerOutput, SeqResult
+from tl.core.plan import POOL_BITS, RunnerOutput, SchedulerOutput, SeqResult
 from tl.core.request import EmbedRequest, GenRequest, Guide, TokenOut, check_capacity, check_context
 from tl.core.stats import BackendInfo, EngineStats
 from tl.ops.served import ChatRenderer, ServedModel
@@ -362,7 +362,9 @@ class SuccRunner:
         for w in plan.work:
             if w.pool:  # the chunk's sum of fake_hidden: the scheduler's mean is fake_embedding's
                 cols = zip(*(fake_hidden(t, w.start_pos + i) for i, t in enumerate(w.token_ids)), strict=True)
-                results.append(SeqResult(w.seq_id, (), (), pooled=tuple(sum(c) for c in cols)))
+                results.append(
+                    SeqResult(w.seq_id, (), (), pooled=tuple(round(math.ldexp(sum(c), POOL_BITS)) for c in cols))
+                )
                 continue
             if not w.sample:
                 continue

@@ -24,12 +24,13 @@ and must never be folded in.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 
 import numpy as np
 
 from tl.core.config import EngineConfig
-from tl.core.plan import Launched, RunnerOutput, SchedulerOutput, SeqResult, SeqWork
+from tl.core.plan import POOL_BITS, Launched, RunnerOutput, SchedulerOutput, SeqResult, SeqWork
 from tl.core.stats import BackendInfo
 
 
@@ -182,7 +183,7 @@ class FakeRunner:
         total = [0.0, 0.0, 0.0]
         for p in range(work.start_pos, len(context)):
             total = [a + b for a, b in zip(total, pool_vector(context[p], p), strict=True)]
-        return SeqResult(work.seq_id, (), (), pooled=tuple(total))
+        return SeqResult(work.seq_id, (), (), pooled=tuple(round(math.ldexp(x, POOL_BITS)) for x in total))
 
     def _context(self, work: SeqWork, pos: int) -> list[int]:
         """Tokens at positions 0..pos, read from the shadow cache through work's block table."""

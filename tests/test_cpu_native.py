@@ -9,7 +9,7 @@ host's rounding: a matmul within gamma_K of the exact product, attention within 
 bound of a float64 reference, int8 bit for bit XLA's. The small cases of
 tests/test_paged_attention.py (block size 4, head dim 8: the kernel's generic path), SmolLM2's
 shapes (block size 16, head dim 64, 3 query heads per KV head: the vector fold) over long
-contexts, bf16 caches, sliding windows (both folds and the local part), bad block tables
+contexts, bf16 caches, sliding windows (both folds), a token alone and in any step alike, bad block tables
 refused with an error.
 """
 
@@ -23,12 +23,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from bounds import U, attention64, gamma, local64, matmul_bound
+from bounds import U, attention64, gamma, matmul_bound
 from jax.sharding import Mesh
 from test_paged_attention import MIXED, WINDOW_MANY, build_case, inputs, naive
 
 from kernels import cpu_build, cpu_native, select
-from kernels.paged_attention import AttnArgs, AttnMetadata, local_state, paged_attention, to_stored
+from kernels.paged_attention import AttnArgs, AttnMetadata, paged_attention, to_stored
 from tl.model.encodings import ggml_formats
 from tl.model.weights import Dense
 
@@ -38,11 +38,6 @@ RUNNABLE = [t.name for t in cpu_build.runnable()]
 @pytest.fixture(scope="module", params=RUNNABLE)
 def lib(request: pytest.FixtureRequest) -> cpu_native.NativeLib:
     return cpu_native.library(request.param)
-
-
-# Steps of <= SMALL_MAX_TOKENS tokens take one fused call, larger ones two parts; each case runs
-# through both, whatever its size.
-BOTH_PATHS = pytest.mark.parametrize("path", ["small_path", "two_part_attention"], ids=["one_call", "two_parts"])
 
 
 def _within(got: np.ndarray, want: np.ndarray, bound: np.ndarray) -> None:
@@ -55,15 +50,14 @@ def _case_bound(c: dict) -> tuple[np.ndarray, np.ndarray]:
     return out, b[..., None]
 
 
-@BOTH_PATHS
 @pytest.mark.parametrize(
     "seqs",
     [MIXED, [(0, 9), (0, 2)], [(3, 1), (17, 1), (0, 1), (30, 1)], MIXED[:4] + [(0, 2)]],
     ids=["mixed", "fresh_prefill", "decodes", "with_padding_seq"],
 )
-def test_matches_float64(lib: cpu_native.NativeLib, seqs: list[tuple[int, int]], path: str) -> None:
+def test_matches_float64(lib: cpu_native.NativeLib, seqs: list[tuple[int, int]]) -> None:
     c = build_case(np.random.default_rng(len(seqs)), seqs, pad=3)
-    got = np.asarray(jax.jit(getattr(lib, path))(inputs(c)))
+    got = np.asarray(jax.jit(lib.paged_attention)(inputs(c)))
     want, bound = _case_bound(c)
     real = c["seq_idx"] >= 0
     _within(got[real], want[real], bound[real])
@@ -140,22 +134,20 @@ VECTOR_FOLD_CASES = [
 @pytest.mark.parametrize(
     "contexts,new,shape", [*VECTOR_FOLD_CASES, pytest.param([70, 3], 3, (2, 5, 64), id="g5_generic")]
 )
-@BOTH_PATHS
 def test_smollm2_shapes_match_float64_and_reference(
-    lib: cpu_native.NativeLib, contexts: list[int], new: int, shape: tuple[int, int, int], path: str
+    lib: cpu_native.NativeLib, contexts: list[int], new: int, shape: tuple[int, int, int]
 ) -> None:
     """The vectorised cached part (block 16, accumulators in registers or chunked, by the
     target's registers) and the generic one, with the jnp reference inside the same bound."""
     args, case = _smol_case(np.random.default_rng(7), contexts, new, *shape)
-    got = np.asarray(jax.jit(getattr(lib, path))(args))
+    got = np.asarray(jax.jit(lib.paged_attention)(args))
     ref = np.asarray(jax.jit(paged_attention)(args))
     want, bound = _case_bound(case)
     _within(got, want, bound)
     _within(ref, want, bound)
 
 
-@BOTH_PATHS
-def test_sliding_window_matches_naive_and_reference(lib: cpu_native.NativeLib, path: str) -> None:
+def test_sliding_window_matches_naive_and_reference(lib: cpu_native.NativeLib) -> None:
     """Windows in the generic fold (block 4, head dim 8: window 1, where no cached key is seen,
     and 6, not a multiple of a block; the jnp local part) against the naive reference; and
     in the vector fold with the native local part (block 16, head dim 64: decodes whose window
@@ -163,13 +155,13 @@ def test_sliding_window_matches_naive_and_reference(lib: cpu_native.NativeLib, p
     reference. A window changes every answer here (tests/test_paged_attention.py checks that)."""
     for window in (1, 6):
         c = build_case(np.random.default_rng(window), WINDOW_MANY, pad=3)
-        got = np.asarray(jax.jit(getattr(lib, path))(inputs(c, window=window)))
+        got = np.asarray(jax.jit(lib.paged_attention)(inputs(c, window=window)))
         real = c["seq_idx"] >= 0
         np.testing.assert_allclose(got[real], naive(c, window)[real], atol=2e-5, rtol=2e-5, err_msg=f"window {window}")
         assert np.isfinite(got).all()
     for case in range(len(WINDOWED_SMOL)):
         args, want = _windowed_smol(case)
-        got = np.asarray(jax.jit(getattr(lib, path))(args))
+        got = np.asarray(jax.jit(lib.paged_attention)(args))
         np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5, err_msg=f"window {args.meta.window}")
 
 
@@ -190,28 +182,31 @@ def _windowed_smol(case: int) -> tuple[AttnArgs, np.ndarray]:
     return args, np.asarray(jax.jit(paged_attention)(args))
 
 
-def test_a_tokens_one_call_answer_does_not_depend_on_the_steps_other_tokens(lib: cpu_native.NativeLib) -> None:
-    """The one-call kernel splits a token's cached blocks into runs by its own context alone
-    (one run a few blocks, the runs over the threads, merged by the last to finish): a decode's
-    output is bit for bit the same alone as beside other sequences' tokens, at every context
-    (one run up to 5 blocks; 2, 3, 8 runs; a window)."""
+def test_a_tokens_answer_does_not_depend_on_the_steps_other_tokens(lib: cpu_native.NativeLib) -> None:
+    """Every token is computed as a decode of its own, its blocks split into runs by its own
+    context alone (one run up to 5 blocks; 2, 3, 8 runs; a window): a token's output is bit for
+    bit the same alone as beside other sequences' tokens and as one of a chunk of its own
+    sequence's tokens (a prompt chunk, or drafts), whatever the chunk's first position (how much
+    of a prompt came from the prefix cache)."""
     for window in (0, 150):
-        args, _ = _smol_case(np.random.default_rng(3), [300, 47, 0, 129, 90, 700], 1)
-        args = args._replace(meta=dataclasses.replace(args.meta, window=window))
-        together = np.asarray(jax.jit(lib.small_path)(args))
-        for t in range(args.q.shape[0]):
-            meta = dataclasses.replace(  # the sequence alone: index 0 of a step of one
-                args.meta,
-                seq_idx=jnp.zeros(1, jnp.int32),
-                positions=args.meta.positions[t : t + 1],
-                start_pos=args.meta.start_pos[t : t + 1],
-                block_tables=args.meta.block_tables[t : t + 1],
-            )
-            alone = args._replace(
-                q=args.q[t : t + 1], k_new=args.k_new[t : t + 1], v_new=args.v_new[t : t + 1], meta=meta
-            )
-            got = np.asarray(jax.jit(lib.small_path)(alone))
-            assert np.array_equal(got[0], together[t]), f"token {t}, window {window}"
+        for new in (1, 5):
+            args, _ = _smol_case(np.random.default_rng(3), [300, 47, 0, 129, 90, 700], new)
+            args = args._replace(meta=dataclasses.replace(args.meta, window=window))
+            together = np.asarray(jax.jit(lib.paged_attention)(args))
+            for t in range(args.q.shape[0]):
+                s, p = int(args.meta.seq_idx[t]), int(args.meta.positions[t])
+                meta = dataclasses.replace(  # the token alone: a decode at its position, step of one
+                    args.meta,
+                    seq_idx=jnp.zeros(1, jnp.int32),
+                    positions=args.meta.positions[t : t + 1],
+                    start_pos=jnp.full(1, p, jnp.int32),
+                    block_tables=args.meta.block_tables[s : s + 1],
+                )
+                alone = args._replace(
+                    q=args.q[t : t + 1], k_new=args.k_new[t : t + 1], v_new=args.v_new[t : t + 1], meta=meta
+                )
+                got = np.asarray(jax.jit(lib.paged_attention)(alone))
+                assert np.array_equal(got[0], together[t]), f"token {t} (new {new}), window {window}"
 
 
 def _bf16_bits(x: jax.Array) -> jax.Array:
@@ -223,9 +218,8 @@ def _bf16_round(x: np.ndarray) -> np.ndarray:
 
 
 @pytest.mark.parametrize("contexts,new,shape", VECTOR_FOLD_CASES)
-@BOTH_PATHS
 def test_bf16_cache_matches_float64(
-    lib: cpu_native.NativeLib, contexts: list[int], new: int, shape: tuple[int, int, int], path: str
+    lib: cpu_native.NativeLib, contexts: list[int], new: int, shape: tuple[int, int, int]
 ) -> None:
     """A cache of bf16 bits (kv_cache_dtype "bfloat16"): the native fold widens each cached key
     and value exactly (bf16 is a float's top half), so it meets the float32 bound against a
@@ -234,7 +228,7 @@ def test_bf16_cache_matches_float64(
     float32 cache's result, by bf16 rounding."""
     (q, kn, vn, kc, vc, layer, meta), case = _smol_case(np.random.default_rng(7), contexts, new, *shape)
     kn, vn = (jnp.asarray(_bf16_round(np.asarray(a))) for a in (kn, vn))
-    got = np.asarray(jax.jit(getattr(lib, path))(AttnArgs(q, kn, vn, _bf16_bits(kc), _bf16_bits(vc), layer, meta)))
+    got = np.asarray(jax.jit(lib.paged_attention)(AttnArgs(q, kn, vn, _bf16_bits(kc), _bf16_bits(vc), layer, meta)))
     rounded = dict(case, k_cache=_bf16_round(case["k_cache"]), v_cache=_bf16_round(case["v_cache"]))
     want, bound = _case_bound(rounded)
     _within(got, want, bound)
@@ -242,25 +236,24 @@ def test_bf16_cache_matches_float64(
     assert np.abs(got - exact).max() > bound.max()  # off by more than float32 rounding: the cache was read as bf16
 
 
-@BOTH_PATHS
-def test_bad_block_table_is_an_error_not_a_read(lib: cpu_native.NativeLib, path: str) -> None:
+def test_bad_block_table_is_an_error_not_a_read(lib: cpu_native.NativeLib) -> None:
     (q, kn, vn, kc, vc, layer, meta), _ = _smol_case(np.random.default_rng(1), [40, 3], 1)
     bad = meta.block_tables.at[0, 1].set(10_000)
     meta = AttnMetadata(seq_idx=meta.seq_idx, positions=meta.positions, start_pos=meta.start_pos, block_tables=bad)
     with pytest.raises(Exception, match="block id out of range"):
-        jax.block_until_ready(jax.jit(getattr(lib, path))(AttnArgs(q, kn, vn, kc, vc, layer, meta)))
+        jax.block_until_ready(jax.jit(lib.paged_attention)(AttnArgs(q, kn, vn, kc, vc, layer, meta)))
 
 
 def test_mismatched_cache_shapes_are_an_error(lib: cpu_native.NativeLib) -> None:
     (q, _, _, kc, vc, layer, meta), _ = _smol_case(np.random.default_rng(1), [40, 3], 1)
     qg = q.reshape(q.shape[0], 3, 3, 64) * 0.125
     with pytest.raises(Exception, match="v_cache is not"):
-        jax.block_until_ready(lib.cached_state(qg, kc, vc[:, :-1], layer, meta))
+        jax.block_until_ready(lib.small_attention(qg, qg[:, :, 0], qg[:, :, 0], kc, vc[:, :-1], layer, meta))
     with pytest.raises(Exception, match="start_pos is not"):
         short = AttnMetadata(
             seq_idx=meta.seq_idx, positions=meta.positions, start_pos=meta.start_pos[:1], block_tables=meta.block_tables
         )
-        jax.block_until_ready(lib.cached_state(qg, kc, vc, layer, short))
+        jax.block_until_ready(lib.small_attention(qg, qg[:, :, 0], qg[:, :, 0], kc, vc, layer, short))
 
 
 def _local_case(runs: list[tuple[int, int]], pad: int, hk: int, g: int, hd: int) -> tuple:
@@ -282,36 +275,6 @@ def _local_case(runs: list[tuple[int, int]], pad: int, hk: int, g: int, hd: int)
 
 
 @pytest.mark.parametrize(
-    "runs,pad,hk,g,hd",
-    [
-        ([(0, 150)], 0, 3, 3, 64),  # a fresh prompt: causal tiles, a partial last key chunk
-        ([(5, 70), (0, 1), (30, 90), (0, 17)], 22, 3, 3, 64),  # chunks and a decode mixed, padding
-        ([(9, 1)] * 20, 0, 3, 3, 64),  # decodes only: every token sees itself
-        ([(0, 40)], 3, 2, 7, 128),  # 7 query heads per KV head: tiles of 9 tokens
-        ([(3, 33), (0, 4)], 1, 4, 1, 32),
-    ],
-    ids=["prompt", "mixed", "decodes", "hd128_g7", "hd32_mha"],
-)
-def test_local_part_matches_float64(
-    lib: cpu_native.NativeLib, runs: list[tuple[int, int]], pad: int, hk: int, g: int, hd: int
-) -> None:
-    """The native local part (this step's own keys) and local_state's dense masked softmax, both
-    within the bound of a float64 causal attention; their running maxima agree (so merges do)."""
-    qg, k, v, meta = _local_case(runs, pad, hk, g, hd)
-    m1, l1, a1 = jax.jit(local_state)(qg, k, v, meta)
-    m2, l2, a2 = jax.jit(lib.local_state)(qg, k, v, meta)
-    want, bound = local64(np.asarray(qg), np.asarray(k), np.asarray(v), np.asarray(meta.seq_idx))
-    real = np.asarray(meta.seq_idx) >= 0
-    ref, got = np.asarray(a1 / l1[..., None]), np.asarray(a2 / l2[..., None])
-    _within(got[real], want[real], bound[real][..., None])
-    _within(ref[real], want[real], bound[real][..., None])
-    # the max is one score, each within gamma_{hd} of its sum of |products|
-    smax = np.einsum("thgd,shd->thgs", np.abs(np.asarray(qg)), np.abs(np.asarray(k))).max(axis=-1)
-    assert (np.abs(np.asarray(m2) - np.asarray(m1))[real] <= 2 * gamma(hd) * smax[real]).all()
-    assert np.isfinite(got).all() and (got[~real] == 0).all()
-
-
-@pytest.mark.parametrize(
     "seq_idx,positions,msg",
     [
         ([0, 1, 0], [0, 0, 1], "not contiguous"),
@@ -323,28 +286,26 @@ def test_local_part_refuses_a_layout_it_would_misread(
     lib: cpu_native.NativeLib, seq_idx: list[int], positions: list[int], msg: str
 ) -> None:
     """The kernel relies on each sequence being one run in position order; anything else is an error."""
-    qg, k, v, meta = _local_case([(0, 3)], 0, 3, 3, 64)
+    qg, k, v, _ = _local_case([(0, 3)], 0, 3, 3, 64)
     meta = AttnMetadata(
         seq_idx=jnp.asarray(seq_idx, jnp.int32),
         positions=jnp.asarray(positions, jnp.int32),
         start_pos=jnp.zeros(2, jnp.int32),
         block_tables=jnp.zeros((2, 1), jnp.int32),
     )
-    with pytest.raises(Exception, match=msg):
-        jax.block_until_ready(lib.local_state(qg, k, v, meta))
-    kc = jnp.zeros((1, 2, 3, 64, 16), jnp.float32)  # the one-call path checks the same layout
+    kc = jnp.zeros((1, 2, 3, 64, 16), jnp.float32)
     vc = jnp.zeros((1, 2, 3, 16, 64), jnp.float32)
     with pytest.raises(Exception, match=msg):
         jax.block_until_ready(lib.small_attention(qg, k, v, kc, vc, jnp.int32(0), meta))
 
 
-def test_small_steps_take_one_call_and_larger_ones_two_parts(lib: cpu_native.NativeLib) -> None:
-    names = lib.ffi_names
-    small, local, cached = names["tl_small_attention"], names["tl_local_attention"], names["tl_paged_attention_cached"]
-    for new, calls in ((cpu_native.SMALL_MAX_TOKENS, {small}), (cpu_native.SMALL_MAX_TOKENS + 1, {local, cached})):
+def test_every_step_size_takes_the_one_call(lib: cpu_native.NativeLib) -> None:
+    """One kernel, one arithmetic, at every step size: a token's result must not depend on its step."""
+    small = lib.ffi_names["tl_small_attention"]
+    for new in (1, 16, 17, 100):
         args, _ = _smol_case(np.random.default_rng(3), [20], new)
         hlo = jax.jit(lib.paged_attention).lower(args).as_text()
-        assert {t for t in (small, local, cached) if f"@{t}(" in hlo} == calls
+        assert hlo.count(f"@{small}(") == 1
 
 
 def _probe(dtype: jnp.dtype) -> AttnArgs:
@@ -513,13 +474,31 @@ def test_independent_calls_at_once_do_not_wait_on_each_other(lib: cpu_native.Nat
 
 
 def test_max_rows_and_what_stays_with_xla(lib: cpu_native.NativeLib) -> None:
-    """The native float matmul takes up to 64 rows on every build; more rows and bf16 stay with XLA."""
-    assert lib.max_rows() == 64
+    """The native float kernel takes up to 64 rows on every build; `matmul` runs more in slices of
+    RUN_ROWS (never XLA's dot past them); bf16 stays with XLA."""
+    assert lib.max_rows() == 64 == cpu_native.RUN_ROWS
     x = jnp.ones((lib.max_rows() + 1, 8), jnp.float32)
     w = Dense(jnp.ones((4, 8), jnp.float32))
-    assert lib.matmul(x, w) is None
+    assert lib.gemv(x, w.w) is None
+    assert jax.jit(lib.matmul).lower(x, w).as_text().count(f"@{lib.ffi_names['tl_gemv']}(") == 2
     assert lib.matmul(x[:2].astype(jnp.bfloat16), Dense(w.w.astype(jnp.bfloat16))) is None
     assert lib.ffi_names["tl_gemv"] in str(jax.jit(lib.matmul).lower(x[:2], w).as_text())
+
+
+@pytest.mark.parametrize("kind", ["f32", "f16", "bf16", "q8_0", "q4_1"])
+def test_a_rows_matmul_does_not_depend_on_the_other_rows(lib: cpu_native.NativeLib, kind: str) -> None:
+    """`matmul` at any row count (one kernel's arithmetic for every row, slices past its rows):
+    each row of a 300-row call bit for bit that row alone and in other slices (issue 48)."""
+    from tl.model.encodings.blocks import BLOCK_ENCODINGS
+
+    rng = np.random.default_rng(11)
+    wf = rng.standard_normal((45, 608), dtype=np.float32) / 8  # K 608: 19 blocks, a tail past 32-wide steps
+    w = Dense(jnp.asarray(wf)) if kind == "f32" else BLOCK_ENCODINGS[kind].encode(wf, ())
+    mm = jax.jit(lib.matmul)
+    x = rng.standard_normal((300, 608), dtype=np.float32)
+    whole = np.asarray(mm(jnp.asarray(x), w))
+    for a, b in ((0, 1), (5, 6), (299, 300), (0, 2), (2, 5), (3, 10), (1, 64), (60, 130), (100, 300)):
+        np.testing.assert_array_equal(np.asarray(mm(jnp.asarray(x[a:b]), w)), whole[a:b], err_msg=f"rows {a}:{b}")
 
 
 @pytest.mark.parametrize("rows", [1, 3])

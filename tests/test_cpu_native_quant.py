@@ -153,8 +153,6 @@ def test_a_rows_result_does_not_depend_on_the_other_rows(lib: cpu_native.NativeL
     rows, and the panels from 8 rows, one arithmetic), so a request alone or in a batch of
     decodes, and a prompt's last rows computed again after a prefix-cache hit, give the same
     tokens."""
-    if lib.target.name == "x86-64" and kind.endswith("_1"):  # noted in the stop note of 2026-12-03
-        pytest.xfail("the SSE2 scalar tiles: -ffast-math contracts the m term's float sums differently per tile size")
     rng = np.random.default_rng(len(kind) + k)
     n = min(300, lib.qgemm_max_rows(kind))  # 300: past a panel run of 256 rows
     x, raw = case(rng, kind, (45,), k, n)
@@ -289,8 +287,6 @@ def test_qgemm_k_quants_match_float64_and_llama_cpp_arithmetic(
 def test_a_k_quant_rows_result_does_not_depend_on_the_other_rows(lib: cpu_native.NativeLib, kind: str, k: int) -> None:
     """The K-quants' batch invariance, bit for bit: each row of a call equals that row alone and
     in other slices, whatever tile and run of x it falls in."""
-    if lib.target.name == "x86-64" and kind != "q6_k":
-        pytest.xfail("the SSE2 scalar tiles: -ffast-math contracts the dmin term's sums differently per tile size")
     rng = np.random.default_rng(len(kind) + k)
     n = min(150, lib.qgemm_max_rows(kind))
     x, raw = k_case(rng, kind, (21,), k, n)

@@ -110,15 +110,20 @@ def test_high_differs_from_float32_where_bf16x3_runs() -> None:
 
 
 @needs_amx
-def test_dispatch_by_rows() -> None:
-    """Below HIGH_MIN_ROWS rows the float32 few-row kernel runs on "f32"; from it, bf16x3."""
-    w = Bf16x3(jnp.ones((32, 64), jnp.float32), jnp.asarray(cpu_native.pack_bf16x3(np.ones((32, 64), np.float32))))
+def test_every_row_count_runs_bf16x3_and_a_row_is_its_own() -> None:
+    """One arithmetic at every row count (issue 48): the AMX kernel at 1 row as at 300, and each
+    row's result bit for bit the same alone as in a larger call."""
+    rng = np.random.default_rng(2)
+    w = rng.standard_normal((96, 64)).astype(np.float32)
+    packed = Bf16x3(jnp.asarray(w), jnp.asarray(cpu_native.pack_bf16x3(w)))
     lib = _lib()
-    gemv, amx = lib.ffi_names["tl_gemv"], lib.ffi_names["tl_gemm_bf16x3"]
-    few = str(jax.make_jaxpr(lib.matmul)(jnp.ones((cpu_native.HIGH_MIN_ROWS - 1, 64)), w))
-    many = str(jax.make_jaxpr(lib.matmul)(jnp.ones((cpu_native.HIGH_MIN_ROWS, 64)), w))
-    assert gemv in few and amx not in few
-    assert amx in many
+    amx = lib.ffi_names["tl_gemm_bf16x3"]
+    assert amx in str(jax.make_jaxpr(lib.matmul)(jnp.ones((1, 64)), packed))
+    x = rng.standard_normal((300, 64)).astype(np.float32)
+    mm = jax.jit(lib.matmul)
+    whole = np.asarray(mm(jnp.asarray(x), packed))
+    for a, b in ((0, 1), (5, 6), (3, 20), (17, 64), (250, 300)):
+        np.testing.assert_array_equal(np.asarray(mm(jnp.asarray(x[a:b]), packed)), whole[a:b])
 
 
 @needs_amx

@@ -389,7 +389,10 @@ def test_bf16_kv_cache_of_a_float32_model() -> None:
     full, exact = run()
     assert native.kv_cache[0].nbytes * 2 == full.kv_cache[0].nbytes and full.backend_info.kv_cache_dtype == "float32"
     for a, b, c in zip(got, ref, exact, strict=True):
-        assert a.out == b.out and np.allclose(a.logprobs, b.logprobs, atol=1e-4)
+        # The native kernel reads a prompt token's earlier keys of its own step from the bf16
+        # cache, as a decode of that token would (one arithmetic per token, issue 48); the
+        # reference reads them as the step's float32 keys: bf16's rounding of those keys apart.
+        assert a.out == b.out and np.allclose(a.logprobs, b.logprobs, atol=1e-2)
         assert np.allclose(a.logprobs, c.logprobs, atol=0.05)
 
 

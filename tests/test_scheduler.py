@@ -7,7 +7,7 @@ from typing import Any
 
 from tl.core.block_manager import BlockManager
 from tl.core.config import EngineConfig
-from tl.core.plan import RunnerOutput, SchedulerOutput, SeqResult, SeqWork
+from tl.core.plan import POOL_BITS, RunnerOutput, SchedulerOutput, SeqResult, SeqWork
 from tl.core.request import SamplingParams, TokenOut
 from tl.core.scheduler import Scheduler
 from tl.core.sequence import SeqStatus, Sequence
@@ -342,7 +342,7 @@ def test_an_embeddings_request_under_way_outlives_the_queue_deadline() -> None:
         plan = schedule(s)
         assert 0 < len(plan.work) <= 2  # the embeddings' share of the sequences
         clock.now_s += 0.4  # every step slower than the deadline
-        done += update(s, plan, *(SeqResult(w.seq_id, (), (), pooled=(1.0, 0.0)) for w in plan.work))
+        done += update(s, plan, *(SeqResult(w.seq_id, (), (), pooled=(1 << POOL_BITS, 0)) for w in plan.work))
         if not s.has_work():
             break
     assert sorted(o.request_id for o in done) == list(range(10))

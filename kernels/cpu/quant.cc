@@ -757,8 +757,10 @@ inline void dot_rows(const uint8_t* w, const XQ& x, int64_t n0, float out[R]) {
 constexpr int kTileRows = 4;
 
 // SSE2, armv8-a without dotprod: scalar blocks (the compiler vectorizes the int8 products).
+// Without fast-math: under it, the m term's and the blocks' float adds were reassociated
+// differently per tile size R, and a row's result depended on its call's other rows.
 template <int KIND, int R>
-inline void dot_rows(const uint8_t* w, const XQ& x, int64_t n0, float out[R]) {
+TL_STRICT_MATH inline void dot_rows(const uint8_t* w, const XQ& x, int64_t n0, float out[R]) {
   constexpr int64_t BB = Fmt<KIND>::kBytes;
   float acc[R];
   for (int r = 0; r < R; ++r) acc[r] = 0.0f;
@@ -984,9 +986,10 @@ inline void dot_rows_k(const uint8_t* w, const XQ& x, int64_t n0, float out[R]) 
 }
 
 #else
-// SSE2, armv8-a without dotprod: scalar super-blocks (the compiler vectorizes the products).
+// SSE2, armv8-a without dotprod: scalar super-blocks (the compiler vectorizes the products);
+// without fast-math, as dot_rows above.
 template <int KIND, int R>
-inline void dot_rows_k(const uint8_t* w, const XQ& x, int64_t n0, float out[R]) {
+TL_STRICT_MATH inline void dot_rows_k(const uint8_t* w, const XQ& x, int64_t n0, float out[R]) {
   constexpr int64_t BB = Fmt<KIND>::kBytes;
   float acc[R];
   for (int r = 0; r < R; ++r) acc[r] = 0.0f;

@@ -32,8 +32,10 @@ Semantics of one SeqWork (the vLLM v1 rule: computed tokens catch up with known 
   call, taken on the device; `token_ids` holds a placeholder (0) and `start_pos`/`num_generated`
   count the previous call's tokens as made.
 - `pool` (an embeddings input; never sampled): the runner returns the sum over this work's
-  tokens of their final-normed hidden states as `SeqResult.pooled` (no tokens); the
-  scheduler adds the chunks' sums up and divides by the input's length.
+  tokens of their final-normed hidden states as `SeqResult.pooled` (no tokens), in integer
+  units of 2^-POOL_BITS; the scheduler adds the chunks' sums up and divides by the input's
+  length. Integers, so that the sum is exact in any order: an input's vector is the same
+  whatever chunks its steps cut it into (issue 48).
 """
 
 from __future__ import annotations
@@ -91,6 +93,10 @@ class SchedulerOutput:
         return sum(len(w.token_ids) for w in self.work)
 
 
+POOL_BITS = 32
+"""SeqResult.pooled's fixed point: a pooled sum is in units of 2^-POOL_BITS."""
+
+
 @dataclass(frozen=True, slots=True)
 class SeqResult:
     """Tokens produced for one sampled SeqWork (accepted drafts then one sampled token), or
@@ -101,7 +107,7 @@ class SeqResult:
     logprobs: tuple[float, ...]
     top_logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()
     num_accepted: int = 0
-    pooled: tuple[float, ...] = ()
+    pooled: tuple[int, ...] = ()  # units of 2^-POOL_BITS (each hidden value rounded to them, then summed exactly)
 
 
 @dataclass(frozen=True, slots=True)

@@ -65,7 +65,7 @@ from dataclasses import dataclass
 
 from tl.core.block_manager import BlockManager
 from tl.core.config import EngineConfig
-from tl.core.plan import RunnerOutput, SchedulerOutput, SeqResult, SeqWork
+from tl.core.plan import POOL_BITS, RunnerOutput, SchedulerOutput, SeqResult, SeqWork
 from tl.core.request import FinishReason, TokenOut
 from tl.core.sequence import SeqStatus, Sequence
 from tl.core.spec_decode import PromptLookupProposer
@@ -458,12 +458,12 @@ class Scheduler:
         """Add a pooled chunk's sum in; the input's last chunk finishes it with its vector."""
         if result is None or not result.pooled or (seq.pooled and len(result.pooled) != len(seq.pooled)):
             raise RuntimeError(f"runner returned no pooled sum of the right size for seq {work.seq_id}")
-        prior = seq.pooled or [0.0] * len(result.pooled)
-        seq.pooled = [a + b for a, b in zip(prior, result.pooled, strict=True)]
+        prior = seq.pooled or [0] * len(result.pooled)
+        seq.pooled = [a + b for a, b in zip(prior, result.pooled, strict=True)]  # integers: exact, in any order
         seq.num_computed_tokens += len(work.token_ids)
         if seq.num_computed_tokens < seq.num_tokens:
             return []
-        mean = [x / seq.num_tokens for x in seq.pooled]
+        mean = [math.ldexp(x, -POOL_BITS) / seq.num_tokens for x in seq.pooled]
         norm = max(math.sqrt(sum(x * x for x in mean)), 1e-12)
         self._finish(seq, "stop")
         return [TokenOut(seq.seq_id, -1, finish_reason="stop", embedding=tuple(x / norm for x in mean))]

@@ -43,7 +43,7 @@ class Sequence:
     finish_reason: FinishReason | None = None
     pool: bool = False  # an embeddings input: pooled, never sampled, its blocks never cached
     group: int = -1  # the request it belongs to (an embeddings request's inputs share one); -1: its own
-    pooled: list[float] = field(default_factory=list)  # the pooled sum over its computed tokens
+    pooled: list[int] = field(default_factory=list)  # the pooled sum over its computed tokens (plan.POOL_BITS)
     guide: Guide | None = None  # its constraint's matcher: has consumed exactly its output tokens
 
     @property

@@ -58,7 +58,7 @@ import numpy as np
 from jax import lax
 
 from kernels.paged_attention import AttnArgs, AttnMetadata, PagedAttention, paged_attention, write_kv
-from tl.model import tree
+from tl.model import rowwise, tree
 from tl.model.config import ModelConfig, ModelDirError, RopeScaling, hf_shapes
 from tl.model.files import HostTensor, Packed, read_tensors
 from tl.model.weights import ENCODINGS, Axes, Bf16x3, Blocks, Dense, Linear, Table, Tensor
@@ -306,7 +306,7 @@ def linear(x: jax.Array, w: Linear, matmul: Matmul | None = None) -> jax.Array:
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     """RMSNorm computed in float32, cast back to x's dtype (as Hugging Face does)."""
     xf = x.astype(jnp.float32)
-    xf = xf * lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    xf = xf * lax.rsqrt(rowwise.row_mean(xf * xf, keepdims=True) + eps)
     return (xf.astype(x.dtype) * w).astype(x.dtype)
 
 

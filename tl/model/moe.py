@@ -24,6 +24,7 @@ within a float32 error bound; loading float, quantized and packed experts; a 2-d
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Literal
 
@@ -33,7 +34,7 @@ import numpy as np
 from flax import struct
 from jax import lax
 
-from tl.model import tree
+from tl.model import rowwise, tree
 from tl.model.config import ModelConfig, ModelDirError
 from tl.model.encodings.ggml_formats import dequantize
 from tl.model.files import HostTensor, Packed
@@ -121,10 +122,10 @@ def route(x: jax.Array, e: Experts) -> tuple[jax.Array, jax.Array]:
     F.linear returns them), softmax in float32, top-k, renormalized if norm_topk_prob."""
     w = e.router.value
     logits = lax.dot_general(x, w.astype(x.dtype), (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-    probs = jax.nn.softmax(logits.astype(x.dtype).astype(jnp.float32), axis=-1)
+    probs = rowwise.softmax(logits.astype(x.dtype).astype(jnp.float32))
     top, ids = lax.top_k(probs, e.top_k)
     if e.norm_topk_prob:
-        top = top / jnp.sum(top, axis=-1, keepdims=True)
+        top = top / rowwise.row_sum(top, keepdims=True)
     return top.astype(x.dtype), ids.astype(jnp.int32)
 
 
@@ -182,7 +183,8 @@ def moe_mlp(x: jax.Array, e: Experts, act: Activation = jax.nn.silu, form: Form 
     if form == "dense":
         return _dense(x, e, weights, ids, act)
     y = {"gather": _gathered, "tiled": _tiled, "ragged": _grouped}[form](x, e, ids, act)  # [T, k, D]
-    return jnp.sum(y * weights[..., None], axis=1).astype(x.dtype)
+    yw = y * weights[..., None]
+    return functools.reduce(jnp.add, [yw[:, i] for i in range(yw.shape[1])]).astype(x.dtype)  # in k's order
 
 
 def _gathered(x: jax.Array, e: Experts, ids: jax.Array, act: Activation) -> jax.Array:

@@ -2,8 +2,8 @@
 
 Owns: `ExecutionPlan` (frozen: platform, compute dtype, KV-cache storage, attention kernel,
 layer matmul kernel, float32 matmul precision, weight placement, each with its reason; the
-callables those choices name; the native kernels' per-step-class verdicts and the step's
-dispatch resolved from them (`StepKernels`: the kernel every step class runs); the token and
+callables those choices name; the native kernels' verdicts and the step's dispatch resolved
+from them (`StepKernels`: one implementation a kernel slot, at every step shape); the token and
 sequence buckets, every compiled step variant and the ones compiled before the server is ready)
 and `plan_execution`, the function that makes it from the `EngineConfig`, the platform (mesh,
 tensor-parallel layout, the native library or why not) and, once measured, the kernel verdicts
@@ -20,7 +20,6 @@ import dataclasses
 from bisect import bisect_left
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -33,7 +32,7 @@ from kernels.paged_attention import AttnArgs, AttnMetadata
 from tl.core.config import EngineConfig
 from tl.core.stats import BackendInfo
 from tl.model.config import ModelConfig
-from tl.runtime import backend, sampler, verdicts, weight_pages
+from tl.runtime import backend, verdicts, weight_pages
 from tl.runtime.verdicts import Verdicts
 
 if TYPE_CHECKING:
@@ -62,17 +61,11 @@ class Kernels:
 @dataclass(frozen=True, slots=True)
 class StepKernels:
     """What the step calls in each kernel slot, resolved once the verdicts are in: where a kernel
-    was measured, a dispatch that gives each step class (its rows, at trace time) its verdict's
-    kernel (kernels/select.py per_shape); else the choice as made."""
+    was measured, its verdict's implementation at every step shape; else the choice as made."""
 
     attention: Callable[..., Any]
     matmul: Callable[..., Any] | None  # None: XLA's dot
     argmax_lse: Callable[..., Any] | None  # None: jnp's
-
-
-def _no_native(x: jax.Array, w: Any) -> None:
-    """The matmul at row counts the verdicts give to XLA: None, so llama.linear runs XLA's dot."""
-    return None
 
 
 def bucket(n: int, buckets: Sequence[int], what: str) -> int:
@@ -107,7 +100,7 @@ class ExecutionPlan:
     max_blocks: int  # block-table width (whole chunks covering max_model_len)
     kernels: Kernels  # the callables the choices above name
     verdicts: Verdicts = dataclasses.field(default_factory=Verdicts)
-    attention_measured: bool = False  # cpu_native under "auto": each step class as its verdict says
+    attention_measured: bool = False  # cpu_native under "auto": it or the reference at every step shape, as measured
     matmul_measured: bool = False
     step_kernels: StepKernels | None = None  # the dispatch the step traces; set by `measured`
 
@@ -121,13 +114,6 @@ class ExecutionPlan:
         donated bf16 buffer by copying it)."""
         return jnp.dtype(jnp.uint16) if self.kv_storage.value == "bfloat16" else self.compute_dtype
 
-    def attention_native(self, tokens: int) -> bool:
-        """The step shape of `tokens` runs the native attention (measured classes only)."""
-        return self.verdicts.native("attention", tokens)
-
-    def matmul_native(self, rows: int) -> bool:
-        return self.verdicts.native("matmul", rows)
-
     def shape(self, num_tokens: int, num_seqs: int) -> tuple[int, int]:
         """The (token bucket, seq bucket) a step of num_tokens tokens over num_seqs sequences
         needs: the smallest of each that holds it."""
@@ -135,18 +121,14 @@ class ExecutionPlan:
             num_seqs, self.seq_buckets, "step sequences"
         )
 
-    def measure_classes(self, matmul_any_rows: bool = False) -> list[tuple[str, int]]:
-        """(kernel, rows) of every class whose kernel is chosen by measurement. `matmul_any_rows`:
-        the native matmul takes every row count of this model's linears (the block encodings'
-        integer kernel does on AVX-512 VNNI builds), so the largest token bucket is a class of its
-        own, as with "high"."""
+    def measure_classes(self) -> list[tuple[str, int]]:
+        """(kernel, rows) of every class whose kernel is chosen by measurement: the matmul's row
+        classes up to the largest token bucket (a native kernel takes any row count), the
+        attention's step classes."""
         classes: list[tuple[str, int]] = []
-        top = self.token_buckets[-1]
         if self.matmul_measured:
-            rows = sorted({min(r, top) for r in verdicts.MATMUL_ROWS})
-            if (self.precision.value == "high" or matmul_any_rows) and top > rows[-1]:
-                rows.append(top)  # the AMX kernel takes any row count; so does qgemm
-            classes += [("matmul", r) for r in rows]
+            top = self.token_buckets[-1]
+            classes += [("matmul", r) for r in sorted({min(r, top) for r in (*verdicts.MATMUL_ROWS, top)})]
         if self.attention_measured:
             classes += [("attention", t) for t, _ in self.attention_classes]
         return classes
@@ -156,13 +138,10 @@ class ExecutionPlan:
         the step's dispatch resolved from them."""
         k = self.kernels
         attention, matmul, argmax_lse = k.attention.fn, k.matmul.fn, k.matmul.argmax_lse
-        if self.attention_measured:
-            attention = kernel_select.per_shape(
-                partial(v.native, "attention"), attention, paged_attention.paged_attention
-            )
-        if self.matmul_measured and matmul is not None and argmax_lse is not None:
-            matmul = kernel_select.per_shape(partial(v.native, "matmul"), matmul, _no_native)
-            argmax_lse = kernel_select.per_shape(partial(v.native, "matmul"), argmax_lse, sampler.argmax_lse)
+        if self.attention_measured and not v.native("attention"):
+            attention = paged_attention.paged_attention
+        if self.matmul_measured and not v.native("matmul"):
+            matmul, argmax_lse = None, None
         return dataclasses.replace(
             self,
             verdicts=v,

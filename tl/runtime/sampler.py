@@ -31,6 +31,7 @@ from jax import lax
 
 from kernels.paged_attention import Operand
 from tl.core.request import SamplingParams
+from tl.model import rowwise
 
 BISECT_STEPS = 31  # bit patterns of floats in [0, 1] span < 2**30: 31 halvings pin one exactly
 
@@ -114,10 +115,10 @@ def _top_k_bits(p_bits: jax.Array, k: jax.Array) -> jax.Array:
 def _top_p_bits(p: jax.Array, p_bits: jax.Array, floor: jax.Array, top_p: jax.Array) -> jax.Array:
     """Bit pattern of the smallest probability in the top-p nucleus of the tokens >= floor."""
     kept = jnp.where(p_bits >= floor[:, None], p, 0.0)
-    target = top_p * kept.sum(axis=1)
+    target = top_p * rowwise.row_sum(kept)
 
     def ok(b: jax.Array) -> jax.Array:
-        return (b <= floor) | (jnp.sum(jnp.where(p_bits >= b[:, None], kept, 0.0), axis=1) >= target)
+        return (b <= floor) | (rowwise.row_sum(jnp.where(p_bits >= b[:, None], kept, 0.0)) >= target)
 
     return jnp.where(top_p < 1.0, _bisect(p_bits, p_bits.max(axis=1) + 1, ok), 0)
 
@@ -135,7 +136,7 @@ def _truncate(p: jax.Array, sb: SamplingBatch) -> jax.Array:
 
 def _draw(q: jax.Array, u: jax.Array) -> jax.Array:
     """Inverse-CDF draw from unnormalised q [R,V] with uniforms u [R] in [0, 1)."""
-    cdf = jnp.cumsum(q, axis=1)
+    cdf = rowwise.cumsum(q)
     idx = jnp.minimum(jnp.sum(cdf <= (u * cdf[:, -1])[:, None], axis=1), q.shape[1] - 1)
     hit = jnp.take_along_axis(q, idx[:, None], axis=1)[:, 0] > 0
     return jnp.where(hit, idx, jnp.argmax(q, axis=1)).astype(jnp.int32)  # float edge: most likely token
@@ -164,7 +165,7 @@ ArgmaxLse = Callable[[jax.Array], tuple[jax.Array, jax.Array]]
 
 
 def argmax_lse(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    return jnp.argmax(x, axis=1).astype(jnp.int32), jax.nn.logsumexp(x, axis=1)
+    return jnp.argmax(x, axis=1).astype(jnp.int32), rowwise.logsumexp(x)
 
 
 def sample(logits: jax.Array, sb: SamplingBatch, pen: Penalties, argmax_lse_fn: ArgmaxLse | None = None) -> SampleOut:
@@ -205,14 +206,14 @@ def _greedy(greedy_tok: jax.Array, sb: SamplingBatch) -> tuple[jax.Array, jax.Ar
 def _sampled(x: jax.Array, greedy_tok: jax.Array, sb: SamplingBatch) -> tuple[jax.Array, jax.Array]:
     """(token, accepted) for a batch with at least one sampled row (greedy rows as in `_greedy`)."""
     temp = jnp.where(sb.temperature > 0, sb.temperature, 1.0)
-    q = _truncate(jax.nn.softmax(x / temp[:, None], axis=1), sb)
+    q = _truncate(rowwise.softmax(x / temp[:, None]), sb)
     has_draft = sb.draft >= 0
     d = jnp.where(has_draft, sb.draft, 0)
     q_d = jnp.take_along_axis(q, d[:, None], axis=1)[:, 0]
     u = _uniforms(sb)
-    accept_sampled = has_draft & (u[:, 0] * q.sum(axis=1) < q_d)
+    accept_sampled = has_draft & (u[:, 0] * rowwise.row_sum(q) < q_d)
     without_d = jnp.where(has_draft[:, None] & (jnp.arange(q.shape[1])[None, :] == d[:, None]), 0.0, q)
-    drawn = _draw(jnp.where(without_d.sum(axis=1, keepdims=True) > 0, without_d, q), u[:, 1])
+    drawn = _draw(jnp.where(rowwise.row_sum(without_d, keepdims=True) > 0, without_d, q), u[:, 1])
     greedy = sb.temperature <= 0
     accepted = jnp.where(greedy, has_draft & (greedy_tok == d), accept_sampled)
     return jnp.where(accepted, d, jnp.where(greedy, greedy_tok, drawn)), accepted
@@ -223,7 +224,7 @@ def top_logprobs(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
 
     k rounds of argmax-and-mask instead of lax.top_k (a sort on CPU); run only when asked.
     """
-    lp = jax.nn.log_softmax(logits, axis=1)
+    lp = rowwise.log_softmax(logits)
 
     def body(x: jax.Array, _: None) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
         i = jnp.argmax(x, axis=1)

@@ -47,8 +47,8 @@ def _step(
     argmax_lse: Any = None,
 ) -> tuple[Any, SampleOut, jax.Array, jax.Array]:
     """Forward, KV write, sample-row selection, the constraint bitmask, sampling, pooling; returns
-    (kv, SampleOut, logits [R,V] as masked, pooled [S,D]: each sequence's sum of the
-    final-normed hidden states of its pooled tokens, 0 for a sequence without). bufs/layout: the
+    (kv, SampleOut, logits [R,V] as masked, pooled [T,D]: the final-normed hidden states of
+    every token, the pooled ones' summed on the host). bufs/layout: the
     step's StepInputs and SamplingBatch as packed by `to_host_buffers`; mask [R, W] int32: the
     rows' allowed tokens (all ones for a row without a constraint)."""
     inp, sb = from_buffers(bufs, layout)
@@ -174,12 +174,10 @@ def _feed_counts(counts: jax.Array, tokens: jax.Array, made: jax.Array | None, s
 
 
 def _pooled(params: llama.Weights, cfg: ModelConfig, hidden: jax.Array, inp: StepInputs) -> jax.Array:
-    """[S, D] sums of final-normed hidden states by pool_seq, as a one-hot [S, T] dot (a scatter-add
-    is a serial loop on XLA:CPU; this is ~0.03% of a 512-token step's FLOPs)."""
-    s_pad = inp.meta.block_tables.shape[0]
-    normed = llama.rms_norm(hidden, params.final_norm.value, cfg.rms_norm_eps).astype(jnp.float32)
-    onehot = (inp.pool_seq[None, :] == jnp.arange(s_pad, dtype=jnp.int32)[:, None]).astype(jnp.float32)
-    return jnp.dot(onehot, normed, precision=lax.Precision.HIGHEST)
+    """[T, D] float32 final-normed hidden states, for the pooled tokens' sums: taken on the host
+    (step_io.unpack), exactly, so that an input's sum does not depend on the steps it ran in."""
+    del inp
+    return llama.rms_norm(hidden, params.final_norm.value, cfg.rms_norm_eps).astype(jnp.float32)
 
 
 def _top_logprobs(logits: jax.Array, *, k: int, on_trace: Callable[[], None]) -> tuple[jax.Array, jax.Array]:

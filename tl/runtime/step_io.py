@@ -32,7 +32,7 @@ import jax
 import numpy as np
 
 from kernels.paged_attention import AttnMetadata, Operand
-from tl.core.plan import RunnerOutput, SeqResult, SeqWork
+from tl.core.plan import POOL_BITS, RunnerOutput, SeqResult, SeqWork
 from tl.core.request import Guide
 from tl.runtime.frame import StepFrame
 from tl.runtime.sampler import Penalties, SampleOut, SamplingBatch, pack_penalties, pack_rows
@@ -48,7 +48,6 @@ class StepInputs:
     kv_offsets: Operand  # [T] i32: offset in that block
     meta: AttnMetadata
     row_token: Operand  # [R] i32: token whose hidden state each sample row reads
-    pool_seq: Operand  # [T] i32: the step's sequence index of each pooled token, S (none) elsewhere
 
 
 jax.tree_util.register_dataclass(StepInputs)
@@ -109,10 +108,10 @@ class SampleSpan:
 
 @dataclass(frozen=True, slots=True)
 class PoolSpan:
-    """A pooled SeqWork and its sequence index in the step (its row of the pooled sums)."""
+    """A pooled SeqWork and where its tokens are on the step's token axis."""
 
     work: SeqWork
-    seq_index: int
+    first_token: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,8 +170,9 @@ class PackedStep:
 
 @dataclass(frozen=True, slots=True)
 class StepOutput:
-    """The step's device results: the sampled rows, the logits [R, V] as masked, the pooled sums
-    [S, D], and the top logprobs ((ids, logprobs) [R, k]; None when not run)."""
+    """The step's device results: the sampled rows, the logits [R, V] as masked, every token's
+    final-normed hidden state [T, D] (the pooled tokens' are summed on the host), and the top
+    logprobs ((ids, logprobs) [R, k]; None when not run)."""
 
     sample: SampleOut
     logits: jax.Array
@@ -183,7 +183,8 @@ class StepOutput:
 @dataclass(frozen=True, slots=True)
 class Fetched:
     """A step's results on the host: per sample row the token, its logprob and whether its draft
-    was accepted; the top logprobs (None: not run); the pooled sums (None: nothing pooled)."""
+    was accepted; the top logprobs (None: not run); the final-normed hidden states [T, D] (None:
+    nothing pooled)."""
 
     token: np.ndarray
     logprob: np.ndarray
@@ -259,7 +260,6 @@ class StepPacker:
         tables = np.full((s_pad, self.max_blocks), scratch, np.int32)
         starts = np.zeros(s_pad, np.int32)
         row_token = np.zeros(self.num_rows(t_pad, s_pad), np.int32)
-        pool_seq = np.full(t_pad, s_pad, np.int32)
         spans, pools, t, r = [], [], 0, 0
         for s, w in enumerate(work):
             self._check(w)
@@ -271,8 +271,7 @@ class StepPacker:
             tokens[t : t + n], positions[t : t + n], seq_idx[t : t + n] = w.token_ids, pos, s
             kv_blocks[t : t + n] = table[pos // bs]
             if w.pool:
-                pool_seq[t : t + n] = s
-                pools.append(PoolSpan(w, s))
+                pools.append(PoolSpan(w, t))
             elif w.sample:
                 k = len(w.draft_ids)
                 row_token[r : r + k + 1] = np.arange(t + n - 1 - k, t + n)
@@ -294,7 +293,6 @@ class StepPacker:
             kv_offsets=np.where(seq_idx >= 0, positions % bs, 0).astype(np.int32),
             meta=meta,
             row_token=row_token,
-            pool_seq=pool_seq,
         )
         return inp, Rows(tuple(spans), tuple(pools))
 
@@ -383,12 +381,29 @@ def unpack(rows: Rows, got: Fetched, max_logprobs: int, mask_fill: MaskFill) -> 
     logprobs), then each pooled one's sums."""
     results = [_sampled(s, got, max_logprobs) for s in rows.spans]
     if rows.pools and got.pooled is not None:
-        sums = got.pooled
+        hidden = got.pooled
         results += [
-            SeqResult(seq_id=p.work.seq_id, token_ids=(), logprobs=(), pooled=tuple(sums[p.seq_index].tolist()))
+            SeqResult(
+                seq_id=p.work.seq_id,
+                token_ids=(),
+                logprobs=(),
+                pooled=pooled_sum(hidden[p.first_token : p.first_token + len(p.work.token_ids)]),
+            )
             for p in rows.pools
         ]
     return RunnerOutput(tuple(results), mask_fill.rows, mask_fill.seconds)
+
+
+def pooled_sum(hidden: np.ndarray) -> tuple[int, ...]:
+    """The sum over rows of float32 hidden states [n, D] in units of 2^-POOL_BITS: each value
+    rounded to that grid (exactly, in float64), then summed as integers, so that the chunks of
+    an input add up to the same vector however its steps cut it (tl/core/plan.py SeqResult)."""
+    fixed = np.rint(np.ldexp(hidden.astype(np.float64), POOL_BITS))
+    if not np.isfinite(fixed).all():
+        raise RuntimeError("a pooled hidden state is not finite")
+    if np.abs(fixed).max(initial=0.0) * len(hidden) < 2.0**62:  # int64 sums cannot overflow
+        return tuple(fixed.astype(np.int64).sum(axis=0).tolist())
+    return tuple(sum(int(v) for v in col) for col in fixed.T)
 
 
 def _sampled(span: SampleSpan, got: Fetched, max_logprobs: int) -> SeqResult:

@@ -1,29 +1,31 @@
-"""Kernel verdicts: at which step shapes the native CPU kernels beat XLA's own, measured here.
+"""Kernel verdicts: whether the native CPU kernels beat XLA's own on this model, measured here.
 
 Owns: timing each native kernel (kernels/cpu_native.py) against what XLA would run in its place
 (the jnp reference attention, XLA's dot, jnp's argmax and logsumexp) at the model's real
-shapes, one measurement per step-shape class, at start-up; the cache of those verdicts beside
-the built library (one JSON file per library build, CPU model and model shape, so a later start
-measures nothing); and `Verdicts`, the record the step's dispatch (kernels/select.py
-per_shape) reads when it traces each step shape.
+shapes, one measurement per step-shape class, at start-up; the one choice per kernel those
+measurements make; the cache of those verdicts beside the built library (one JSON file per
+library build, CPU model and model shape, so a later start measures nothing); and `Verdicts`,
+the record the step's dispatch (tl/runtime/execution.py) reads.
 Must not: build the library, trace the runner's step, keep request state. Tested by
 tests/test_verdicts.py.
 
+One choice per kernel, not per step shape: a kernel runs natively at every step shape or at none
+(`Verdicts.native`: the geometric mean of its classes' speedups above 1, each class counted
+once). The native kernels and XLA's compute a row in different orders (the integer kernels
+quantize activations to int8, XLA's dot does not), so a choice by shape made a request's answer
+depend on how many rows its step held (issue 48).
+
 Classes (`MATMUL_ROWS`, `attention_classes`): a row count or a step's token count belongs to
 the smallest class at or above it.
-- matmuls by rows: 1, 4, 16, 64 (the native float32 kernel takes at most 64 rows; with
-  matmul_precision "high" its AMX kernel takes any count, as the block encodings' integer
-  kernel does on AVX-512 VNNI and AVX2 builds and the bf16 one on AVX512-BF16 builds (`takes_rows`),
-  and the largest token bucket is then a class too). Each is timed on a chain of the model's
-  own layer matmuls and its LM head, as a step runs them, over enough layers that the weights
-  stream from memory as in a real step. The sampler's argmax/logsumexp goes with the matmul's
-  verdict at its row count (it is its own class only in name: measured together, it is a few
-  percent of the LM head's time).
-- attention by step tokens: up to the one-call kernel's 16 (decodes of up to 16 sequences
-  at context 256), up to max_num_seqs (a batch of decodes), and the largest token bucket
-  (a fresh prompt chunk filling it after PROMPT_CLASS_DECODES decodes at context 256, at most
-  max_num_seqs - 1).
-A class is native when its native time is below XLA's: never slower than XLA, as measured.
+- matmuls by rows: 1, 4, 16, 64 and the largest token bucket (a native kernel takes any row
+  count: kernels/cpu_native.py runs a call past its kernel's rows in slices). Each is timed on a
+  chain of the model's own layer matmuls and its LM head, as a step runs them, over enough
+  layers that the weights stream from memory as in a real step. The sampler's argmax/logsumexp
+  goes with the matmul's verdict (it is its own class only in name: measured together, it is a
+  few percent of the LM head's time).
+- attention by step tokens: up to 16 (decodes of up to 16 sequences at context 256), up to
+  max_num_seqs (a batch of decodes), and the largest token bucket (a fresh prompt chunk filling
+  it after PROMPT_CLASS_DECODES decodes at context 256, at most max_num_seqs - 1).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -72,21 +75,14 @@ class Verdict:
     xla_ms: float
 
     @property
-    def native(self) -> bool:
-        return self.native_ms < self.xla_ms
-
-    @property
     def speedup(self) -> float:
         """XLA's time over the native kernel's (>1: native is faster)."""
         return self.xla_ms / self.native_ms if self.native_ms > 0 else float("inf")
 
     def line(self) -> str:
         unit = "tokens" if self.kernel == "attention" else "rows"
-        pick = "cpu_native" if self.native else "xla"
-        return (
-            f"{self.kernel} <= {self.rows} {unit}: {pick} (native {self.speedup:.2f}x XLA: "
-            f"{self.native_ms:.2f} vs {self.xla_ms:.2f} ms)"
-        )
+        times = f"{self.native_ms:.2f} vs {self.xla_ms:.2f} ms"
+        return f"{self.kernel} <= {self.rows} {unit}: native {self.speedup:.2f}x XLA ({times})"
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,23 +92,18 @@ class Verdicts:
     verdicts: tuple[Verdict, ...] = ()
     source: str = "none"
 
-    def native(self, kernel: str, rows: int) -> bool:
-        """Whether `rows` (tokens, for attention) of `kernel` run natively: the verdict of the
-        smallest class at or above rows; False past the largest (or with none)."""
-        classes = sorted((v for v in self.verdicts if v.kernel == kernel), key=lambda v: v.rows)
-        return next((v.native for v in classes if v.rows >= rows), False)
+    def native(self, kernel: str) -> bool:
+        """Whether `kernel` runs natively at every step shape: the geometric mean of its classes'
+        speedups is above 1 (False with none measured)."""
+        classes = self.of(kernel)
+        return bool(classes) and math.fsum(math.log(v.speedup) for v in classes) > 0
 
     def of(self, kernel: str) -> tuple[Verdict, ...]:
         return tuple(sorted((v for v in self.verdicts if v.kernel == kernel), key=lambda v: v.rows))
 
     def summary(self, kernel: str, native_name: str, other: str) -> str:
-        """`native_name` if every class of kernel runs natively, `other` if none, else both joined by '+'."""
-        picks = {v.native for v in self.of(kernel)}
-        if picks == {True}:
-            return native_name
-        if picks == {False}:
-            return other
-        return f"{native_name}+{other}"
+        """`native_name` if `kernel` runs natively, else `other`."""
+        return native_name if self.native(kernel) else other
 
 
 def _fastest_s(fns: Timed, min_s: float = 0.02, min_reps: int = 5) -> dict[str, float]:
@@ -352,38 +343,6 @@ def measure(
     return verdicts
 
 
-def takes_rows(matmul: Callable[..., Any], layer: Layer, rows: int) -> bool:
-    """Whether the native matmul takes `rows` rows of every linear of this layer (traced on shapes
-    alone: each encoding says at trace time whether its kernel takes the call)."""
-    linears = [
-        w
-        for w in (
-            layer.wqkv,
-            layer.wq,
-            layer.wk,
-            layer.wv,
-            layer.wo,
-            layer.w_gate_up,
-            layer.w_gate,
-            layer.w_up,
-            layer.w_down,
-        )
-        if w is not None
-    ]
-
-    def takes(w: Any) -> bool:
-        taken: list[bool] = []
-
-        def call(x: jax.Array) -> jax.Array:
-            taken.append(matmul(x, w) is not None)
-            return x
-
-        jax.eval_shape(call, jax.ShapeDtypeStruct((rows, matrix(w).shape[-1]), jnp.float32))
-        return taken[0]
-
-    return bool(linears) and all(takes(w) for w in linears)
-
-
 def stream_layers(layers: Sequence[Layer]) -> list[Layer]:
     """The first layers whose weights together pass STREAM_BYTES (all, if fewer): a one-row chain
     over them reads from memory, as a step does, not from the last-level cache."""
@@ -410,9 +369,7 @@ def measure_runner(plan: ExecutionPlan, kernels: Kernels, cfg: ModelConfig, para
     native = kernels.native
     layers = stream_layers(params.layers)
     head = params.head()
-    mm = kernels.matmul.fn
-    any_rows = plan.matmul_measured and mm is not None and takes_rows(mm, params.layers[0], plan.token_buckets[-1])
-    classes = plan.measure_classes(any_rows)
+    classes = plan.measure_classes()
     if not classes:
         return Verdicts()
     assert native is not None

@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, Self, TypeAlias
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
@@ -89,6 +90,11 @@ class Encoding(Protocol):
 
 def flat_dot(x: jax.Array, w: jax.Array, preferred: Any = None) -> jax.Array:
     """x [N, in] . w [*out, in] -> [N, *out], the out axes flattened for the dot (XLA:CPU's dot
-    ran 2.5x slower on [2,F,D] than on [2F,D])."""
+    ran 2.5x slower on [2,F,D] than on [2F,D]). One row goes in as two (a zero row beside it):
+    XLA:CPU's matrix-vector product sums in another order than its matrix product, whose rows
+    come out the same at any row count (issue 48: a row's result must not depend on its step)."""
+    n = x.shape[0]
+    if n == 1:
+        x = jnp.concatenate([x, jnp.zeros_like(x)])
     y = lax.dot_general(x, w.reshape(-1, w.shape[-1]), (((1,), (1,)), ((), ())), preferred_element_type=preferred)
-    return y.reshape(x.shape[0], *w.shape[:-1])
+    return y[:n].reshape(n, *w.shape[:-1])

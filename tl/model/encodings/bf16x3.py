@@ -1,8 +1,8 @@
 """The bf16x3 encoding (matmul_precision "high"): a float32 linear with its AMX packing.
 
 Owns: `Bf16x3`, packing a float32 matrix at load (kernels/cpu_native.py `pack_bf16x3`: three
-bf16 products on AMX tiles), which kernel runs it natively (from HIGH_MIN_ROWS rows the AMX
-kernel on its packing, fewer the float32 few-row kernel on its matrix), and the LM head's
+bf16 products on AMX tiles), which kernel runs it natively (the AMX kernel on its packing at
+every row count: a row's arithmetic must not depend on the step's size, issue 48), and the LM head's
 packing beside its float32 table. XLA runs its float32 matrix (as `Dense`). Only on one device
 (the native kernels do not run under tensor parallelism), so the packing is never split.
 Must not: place arrays on devices. Tested by tests/test_matmul_high.py.
@@ -84,9 +84,7 @@ class Bf16x3:
         return self.dense.rows(ids)
 
     def native(self, lib: cpu_native.NativeLib, x: jax.Array) -> jax.Array | None:
-        if x.shape[0] >= cpu_native.HIGH_MIN_ROWS:
-            return lib.matmul_bf16x3(x, self.packed, self.out_shape)
-        return self.dense.native(lib, x)
+        return lib.matmul_bf16x3(x, self.packed, self.out_shape)
 
     def specs(self) -> Bf16x3:
         return Bf16x3(P(*self.axes), P(), self.axes)

@@ -14,7 +14,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
-from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from tl.model import tree
@@ -65,7 +64,7 @@ class Dense:
     def logits(self, h: jax.Array) -> jax.Array:
         """float32 [N, V] of an LM head: contracted with [V, D] as stored (`h @ embed.T` copied
         113 MB a step)."""
-        return lax.dot_general(h, self.w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        return flat_dot(h, self.w, jnp.float32)
 
     def rows(self, ids: jax.Array) -> jax.Array:
         out: jax.Array = self.w[ids]
