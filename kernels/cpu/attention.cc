@@ -1,25 +1,20 @@
-// Paged attention on the CPU as XLA FFI custom calls: the cached part, the local part and, for
-// steps of a few tokens, both in one call.
+// Paged attention on the CPU as an XLA FFI custom call.
 //
-// Owns: (1) TlPagedAttentionCached: folding each token's keys at positions [0, start_pos of its
-// sequence) (with a sliding window w > 0: only those > its position - w) into a softmax state
-// (m, l, acc), reading the blocks of the stored cache layout (kernels/paged_attention.py:
-// K [L, NB, Hk, hd, bs], V [L, NB, Hk, bs, hd]) in place, token ranges on the threads of XLA's
-// intra-op pool; float32 caches, or bf16 bits (the ...Bf16 targets, vector-fold shapes only).
-// (2) TlLocalAttention: the softmax state of each token over this step's own keys (same
-// sequence, causal, inside the window), tiles of query tokens x KV head on the pool's threads.
-// (3) TlSmallAttention(Bf16): both parts, merged and normalised, in one call for steps of a few
-// tokens, (token, KV head, run of its cached blocks) items on the threads. Each takes the
-// layer's sliding window as the attribute `window` (0: none; kernels/paged_attention.py
-// AttnMetadata.window) and skips the blocks and key chunks before a token's window.
+// Owns: TlSmallAttention(Bf16): each token's attention over its sequence's cached keys (positions
+// [0, start_pos of its sequence); with a sliding window w > 0 only those > its position - w),
+// read in place from the stored cache layout (kernels/paged_attention.py: K [L, NB, Hk, hd, bs],
+// V [L, NB, Hk, bs, hd]; float32, or bf16 bits for the vector folds' shapes), and over this
+// step's own keys of its sequence up to it, merged and normalised; work items (token, KV head,
+// run of its cached blocks) on the threads of XLA's intra-op pool. kernels/cpu_native.py calls
+// it with every token a sequence of its own (its earlier keys in the cache), so that a token's
+// result is a function of its keys alone (issue 48).
 // Must not: write anything but its outputs. Built by kernels/cpu_build.py, called by
 // kernels/cpu_native.py, tested by tests/test_cpu_native.py against the jnp reference and a
-// float64 one; whether a step shape runs here or on the reference is measured at start-up
-// (kernels/verdicts.py).
+// float64 one; whether it or the reference runs the model is measured at start-up
+// (tl/runtime/verdicts.py).
 //
 // Why: XLA:CPU gathers cached blocks element by element (~3 GB/s a thread) and then runs tiny
-// batched dots over the copy; here every block is read once, where it lies. And XLA:CPU runs
-// the elementwise passes of a masked softmax on one thread.
+// batched dots over the copy; here every block is read once, where it lies.
 
 #include <algorithm>
 #include <atomic>
@@ -491,218 +486,6 @@ ffi::Error cached_problem(const ffi::Buffer<ffi::F32>& q, const ffi::Buffer<KVT>
   return check(p);
 }
 
-template <ffi::DataType KVT>
-ffi::Error Cached(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<KVT> k_cache,
-                  ffi::Buffer<KVT> v_cache, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> seq_idx,
-                  ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::S32> start_pos, ffi::Buffer<ffi::S32> tables,
-                  ffi::ResultBuffer<ffi::F32> m, ffi::ResultBuffer<ffi::F32> l, ffi::ResultBuffer<ffi::F32> acc,
-                  int32_t window) {
-  ProblemT<ffi::NativeType<KVT>> p;
-  if (ffi::Error err = cached_problem(q, k_cache, v_cache, layer, seq_idx, positions, start_pos, tables, window,
-                                      m->typed_data(), l->typed_data(), acc->typed_data(), p);
-      err.failure())
-    return err;
-
-  // Token ranges over the pool's threads (a few per thread: padding tokens cost nothing).
-  const auto fold = pick(p);
-  constexpr int64_t kTokens = 8;
-  parallel_for(pool, (p.T + kTokens - 1) / kTokens, [&](int64_t i) {
-    for (int64_t t = i * kTokens; t < std::min(p.T, (i + 1) * kTokens); ++t) fold(p, t, 0, p.Hk);
-  });
-  return ffi::Error::Success();
-}
-
-// ---- The local part: every token over this step's own keys (same sequence, causal) ----------
-//
-// A flash-attention forward on the CPU. Tokens of a sequence are one contiguous run of the
-// token axis in position order (AttnMetadata's contract, checked here), so token t's keys are
-// tokens [lo(t), t] of its run. Work items are (tile of query tokens, KV head): the tile's rows
-// (its tokens x the G query heads of the KV head) are scored against 64 keys at a time (4
-// vectors of 16), folded into an online softmax, and only key chunks some row can see are visited (a causal 512-token
-// prompt does ~half of the dense [T,T] work, a batch of decodes almost none).
-
-struct Local {
-  const float* q;       // [T, Hk, G, hd], already scaled by 1/sqrt(hd)
-  const float* kt;      // [Hk, hd, Tp]: this step's keys transposed, zero beyond T
-  const float* v;       // [T, Hk, hd]
-  const int32_t* lo;    // [T]: first token of t's run; -1 for padding
-  float* m;             // [T, Hk, G]
-  float* l;             // [T, Hk, G]
-  float* acc;           // [T, Hk, G, hd]
-  int64_t T, Tp, Hk, G, hd, tile;
-};
-
-constexpr int64_t kLocalRows = 64;  // rows (tokens x query heads) of a tile, at most
-constexpr int64_t kKeys = 64;       // keys per chunk: 4 vectors of 16
-constexpr int64_t kLocalSerialPairs = 8192;  // below this many (query row, key) pairs: one thread
-
-// A chunk's scores, then each row's softmax step over them. AVX-512 (32 registers) scores 4
-// rows x up to 4 vectors of 16 keys at once (16 accumulators, 4 vectors of keys, a query
-// element) and takes those 4 rows' softmax steps while their scores are fresh; AVX2, NEON and
-// SSE2 (16, 32 and 16 registers of 8 or 4 floats: 8, 8 and 4 v16) would spill that, so they
-// score a 2 x 2 (rows x vectors of 16 keys) block at a time into P, then every row's softmax.
-constexpr bool kFusedScores = kV16Regs >= 21;
-
-template <int RS, int KB, int HV>
-inline void score_block(const Local& p, const float* kt, int64_t u0, int64_t r0, int c0, const float* const* qrow,
-                        float* P) {
-  constexpr int64_t hd = HV * 16;
-  v16 s[RS][KB] = {};
-  const float* kd = kt + u0 + 16 * c0;
-  for (int64_t d = 0; d < hd; ++d, kd += p.Tp) {
-    v16 kv[KB];
-    for (int c = 0; c < KB; ++c) kv[c] = load16(kd + 16 * c);
-    for (int i = 0; i < RS; ++i) {
-      const float a = qrow[r0 + i][d];
-      for (int c = 0; c < KB; ++c) s[i][c] += a * kv[c];
-    }
-  }
-  for (int i = 0; i < RS; ++i)
-    for (int c = 0; c < KB; ++c) store16(P + (r0 + i) * kKeys + 16 * (c0 + c), s[i][c]);
-}
-
-// Row r's scores in P over nk vectors of keys from u0: masked to its keys, folded into its
-// online softmax (m, l, acc rescaled), replaced by their probabilities.
-template <int HV>
-inline void softmax_row(int64_t r, int64_t u0, int nk, const int32_t* row_lo, const int32_t* row_hi, float* m,
-                        float* l, float* acc, float* P) {
-  constexpr int64_t hd = HV * 16;
-  const i16 iota = iota16();
-  float* pr = P + r * kKeys;
-  v16 bmv = splat(kNoScore);
-  for (int c = 0; c < nk; ++c) {
-    const i16 u = iota + static_cast<int32_t>(u0 + 16 * c);
-    const v16 sc = select((u >= row_lo[r]) & (u <= row_hi[r]), load16(pr + 16 * c), splat(kNoScore));
-    store16(pr + 16 * c, sc);
-    bmv = vmax(bmv, sc);
-  }
-  const float bm = hmax(bmv);
-  if (bm <= kNoScore) {  // no key of this chunk for this row
-    for (int c = 0; c < nk; ++c) store16(pr + 16 * c, v16{});
-    return;
-  }
-  const float mn = std::max(m[r], bm);
-  const float corr = std::exp(m[r] - mn);
-  v16 sum{};
-  for (int c = 0; c < nk; ++c) {
-    const v16 sc = load16(pr + 16 * c);
-    const v16 e = select(sc > kNoScore, vexp(sc - mn), v16{});
-    sum += e;
-    store16(pr + 16 * c, e);
-  }
-  l[r] = l[r] * corr + hsum(sum);
-  m[r] = mn;
-  if (corr != 1.0f) {
-    float* a = acc + r * hd;
-    for (int x = 0; x < HV; ++x) store16(a + 16 * x, load16(a + 16 * x) * corr);
-  }
-}
-
-// Every row's scores and softmax step over the nk vectors of keys from u0.
-template <int HV>
-void score_chunk(const Local& p, const float* kt, int64_t u0, int nk, int64_t Rp, const float* const* qrow,
-                 const int32_t* row_lo, const int32_t* row_hi, float* m, float* l, float* acc, float* P) {
-  if constexpr (kFusedScores) {
-    for (int64_t r0 = 0; r0 < Rp; r0 += 4) {  // Rp is a multiple of 4
-      switch (nk) {
-        case 1: score_block<4, 1, HV>(p, kt, u0, r0, 0, qrow, P); break;
-        case 2: score_block<4, 2, HV>(p, kt, u0, r0, 0, qrow, P); break;
-        case 3: score_block<4, 3, HV>(p, kt, u0, r0, 0, qrow, P); break;
-        default: score_block<4, 4, HV>(p, kt, u0, r0, 0, qrow, P); break;
-      }
-      for (int64_t r = r0; r < r0 + 4; ++r) softmax_row<HV>(r, u0, nk, row_lo, row_hi, m, l, acc, P);
-    }
-  } else {
-    for (int64_t r0 = 0; r0 < Rp; r0 += 2) {
-      int c0 = 0;
-      for (; c0 + 2 <= nk; c0 += 2) score_block<2, 2, HV>(p, kt, u0, r0, c0, qrow, P);
-      if (c0 < nk) score_block<2, 1, HV>(p, kt, u0, r0, c0, qrow, P);
-    }
-    for (int64_t r = 0; r < Rp; ++r) softmax_row<HV>(r, u0, nk, row_lo, row_hi, m, l, acc, P);
-  }
-}
-
-// acc += P V's blocking: PR rows x CH of the HV vectors of 16 a row in registers, with CH rows
-// of V and a weight: AVX-512 keeps a whole row of V (CH = HV) for 16 / HV rows; smaller
-// register files one vector of 16 for 6 rows.
-constexpr int pv_chunk(int HV) { return kV16Regs >= 21 ? HV : 1; }
-constexpr int pv_rows(int HV) { return kV16Regs >= 21 ? (HV >= 16 ? 1 : 16 / HV) : std::max(1, kV16Regs - 2); }
-
-// One tile of query tokens [t0, t1) and one KV head; HV = hd / 16 (a row of V is HV vectors).
-template <int HV>
-void local_tile(const Local& p, int64_t t0, int64_t t1, int64_t h) {
-  constexpr int64_t hd = HV * 16;
-  const int64_t G = p.G, Hk = p.Hk;
-  const int64_t R = (t1 - t0) * G;
-  const int64_t Rp = (R + 3) / 4 * 4;
-  alignas(64) static thread_local float zeros[hd] = {};
-  const float* qrow[kLocalRows];
-  int32_t row_lo[kLocalRows], row_hi[kLocalRows];
-  alignas(64) float acc[kLocalRows * hd];
-  alignas(64) float P[kLocalRows * kKeys];
-  float m[kLocalRows], l[kLocalRows];
-  int64_t key_lo = t1, key_hi = t0 - 1;
-  for (int64_t r = 0; r < Rp; ++r) {
-    const int64_t t = t0 + r / G, g = r % G;
-    if (r < R && p.lo[t] >= 0) {
-      qrow[r] = p.q + ((t * Hk + h) * G + g) * hd;
-      row_lo[r] = p.lo[t];
-      row_hi[r] = static_cast<int32_t>(t);
-      key_lo = std::min<int64_t>(key_lo, p.lo[t]);
-      key_hi = std::max<int64_t>(key_hi, t);
-    } else {  // padding rows see no key
-      qrow[r] = zeros;
-      row_lo[r] = 1;
-      row_hi[r] = 0;
-    }
-    m[r] = kNoScore;
-    l[r] = 0.0f;
-  }
-  std::fill(acc, acc + Rp * hd, 0.0f);
-  const float* kt = p.kt + h * hd * p.Tp;
-  for (int64_t u0 = key_lo; u0 <= key_hi; u0 += kKeys) {
-    const int64_t n = std::min<int64_t>(kKeys, key_hi + 1 - u0);  // keys of this chunk some row may see
-    // Scores and softmax state of every row over this chunk's keys (only the vectors of 16 keys
-    // that hold one: a batch of decodes needs 1 of the 4).
-    const int nk = static_cast<int>((n + 15) / 16);
-    score_chunk<HV>(p, kt, u0, nk, Rp, qrow, row_lo, row_hi, m, l, acc, P);
-    // acc += P V, RB rows x CH vectors at a time so that their accumulators stay in registers.
-    constexpr int RB = pv_rows(HV), CH = pv_chunk(HV);
-    for (int64_t r0 = 0; r0 < Rp; r0 += RB) {
-      const int rb = static_cast<int>(std::min<int64_t>(RB, Rp - r0));
-      for (int x0 = 0; x0 < HV; x0 += CH) {
-        v16 a[RB][CH];
-        for (int i = 0; i < rb; ++i)
-          for (int x = 0; x < CH; ++x) a[i][x] = load16(acc + (r0 + i) * hd + 16 * (x0 + x));
-        for (int64_t j = 0; j < n; ++j) {
-          const float* vr = p.v + ((u0 + j) * Hk + h) * hd + 16 * x0;
-          v16 vv[CH];
-          for (int x = 0; x < CH; ++x) vv[x] = load16(vr + 16 * x);
-          for (int i = 0; i < rb; ++i) {
-            const float w = P[(r0 + i) * kKeys + j];
-            for (int x = 0; x < CH; ++x) a[i][x] += w * vv[x];
-          }
-        }
-        for (int i = 0; i < rb; ++i)
-          for (int x = 0; x < CH; ++x) store16(acc + (r0 + i) * hd + 16 * (x0 + x), a[i][x]);
-      }
-    }
-  }
-  for (int64_t r = 0; r < R; ++r) {
-    const int64_t t = t0 + r / G, g = r % G;
-    const int64_t o = (t * Hk + h) * G + g;
-    if (p.lo[t] < 0) {  // padding: an all-zero output, finite
-      p.m[o] = 0.0f;
-      p.l[o] = 1.0f;
-      std::fill(p.acc + o * hd, p.acc + (o + 1) * hd, 0.0f);
-      continue;
-    }
-    p.m[o] = m[r];
-    p.l[o] = l[r];
-    std::copy(acc + r * hd, acc + (r + 1) * hd, p.acc + o * hd);
-  }
-}
-
 // Runs: each sequence's tokens one contiguous run of the token axis, positions increasing
 // within it. lo[t] = the first token of t's run (-1 for padding). A layout that breaks this is
 // an error: the local part would read the wrong keys.
@@ -737,57 +520,6 @@ void window_runs(const int32_t* pos, int64_t T, int32_t window, std::vector<int3
     while (pos[u] <= pos[t] - window) ++u;
     lo[t] = static_cast<int32_t>(u);
   }
-}
-
-ffi::Error LocalAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
-                          ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> seq_idx, ffi::Buffer<ffi::S32> positions,
-                          ffi::ResultBuffer<ffi::F32> m, ffi::ResultBuffer<ffi::F32> l,
-                          ffi::ResultBuffer<ffi::F32> acc, int32_t window) {
-  const auto qd = q.dimensions();
-  const auto kd = k.dimensions();
-  const auto vd = v.dimensions();
-  if (qd.size() != 4 || kd.size() != 3 || vd.size() != 3)
-    return ffi::Error::InvalidArgument("expected q [T,Hk,G,hd], k and v [T,Hk,hd]");
-  const int64_t T = qd[0], Hk = qd[1], G = qd[2], hd = qd[3];
-  if (kd[0] != T || kd[1] != Hk || kd[2] != hd || vd[0] != T || vd[1] != Hk || vd[2] != hd)
-    return ffi::Error::InvalidArgument("k or v is not [T,Hk,hd] of q's sizes");
-  if (seq_idx.dimensions().size() != 1 || seq_idx.dimensions()[0] != T || positions.dimensions().size() != 1 ||
-      positions.dimensions()[0] != T)
-    return ffi::Error::InvalidArgument("seq_idx or positions is not [T]");
-  if (hd != 32 && hd != 64 && hd != 128) return ffi::Error::InvalidArgument("local attention takes head_dim 32, 64 or 128");
-  if (G > kLocalRows) return ffi::Error::InvalidArgument("more than 64 query heads per KV head");
-  std::vector<int32_t> lo;
-  if (ffi::Error err = token_runs(seq_idx.typed_data(), positions.typed_data(), T, lo); err.failure()) return err;
-  window_runs(positions.typed_data(), T, window, lo);
-  int64_t pairs = 0;  // (query token, key) pairs of the step
-  for (int64_t t = 0; t < T; ++t) pairs += lo[t] >= 0 ? t - lo[t] + 1 : 0;
-  // Keys transposed per KV head, [Hk, hd, Tp], zero beyond T (a chunk may read past the end).
-  const int64_t Tp = (T + 15) / 16 * 16 + kKeys;
-  std::unique_ptr<float[]> kt(new float[static_cast<size_t>(Hk * hd * Tp)]);
-  const float* K = k.typed_data();
-  for (int64_t h = 0; h < Hk; ++h)
-    for (int64_t d = 0; d < hd; ++d) {
-      float* row = kt.get() + (h * hd + d) * Tp;
-      for (int64_t t = 0; t < T; ++t) row[t] = K[(t * Hk + h) * hd + d];
-      std::fill(row + T, row + Tp, 0.0f);
-    }
-  const int64_t tile = std::max<int64_t>(1, std::min<int64_t>(16, kLocalRows / G));
-  Local p{q.typed_data(), kt.get(), v.typed_data(), lo.data(), m->typed_data(), l->typed_data(),
-          acc->typed_data(), T, Tp, Hk, G, hd, tile};
-  const int64_t tiles = (T + tile - 1) / tile;
-  auto fn = hd == 32 ? local_tile<2> : hd == 64 ? local_tile<4> : local_tile<8>;
-  // Later tiles see more keys: hand them out first. A step whose tokens see few keys of this
-  // step (decodes, short chunks) runs on this thread: waking a helper costs more than it saves.
-  auto item = [&](int64_t i) {
-    const int64_t ti = tiles - 1 - i / Hk, h = i % Hk;
-    fn(p, ti * tile, std::min(T, (ti + 1) * tile), h);
-  };
-  if (pairs * G < kLocalSerialPairs) {
-    for (int64_t i = 0; i < tiles * Hk; ++i) item(i);
-  } else {
-    parallel_for(pool, tiles * Hk, item);
-  }
-  return ffi::Error::Success();
 }
 
 // ---- Both parts in one call, for steps of a few tokens (decodes) ----------------------------
@@ -968,41 +700,8 @@ auto small_attention_binding() {
       .template Attr<int32_t>("window");          // sliding window, 0: none
 }
 
-template <ffi::DataType KVT>
-auto cached_binding() {
-  return ffi::Ffi::Bind()
-      .Ctx<ffi::ThreadPool>()
-      .Arg<ffi::Buffer<ffi::F32>>()               // q
-      .Arg<ffi::Buffer<KVT>>()                    // k_cache
-      .template Arg<ffi::Buffer<KVT>>()           // v_cache
-      .template Arg<ffi::Buffer<ffi::S32>>()      // layer
-      .template Arg<ffi::Buffer<ffi::S32>>()      // seq_idx
-      .template Arg<ffi::Buffer<ffi::S32>>()      // positions
-      .template Arg<ffi::Buffer<ffi::S32>>()      // start_pos
-      .template Arg<ffi::Buffer<ffi::S32>>()      // block_tables
-      .template Ret<ffi::Buffer<ffi::F32>>()      // m
-      .template Ret<ffi::Buffer<ffi::F32>>()      // l
-      .template Ret<ffi::Buffer<ffi::F32>>()      // acc
-      .template Attr<int32_t>("window");          // sliding window, 0: none
-}
-
 }  // namespace
 }  // namespace tl
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TlSmallAttention, tl::SmallAttention<ffi::F32>, tl::small_attention_binding<ffi::F32>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TlSmallAttentionBf16, tl::SmallAttention<ffi::U16>, tl::small_attention_binding<ffi::U16>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(TlPagedAttentionCached, tl::Cached<ffi::F32>, tl::cached_binding<ffi::F32>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(TlPagedAttentionCachedBf16, tl::Cached<ffi::U16>, tl::cached_binding<ffi::U16>());
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(TlLocalAttention, tl::LocalAttention,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // q [T, Hk, G, hd], scaled
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // k [T, Hk, hd]
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // v [T, Hk, hd]
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // seq_idx [T]
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // positions [T]
-                                  .Ret<ffi::Buffer<ffi::F32>>()   // m
-                                  .Ret<ffi::Buffer<ffi::F32>>()   // l
-                                  .Ret<ffi::Buffer<ffi::F32>>()   // acc
-                                  .Attr<int32_t>("window"));      // sliding window, 0: none
