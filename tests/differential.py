@@ -59,14 +59,20 @@ def run_alone(factory: RunnerFactory, cfg: EngineConfig, request: GenRequest) ->
     return drive(engine, [Arrival(0, request)])[0]
 
 
+def logprobs(outs: Sequence[TokenOut]) -> list[float]:
+    return [o.logprob for o in outs if o.token_id >= 0]
+
+
 def assert_concurrent_equals_alone(
     factory: RunnerFactory,
     cfg: EngineConfig,
     reference_cfg: EngineConfig,
     arrivals: Sequence[Arrival],
     check: EngineCheck | None = None,
+    exact_logprobs: bool = True,
 ) -> Engine:
-    """Every request gets exactly the tokens and finish reason it gets alone under reference_cfg.
+    """Every request gets exactly the tokens, logprobs (bit for bit, unless exact_logprobs is
+    False) and finish reason it gets alone under reference_cfg.
 
     Requests must carry explicit seeds when sampled (temperature > 0). Returns the engine.
     """
@@ -75,6 +81,8 @@ def assert_concurrent_equals_alone(
     for i, arrival in enumerate(arrivals):
         alone = run_alone(factory, reference_cfg, arrival.request)
         assert token_ids(together[i]) == token_ids(alone), f"request {i}: concurrent != alone"
+        if exact_logprobs:
+            assert logprobs(together[i]) == logprobs(alone), f"request {i}: logprobs concurrent != alone"
         assert finish_reason(together[i]) == finish_reason(alone), f"request {i}: finish reason differs"
         assert [o.finish_reason for o in together[i][:-1]] == [None] * (len(together[i]) - 1)
     return engine

@@ -1,9 +1,11 @@
-"""The engine's differential checks on the real SmolLM2-135M at temperature 0.
+"""The engine's differential checks on the real SmolLM2-135M as served by default (its Q4_1
+GGUF, the native kernels this CPU's build chose), at temperature 0 and seeded sampling.
 
 Each of several requests (different lengths, arriving at different steps, sharing
-SmolLM2's default system turn as a prefix) gets exactly the tokens it gets alone on a
-plain engine, with prefix caching, chunked prefill, a KV cache so small that preemption
-happens, and prompt-lookup speculation, alone and all together. One runner, compiled once
+SmolLM2's default system turn as a prefix) gets exactly the tokens and logprobs, bit for bit,
+it gets alone on a plain engine, with prefix caching, chunked prefill, a KV cache so small that
+preemption happens, and prompt-lookup speculation, alone and all together (issue 48: the
+quantized model's answers once depended on the step a row landed in). One runner, compiled once
 with room for drafts, serves every engine; the KV-cache limit is narrowed per engine.
 """
 
@@ -35,15 +37,13 @@ BASE = EngineConfig(
     speculative="none",
     max_logprobs=0,
     compile_cache_dir="",
-    # float32: a step's rows compute alike whatever the batch (quantized weights take int8
-    # activations on the native few-row path and float ones on XLA's: batch-dependent)
-    weight_dtype="float32",
 )
 QUESTIONS = [
     (0, "What is the capital of France?", 12),
     (0, "Repeat exactly: red green blue, red green blue, red green blue, red green blue.", 16),
     (2, "Name a fruit.", 8),
     (4, "Write a Python function that adds two numbers.", 14),
+    (1, "What is the capital of France?", 10),  # seeded sampling
 ]
 
 
@@ -63,9 +63,11 @@ def arrivals(smol_dir: Path) -> list[Arrival]:
 
     tok, tpl = Tokenizer.load(smol_dir), ChatTemplate.from_model_dir(smol_dir)
     out = []
-    for step, q, n in QUESTIONS:
+    for i, (step, q, n) in enumerate(QUESTIONS):
         ids = tuple(tok.encode(tpl.render([{"role": "user", "content": q}])))
-        out.append(Arrival(step, GenRequest(ids, SamplingParams(temperature=0.0, max_tokens=n))))
+        sampled = i == len(QUESTIONS) - 1
+        params = SamplingParams(temperature=0.9 if sampled else 0.0, seed=7 if sampled else None, max_tokens=n)
+        out.append(Arrival(step, GenRequest(ids, params)))
     return out
 
 

@@ -64,13 +64,7 @@ def client(smol_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         f'[engine]\nmodel_dir = "{smol_dir}"\nmodel_id = "smol"\nhttp_listen = "127.0.0.1:{port}"\n'
         f'health_listen = "127.0.0.1:{hport}"\nblock_size = 16\nnum_kv_blocks = 128\nmax_num_seqs = 2\n'
         "max_num_batched_tokens = 256\nprefill_chunk = 256\ntoken_buckets = [16, 256]\nseq_buckets = [1, 2]\n"
-        'prefix_cache = "none"\n'
     )
-    # No prefix cache: a repeated request then runs the same steps as the first. With it, the
-    # repeat computes only its prompt's last tokens, in a step of another shape, which the kernel
-    # verdicts (measured per machine) may give another kernel (XLA's float dot or the integer
-    # one, another attention), and a near tie can then part the two greedy continuations; this
-    # module tests structured output and its stream, not that.
     env = {**os.environ, "TL_CONFIG": str(cfg), "PYTHONPATH": str(ROOT)}
     with running(granian_argv(port), env, f"http://127.0.0.1:{hport}/readyz", timeout_s=600):
         with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0) as c:
