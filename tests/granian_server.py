@@ -2,7 +2,7 @@
 
 Owns: free loopback ports, the granian argv for an ASGI target (serve.app:app, or the
 tests' own tests/fake_app.py), waiting for a URL to answer 200, and killing the process group
-at the end whatever happened.
+at the end whatever happened; `serving_model`, tl's server over a model with a few engine keys.
 """
 
 from __future__ import annotations
@@ -54,3 +54,19 @@ def running(
         proc.wait(10)
         assert proc.stdout is not None
         proc.stdout.close()
+
+
+@contextmanager
+def serving_model(model_dir: Path, workdir: Path, engine_toml: str, model_id: str = "smol") -> Iterator[str]:
+    """tl's server (serve.app:app under granian) on free loopback ports over model_dir, with
+    engine_toml's [engine] keys besides the model and the listeners; yields the API's /v1 URL
+    once /readyz answers 200."""
+    port, hport = free_port(), free_port()
+    cfg = workdir / "runtime.toml"
+    cfg.write_text(
+        f'[engine]\nmodel_dir = "{model_dir}"\nmodel_id = "{model_id}"\nhttp_listen = "127.0.0.1:{port}"\n'
+        f'health_listen = "127.0.0.1:{hport}"\n{engine_toml}'
+    )
+    env = {**os.environ, "TL_CONFIG": str(cfg), "PYTHONPATH": str(ROOT)}
+    with running(granian_argv(port), env, f"http://127.0.0.1:{hport}/readyz", timeout_s=600):
+        yield f"http://127.0.0.1:{port}/v1"

@@ -12,7 +12,6 @@ its start-up measurement chose) over a few step buckets, so that it compiles in 
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -21,7 +20,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from granian_server import ROOT, free_port, granian_argv, running
+from granian_server import serving_model
 
 pytestmark = pytest.mark.slow
 
@@ -40,17 +39,13 @@ QUESTIONS = [
 
 @pytest.fixture(scope="module")
 def server(smol_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[openai.OpenAI, str]]:
-    port, hport = free_port(), free_port()
-    cfg = tmp_path_factory.mktemp("smol-same") / "runtime.toml"
-    cfg.write_text(
-        f'[engine]\nmodel_dir = "{smol_dir}"\nmodel_id = "smol"\nhttp_listen = "127.0.0.1:{port}"\n'
-        f'health_listen = "127.0.0.1:{hport}"\nnum_kv_blocks = 512\nmax_num_seqs = 8\n'
-        "max_num_batched_tokens = 256\nprefill_chunk = 256\ntoken_buckets = [8, 64, 256]\nseq_buckets = [1, 8]\n"
+    engine = (
+        "num_kv_blocks = 512\nmax_num_seqs = 8\nmax_num_batched_tokens = 256\nprefill_chunk = 256\n"
+        "token_buckets = [8, 64, 256]\nseq_buckets = [1, 8]\n"
     )
-    env = {**os.environ, "TL_CONFIG": str(cfg), "PYTHONPATH": str(ROOT)}
-    with running(granian_argv(port), env, f"http://127.0.0.1:{hport}/readyz", timeout_s=600):
-        with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0) as c:
-            yield c, f"http://127.0.0.1:{port}/v1"
+    with serving_model(smol_dir, tmp_path_factory.mktemp("smol-same"), engine) as url:
+        with openai.OpenAI(base_url=url, api_key="none", max_retries=0) as c:
+            yield c, url
 
 
 def _chat(client: openai.OpenAI, q: str, **kw: Any) -> tuple[str, list[float], Any]:

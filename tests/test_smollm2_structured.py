@@ -7,7 +7,6 @@ finishes with "stop", and streamed equals non-streamed."""
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
@@ -15,7 +14,7 @@ from typing import Any, Literal
 import jsonschema
 import openai
 import pytest
-from granian_server import ROOT, free_port, granian_argv, running
+from granian_server import serving_model
 from pydantic import BaseModel, Field
 
 pytestmark = pytest.mark.slow
@@ -58,16 +57,12 @@ SCHEMA = {
 
 @pytest.fixture(scope="module")
 def client(smol_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
-    port, hport = free_port(), free_port()
-    cfg = tmp_path_factory.mktemp("smol-structured") / "runtime.toml"
-    cfg.write_text(
-        f'[engine]\nmodel_dir = "{smol_dir}"\nmodel_id = "smol"\nhttp_listen = "127.0.0.1:{port}"\n'
-        f'health_listen = "127.0.0.1:{hport}"\nblock_size = 16\nnum_kv_blocks = 128\nmax_num_seqs = 2\n'
-        "max_num_batched_tokens = 256\nprefill_chunk = 256\ntoken_buckets = [16, 256]\nseq_buckets = [1, 2]\n"
+    engine = (
+        "block_size = 16\nnum_kv_blocks = 128\nmax_num_seqs = 2\nmax_num_batched_tokens = 256\nprefill_chunk = 256\n"
+        "token_buckets = [16, 256]\nseq_buckets = [1, 2]\n"
     )
-    env = {**os.environ, "TL_CONFIG": str(cfg), "PYTHONPATH": str(ROOT)}
-    with running(granian_argv(port), env, f"http://127.0.0.1:{hport}/readyz", timeout_s=600):
-        with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0) as c:
+    with serving_model(smol_dir, tmp_path_factory.mktemp("smol-structured"), engine) as url:
+        with openai.OpenAI(base_url=url, api_key="none", max_retries=0) as c:
             yield c
 
 
