@@ -138,8 +138,10 @@ def fake_hidden(token_id: int, pos: int) -> list[float]:
 
 
 def fake_embedding(ids: Sequence[int]) -> list[float]:
-    """The expected embedding: normalised mean of fake_hidden over the input."""
-    mean = [sum(col) / len(ids) for col in zip(*(fake_hidden(t, p) for p, t in enumerate(ids)), strict=False)]
+    """The expected embedding: normalised mean of fake_hidden over the input, summed as the
+    engine sums (each value in units of 2^-POOL_BITS, integers: tl/core/plan.py SeqResult)."""
+    cols = zip(*(fake_hidden(t, p) for p, t in enumerate(ids)), strict=False)
+    mean = [math.ldexp(sum(round(math.ldexp(v, POOL_BITS)) for v in col), -POOL_BITS) / len(ids) for col in cols]
     norm = math.sqrt(sum(x * x for x in mean))
     return [x / norm for x in mean]
 
@@ -362,9 +364,8 @@ class SuccRunner:
         for w in plan.work:
             if w.pool:  # the chunk's sum of fake_hidden: the scheduler's mean is fake_embedding's
                 cols = zip(*(fake_hidden(t, w.start_pos + i) for i, t in enumerate(w.token_ids)), strict=True)
-                results.append(
-                    SeqResult(w.seq_id, (), (), pooled=tuple(round(math.ldexp(sum(c), POOL_BITS)) for c in cols))
-                )
+                pooled = tuple(sum(round(math.ldexp(v, POOL_BITS)) for v in c) for c in cols)
+                results.append(SeqResult(w.seq_id, (), (), pooled=pooled))
                 continue
             if not w.sample:
                 continue

@@ -18,7 +18,7 @@ from bounds import gamma
 from tl.model import llama, rowwise
 
 LENGTHS = [37, 64, 576, 640, 49152]
-COUNTS = [1, 2, 4, 7, 8, 9, 17, 64, 512]
+COUNTS = [1, 2, 7, 9, 64, 512]
 
 
 def _rows(n: int, length: int, seed: int = 0) -> np.ndarray:
@@ -37,7 +37,7 @@ FUNCS = {
 @pytest.mark.parametrize("length", LENGTHS)
 @pytest.mark.parametrize("name", list(FUNCS))
 def test_a_rows_result_is_its_own_at_every_row_count(name: str, length: int) -> None:
-    if name == "cumsum" and length == 49152:
+    if name == "cumsum" and length > 640:
         length = 4096  # the scan's programs grow with the length: one long row is enough
     fn = jax.jit(FUNCS[name])
     x = _rows(512, length)
