@@ -70,7 +70,8 @@ __all__ = [
     "bf16_supported",
 ]
 
-RUN_ROWS = 64  # a matmul of more rows than its kernel takes runs in slices of this many (every kernel takes 64)
+RUN_ROWS = 64  # a matmul of more rows than its kernel takes runs in slices of this many (each few-row kernel
+# takes 64; int8's takes one row, with XLA's own arithmetic, which then runs the rest)
 HANDLERS = {  # FFI target base name -> the library's handler symbol
     "tl_small_attention": "TlSmallAttention",
     "tl_small_attention_bf16": "TlSmallAttentionBf16",

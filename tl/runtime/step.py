@@ -29,7 +29,7 @@ from tl.model import llama
 from tl.model.config import ModelConfig
 from tl.runtime.execution import StepKernels
 from tl.runtime.sampler import Penalties, SampleOut, apply_mask, sample, top_logprobs
-from tl.runtime.step_io import HostLayout, StepInputs, StepPacker, from_buffers, to_host_buffers
+from tl.runtime.step_io import HostLayout, StepPacker, from_buffers, to_host_buffers
 
 
 def _step(
@@ -57,7 +57,7 @@ def _step(
         params, cfg, inp.token_ids, inp.positions, kv, inp.kv_blocks, inp.kv_offsets, inp.meta, attention, matmul
     )
     logits = apply_mask(llama.lm_logits(params, cfg, hidden[inp.row_token], matmul), mask)
-    return kv, sample(logits, sb, pen, argmax_lse), logits, _pooled(params, cfg, hidden, inp)
+    return kv, sample(logits, sb, pen, argmax_lse), logits, _pooled(params, cfg, hidden)
 
 
 class MultiOut(NamedTuple):
@@ -173,10 +173,9 @@ def _feed_counts(counts: jax.Array, tokens: jax.Array, made: jax.Array | None, s
     return counts.at[rows, toks].add(valid.astype(counts.dtype))
 
 
-def _pooled(params: llama.Weights, cfg: ModelConfig, hidden: jax.Array, inp: StepInputs) -> jax.Array:
+def _pooled(params: llama.Weights, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
     """[T, D] float32 final-normed hidden states, for the pooled tokens' sums: taken on the host
     (step_io.unpack), exactly, so that an input's sum does not depend on the steps it ran in."""
-    del inp
     return llama.rms_norm(hidden, params.final_norm.value, cfg.rms_norm_eps).astype(jnp.float32)
 
 

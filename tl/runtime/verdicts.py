@@ -15,8 +15,7 @@ once). The native kernels and XLA's compute a row in different orders (the integ
 quantize activations to int8, XLA's dot does not), so a choice by shape made a request's answer
 depend on how many rows its step held (issue 48).
 
-Classes (`MATMUL_ROWS`, `attention_classes`): a row count or a step's token count belongs to
-the smallest class at or above it.
+Classes (`MATMUL_ROWS`, `attention_classes`), each timed once; together they decide:
 - matmuls by rows: 1, 4, 16, 64 and the largest token bucket (a native kernel takes any row
   count: kernels/cpu_native.py runs a call past its kernel's rows in slices). Each is timed on a
   chain of the model's own layer matmuls and its LM head, as a step runs them, over enough
