@@ -34,7 +34,7 @@ from models import BYTE_VOCAB_SIZE, IM_END_ID, byte_tokenizer_json
 
 from tl.core.async_engine import AsyncEngine
 from tl.core.config import EngineConfig
-from tl.core.plan import POOL_BITS, RunnerOutput, SchedulerOutput, SeqResult
+from tl.core.plan import POOL_BITS, Overlapping, RunnerOutput, SchedulerOutput, SeqResult
 from tl.core.request import EmbedRequest, GenRequest, Guide, TokenOut, check_capacity, check_context
 from tl.core.stats import BackendInfo, EngineStats
 from tl.ops.served import ChatRenderer, ServedModel
@@ -348,14 +348,20 @@ class SuccRunner:
         self.num_kv_blocks = num_kv_blocks
         self.max_model_len = max_model_len
         self.eos_token_ids: tuple[int, ...] = ()
+        self.attention_window = 0
         self.backend_info: BackendInfo | None = None
         self.num_compilations = 0
+        self.num_several_compilations = 0
         self.num_pending_compiles = 0
+        self.overlap: Overlapping | None = None
         self.closed = False
         self.step_delay_s = step_delay_s
 
     def close(self) -> None:
         self.closed = True
+
+    def decode_steps(self, num_seqs: int) -> int:
+        return 1
 
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
         if self.step_delay_s:

@@ -94,8 +94,10 @@ class FakeRunner:
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
+        self.attention_window = 0
         self.backend_info: BackendInfo | None = None
         self.num_compilations = 0
+        self.num_several_compilations = 0
         self.num_pending_compiles = 0
         self.closed = False
         self.kv: list[tuple[int, int] | None] = [None] * (num_kv_blocks * block_size)  # slot -> (position, token)
@@ -138,7 +140,11 @@ class FakeRunner:
             self._commit(work, next((r for r in results if r.seq_id == work.seq_id), None))
         return RunnerOutput(results)
 
-    can_overlap = True
+    @property
+    def overlap(self) -> FakeRunner:
+        return self
+
+    overlap_auto_seqs = 0  # [engine] overlap "auto" never launches ahead; "on" does
 
     def launch(self, plan: SchedulerOutput, after: Launched | None = None) -> Launched | None:
         run = plan

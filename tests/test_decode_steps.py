@@ -163,6 +163,10 @@ class _Ahead(NarrowKV):
         super().__init__(runner, num_kv_blocks)
         self.after_sizes: list[int] = []
 
+    @property
+    def overlap(self) -> Any:
+        return self
+
     def launch(self, plan: Any, after: Any = None) -> Any:
         if after is not None:
             self.after_sizes.append(len(after.plan.work))

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from tl.core.block_manager import BlockManager
 from tl.core.config import EngineConfig
 from tl.core.debug_delays import debug_delay
-from tl.core.plan import Launched, Runner, RunnerOutput, SchedulerOutput
+from tl.core.plan import Launched, Overlapping, Runner, RunnerOutput, SchedulerOutput
 from tl.core.request import MAX_SEED, EmbedRequest, GenRequest, SamplingParams, TokenOut, check_capacity, check_context
 from tl.core.scheduler import Scheduler
 from tl.core.sequence import Sequence
@@ -62,7 +62,7 @@ class Engine:
             eos_token_ids=self.eos_token_ids,
             max_model_len=self.max_model_len,
             clock=clock,
-            attention_window=getattr(runner, "attention_window", 0),
+            attention_window=runner.attention_window,
         )
         self._clock = clock
         self._rng = random.Random(seed)
@@ -74,14 +74,11 @@ class Engine:
         self._prompt_tokens = Histogram(PROMPT_TOKENS_BUCKETS)
         self._mask_seconds = Histogram(MASK_SECONDS_BUCKETS)
         self._host = HostTimes()
-        self._runner_steps: Callable[[int], int] | None = (
-            getattr(runner, "decode_steps", None) if config.decode_steps > 1 else None
-        )
         self._decode_step_s: dict[int, float] = {}  # by sequences: the last decode step's seconds
-        # The most sequences a step launching the next call ahead may carry (None: any).
-        self._overlap_seqs: int | None = getattr(runner, "overlap_auto_seqs", 0) if config.overlap == "auto" else None
-        wanted = config.overlap == "on" or (config.overlap == "auto" and self._overlap_seqs != 0)
-        self._overlap = wanted and hasattr(runner, "launch") and getattr(runner, "can_overlap", False)
+        self._overlap = _overlap(runner, config)
+        self._overlap_seqs = None  # the most sequences a step launching the next call ahead may carry (None: any)
+        if self._overlap is not None and config.overlap == "auto":
+            self._overlap_seqs = self._overlap.overlap_auto_seqs
         self._inflight: Launched | None = None  # a call launched ahead, its results not folded in yet
         self._inflight_at = 0.0  # when it was handed to the runner
         self._results_at = 0.0  # when the last call's results were on the host
@@ -139,48 +136,68 @@ class Engine:
             self.scheduler.abort(request_id)
 
     def step(self) -> list[TokenOut]:
-        """One step's tokens. Synchronously: schedule, run, fold the results in. With overlap, a
-        step of plain decodes has the next call launched before its results are waited for
+        """One step's tokens: synchronously (schedule, run, fold the results in), or overlapped."""
+        begun = time.perf_counter()
+        if self._overlap is None:
+            return self._step_synchronous(begun)
+        return self._step_overlapped(self._overlap, begun)
+
+    def _step_synchronous(self, begun: float) -> list[TokenOut]:
+        plan, schedule_s = self._schedule(begun)
+        if not plan.work:
+            return self._fold(plan, RunnerOutput(()), begun, schedule_s, 0.0, True, None)
+        debug_delay("step")
+        launched_at = time.perf_counter()
+        output = self.runner.execute(plan)
+        return self._fold(plan, output, begun, schedule_s, launched_at, True, None)
+
+    def _step_overlapped(self, overlap: Overlapping, begun: float) -> list[TokenOut]:
+        """A step of plain decodes has the next call launched before its results are waited for
         (Scheduler.schedule_ahead, its tokens fed back on the device), so the host's update,
         token delivery, scheduling and packing run while the device computes; that call's results
         are the next step()'s, and a finish or abort seen in them drops the call after it."""
-        begun = time.perf_counter()
-        steps = self._decode_steps if self._runner_steps is not None else None
         current, self._inflight = self._inflight, None
         own = current is None  # this step launches the call whose results it folds in
         launched_at, schedule_s = self._inflight_at, 0.0
         if current is None:
-            plan = self.scheduler.schedule(steps)
-            schedule_s = time.perf_counter() - begun
+            plan, schedule_s = self._schedule(begun)
             if not plan.work:
                 return self._fold(plan, RunnerOutput(()), begun, schedule_s, 0.0, own, None)
             debug_delay("step")
             launched_at = time.perf_counter()
-            if not self._overlap:
-                output = self.runner.execute(plan)
-                return self._fold(plan, output, begun, schedule_s, launched_at, own, None)
-            current = self.runner.launch(plan)  # type: ignore[attr-defined]
+            current = overlap.launch(plan)
             assert current is not None, "a call that follows none is always launched"
         t0 = time.perf_counter()
-        ahead = self.scheduler.schedule_ahead(current.plan, steps) if self._launches_ahead(current.plan) else None
+        ahead = None
+        if self._launches_ahead(current.plan):
+            ahead = self.scheduler.schedule_ahead(current.plan, self._steps_of())
         schedule_s += time.perf_counter() - t0
         if ahead is not None:
             debug_delay("step")
             self._inflight_at = time.perf_counter()
-            self._inflight = self.runner.launch(ahead, after=current)  # type: ignore[attr-defined]
+            self._inflight = overlap.launch(ahead, after=current)
             self._overlapped_steps += self._inflight is not None  # None: not yet (its blocks stay reserved)
         try:
-            output = self.runner.collect(current)  # type: ignore[attr-defined]
+            output = overlap.collect(current)
         except BaseException:
             self._inflight = None  # it followed the failed call on the device: nothing to wait for
             raise
         return self._fold(current.plan, output, begun, schedule_s, launched_at, own, self._inflight)
 
+    def _schedule(self, begun: float) -> tuple[SchedulerOutput, float]:
+        """This step's plan and the seconds since `begun` it took."""
+        plan = self.scheduler.schedule(self._steps_of())
+        return plan, time.perf_counter() - begun
+
+    def _steps_of(self) -> Callable[[int], int] | None:
+        """How the scheduler asks how many decode steps one call may run (None: [engine] decode_steps 1)."""
+        return self._decode_steps if self.config.decode_steps > 1 else None
+
     def _launches_ahead(self, plan: SchedulerOutput) -> bool:
         """Whether the call after plan's (in flight) may be launched before its results are in:
         overlap on, and plan carries no more sequences than overlap "auto" launches ahead for
-        on this runner (the runner's `overlap_auto_seqs`)."""
-        return self._overlap and (self._overlap_seqs is None or len(plan.work) <= self._overlap_seqs)
+        on this runner (Overlapping.overlap_auto_seqs)."""
+        return self._overlap is not None and (self._overlap_seqs is None or len(plan.work) <= self._overlap_seqs)
 
     def _fold(
         self,
@@ -218,14 +235,13 @@ class Engine:
         program for that shape is compiled when first asked for), and only as many as fit
         decode_steps_max_ms at the last measured time of one decode step of that many sequences
         (none measured yet: one, which measures it)."""
-        assert self._runner_steps is not None
         per_step = self._decode_step_s.get(num_seqs)
         if per_step is None:
             return 1
         fit = min(self.config.decode_steps, int(self.config.decode_steps_max_ms / 1000 / max(per_step, 1e-6)))
         if fit <= 1:  # not asked of the runner, which would compile the shape's program for nothing
             return 1
-        return max(1, min(fit, self._runner_steps(num_seqs)))
+        return max(1, min(fit, self.runner.decode_steps(num_seqs)))
 
     def has_work(self) -> bool:
         return self.scheduler.has_work() or self._inflight is not None
@@ -247,7 +263,7 @@ class Engine:
             spec_drafts_accepted=c.spec_drafts_accepted,
             steps=self._num_steps,
             compilations=self.runner.num_compilations,
-            multi_step_compilations=getattr(self.runner, "num_several_compilations", 0),
+            multi_step_compilations=self.runner.num_several_compilations,
             compile_pending=self.runner.num_pending_compiles,
             capped_steps=c.capped_steps,
             aborts=c.aborts,
@@ -260,6 +276,15 @@ class Engine:
             step_part_seconds=tuple(self._host.parts.items()),
             timed_steps=self._host.steps,
         )
+
+
+def _overlap(runner: Runner, config: EngineConfig) -> Overlapping | None:
+    """The runner's two halves of a step where [engine] overlap wants them: "on", or "auto" where
+    the runner launches ahead for some step (overlap_auto_seqs not 0); None: every step synchronous."""
+    overlap = runner.overlap
+    if overlap is None or config.overlap == "off" or (config.overlap == "auto" and overlap.overlap_auto_seqs == 0):
+        return None
+    return overlap
 
 
 def _context_limit(runner: Runner, config: EngineConfig) -> int:

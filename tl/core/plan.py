@@ -1,7 +1,8 @@
 """The two records of one engine step: what the scheduler asks the runner to compute
 (SchedulerOutput) and what comes back (RunnerOutput).
 
-Owns: SeqWork, SchedulerOutput, SeqResult, StepTimes, RunnerOutput and the Runner protocol. Pure
+Owns: SeqWork, SchedulerOutput, SeqResult, Launched, RunnerOutput, and the Runner protocol with its
+optional half, Overlapping (a step's StepTimes are tl/core/stats.py's). Pure
 host data (tuples, ints, floats): must not import jax or numpy, so the scheduler stays free of both.
 
 Semantics of one SeqWork (the vLLM v1 rule: computed tokens catch up with known tokens):
@@ -44,7 +45,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from tl.core.request import Guide, SamplingParams
-from tl.core.stats import BackendInfo
+from tl.core.stats import BackendInfo, StepTimes
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,19 +112,6 @@ class SeqResult:
 
 
 @dataclass(frozen=True, slots=True)
-class StepTimes:
-    """When a runner's step passed each stage (time.perf_counter seconds): entered `execute`,
-    inputs packed (bitmask rows included), the compiled call launched, its results on the host,
-    unpacked. The engine turns them into the host time between steps (tl/core/engine.py)."""
-
-    started: float
-    packed: float
-    launched: float
-    fetched: float
-    unpacked: float
-
-
-@dataclass(frozen=True, slots=True)
 class Launched:
     """A call in flight (Runner.launch): its plan, when it entered `launch`, was packed and was
     launched (time.perf_counter seconds), and the runner's own handle on its device results
@@ -144,6 +132,26 @@ class RunnerOutput:
     times: StepTimes | None = None  # None: a runner that does not time its stages (a fake)
 
 
+class Overlapping(Protocol):
+    """A runner's `execute` in two halves (Runner.overlap), so the engine can launch the next call
+    before waiting for this one (tl/core/engine.py's overlapped step)."""
+
+    @property
+    def overlap_auto_seqs(self) -> int | None:
+        """The most sequences a step may carry for [engine] overlap "auto" to launch the next call
+        ahead (None: any; 0: "auto" never does)."""
+        ...
+
+    def launch(self, plan: SchedulerOutput, after: Launched | None = None) -> Launched | None:
+        """plan's call launched, not waited for. after: the call in flight whose tokens plan's
+        fed_back works read on the device; then None: it cannot follow `after` yet."""
+        ...
+
+    def collect(self, launched: Launched) -> RunnerOutput:
+        """A launched call's results on the host (waiting for them)."""
+        ...
+
+
 class Runner(Protocol):
     """What the engine needs from a model runner (tl/runtime/runner.py, or a fake in tests)."""
 
@@ -151,16 +159,9 @@ class Runner(Protocol):
     num_kv_blocks: int
     max_model_len: int
     eos_token_ids: tuple[int, ...]
-    # attention_window (optional, default 0): W when every layer attends to its last W positions
-    # only; the scheduler then releases the blocks behind each sequence's window.
-    # decode_steps(num_seqs) -> int (optional, default 1): the most decode steps one call runs
-    # for a step of num_seqs plain decodes (SeqWork.steps; 1: the runner has no such program);
-    # num_several_compilations (optional, default 0): those programs compiled so far.
-    # launch(plan, after=None) -> Launched | None and collect(launched) -> RunnerOutput (optional,
-    # with can_overlap: bool): `execute` in two halves, so the engine can launch the next call
-    # before waiting for this one; `after`: the call whose tokens the plan's fed_back works read
-    # on the device, and then None: it cannot follow `after` yet (tl/core/engine.py's overlap;
-    # without these methods every step is synchronous).
+    attention_window: int
+    """W when every layer attends to its last W positions only (the scheduler then releases the
+    blocks behind each sequence's window); 0: the whole context."""
 
     @property
     def backend_info(self) -> BackendInfo | None:
@@ -173,8 +174,24 @@ class Runner(Protocol):
         ...
 
     @property
+    def num_several_compilations(self) -> int:
+        """Compiled programs of several decode steps so far (EngineStats.multi_step_compilations)."""
+        ...
+
+    @property
     def num_pending_compiles(self) -> int:
         """Step variants still compiling in the background (EngineStats.compile_pending)."""
+        ...
+
+    @property
+    def overlap(self) -> Overlapping | None:
+        """Its `execute` in two halves, where a call may be launched before the previous one's
+        results are fetched; None: every step is synchronous."""
+        ...
+
+    def decode_steps(self, num_seqs: int) -> int:
+        """The most decode steps one call runs for a step of num_seqs plain decodes (SeqWork.steps;
+        1: the runner has no such program, or none compiled for that shape yet)."""
         ...
 
     def execute(self, plan: SchedulerOutput) -> RunnerOutput: ...

@@ -1,17 +1,13 @@
 """EngineStats: the engine's counters and gauges at one instant, as /metrics and bench read them.
 
-Owns the records, and the engine thread's Histogram behind EngineStats' histograms. Pure
-data: must not import jax. EngineStats is filled by tl/core/engine.py, BackendInfo by tl/runtime/backend.py.
+Owns the records (a runner step's StepTimes included), and the engine thread's Histogram behind
+EngineStats' histograms. Pure data: must not import jax. EngineStats is filled by tl/core/engine.py, BackendInfo by tl/runtime/backend.py.
 """
 
 from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:  # tl.core.plan imports this module
-    from tl.core.plan import StepTimes
 
 STEP_SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 PROMPT_TOKENS_BUCKETS = (0, 1, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
@@ -22,6 +18,19 @@ HOST_PARTS = ("schedule", "pack", "launch", "device", "unpack", "update", "betwe
 the runner packing the inputs, launching the compiled call, waiting for its results (the
 device's share), unpacking them, the scheduler's update, and the caller's own time between two
 steps (AsyncEngine's token delivery)."""
+
+
+@dataclass(frozen=True, slots=True)
+class StepTimes:
+    """When a runner's step passed each stage (time.perf_counter seconds): entered `execute`,
+    inputs packed (bitmask rows included), the compiled call launched, its results on the host,
+    unpacked. The engine turns them into the host time between steps (tl/core/engine.py)."""
+
+    started: float
+    packed: float
+    launched: float
+    fetched: float
+    unpacked: float
 
 
 @dataclass(frozen=True, slots=True)

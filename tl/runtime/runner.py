@@ -30,8 +30,8 @@ import numpy as np
 from jax.sharding import Mesh
 
 from tl.core.config import EngineConfig
-from tl.core.plan import Launched, RunnerOutput, SchedulerOutput, StepTimes
-from tl.core.stats import BackendInfo
+from tl.core.plan import Launched, RunnerOutput, SchedulerOutput
+from tl.core.stats import BackendInfo, StepTimes
 from tl.model import llama
 from tl.runtime import startup, step_io
 from tl.runtime.compiler import LazyPrograms
@@ -56,7 +56,7 @@ class _InFlight:
 
 
 class ModelRunner:
-    """Runs SchedulerOutputs on one model; implements tl.core.plan.Runner.
+    """Runs SchedulerOutputs on one model; implements tl.core.plan.Runner and Overlapping.
 
     Built from start-up's record (tl/runtime/startup.py `start`, or `from_model_dir`). peers: a
     multi-host leader's channel (every step's frame goes to the followers first); fill_masks:
@@ -139,11 +139,11 @@ class ModelRunner:
         self.compiler.warm_up(self.plan.startup_variants, background)
 
     @property
-    def can_overlap(self) -> bool:
-        """Whether a call may be launched before the previous call's results are fetched (its
-        fed-back tokens taken on the device): not in a multi-host job, whose frame carries host
-        tokens to the followers."""
-        return self.peers is None
+    def overlap(self) -> ModelRunner | None:
+        """Itself (`launch`, `collect`): a call may be launched before the previous call's results
+        are fetched (its fed-back tokens taken on the device); None in a multi-host job, whose
+        frame carries host tokens to the followers."""
+        return self if self.peers is None else None
 
     @property
     def overlap_auto_seqs(self) -> int | None:
