@@ -1,7 +1,8 @@
 """EngineStats: the engine's counters and gauges at one instant, as /metrics and bench read them.
 
 Owns the records (a runner step's StepTimes included), and the engine thread's Histogram behind
-EngineStats' histograms. Pure data: must not import jax. EngineStats is filled by tl/core/engine.py, BackendInfo by tl/runtime/backend.py.
+EngineStats' histograms. Pure data: must not import jax. EngineStats is filled by tl/core/engine.py,
+BackendInfo by tl/runtime/backend.py.
 """
 
 from __future__ import annotations
