@@ -41,11 +41,11 @@ ROOT = Path(__file__).resolve().parent.parent
 CHILD = """
 import sys
 from tl.runtime.backend import init_distributed, make_mesh
-from tl.core.config import EngineConfig
+from tl.core.config import EngineConfig, multihost_group
 import jax
 
 cfg = EngineConfig(coordinator_address=sys.argv[1], num_processes=2, process_id=int(sys.argv[2]))
-assert init_distributed(cfg, {})
+assert init_distributed(multihost_group(cfg, {}), cfg.group_start_timeout_s)
 mesh = make_mesh("cpu", 4)
 print(jax.process_index(), jax.process_count(), jax.device_count(), jax.local_device_count(),
       sorted({d.process_index for d in mesh.devices.flat}), flush=True)
@@ -77,19 +77,21 @@ def test_two_processes_form_one_job() -> None:
         assert out.split()[1:4] == ["2", "4", "2"] and out.strip().endswith("[0, 1]")
 
 
-def test_distributed_args_from_config_then_environment() -> None:
-    from tl.core.config import distributed_args
+def test_multihost_group_from_config_then_environment() -> None:
+    from tl.core.config import Group, multihost_group
 
-    assert distributed_args(EngineConfig(), {}) is None
+    assert multihost_group(EngineConfig(), {}) is None
     env = {"JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234", "JAX_NUM_PROCESSES": "4", "JAX_PROCESS_ID": "2"}
-    assert distributed_args(EngineConfig(), env) == {
+    assert multihost_group(EngineConfig(), env) == Group("10.0.0.1:1234", 4, 2)
+    assert Group("10.0.0.1:1234", 4, 2).jax_args() == {
         "coordinator_address": "10.0.0.1:1234",
         "num_processes": 4,
         "process_id": 2,
     }
     cfg = EngineConfig(coordinator_address="h:1", num_processes=2, process_id=0)
-    assert distributed_args(cfg, env) == {"coordinator_address": "h:1", "num_processes": 2, "process_id": 0}
-    assert distributed_args(EngineConfig(num_processes=8), {}) == {"num_processes": 8}  # the rest auto-detected
+    assert multihost_group(cfg, env) == Group("h:1", 2, 0)
+    group = multihost_group(EngineConfig(num_processes=8), {})
+    assert group is not None and group.jax_args() == {"num_processes": 8}  # the rest auto-detected
 
 
 def test_step_frames_round_trip() -> None:
@@ -122,10 +124,14 @@ def test_step_address_and_roles() -> None:
     assert step_address("10.0.0.1:8476", 0) == ("10.0.0.1", 8477)
     assert step_address("leader.tl:8476", 9000) == ("leader.tl", 9000)
     assert step_address("[::1]:5000", 0) == ("::1", 5001)
-    assert not is_follower(EngineConfig(), {})
-    assert not is_follower(EngineConfig(coordinator_address="h:1", num_processes=2, process_id=0), {})
-    assert is_follower(EngineConfig(coordinator_address="h:1", num_processes=2), {"JAX_PROCESS_ID": "1"})
-    assert not is_follower(EngineConfig(num_processes=2), {})  # unknown id: serve refuses it later, named
+    from tl.core.config import multihost_group
+
+    assert not is_follower(multihost_group(EngineConfig(), {}))
+    assert not is_follower(multihost_group(EngineConfig(coordinator_address="h:1", num_processes=2, process_id=0), {}))
+    assert is_follower(
+        multihost_group(EngineConfig(coordinator_address="h:1", num_processes=2), {"JAX_PROCESS_ID": "1"})
+    )
+    assert not is_follower(multihost_group(EngineConfig(num_processes=2), {}))  # unknown id: serve refuses it later
 
 
 def test_a_silent_follower_and_a_lost_leader_fail_within_the_bound() -> None:

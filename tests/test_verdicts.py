@@ -19,7 +19,7 @@ from test_runner import ENGINE, make_runner
 from kernels import paged_attention
 from tl.runtime import runner as runner_mod
 from tl.runtime import verdicts
-from tl.runtime.verdicts import Verdict, Verdicts
+from tl.runtime.measure_classes import Verdict, Verdicts
 
 V = Verdicts(
     (
@@ -152,11 +152,12 @@ def test_the_largest_token_bucket_is_a_matmul_class_of_its_own() -> None:
 
 
 def test_the_start_up_compiles_run_on_daemon_threads_in_order() -> None:
-    """measure()'s prepares: results in order, every item run, the first item's error raised, and
-    on daemon threads (an executor's would be joined at the exit, holding a stop)."""
+    """measure()'s prepares and the start-up compiles: results in order, every item run (the
+    compiles: none started after an error), the first item's error raised, and on daemon threads
+    (an executor's would be joined at the exit, holding a stop)."""
     import threading
 
-    from tl.runtime.verdicts import _map_on_daemon_threads
+    from tl.runtime.daemon_threads import map_on_daemon_threads
 
     seen: list[tuple[int, bool]] = []
 
@@ -164,7 +165,7 @@ def test_the_start_up_compiles_run_on_daemon_threads_in_order() -> None:
         seen.append((x, threading.current_thread().daemon))
         return x * x
 
-    assert _map_on_daemon_threads(square, [3, 1, 2], 2) == [9, 1, 4]
+    assert map_on_daemon_threads(square, [3, 1, 2], 2, name="t") == [9, 1, 4]
     assert sorted(seen) == [(1, True), (2, True), (3, True)]
 
     def fails(x: int) -> int:
@@ -175,8 +176,12 @@ def test_the_start_up_compiles_run_on_daemon_threads_in_order() -> None:
 
     seen.clear()
     with pytest.raises(ValueError, match="item 2"):
-        _map_on_daemon_threads(fails, [1, 2, 3, 4], 2)
+        map_on_daemon_threads(fails, [1, 2, 3, 4], 2, name="t")
     assert len(seen) == 4
+    seen.clear()
+    with pytest.raises(ValueError, match="item 2"):
+        map_on_daemon_threads(fails, [1, 2, 3, 4, 5, 6], 1, name="t", stop_at_error=True)
+    assert seen == [(1, True), (2, True)]
 
 
 def test_the_largest_attention_class_is_a_prompt_chunk_after_decodes() -> None:

@@ -310,23 +310,34 @@ def engine_keys() -> dict[str, dataclasses.Field[object]]:
     return {f.name: f for f in dataclasses.fields(EngineConfig)}
 
 
-def distributed_args(cfg: EngineConfig, env: Mapping[str, str]) -> dict[str, Any] | None:
-    """jax.distributed.initialize keywords from config, then JAX_* variables; None for one host.
+@dataclass(frozen=True, slots=True)
+class Group:
+    """A multi-host job as this process knows it at start (config, then JAX_* variables): what
+    jax.distributed.initialize is given. Unknowns are left to jax's cluster auto-detection (TPU
+    pods, SLURM, Open MPI, Kubernetes), which is how TPU pods and GPU clusters usually start."""
 
-    Multi-host is on when a coordinator address is known or num_processes > 1 (config or
-    JAX_NUM_PROCESSES). Unset values are left to jax's cluster auto-detection (TPU pods,
-    SLURM, Open MPI, Kubernetes), which is how TPU pods and GPU clusters usually start.
-    """
+    coordinator_address: str = ""  # "": unknown
+    num_processes: int = 0  # 0: unknown
+    process_id: int = -1  # -1: unknown
+
+    def jax_args(self) -> dict[str, Any]:
+        """jax.distributed.initialize keywords: the known values only."""
+        args: dict[str, Any] = {}
+        if self.coordinator_address:
+            args["coordinator_address"] = self.coordinator_address
+        if self.num_processes:
+            args["num_processes"] = self.num_processes
+        if self.process_id >= 0:
+            args["process_id"] = self.process_id
+        return args
+
+
+def multihost_group(cfg: EngineConfig, env: Mapping[str, str]) -> Group | None:
+    """The multi-host job this process belongs to; None for one host. Multi-host is on when a
+    coordinator address is known or num_processes > 1 (config or JAX_NUM_PROCESSES)."""
     address = cfg.coordinator_address or env.get("JAX_COORDINATOR_ADDRESS", "")
     num = cfg.num_processes or int(env.get("JAX_NUM_PROCESSES", "0") or 0)
     pid = cfg.process_id if cfg.process_id >= 0 else int(env.get("JAX_PROCESS_ID", "-1") or -1)
     if not address and num <= 1:
         return None
-    args: dict[str, Any] = {}
-    if address:
-        args["coordinator_address"] = address
-    if num:
-        args["num_processes"] = num
-    if pid >= 0:
-        args["process_id"] = pid
-    return args
+    return Group(address, num, pid)

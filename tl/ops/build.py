@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from tl.core import debug_delays
-from tl.core.config import EngineConfig
+from tl.core.config import EngineConfig, Group, multihost_group
 
 if TYPE_CHECKING:
     from tl.core.async_engine import AsyncEngine
@@ -64,7 +64,7 @@ def _runner_and_engine(
     from tl.text.grammar import fill_masks
 
     debug_delays.configure(os.environ.get("TL_DEBUG_DELAYS", ""))  # tests only: tl/core/debug_delays.py
-    leader = _leader(cfg, on_group_failure)
+    leader = _leader(cfg, multihost_group(cfg, os.environ), on_group_failure)
     debug_delays.debug_delay("load")
     started = startup.load(cfg, warmup=("background" if background else "all") if warmup else "none")
     runner = ModelRunner(started, peers=leader, fill_masks=fill_masks)
@@ -80,22 +80,21 @@ def _runner_and_engine(
     return runner, Engine(runner, cfg)
 
 
-def _leader(cfg: EngineConfig, on_failure: Callable[[str], None] | None) -> Leader | None:
+def _leader(cfg: EngineConfig, group: Group | None, on_failure: Callable[[str], None] | None) -> Leader | None:
     """Process 0 of a multi-host job: the step channel bound (on the coordinator's host), then,
     within group_start_timeout_s, the job joined and every follower connected; None on one
     process (jax.distributed joined all the same when configured). Another process here is a
     mistake: the followers run `run_follower` (serve starts it for a known process_id > 0)."""
-    from tl.core.config import ConfigError, distributed_args
+    from tl.core.config import ConfigError
     from tl.ops.group_start import start_deadline
     from tl.ops.multihost import Leader, step_address
     from tl.runtime.backend import init_distributed
     from tl.runtime.compiler import compiling_now
 
-    args = distributed_args(cfg, os.environ)
-    count, index = (args or {}).get("num_processes", 0), (args or {}).get("process_id", -1)
-    if args is None or count == 1:
-        init_distributed(cfg, os.environ)
+    if group is None or group.num_processes == 1:
+        init_distributed(group, cfg.group_start_timeout_s)
         return None
+    count, index = group.num_processes, group.process_id
     if count == 0 or index != 0:  # the leader names its followers before jax.distributed forms
         raise ConfigError(
             "the server of a multi-host job is process 0 and needs process_id and num_processes known at "
@@ -103,7 +102,7 @@ def _leader(cfg: EngineConfig, on_failure: Callable[[str], None] | None) -> Lead
             f"{index if index >= 0 else 'unknown'} and num_processes {count or 'unknown'}; "
             "processes other than 0 start as followers"
         )
-    host, port = step_address(jax_coordinator(cfg), cfg.step_port)
+    host, port = step_address(jax_coordinator(group), cfg.step_port)
     leader = Leader(count - 1, cfg.peer_timeout_s, on_failure, busy=compiling_now)
     try:
         bound = leader.listen(host, port)
@@ -112,20 +111,16 @@ def _leader(cfg: EngineConfig, on_failure: Callable[[str], None] | None) -> Lead
         host = "all interfaces"
     log.info("step channel listening on %s:%d for %d followers", host, bound, leader.num_followers)
     with start_deadline(cfg.group_start_timeout_s, leader.not_connected):
-        init_distributed(cfg, os.environ)
+        init_distributed(group, cfg.group_start_timeout_s)
         leader.wait_connected()
     return leader
 
 
-def jax_coordinator(cfg: EngineConfig) -> str:
+def jax_coordinator(group: Group) -> str:
     """The coordinator address the job was started with (config, JAX_COORDINATOR_ADDRESS)."""
-    from tl.core.config import distributed_args
-
-    args = distributed_args(cfg, os.environ) or {}
-    address = args.get("coordinator_address", "")
-    if not address:
+    if not group.coordinator_address:
         raise ValueError("a multi-host job needs coordinator_address (or JAX_COORDINATOR_ADDRESS) to serve")
-    return str(address)
+    return group.coordinator_address
 
 
 def is_follower(cfg: EngineConfig) -> bool:
@@ -133,7 +128,7 @@ def is_follower(cfg: EngineConfig) -> bool:
     `run_follower`, not the server."""
     from tl.ops.multihost import is_follower as follower
 
-    return follower(cfg, os.environ)
+    return follower(multihost_group(cfg, os.environ))
 
 
 def run_follower(cfg: EngineConfig, on_ready: Callable[[Callable[[], bool]], None]) -> int:
@@ -143,7 +138,6 @@ def run_follower(cfg: EngineConfig, on_ready: Callable[[Callable[[], bool]], Non
     A lost leader or a stuck step exits the process with status 3 (tl/ops/multihost.py); a leader
     not reached or a job not formed within group_start_timeout_s, with status 4
     (tl/ops/group_start.py). It connects before it joins jax.distributed: the leader then knows it."""
-    from tl.core.config import distributed_args
     from tl.ops.group_start import start_deadline
     from tl.ops.multihost import Follower, GroupFailed, follow, step_address
     from tl.runtime import startup
@@ -151,10 +145,11 @@ def run_follower(cfg: EngineConfig, on_ready: Callable[[Callable[[], bool]], Non
     from tl.runtime.compiler import compiling_now
     from tl.runtime.runner import ModelRunner
 
-    index = int((distributed_args(cfg, os.environ) or {}).get("process_id", -1))
-    assert index > 0, "a follower's process id is known (is_follower)"
+    group = multihost_group(cfg, os.environ)
+    assert group is not None and group.process_id > 0, "a follower's process id is known (is_follower)"
+    index = group.process_id
     chan = Follower(index, cfg.peer_timeout_s, busy=compiling_now)
-    host, port = step_address(jax_coordinator(cfg), cfg.step_port)
+    host, port = step_address(jax_coordinator(group), cfg.step_port)
 
     def missing() -> str:
         if chan.conn is None:
@@ -165,7 +160,7 @@ def run_follower(cfg: EngineConfig, on_ready: Callable[[Callable[[], bool]], Non
     with start_deadline(cfg.group_start_timeout_s, missing):
         chan.connect(host, port)
         log.info("process %d: connected to the leader's step channel at %s:%d", index, host, port)
-        init_distributed(cfg, os.environ)
+        init_distributed(group, cfg.group_start_timeout_s)
     runner = ModelRunner(startup.load(cfg, warmup="background"))
     gc.collect()
     gc.freeze()

@@ -39,10 +39,10 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from typing import Protocol
 
-from tl.core.config import EngineConfig, distributed_args
+from tl.core.config import Group
 from tl.ops.group_start import processes
 from tl.runtime.frame import StepFrame
 
@@ -63,11 +63,10 @@ class GroupFailed(RuntimeError):
     """The multi-host group lost a process or a step got stuck; the message says which."""
 
 
-def is_follower(cfg: EngineConfig, env: Mapping[str, str]) -> bool:
+def is_follower(group: Group | None) -> bool:
     """This process is a follower of a multi-host job: its process id (config, then
     JAX_PROCESS_ID) is known and not 0. Serving decides this before jax starts."""
-    args = distributed_args(cfg, env)
-    return args is not None and args.get("process_id", 0) > 0
+    return group is not None and group.process_id > 0
 
 
 def step_address(coordinator_address: str, step_port: int) -> tuple[str, int]:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 import jax
@@ -29,7 +28,7 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from tl.core.config import ConfigError, EngineConfig, distributed_args
+from tl.core.config import ConfigError, Group
 from tl.model.config import ModelConfig
 
 log = logging.getLogger("tl.runtime.backend")
@@ -111,17 +110,17 @@ def process_index_count() -> tuple[int, int]:
     return jax.process_index(), jax.process_count()
 
 
-def init_distributed(cfg: EngineConfig, env: Mapping[str, str]) -> bool:
-    """Join the multi-host job before any device is touched; False (nothing done) on one host.
+def init_distributed(group: Group | None, group_start_timeout_s: float) -> bool:
+    """Join the multi-host job `group` before any device is touched; False (nothing done) on one host.
 
     This waits for every process of the job. JAX's own bound on that wait is
     group_start_timeout_s plus JAX_INIT_MARGIN_S: on expiry JAX aborts the process naming no one,
     so tl/ops/group_start.py's watchdog (the bound itself) must speak first."""
-    args = distributed_args(cfg, env)
-    if args is None:
+    if group is None:
         return False
     if not jax.distributed.is_initialized():
-        args["initialization_timeout"] = math.ceil(cfg.group_start_timeout_s) + JAX_INIT_MARGIN_S
+        args = group.jax_args()
+        args["initialization_timeout"] = math.ceil(group_start_timeout_s) + JAX_INIT_MARGIN_S
         # JAX's preemption service would take SIGTERM over (its notifier's handler replaces the
         # server's drain and a follower's log-and-wait); tl never asks it for a sync point.
         jax.config.update("jax_enable_preemption_service", False)

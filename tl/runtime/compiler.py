@@ -27,6 +27,7 @@ from typing import Any
 import jax
 
 from tl.core.debug_delays import debug_delay
+from tl.runtime.daemon_threads import map_on_daemon_threads
 
 log = logging.getLogger("tl.runtime.compiler")
 
@@ -58,39 +59,6 @@ def _count_active(delta: int) -> None:
     global _active
     with _active_lock:
         _active += delta
-
-
-def _run_on_daemon_threads(fn: Callable[[Variant], None], items: Sequence[Variant], threads: int) -> None:
-    """fn over items on up to `threads` daemon threads (not an executor's: those are joined at
-    the process's exit, and a stop during the start-up compiles must not wait for them); the
-    first error is raised here once all are done."""
-    todo = list(items)
-    errors: list[BaseException] = []
-    lock = threading.Lock()
-
-    def work() -> None:
-        while True:
-            with lock:
-                if not todo or errors:
-                    return
-                item = todo.pop(0)
-            try:
-                debug_delay("compile")
-                fn(item)
-            except BaseException as e:  # noqa: BLE001 -- raised on the calling thread
-                with lock:
-                    errors.append(e)
-
-    pool = [
-        threading.Thread(target=work, name="tl-compile-startup", daemon=True)
-        for _ in range(max(1, min(threads, len(todo))))
-    ]
-    for t in pool:
-        t.start()
-    for t in pool:  # a compile's own length: start-up needs these, and a stop gives the whole build up
-        t.join()
-    if errors:
-        raise errors[0]
 
 
 class StepCompiler:
@@ -177,11 +145,12 @@ class StepCompiler:
         todo = [v for v in startup if v not in self._done]
 
         def one(v: Variant) -> None:
+            debug_delay("compile")
             fn = self._compiled(v)
             with self._lock:
                 self._done.setdefault(v, fn)
 
-        _run_on_daemon_threads(one, todo, threads)
+        map_on_daemon_threads(one, todo, threads, name="tl-compile-startup", stop_at_error=True)
         took = time.perf_counter() - t0
         log.info(
             "compiled %d of %d step variants before ready in %.1f s: %s",

@@ -7,10 +7,11 @@ from them (`StepKernels`: one implementation a kernel slot, at every step shape)
 sequence buckets, every compiled step variant and the ones compiled before the server is ready)
 and `plan_execution`, the function that makes it from the `EngineConfig`, the platform (mesh,
 tensor-parallel layout, the native library or why not) and, once measured, the kernel verdicts
-(tl/runtime/verdicts.py) and the weight placement's outcome (tl/runtime/placement.py): both come
-in through `measured`, called by the start-up pipeline (tl/runtime/startup.py). Every other
-module reads the plan: the step is traced from its dispatch, the start-up log prints `lines()`,
-/v1/models and tl_engine_backend_info show `backend_info()`.
+(tl/runtime/measure_classes.py's record, measured by tl/runtime/verdicts.py) and the weight
+placement's outcome (tl/runtime/placement.py): both come in through `measured`, called by the
+start-up pipeline (tl/runtime/startup.py). Every other module reads the plan: the step is traced
+from its dispatch, the start-up log prints `lines()`, /v1/models and tl_engine_backend_info show
+`backend_info()`.
 Must not: place data, compile steps, measure. Tested by tests/test_execution.py.
 """
 
@@ -32,8 +33,8 @@ from kernels.paged_attention import AttnArgs, AttnMetadata
 from tl.core.config import EngineConfig
 from tl.core.stats import BackendInfo
 from tl.model.config import ModelConfig
-from tl.runtime import backend, verdicts, weight_pages
-from tl.runtime.verdicts import Verdicts
+from tl.runtime import backend, weight_pages
+from tl.runtime.measure_classes import MATMUL_ROWS, Verdicts, attention_classes
 
 if TYPE_CHECKING:
     from kernels.cpu_native import NativeLib
@@ -128,7 +129,7 @@ class ExecutionPlan:
         classes: list[tuple[str, int]] = []
         if self.matmul_measured:
             top = self.token_buckets[-1]
-            classes += [("matmul", r) for r in sorted({min(r, top) for r in (*verdicts.MATMUL_ROWS, top)})]
+            classes += [("matmul", r) for r in sorted({min(r, top) for r in (*MATMUL_ROWS, top)})]
         if self.attention_measured:
             classes += [("attention", t) for t, _ in self.attention_classes]
         return classes
@@ -361,9 +362,7 @@ def plan_execution(
         seq_buckets=ec.seq_buckets,
         variants=variants,
         startup_variants=startup_variants(variants),
-        attention_classes=tuple(
-            verdicts.attention_classes(ec.token_buckets, ec.max_num_seqs, ec.max_num_batched_tokens)
-        ),
+        attention_classes=tuple(attention_classes(ec.token_buckets, ec.max_num_seqs, ec.max_num_batched_tokens)),
         chunk_blocks=chunk_blocks,
         max_blocks=max_blocks,
         kernels=Kernels(native, attention, matmul),

@@ -2,29 +2,12 @@
 
 Owns: timing each native kernel (kernels/cpu_native.py) against what XLA would run in its place
 (the jnp reference attention, XLA's dot, jnp's argmax and logsumexp) at the model's real
-shapes, one measurement per step-shape class, at start-up; the one choice per kernel those
-measurements make; the cache of those verdicts beside the built library (one JSON file per
-library build, CPU model and model shape, so a later start measures nothing); and `Verdicts`,
-the record the step's dispatch (tl/runtime/execution.py) reads.
+shapes, one measurement per step-shape class (tl/runtime/measure_classes.py: the classes, and
+the `Verdicts` record the step's dispatch in tl/runtime/execution.py reads), at start-up; and the
+cache of those verdicts beside the built library (one JSON file per library build, CPU model and
+model shape, so a later start measures nothing).
 Must not: build the library, trace the runner's step, keep request state. Tested by
 tests/test_verdicts.py.
-
-One choice per kernel, not per step shape: a kernel runs natively at every step shape or at none
-(`Verdicts.native`: the geometric mean of its classes' speedups above 1, each class counted
-once). The native kernels and XLA's compute a row in different orders (the integer kernels
-quantize activations to int8, XLA's dot does not), so a choice by shape made a request's answer
-depend on how many rows its step held (issue 48).
-
-Classes (`MATMUL_ROWS`, `attention_classes`), each timed once; together they decide:
-- matmuls by rows: 1, 4, 16, 64 and the largest token bucket (a native kernel takes any row
-  count: kernels/cpu_native.py runs a call past its kernel's rows in slices). Each is timed on a
-  chain of the model's own layer matmuls and its LM head, as a step runs them, over enough
-  layers that the weights stream from memory as in a real step. The sampler's argmax/logsumexp
-  goes with the matmul's verdict (it is its own class only in name: measured together, it is a
-  few percent of the LM head's time).
-- attention by step tokens: up to 16 (decodes of up to 16 sequences at context 256), up to
-  max_num_seqs (a batch of decodes), and the largest token bucket (a fresh prompt chunk filling
-  it after PROMPT_CLASS_DECODES decodes at context 256, at most max_num_seqs - 1).
 """
 
 from __future__ import annotations
@@ -32,13 +15,11 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
-import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -47,15 +28,16 @@ import numpy as np
 from kernels import cpu_build
 from kernels.paged_attention import AttnArgs, AttnMetadata, PagedAttention
 from tl.model.weights import is_param, matrix
+from tl.runtime.daemon_threads import map_on_daemon_threads
+from tl.runtime.execution import ExecutionPlan, Kernels
+from tl.runtime.measure_classes import Verdict, Verdicts
 
 if TYPE_CHECKING:
     from tl.model.config import ModelConfig
     from tl.model.llama import Layer
-    from tl.runtime.execution import ExecutionPlan, Kernels
 
 log = logging.getLogger("tl.runtime.verdicts")
 
-MATMUL_ROWS = (1, 4, 16, 64)
 DECODE_CONTEXT = 256  # tokens of context of each decoding sequence in the attention classes
 PROMPT_CLASS_DECODES = 15
 """Decodes beside the prompt chunk of the largest attention class (fewer where max_num_seqs
@@ -64,45 +46,6 @@ class serves, and the reference's time there differs from a lone prompt's (Gemma
 native 0.99x XLA on a lone 512-token chunk, which chose XLA, and the 16-stream sweep's TTFT p50
 doubled)."""
 STREAM_BYTES = 96 << 20  # the matmul chain's weights: past the last-level cache, as a step's are
-
-
-@dataclass(frozen=True, slots=True)
-class Verdict:
-    kernel: str  # "matmul" (layers, LM head and argmax at that row count) or "attention"
-    rows: int  # the class: the most rows (tokens, for attention) it covers
-    native_ms: float
-    xla_ms: float
-
-    @property
-    def speedup(self) -> float:
-        """XLA's time over the native kernel's (>1: native is faster)."""
-        return self.xla_ms / self.native_ms if self.native_ms > 0 else float("inf")
-
-    def line(self) -> str:
-        unit = "tokens" if self.kernel == "attention" else "rows"
-        times = f"{self.native_ms:.2f} vs {self.xla_ms:.2f} ms"
-        return f"{self.kernel} <= {self.rows} {unit}: native {self.speedup:.2f}x XLA ({times})"
-
-
-@dataclass(frozen=True, slots=True)
-class Verdicts:
-    """Every class's verdict, and where they came from ("measured in 1.2 s", "cached: PATH")."""
-
-    verdicts: tuple[Verdict, ...] = ()
-    source: str = "none"
-
-    def native(self, kernel: str) -> bool:
-        """Whether `kernel` runs natively at every step shape: the geometric mean of its classes'
-        speedups is above 1 (False with none measured)."""
-        classes = self.of(kernel)
-        return bool(classes) and math.fsum(math.log(v.speedup) for v in classes) > 0
-
-    def of(self, kernel: str) -> tuple[Verdict, ...]:
-        return tuple(sorted((v for v in self.verdicts if v.kernel == kernel), key=lambda v: v.rows))
-
-    def summary(self, kernel: str, native_name: str, other: str) -> str:
-        """`native_name` if `kernel` runs natively, else `other`."""
-        return native_name if self.native(kernel) else other
 
 
 def _fastest_s(fns: Timed, min_s: float = 0.02, min_reps: int = 5) -> dict[str, float]:
@@ -239,18 +182,6 @@ def attention_timed(
     }
 
 
-def attention_classes(token_buckets: Sequence[int], max_num_seqs: int, max_tokens: int) -> list[tuple[int, bool]]:
-    """(tokens, decode) per attention class: decodes up to 16 and up to max_num_seqs sequences,
-    then one prompt chunk at the largest token bucket a step can fill."""
-    top = max(t for t in token_buckets if t <= max(max_tokens, token_buckets[0])) if token_buckets else max_tokens
-    out = [(min(16, max_num_seqs), True)]
-    if max_num_seqs > 16:
-        out.append((max_num_seqs, True))
-    if top > out[-1][0]:
-        out.append((top, False))
-    return out
-
-
 def cache_path(library: Path, shape_key: dict[str, Any]) -> Path:
     """The verdict file for this library build, this CPU (model name and flags) and these shapes."""
     h = hashlib.sha256()
@@ -280,45 +211,6 @@ def save(path: Path, verdicts: Verdicts, shape_key: dict[str, Any]) -> None:
     tmp.replace(path)
 
 
-T = TypeVar("T")
-R = TypeVar("R")
-
-
-def _map_on_daemon_threads(fn: Callable[[T], R], items: Sequence[T], threads: int) -> list[R]:
-    """[fn(item) for item in items], on up to `threads` daemon threads (not an executor's: those
-    are joined at the process's exit, so a stop during the start-up measurement would wait for
-    every queued compile; tl/runtime/compiler.py does the same for the step compiles). All items
-    run; the first item's error, in items' order, is raised here, as an executor's map would."""
-    todo = list(enumerate(items))
-    results: list[tuple[bool, Any]] = [(False, None)] * len(todo)
-    lock = threading.Lock()
-
-    def work() -> None:
-        while True:
-            with lock:
-                if not todo:
-                    return
-                i, item = todo.pop(0)
-            try:
-                results[i] = (True, fn(item))
-            except BaseException as e:  # noqa: BLE001 -- raised on the calling thread
-                results[i] = (False, e)
-
-    pool = [
-        threading.Thread(target=work, name="tl-verdicts", daemon=True) for _ in range(max(1, min(threads, len(todo))))
-    ]
-    for t in pool:
-        t.start()
-    for t in pool:  # every prepare's compile: start-up needs them; a stop leaves the build's daemon thread here
-        t.join()
-    out: list[R] = []
-    for ok, value in results:
-        if not ok:
-            raise value
-        out.append(value)
-    return out
-
-
 def measure(
     path: Path, shape_key: dict[str, Any], classes: Sequence[tuple[str, int]], prepare: Callable[[str, int], Timed]
 ) -> Verdicts:
@@ -329,7 +221,7 @@ def measure(
     if cached is not None and sorted((v.kernel, v.rows) for v in cached.verdicts) == want:
         return cached
     t0 = time.perf_counter()
-    prepared = _map_on_daemon_threads(lambda c: prepare(*c), want, 2)
+    prepared = map_on_daemon_threads(lambda c: prepare(*c), want, 2, name="tl-verdicts")
     out = []
     for (kernel, rows), fns in zip(want, prepared, strict=True):
         t = _fastest_s(fns)
