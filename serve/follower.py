@@ -19,9 +19,9 @@ import signal
 import threading
 from collections.abc import Callable
 
-from serve.app import parse_listen, setup_logging
 from serve.health import HealthServer
 from serve.metrics import Metrics
+from serve.process import parse_listen, setup_logging
 from tl.core.config import EngineConfig
 from tl.ops.build import run_follower
 

@@ -24,8 +24,8 @@ import signal
 import sys
 from typing import Any, NoReturn
 
-from serve.app import STOP_BOUND_S, parse_listen
 from serve.config_load import load_config
+from serve.process import STOP_BOUND_S, parse_listen
 from tl.core.config import EngineConfig
 from tl.ops.build import is_follower
 

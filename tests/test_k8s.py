@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import yaml
 
-from serve.app import STOP_BOUND_S
+from serve.process import STOP_BOUND_S
 from tl.core.config import EngineConfig, engine_keys
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -299,3 +299,10 @@ def test_only_device_modules_import_jax() -> None:
             assert not bad, (
                 f"{rel} imports {sorted(bad)}; only tl/{{{','.join(JAX_LAYERS)}}} may (less {sorted(NO_JAX)})"
             )
+
+
+def test_a_launcher_or_a_follower_imports_no_route() -> None:
+    """serve/launch.py (granian's parent) and serve/follower.py (a multi-host follower) take what
+    every serving process shares from serve/process.py, never the app with its routes."""
+    for rel in ("serve/launch.py", "serve/follower.py"):
+        assert not {"serve.app", "serve.routes"} & imports(ROOT / rel), rel

@@ -6,10 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from serve import app
-from serve.app import parse_listen
 from serve.config_load import load_config, parse_runtime_toml
 from serve.launch import granian_argv
+from serve.process import parse_listen
 from tl.core.config import ConfigError, EngineConfig
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -135,11 +134,13 @@ def test_launch_argv_uses_http_listen(tmp_path: Path) -> None:
 def test_the_stop_bound_is_its_parts_plus_a_margin() -> None:
     """STOP_BOUND_S covers every bounded step after the drain deadline (README, "Stopping") and
     leaves a margin for what has no bound of ours (granian's server stop, the process exit)."""
+    from serve import process
+
     after_deadline = (
-        app.ABORT_GRACE_S,
-        app.ENGINE_STOP_WAIT_S,  # the engine thread's own ENGINE_STOP_S and the wait's extra second
-        max(app.HEALTH_CLOSE_S, app.TRACING_STOP_S),  # the spans' export runs beside the close
+        process.ABORT_GRACE_S,
+        process.ENGINE_STOP_WAIT_S,  # the engine thread's own ENGINE_STOP_S and the wait's extra second
+        max(process.HEALTH_CLOSE_S, process.TRACING_STOP_S),  # the spans' export runs beside the close
     )
-    assert app.ENGINE_STOP_WAIT_S > app.ENGINE_STOP_S
-    assert app.STOP_MARGIN_S >= 2.0
-    assert app.STOP_BOUND_S == sum(after_deadline) + app.STOP_MARGIN_S == 13.0
+    assert process.ENGINE_STOP_WAIT_S > process.ENGINE_STOP_S
+    assert process.STOP_MARGIN_S >= 2.0
+    assert process.STOP_BOUND_S == sum(after_deadline) + process.STOP_MARGIN_S == 13.0

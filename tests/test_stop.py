@@ -32,7 +32,7 @@ import httpx
 import pytest
 from granian_server import ROOT, free_port
 
-from serve.app import STOP_BOUND_S
+from serve.process import STOP_BOUND_S
 
 DRAIN_S = 20.0  # long: a case that ends quickly did not wait for the drain deadline
 QUICK_S = 8.0  # a stop with nothing in flight: the parent's grace, the engine's stop, the exit

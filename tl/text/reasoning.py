@@ -23,6 +23,7 @@ from typing import Any, Literal, Protocol
 
 from tl.core.config import ConfigError
 from tl.core.request import Constraint, Guide
+from tl.text.pieces import add_text
 
 ReasoningParserName = Literal["auto", "none", "think"]
 START, END = "<think>", "</think>"
@@ -253,13 +254,13 @@ class ReasoningParser:
                 self._thinking_char(c, out)
             elif not (self._trim and c in _WS):
                 self._trim = False
-                _emit(out, c)
+                add_text(out, c)
         return out
 
     def finish(self) -> list[ReasoningText | str]:
         out: list[ReasoningText | str] = []
         if self._phase is Phase.MAYBE:
-            _emit(out, self._held)
+            add_text(out, self._held)
         elif self._phase is Phase.THINKING:
             _think(out, self._held.rstrip(_WS))
         self._held = ""
@@ -271,7 +272,7 @@ class ReasoningParser:
             self._phase, self._held = Phase.THINKING, ""
         elif not self._m.start.startswith(self._held):
             self._phase = Phase.ANSWER
-            _emit(out, self._held)
+            add_text(out, self._held)
             self._held = ""
 
     def _thinking_char(self, c: str, out: list[ReasoningText | str]) -> None:
@@ -292,15 +293,6 @@ class ReasoningParser:
             _think(out, body[:cut])
             self._said = True
             self._held = self._held[cut:]
-
-
-def _emit(out: list[ReasoningText | str], text: str) -> None:
-    if not text:
-        return
-    if out and isinstance(out[-1], str):
-        out[-1] += text
-    else:
-        out.append(text)
 
 
 def _think(out: list[ReasoningText | str], text: str) -> None:

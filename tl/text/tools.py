@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Literal
 
 from tl.text.chat_template import ChatTemplate
+from tl.text.pieces import add_text
 
 FormatName = Literal["hermes", "smollm2"]
 ChoiceMode = Literal["auto", "required", "named"]
@@ -211,13 +212,13 @@ class ToolCallParser:
                 self._block += c
                 self._body_char(c, out)
             else:
-                _emit(out, c)
+                add_text(out, c)
         return out
 
     def finish(self) -> list[Event]:
         out: list[Event] = []
         if self._mode == "text":
-            _emit(out, self._held)
+            add_text(out, self._held)
             self._held = ""
         return out
 
@@ -233,7 +234,7 @@ class ToolCallParser:
             return
         while self._held and not start.startswith(self._held):
             self._after_block = False
-            _emit(out, self._held[0])
+            add_text(out, self._held[0])
             self._held = self._held[1:]
 
     def _body_char(self, c: str, out: list[Event]) -> None:
@@ -312,16 +313,7 @@ class ToolCallParser:
     def _raw(self, text: str, out: list[Event]) -> None:
         """The rest is content: the whole block so far when none of its calls began, else from here."""
         self._mode = "raw"
-        _emit(out, self.fmt.start + self._block if len(self.calls) == self._block_calls else text)
-
-
-def _emit(out: list[Event], text: str) -> None:
-    if not text:
-        return
-    if out and isinstance(out[-1], str):
-        out[-1] += text
-    else:
-        out.append(text)
+        add_text(out, self.fmt.start + self._block if len(self.calls) == self._block_calls else text)
 
 
 def _args(out: list[Event], index: int, text: str) -> None:
