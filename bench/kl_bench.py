@@ -66,7 +66,8 @@ def _tl(args: argparse.Namespace, path: str) -> list[Any]:
     from tl.model.config import load_model_config
     from tl.model.convert_gguf import model_dir_of
     from tl.model.encodings.blocks import Blocks
-    from tl.model.files import Packed, read_tensors
+    from tl.model.files import read_tensors
+    from tl.model.gguf_model import Packed
     from tl.text.tokenizer import Tokenizer
 
     d = model_dir_of(args.gguf)

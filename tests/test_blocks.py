@@ -34,10 +34,11 @@ from tests.test_runner import ENGINE, GREEDY, dense_greedy, tiny_cfg
 from tl.core.plan import SchedulerOutput, SeqWork
 from tl.model import llama
 from tl.model.config import ModelConfig, ModelDirError
-from tl.model.convert_gguf import GGUFError, convert_gguf, gguf_model_dir, model_dir_of, packed_tensors, permute_qk
+from tl.model.convert_gguf import convert_gguf, gguf_model_dir, model_dir_of
 from tl.model.encodings.blocks import BLOCK_ENCODINGS, Blocks
 from tl.model.encodings.ggml_formats import QUANTIZABLE
-from tl.model.files import GGUF_FILE, Packed, read_tensors
+from tl.model.files import GGUF_FILE, read_tensors
+from tl.model.gguf_model import GGUFError, Packed, packed_tensors, permute_qk
 from tl.model.weights import Dense, partition_specs
 from tl.runtime import backend, verdicts
 from tl.runtime.runner import ModelRunner

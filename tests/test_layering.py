@@ -43,7 +43,7 @@ PURE_LAYERS = ("core",)
 PURE = ["tl/model/config.py"]
 """Modules outside the pure layers that import no jax or numpy either."""
 JAX_LAYERS = ("runtime", "model")
-NO_JAX = {"tl/model/config.py", "tl/model/files.py", "tl/model/convert_gguf.py"}
+NO_JAX = {"tl/model/config.py", "tl/model/files.py", "tl/model/gguf_model.py", "tl/model/convert_gguf.py"}
 """Only the device runtime and the model's jax side import jax; these model modules do not."""
 DEVICE_PLACERS = {"tl/runtime/runner.py", "tl/runtime/placement.py", "tl/runtime/weight_pages.py"}
 """The modules that put host data on devices (device_put, DLPack, arrays made from device

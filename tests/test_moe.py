@@ -41,7 +41,8 @@ from test_convert_gguf import quantize_q4_k
 
 from tl.model import moe
 from tl.model.config import ModelConfig
-from tl.model.files import HostTensor, Packed
+from tl.model.files import HostTensor
+from tl.model.gguf_model import Packed
 from tl.model.weights import ENCODINGS, Blocks, Dense, Int8, Linear, Tensor
 
 ROOT = Path(__file__).resolve().parent.parent

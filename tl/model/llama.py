@@ -60,7 +60,8 @@ from jax import lax
 from kernels.paged_attention import AttnArgs, AttnMetadata, PagedAttention, paged_attention, write_kv
 from tl.model import rowwise, tree
 from tl.model.config import ModelConfig, ModelDirError, RopeScaling, hf_shapes
-from tl.model.files import HostTensor, Packed, read_tensors
+from tl.model.files import HostTensor, read_tensors
+from tl.model.gguf_model import Packed
 from tl.model.weights import ENCODINGS, Axes, Bf16x3, Blocks, Dense, Linear, Table, Tensor
 
 Attend = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]

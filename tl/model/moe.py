@@ -37,7 +37,8 @@ from jax import lax
 from tl.model import rowwise, tree
 from tl.model.config import ModelConfig, ModelDirError
 from tl.model.encodings.ggml_formats import dequantize
-from tl.model.files import HostTensor, Packed
+from tl.model.files import HostTensor
+from tl.model.gguf_model import Packed
 from tl.model.weights import Axes, Bf16x3, Blocks, Dense, Int8, Linear, Tensor
 
 Activation = Callable[[jax.Array], jax.Array]
