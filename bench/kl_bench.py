@@ -62,7 +62,7 @@ def _tl(args: argparse.Namespace, path: str) -> list[Any]:
     import numpy as np
 
     from kernels import cpu_native
-    from tl.model import llama
+    from tl.model import llama, loader
     from tl.model.config import load_model_config
     from tl.model.convert_gguf import model_dir_of
     from tl.model.encodings.blocks import Blocks
@@ -74,8 +74,8 @@ def _tl(args: argparse.Namespace, path: str) -> list[Any]:
     cfg = load_model_config(d)
     packed = read_tensors(d, packed=True)
     floats = {k: v.to_float() if isinstance(v, Packed) else v for k, v in packed.items()}
-    wq = llama.load_weights(packed, cfg, weight_dtype="auto")
-    wf = llama.load_weights(floats, cfg)
+    wq = loader.load_weights(packed, cfg, weight_dtype="auto")
+    wf = loader.load_weights(floats, cfg)
     ids = Tokenizer.load(d).encode(Path(args.text).read_text())
     need = args.chunks * args.ctx
     if len(ids) < need:
