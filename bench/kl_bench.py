@@ -62,19 +62,20 @@ def _tl(args: argparse.Namespace, path: str) -> list[Any]:
     import numpy as np
 
     from kernels import cpu_native
-    from tl.model import llama
+    from tl.model import llama, loader
     from tl.model.config import load_model_config
     from tl.model.convert_gguf import model_dir_of
     from tl.model.encodings.blocks import Blocks
-    from tl.model.files import Packed, read_tensors
+    from tl.model.files import read_tensors
+    from tl.model.gguf_model import Packed
     from tl.text.tokenizer import Tokenizer
 
     d = model_dir_of(args.gguf)
     cfg = load_model_config(d)
     packed = read_tensors(d, packed=True)
     floats = {k: v.to_float() if isinstance(v, Packed) else v for k, v in packed.items()}
-    wq = llama.load_weights(packed, cfg, weight_dtype="auto")
-    wf = llama.load_weights(floats, cfg)
+    wq = loader.load_weights(packed, cfg, weight_dtype="auto")
+    wf = loader.load_weights(floats, cfg)
     ids = Tokenizer.load(d).encode(Path(args.text).read_text())
     need = args.chunks * args.ctx
     if len(ids) < need:

@@ -41,10 +41,10 @@ def _specs(cfg: ModelConfig, weight_dtype: str, layout: backend.TPLayout) -> Any
     """The PartitionSpecs the loaded weights declare (tl/model/weights.py) under layout."""
     import jax
 
-    from tl.model import llama, weights
+    from tl.model import llama, loader, weights
 
     tensors = llama.init_params(cfg, jax.random.key(0))
-    loaded = llama.load_weights(
+    loaded = loader.load_weights(
         tensors, cfg, weight_dtype=weight_dtype, kv_sharded=layout.kv_sharded, vocab_sharded=layout.vocab_sharded
     )
     return weights.partition_specs(loaded)

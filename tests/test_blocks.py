@@ -32,12 +32,13 @@ from test_convert_gguf import byte_vocab_metadata, quantize_q4_k, quantize_q6_k,
 from kernels import cpu_native
 from tests.test_runner import ENGINE, GREEDY, dense_greedy, tiny_cfg
 from tl.core.plan import SchedulerOutput, SeqWork
-from tl.model import llama
+from tl.model import llama, loader
 from tl.model.config import ModelConfig, ModelDirError
-from tl.model.convert_gguf import GGUFError, convert_gguf, gguf_model_dir, model_dir_of, packed_tensors, permute_qk
+from tl.model.convert_gguf import convert_gguf, gguf_model_dir, model_dir_of
 from tl.model.encodings.blocks import BLOCK_ENCODINGS, Blocks
 from tl.model.encodings.ggml_formats import QUANTIZABLE
-from tl.model.files import GGUF_FILE, Packed, read_tensors
+from tl.model.files import GGUF_FILE, read_tensors
+from tl.model.gguf_model import GGUFError, Packed, packed_tensors, permute_qk
 from tl.model.weights import Dense, partition_specs
 from tl.runtime import backend, verdicts
 from tl.runtime.runner import ModelRunner
@@ -57,13 +58,13 @@ def test_quantized_at_load_is_the_float_model_of_the_same_values(fmt: str) -> No
     model of the dequantized values (the XLA path dequantizes, then the same float32 dot)."""
     cfg = tiny_cfg(tied=fmt != "q4_0", bias=fmt == "q5_1")
     host = llama.init_params(cfg, jax.random.key(3))
-    qw = llama.load_weights(host, cfg, weight_dtype=fmt)
+    qw = loader.load_weights(host, cfg, weight_dtype=fmt)
     cls = BLOCK_ENCODINGS[fmt]
     assert isinstance(qw.embed, cls) and isinstance(qw.layers[0].wqkv, cls) and isinstance(qw.layers[1].w_down, cls)
     assert (qw.lm_head is None) == (fmt != "q4_0")
     down = host["model.layers.1.mlp.down_proj.weight"]
     np.testing.assert_array_equal(qw.layers[1].w_down.data, quantize(down, Q[fmt.upper()]).view(np.uint8))
-    f32 = llama.load_weights(_round_trip(host, fmt), cfg)
+    f32 = loader.load_weights(_round_trip(host, fmt), cfg)
     ids = jnp.asarray(np.random.default_rng(4).integers(0, cfg.vocab_size, 40), jnp.int32)
     want, got = np.asarray(_dense(f32, cfg, ids)[1]), np.asarray(_dense(qw, cfg, ids)[1])
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
@@ -203,7 +204,7 @@ def test_gguf_served_as_it_is(tmp_path: Path, case: str) -> None:
     assert gguf_model_dir(path, tmp_path / "cache") == d  # written once
     packed = read_tensors(d)
     ref = read_tensors(convert_gguf(path, tmp_path / "f32", progress=False))  # the file dequantized
-    w = llama.load_weights(packed, cfg, weight_dtype="auto")
+    w = loader.load_weights(packed, cfg, weight_dtype="auto")
     lp = w.layers[0]
     fmt = {k: t.name.lower() for k, t in types.items()}
     assert type(lp.w_down).__name__.lower() == fmt.get("ffn_down", "q8_0") and isinstance(lp.w_down, Blocks)
@@ -213,7 +214,7 @@ def test_gguf_served_as_it_is(tmp_path: Path, case: str) -> None:
     raw_down = next(t for t in reader.tensors if t.name == "blk.0.ffn_down.weight").data
     np.testing.assert_array_equal(lp.w_down.data, raw_down.view(np.uint8))  # the file's bytes, not re-encoded
     assert isinstance(w.embed, Blocks) and isinstance(w.final_norm.value, np.ndarray)
-    f32 = llama.load_weights(ref, cfg)
+    f32 = loader.load_weights(ref, cfg)
     ids = jnp.asarray(np.random.default_rng(2).integers(0, cfg.vocab_size, 24), jnp.int32)
     want, got = np.asarray(_dense(f32, cfg, ids)[1]), np.asarray(_dense(w, cfg, ids)[1])
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
@@ -274,10 +275,10 @@ def test_model_dir_of_a_directory_is_itself_and_a_dir_keeping_a_gguf_serves_it(t
     floats, packed = read_tensors(d), read_tensors(d, packed=True)
     assert isinstance(floats["model.layers.0.mlp.down_proj.weight"], np.ndarray)
     assert isinstance(packed["model.layers.0.mlp.down_proj.weight"], Packed)
-    w = llama.load_weights(packed, cfg, weight_dtype="auto")
+    w = loader.load_weights(packed, cfg, weight_dtype="auto")
     assert type(w.layers[0].w_down).__name__ == "Q4_1"
-    assert isinstance(llama.load_weights(floats, cfg, weight_dtype="auto").layers[0].w_down, Dense)
-    as_float = llama.load_weights(packed, cfg, weight_dtype="float32")  # a GGUF dequantized on request
+    assert isinstance(loader.load_weights(floats, cfg, weight_dtype="auto").layers[0].w_down, Dense)
+    as_float = loader.load_weights(packed, cfg, weight_dtype="float32")  # a GGUF dequantized on request
     np.testing.assert_array_equal(as_float.layers[0].w_down.w, floats["model.layers.0.mlp.down_proj.weight"])
     shutil.rmtree(d)
 
@@ -289,7 +290,7 @@ def test_specs_split_the_byte_axis_only_at_block_boundaries() -> None:
     host = llama.init_params(cfg, jax.random.key(0))
     for n, wo in ((2, P(None, "model")), (4, P(None, None))):
         layout = backend.tp_layout(cfg, n)
-        loaded = llama.load_weights(
+        loaded = loader.load_weights(
             host,
             cfg,
             weight_dtype="q4_1",
@@ -322,4 +323,4 @@ def test_width_not_a_multiple_of_the_block_is_refused_naming_the_tensor() -> Non
     with pytest.raises(
         ModelDirError, match=r"tensor 'model.layers.0.self_attn.o_proj.weight'.*Q4_1 stores blocks of 32"
     ):
-        llama.load_weights(host, cfg, weight_dtype="q4_1")
+        loader.load_weights(host, cfg, weight_dtype="q4_1")

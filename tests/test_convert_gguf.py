@@ -18,13 +18,7 @@ import pytest
 from models import SPECIAL_TOKENS, make_tiny_llama, tiny_config, tiny_tensors
 
 from tl.model.config import ModelConfig, load_model_config
-from tl.model.convert_gguf import (
-    GGUFError,
-    convert_gguf,
-    dequantize_tensor,
-    permute_qk,
-    unpermute_qk,
-)
+from tl.model.convert_gguf import convert_gguf
 from tl.model.files import (
     GGUF_FILE,
     check_shapes,
@@ -33,6 +27,7 @@ from tl.model.files import (
     load_tokenizer_config,
     read_tensors,
 )
+from tl.model.gguf_model import GGUFError, dequantize_tensor, permute_qk, unpermute_qk
 from tl.text.tokenizer import Tokenizer, byte_level_alphabet
 
 Q = gguf.GGMLQuantizationType

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from models import FAMILIES, FAMILY_SEQ_LEN, family_config, family_tensors, family_token_ids, make_family
 
-from tl.model import llama
+from tl.model import llama, loader
 from tl.model.config import ModelConfig, load_model_config
 
 GOLDEN = Path(__file__).parent / "golden" / "families"
@@ -42,7 +42,7 @@ def golden(name: str) -> np.ndarray:
 
 
 def tl_logits(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> np.ndarray:
-    weights = llama.load_weights(tensors, cfg)
+    weights = loader.load_weights(tensors, cfg)
     return np.asarray(_dense(weights, cfg, jnp.asarray(family_token_ids()))[1])
 
 
@@ -50,7 +50,7 @@ def tl_logits(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> np.ndarray:
 def test_hf_directory_matches_transformers(name: str, tmp_path: Path) -> None:
     cfg = load_model_config(make_family(tmp_path, name))
     assert cfg == family_config(name)  # config.json round-trips through transformers' keys
-    params, cfg = llama.load_params(str(tmp_path))
+    params, cfg = loader.load_params(str(tmp_path))
     got = np.asarray(_dense(params, cfg, jnp.asarray(family_token_ids()))[1])
     want = golden(name)
     assert got.shape == want.shape == (FAMILY_SEQ_LEN, cfg.vocab_size)
@@ -195,7 +195,7 @@ def test_gguf_form_matches_transformers(name: str, tmp_path: Path) -> None:
     path = family_gguf(tmp_path / f"{name}.gguf", cfg, family_tensors(cfg), GGUF_FORMS[name], meta=meta)
     model_dir = model_dir_of(str(path))
     got_cfg = load_model_config(model_dir)
-    weights = llama.load_weights(read_tensors(model_dir, packed=True), got_cfg, np.float32, "auto")
+    weights = loader.load_weights(read_tensors(model_dir, packed=True), got_cfg, np.float32, "auto")
     got = np.asarray(_dense(weights, got_cfg, jnp.asarray(family_token_ids()))[1])
     want = golden(name)
     assert np.abs(got - want).max() <= REL_BOUND * np.abs(want).max()

@@ -20,8 +20,9 @@ import pytest
 from test_convert_gguf import LAYER_NAMES, byte_vocab_metadata, write_gguf
 
 from tl.model.config import FULL, SLIDING, ModelConfig, RopeScaling, hf_shapes, load_model_config
-from tl.model.convert_gguf import GGUFError, convert_gguf, packed_tensors, permute_qk
-from tl.model.files import Packed, check_shapes, read_tensors
+from tl.model.convert_gguf import convert_gguf
+from tl.model.files import check_shapes, read_tensors
+from tl.model.gguf_model import GGUFError, Packed, packed_tensors, permute_qk
 
 Q = gguf.GGMLQuantizationType
 REPO_ROOT = Path(__file__).resolve().parent.parent

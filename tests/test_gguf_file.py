@@ -15,8 +15,8 @@ import gguf
 import numpy as np
 import pytest
 
-from tl.model.convert_gguf import GGUFError, open_gguf
 from tl.model.gguf_file import GGUFFile
+from tl.model.gguf_model import GGUFError, open_gguf
 
 Q = gguf.GGMLQuantizationType
 V = gguf.GGUFValueType

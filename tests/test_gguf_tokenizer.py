@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from spm_reference import SpmReference
 from test_convert_gguf import write_gguf
 
-from tl.model.convert_gguf import open_gguf
+from tl.model.gguf_model import open_gguf
 from tl.model.gguf_tokenizer import GGUFError, TokenizerMeta, tokenizer_config, tokenizer_json, tokenizer_meta
 from tl.text.tokenizer import Tokenizer
 

@@ -13,7 +13,7 @@ import pytest
 
 from tests.test_runner import ENGINE, GREEDY, dense_greedy, tiny_cfg
 from tl.core.plan import SchedulerOutput, SeqWork
-from tl.model import llama
+from tl.model import llama, loader
 from tl.model.encodings.int8 import quantize_int8
 from tl.model.weights import Int8
 from tl.runtime import startup
@@ -45,7 +45,7 @@ def test_linear_int8_matches_float_within_quantization_error() -> None:
 def test_int8_forward_quality_against_float32(tied: bool, bias: bool) -> None:
     cfg = tiny_cfg(tied=tied, bias=bias)
     host = llama.init_params(cfg, jax.random.key(3))
-    f32, i8 = (llama.load_weights(host, cfg, weight_dtype=wd) for wd in ("float32", "int8"))
+    f32, i8 = (loader.load_weights(host, cfg, weight_dtype=wd) for wd in ("float32", "int8"))
     ids = jnp.asarray(np.random.default_rng(4).integers(0, cfg.vocab_size, 48), jnp.int32)
     want, got = np.asarray(_dense(f32, cfg, ids)[1]), np.asarray(_dense(i8, cfg, ids)[1])
     err = np.abs(got - want).max()

@@ -24,10 +24,15 @@ Each rule is `violations(rel, source)`, tried on the tree and on snippets that b
 from __future__ import annotations
 
 import ast
+import importlib
 import re
+import typing
 from pathlib import Path
 
 import pytest
+
+from tl.model import encodings, weights
+from tl.model.encodings import Encoding
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -43,7 +48,7 @@ PURE_LAYERS = ("core",)
 PURE = ["tl/model/config.py"]
 """Modules outside the pure layers that import no jax or numpy either."""
 JAX_LAYERS = ("runtime", "model")
-NO_JAX = {"tl/model/config.py", "tl/model/files.py", "tl/model/convert_gguf.py"}
+NO_JAX = {"tl/model/config.py", "tl/model/files.py", "tl/model/gguf_model.py", "tl/model/convert_gguf.py"}
 """Only the device runtime and the model's jax side import jax; these model modules do not."""
 DEVICE_PLACERS = {"tl/runtime/runner.py", "tl/runtime/placement.py", "tl/runtime/weight_pages.py"}
 """The modules that put host data on devices (device_put, DLPack, arrays made from device
@@ -284,6 +289,31 @@ def test_a_stale_docstring_path_is_caught() -> None:
     ]
     assert stale_paths("serve/app.py", "the drain of server-stack.md; see README.md") == ["server-stack.md"]
     assert stale_paths("kernels/cpu_native.py", "kernels/cpu_build.py builds it; simd.h") == []
+
+
+def test_the_encodings_registry_lists_every_encoding_module() -> None:
+    """tl/model/weights.py ENCODING_TYPES (and its `Linear` union) names exactly the encodings
+    defined under tl/model/encodings/, one module each (a module there that defines none, such
+    as ggml_formats.py, holds no class with an encoding's hooks), and the package's docstring
+    names every module there."""
+    registered = weights.ENCODING_TYPES
+    assert set(typing.get_args(weights.Linear)) == set(registered)
+    hooks = [n for n in vars(Encoding) if not n.startswith("_")]
+    defined: dict[str, list[type]] = {}
+    for path in sorted((ROOT / "tl/model/encodings").glob("*.py")):
+        if path.name == "__init__.py":
+            continue
+        module = importlib.import_module(f"tl.model.encodings.{path.stem}")
+        defined[path.stem] = [
+            c
+            for c in vars(module).values()
+            if isinstance(c, type) and c.__module__ == module.__name__ and all(hasattr(c, h) for h in hooks)
+        ]
+        assert f"tl/model/encodings/{path.name}" in (encodings.__doc__ or ""), path.name
+    unregistered = [c.__qualname__ for cs in defined.values() for c in cs if not issubclass(c, registered)]
+    assert not unregistered, f"encodings missing from ENCODING_TYPES: {unregistered}"
+    homes = [c.__module__.rpartition(".")[2] for c in registered]
+    assert sorted(homes) == sorted(stem for stem, cs in defined.items() if cs), homes
 
 
 def top(name: str) -> str:

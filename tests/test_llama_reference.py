@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tl.model import llama, weights
+from tl.model import llama, loader, weights
 from tl.model.config import ModelConfig, ModelDirError
 
 
@@ -118,7 +118,7 @@ def test_dense_forward_matches_numpy(tied: bool, bias: bool, seed: int) -> None:
     ids = np.random.default_rng(seed + 100).integers(0, cfg.vocab_size, 23).tolist()
     ref = np_forward(tensors, cfg, ids)
     for fused in (True, False):  # fused wqkv, or wq/wk/wv apart (tensor parallel, KV heads whole)
-        params = llama.load_weights(tensors, cfg, kv_sharded=fused)
+        params = loader.load_weights(tensors, cfg, kv_sharded=fused)
         assert (params.layers[0].wqkv is not None) == fused
         _, logits = jax.jit(llama.forward_dense, static_argnums=1)(params, cfg, jnp.asarray(ids, jnp.int32))
         assert np.abs(np.asarray(logits) - ref).max() <= 1e-4
@@ -128,7 +128,7 @@ def test_init_and_load_describe_the_same_tensors() -> None:
     cfg = tiny_cfg(tied=False, bias=True)
     tensors = llama.init_params(cfg, jax.random.key(0))
     assert {k: v.shape for k, v in tensors.items()} == llama.hf_shapes(cfg)
-    params = llama.load_weights(tensors, cfg)
+    params = loader.load_weights(tensors, cfg)
     specs = weights.partition_specs(params)
     is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)  # noqa: E731
     assert jax.tree.structure(specs, is_leaf=is_spec) == jax.tree.structure(params)
@@ -141,7 +141,7 @@ def test_loading_copies_only_what_it_fuses() -> None:
     wqkv and w_gate_up are new arrays."""
     cfg = tiny_cfg(tied=False)
     tensors = random_hf(cfg, 0)
-    params = llama.load_weights(tensors, cfg)
+    params = loader.load_weights(tensors, cfg)
     lp = params.layers[1]
     assert lp.wo.w is tensors["model.layers.1.self_attn.o_proj.weight"]
     assert lp.w_down.w is tensors["model.layers.1.mlp.down_proj.weight"]
@@ -154,12 +154,12 @@ def test_missing_or_misshapen_tensor_is_named() -> None:
     tensors = random_hf(cfg, 0)
     del tensors["model.layers.1.mlp.up_proj.weight"]
     with pytest.raises(ModelDirError, match=r"model\.layers\.1\.mlp\.up_proj\.weight"):
-        llama.load_weights(tensors, cfg)
+        loader.load_weights(tensors, cfg)
     tensors = random_hf(cfg, 0)
     del tensors["lm_head.weight"]
     with pytest.raises(ModelDirError, match="lm_head.weight"):
-        llama.load_weights(tensors, cfg)
+        loader.load_weights(tensors, cfg)
     tensors = random_hf(cfg, 0)
     tensors["model.norm.weight"] = tensors["model.norm.weight"][:-1]
     with pytest.raises(ModelDirError, match=r"'model.norm.weight' has shape \(63,\), expected \(64,\)"):
-        llama.load_weights(tensors, cfg)
+        loader.load_weights(tensors, cfg)

@@ -6,8 +6,8 @@
   choices equal the reference's; top_k 1 and 2, 4 and 8 experts, norm_topk_prob on and off;
   float32, int8, q8_0 (quantized at load) and q4_k (the file's packed bytes);
 - `choose_form`'s static choice; several tiles per expert in the tiled form;
-- `load_experts`: float, quantized-at-load, packed (stacked bytes, not re-encoded), mixed
-  formats (float), the tensor-parallel axes;
+- loading experts (tl/model/loader.py `WeightLoader.experts`): float, quantized-at-load, packed
+  (stacked bytes, not re-encoded), mixed formats (float), the tensor-parallel axes;
 - a 2-device `Mesh` (subprocess: the rest of the suite sees one device) equal to one device.
 Measured on this CPU (AMD EPYC, 2 cores shared with other jobs: +-30% and worse), min of 15
 (5 for the larger) jitted calls, weights on the device, ms; E experts, k per token, D hidden,
@@ -30,7 +30,6 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import gguf
 import jax
@@ -41,7 +40,9 @@ from test_convert_gguf import quantize_q4_k
 
 from tl.model import moe
 from tl.model.config import ModelConfig
-from tl.model.files import HostTensor, Packed
+from tl.model.files import HostTensor
+from tl.model.gguf_model import Packed
+from tl.model.loader import WeightLoader
 from tl.model.weights import ENCODINGS, Blocks, Dense, Int8, Linear, Tensor
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -191,25 +192,6 @@ def _cfg(E: int, k: int, D: int, Fm: int) -> ModelConfig:
     )
 
 
-def _helpers(tensors: dict[str, HostTensor], auto: bool, weight_dtype: str = "float32") -> tuple[Any, Any, Any]:
-    """source / get / encoding as tl/model/llama.py load_weights builds them."""
-
-    def source(name: str) -> HostTensor:
-        return tensors[name]
-
-    def get(name: str) -> np.ndarray:
-        x = tensors[name]
-        return x.to_float() if isinstance(x, Packed) else np.asarray(x, np.float32)
-
-    def encoding(*names: str) -> type[Linear] | None:
-        if not auto:
-            return ENCODINGS[weight_dtype]
-        kinds = {x.format if isinstance(x := tensors[n], Packed) else "float32" for n in names}
-        return ENCODINGS[kinds.pop()] if len(kinds) == 1 else None
-
-    return source, get, encoding
-
-
 def _hf(E: int, D: int, Fm: int) -> tuple[dict[str, HostTensor], np.ndarray, np.ndarray, np.ndarray]:
     router, gu, down = _weights(E, D, Fm, seed=5)
     p = "model.layers.0.mlp."
@@ -227,19 +209,19 @@ def _hf(E: int, D: int, Fm: int) -> tuple[dict[str, HostTensor], np.ndarray, np.
 def test_load_float_and_quantized() -> None:
     t, router, gu, down = _hf(4, 64, 32)
     cfg = _cfg(4, 2, 64, 32)
-    e = moe.load_experts(*_helpers(t, auto=True), cfg, 0)
+    e = WeightLoader(t, cfg, weight_dtype="auto").experts(0)
     assert isinstance(e.w_gate_up, Dense) and isinstance(e.w_down, Dense)
     np.testing.assert_array_equal(e.w_gate_up.w, gu)
     np.testing.assert_array_equal(e.w_down.w, down)
     np.testing.assert_array_equal(e.router.value, router)
     assert (e.top_k, e.norm_topk_prob, e.num_experts) == (2, True, 4)
     assert e.w_gate_up.axes == ("model", None, None, None) and e.w_down.axes == (None, None, "model")
-    q = moe.load_experts(*_helpers(t, auto=False, weight_dtype="q8_0"), cfg, 0)
+    q = WeightLoader(t, cfg, weight_dtype="q8_0").experts(0)
     assert type(q.w_gate_up).__name__ == "Q8_0" and q.w_gate_up.out_shape == (4, 32, 2)
     assert q.w_down.axes == (None, None, "model")
-    q2 = moe.load_experts(*_helpers(t, auto=False, weight_dtype="q8_0"), cfg, 0, tensor_parallel=2)
+    q2 = WeightLoader(t, cfg, weight_dtype="q8_0", tensor_parallel=2).experts(0)
     assert q2.w_down.axes == (None, None, None)  # Fm = 32: one q8_0 block, not split 2 ways
-    assert moe.load_experts(*_helpers(t, auto=True), cfg, 0, tensor_parallel=2).w_down.axes[-1] == "model"
+    assert WeightLoader(t, cfg, weight_dtype="auto", tensor_parallel=2).experts(0).w_down.axes[-1] == "model"
     _check(q, T=3, forms=("gather",))
 
 
@@ -251,7 +233,7 @@ def test_load_packed_keeps_bytes_and_mixed_is_float() -> None:
     for ex in range(E):
         for name, w in (("gate_proj", gu[ex, :, 0]), ("up_proj", gu[ex, :, 1]), ("down_proj", down[ex])):
             packed[f"{p}{ex}.{name}.weight"] = Packed("q4_k", quantize_q4_k(w).reshape(w.shape[0], -1), w.shape[1])
-    e = moe.load_experts(*_helpers(packed, auto=True), _cfg(E, 2, D, Fm), 0)
+    e = WeightLoader(packed, _cfg(E, 2, D, Fm), weight_dtype="auto").experts(0)
     assert type(e.w_gate_up).__name__ == "Q4_K" and type(e.w_down).__name__ == "Q4_K"
     gate0 = packed[f"{p}0.gate_proj.weight"]
     up3 = packed[f"{p}3.up_proj.weight"]
@@ -261,7 +243,7 @@ def test_load_packed_keeps_bytes_and_mixed_is_float() -> None:
     _check(e, T=4, forms=("gather",))
     w = down[1]
     packed[f"{p}1.down_proj.weight"] = Packed("q8_0", gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0), Fm)
-    mixed = moe.load_experts(*_helpers(packed, auto=True), _cfg(E, 2, D, Fm), 0)
+    mixed = WeightLoader(packed, _cfg(E, 2, D, Fm), weight_dtype="auto").experts(0)
     assert isinstance(mixed.w_down, Dense) and type(mixed.w_gate_up).__name__ == "Q4_K"
     down1 = packed[f"{p}1.down_proj.weight"]
     assert isinstance(down1, Packed)

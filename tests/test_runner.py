@@ -19,7 +19,7 @@ import pytest
 from tl.core.config import EngineConfig
 from tl.core.plan import SchedulerOutput, SeqWork
 from tl.core.request import SamplingParams
-from tl.model import llama
+from tl.model import llama, loader
 from tl.model.config import ModelConfig
 from tl.model.embedding import dense_embedding
 from tl.runtime.runner import ModelRunner
@@ -78,7 +78,7 @@ def _dense(params: dict | llama.Weights, cfg: ModelConfig, ids: jax.Array) -> tu
     """The dense forward of Hugging Face tensors (or host Weights)."""
     weights = params
     if isinstance(params, dict):
-        weights = llama.load_weights(params, cfg, np.dtype(next(iter(params.values())).dtype))
+        weights = loader.load_weights(params, cfg, np.dtype(next(iter(params.values())).dtype))
     return _dense_jit(weights, cfg, ids)
 
 

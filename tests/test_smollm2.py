@@ -36,7 +36,8 @@ def prompt_ids(smol_dir: Path) -> list[int]:
 
 
 def test_dense_forward_matches_numpy_reference(smol_dir: Path, reference: GGUFModel, prompt_ids: list[int]) -> None:
-    from tl.model.llama import forward_dense, load_params
+    from tl.model.llama import forward_dense
+    from tl.model.loader import load_params
 
     ids = prompt_ids[-20:]
     params, cfg = load_params(smol_dir, "float32")

@@ -21,6 +21,7 @@ PrefixCache = Literal["none", "radix"]
 Speculative = Literal["none", "prompt_lookup"]
 DType = Literal["auto", "float32", "bfloat16"]
 WeightDType = Literal["auto", "float32", "int8", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "f16", "bf16"]
+"""The configured weight_dtype (tl/model/loader.py `EncodingName` is any encoding loading makes)."""
 KVCacheDType = Literal["auto", "bfloat16"]
 MatmulPrecision = Literal["highest", "high"]
 WeightPages = Literal["huge", "default"]

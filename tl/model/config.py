@@ -342,7 +342,7 @@ def _layer_types(d: dict[str, Any], source: str, layers: int, arch: str, window:
 
 def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Hugging Face name -> shape of every tensor the model needs, in one fixed order (random
-    test weights are drawn in it): the one description that loading (tl/model/llama.py) and the
+    test weights are drawn in it): the one description that loading (tl/model/loader.py) and the
     checks of a model directory (tl/model/files.py) read."""
     d, f, v, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.q_size, cfg.kv_size
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, d), "model.norm.weight": (d,)}

@@ -1,10 +1,10 @@
 """Reading a model directory's weight and side files.
 
 Owns: parsing safetensors (model.safetensors, or shards listed by
-model.safetensors.index.json) into float32 numpy arrays under Hugging Face names; the record
-of a tensor kept in a ggml block format (`Packed`) and which weights file a directory serves
-(`read_tensors`: a directory holding a GGUF, `model.gguf`, serves its packed tensors where
-asked, tl/model/convert_gguf.py reading them);
+model.safetensors.index.json) into float32 numpy arrays under Hugging Face names; which weights
+file a directory serves (`read_tensors`: a directory holding a GGUF, `model.gguf`, serves its
+tensors as the file stores them where asked, tl/model/gguf_model.py `packed_tensors` reading
+them; `HostTensor`: a weight as read, float or `Packed`);
 checking them against a ModelConfig (`check_shapes`: the shapes tl/model/config.py
 `hf_shapes` describes); reading generation_config.json and tokenizer_config.json into frozen
 records; the one rule for which ids end generation (`eos_token_ids`). The safetensors parser
@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from tl.model.config import ModelConfig, ModelDirError, hf_shapes, read_json
+from tl.model.gguf_model import GGUFError, Packed, packed_tensors
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -141,33 +142,6 @@ def _read_sharded(model_dir: Path) -> dict[str, np.ndarray]:
     return out
 
 
-@dataclass(frozen=True, slots=True)
-class Packed:
-    """A tensor kept in a ggml block format: `data` uint8 [*rows, row_bytes], each row the
-    blocks of its `n_in` values exactly as the GGUF stores them (a view of the mapped file where
-    no rows were reordered). `format` names one of tl/model/encodings/ggml_formats.py FORMATS."""
-
-    format: str
-    data: np.ndarray
-    n_in: int
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return (*self.data.shape[:-1], self.n_in)
-
-    def with_rows(self, data: np.ndarray) -> Packed:
-        """The same format over rows reordered or stacked (`data` [..., row_bytes])."""
-        return Packed(self.format, data, self.n_in)
-
-    def to_float(self) -> np.ndarray:
-        """float32 [*rows, n_in] (gguf-py's dequantization)."""
-        import gguf
-
-        t = gguf.GGMLQuantizationType[self.format.upper()]
-        flat = self.data.reshape(-1, self.data.shape[-1])
-        return np.asarray(gguf.quants.dequantize(flat, t), np.float32).reshape(self.shape)
-
-
 HostTensor = np.ndarray | Packed
 """A weight as read from its file: float numpy, or packed blocks."""
 
@@ -181,8 +155,6 @@ def read_tensors(model_dir: str | Path, *, packed: bool = False) -> dict[str, An
         raise ModelDirError(f"model directory {str(model_dir)!r} does not exist")
     has_float = (d / SINGLE_FILE).is_file() or (d / INDEX_FILE).is_file()
     if (d / GGUF_FILE).exists() and (packed or not has_float):
-        from tl.model.convert_gguf import GGUFError, packed_tensors
-
         try:
             return packed_tensors(d / GGUF_FILE)
         except GGUFError as e:

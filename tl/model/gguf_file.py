@@ -6,8 +6,8 @@ ReaderTensor.data: F32 / F16 / F64 / I8-I64 as their numpy types in numpy order,
 type its bytes, uint8 [*rows, row_bytes]) and the checks a damaged file fails (bad magic, an
 unsupported version, a big-endian file, a value or tensor past the end of the file, a duplicate
 key or tensor name, an unknown value or tensor type, a bad alignment): ValueError naming what is
-wrong, which convert_gguf.open_gguf turns into GGUFError naming the file.
-Must not: interpret the metadata (convert_gguf.py, gguf_tokenizer.py do).
+wrong, which tl/model/gguf_model.py `open_gguf` turns into GGUFError naming the file.
+Must not: interpret the metadata (tl/model/gguf_model.py, tl/model/gguf_tokenizer.py do).
 Tested by tests/test_gguf_file.py against gguf-py's GGUFReader on the same files.
 
 Why not gguf-py's reader: it makes a numpy view for every part of every value, and a

@@ -7,14 +7,14 @@ Gemma 3 ((1 + w) norms, four per layer, embeddings scaled by sqrt(D), tanh-GELU 
 query_pre_attn_scalar, sliding layers with their own RoPE base). Checked against transformers'
 logits for a tiny model of each (tests/test_families.py).
 Owns: the model's parameters, described once (`Weights`, `Layer`: flax.struct dataclasses of the
-tl/model/weights.py types, each parameter built in `load_weights` with its encoding and its
-tensor-parallel axes), loading Hugging Face tensors straight into that layout, random weights
-for tests (`init_params`: Hugging Face tensors), RMSNorm, rotate-half RoPE (scaled, per layer),
+tl/model/weights.py types, each parameter built by tl/model/loader.py's `WeightLoader` with its
+encoding and its tensor-parallel axes), random weights for tests (`init_params`: Hugging Face
+tensors), RMSNorm, rotate-half RoPE (scaled, per layer),
 GQA projections, the gated MLP, the paged forward the runner compiles (layers unrolled, KV cache
 written in place, each layer's attention window in its metadata) and a dense no-cache forward
 for embeddings and tests.
-Must not: create device arrays outside a traced function (tl/runtime/placement.py places data), know
-about buckets, requests or sampling. Attention over the paged cache lives in
+Must not: load weights (tl/model/loader.py does), create device arrays outside a traced function
+(tl/runtime/placement.py places data), know about buckets, requests or sampling. Attention over the paged cache lives in
 kernels/paged_attention.py behind one interface.
 Tested by tests/test_llama_reference.py (against an independent numpy forward over the same
 Hugging Face tensors) and tests/test_runner.py (paged == dense).
@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -59,20 +59,15 @@ from jax import lax
 
 from kernels.paged_attention import AttnArgs, AttnMetadata, PagedAttention, paged_attention, write_kv
 from tl.model import rowwise, tree
-from tl.model.config import ModelConfig, ModelDirError, RopeScaling, hf_shapes
-from tl.model.files import HostTensor, Packed, read_tensors
-from tl.model.weights import ENCODINGS, Axes, Bf16x3, Blocks, Dense, Linear, Table, Tensor
+from tl.model.config import ModelConfig, RopeScaling, hf_shapes
+from tl.model.moe import Experts, moe_mlp
+from tl.model.weights import Bf16x3, Dense, Linear, Table, Tensor
 
 Attend = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
 """(q [T,Hq,hd], k [T,Hk,hd], v [T,Hk,hd]) -> [T,Hq,hd] for one layer."""
 Matmul = Callable[[jax.Array, Any], "jax.Array | None"]
 """(x [N,in], a weights.Linear) -> [N,*out], or None where it does not apply: a backend's matmul
 (kernels/select.py; the native CPU kernels for few rows)."""
-WeightDType = str
-"""The linears' encoding, by its name in tl/model/weights.py ENCODINGS: "float32" (weights as
-stored), "int8" (per-output-channel symmetric quantization), "q8_0", "q4_1", "q4_k", ... (llama.cpp's
-block formats), "bf16x3" (float32 with its AMX packing: matmul_precision "high"), or "auto"
-(each tensor as its file stores it)."""
 
 
 @tree.dataclass
@@ -96,7 +91,7 @@ class Layer:
     k_norm: Tensor | None = None
     attn_post_norm: Tensor | None = None  # [D]: on the attention's output (Gemma's sandwich norms)
     mlp_post_norm: Tensor | None = None  # [D]: on the MLP's output
-    moe: Any = None  # tl/model/moe.py Experts: a mixture-of-experts layer in place of the MLP
+    moe: Experts | None = None  # a mixture-of-experts layer in place of the MLP
 
 
 @tree.dataclass
@@ -143,151 +138,6 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype: Any = jnp.float32) -> d
 @functools.partial(jax.jit, static_argnums=1)
 def _normal(key: jax.Array, n: int) -> jax.Array:
     return jax.random.normal(key, (n,))
-
-
-def fuse_qkv(wq: Any, wk: Any, wv: Any, cfg: ModelConfig) -> Any:
-    """[Hq*hd, ...], [Hk*hd, ...] x2 -> [Hk, G+2, hd, ...] grouped by KV head (numpy).
-
-    Group g is [query heads g*G .. g*G+G-1 | k head g | v head g] (query head h reads KV head
-    h // G, as in the attention kernels): the Hk axis is what tensor parallelism splits.
-    """
-    tail, hk, hd = wq.shape[1:], cfg.num_key_value_heads, cfg.head_dim
-    return np.concatenate(
-        [wq.reshape(hk, -1, hd, *tail), wk.reshape(hk, 1, hd, *tail), wv.reshape(hk, 1, hd, *tail)], axis=1
-    )
-
-
-def load_weights(
-    tensors: Mapping[str, HostTensor],
-    cfg: ModelConfig,
-    dtype: Any = np.float32,
-    weight_dtype: WeightDType = "float32",
-    *,
-    kv_sharded: bool = True,
-    vocab_sharded: bool = True,
-    tensor_parallel: int = 1,
-) -> Weights:
-    """Hugging Face tensors ([out, in] linears; float arrays, or `Packed` blocks read from a GGUF)
-    -> the step layout on the host (numpy; a matrix that needs no fusing or conversion is the
-    tensor itself, not a copy).
-
-    weight_dtype: every linear's encoding (`WeightDType`), which also says how the embedding
-    and LM head are kept (its `table`) and what the LM head needs beside them (`head_packing`:
-    bf16x3's packing as `head_packed`; embed and lm_head then stay float32); "auto": each as its
-    file stores it (packed blocks kept as they are, float as `dtype`). Where q, k and v (or gate
-    and up) are stored in different formats they are not fused: wq/wk/wv (w_gate/w_up) apart.
-    kv_sharded False (tensor parallel over more devices than divide the KV heads): wq/wk/wv
-    kept apart, k/v whole. vocab_sharded False: embed and lm_head whole. tensor_parallel: the
-    degree, for the row-parallel wo and w_down: split by input only where every device gets
-    whole blocks of the encoding's `in_block` (32 or 256 for the block formats; always for the
-    others), else whole (XLA then gathers their input and runs the whole dot on each device).
-    A matrix whose input axis is not a multiple of `in_block` is refused, naming it.
-    """
-    if weight_dtype != "auto" and weight_dtype not in ENCODINGS:
-        raise ValueError(f"weight_dtype must be auto or one of {', '.join(ENCODINGS)}, got {weight_dtype!r}")
-    want = hf_shapes(cfg)
-
-    def source(name: str) -> HostTensor:
-        if name not in tensors:
-            raise ModelDirError(f"weights: missing tensor {name!r}")
-        x = tensors[name]
-        x = x if isinstance(x, Packed) else np.asarray(x)
-        if tuple(x.shape) != want[name]:
-            raise ModelDirError(f"weights: tensor {name!r} has shape {x.shape}, expected {want[name]}")
-        return x
-
-    def get(name: str) -> np.ndarray:
-        x = source(name)
-        x = x.to_float() if isinstance(x, Packed) else x
-        return x if x.dtype == dtype else x.astype(dtype)
-
-    def norm(name: str) -> Tensor:
-        """An RMSNorm's multiplier: the weight, plus 1 for Gemma's (1 + w) (in float32, as HF)."""
-        w = get(name)
-        if cfg.norm_offset:
-            w = (w.astype(np.float32) + np.float32(cfg.norm_offset)).astype(dtype)
-        return Tensor(w, (None,))
-
-    def encoding(*names: str) -> type[Linear] | None:
-        """weight_dtype's, or with "auto" the format the tensors are stored in (None: they differ)."""
-        if weight_dtype != "auto":
-            return ENCODINGS[weight_dtype]
-        kinds = {x.format if isinstance(x := source(n), Packed) else "float32" for n in names}
-        return ENCODINGS[kinds.pop()] if len(kinds) == 1 else None
-
-    col = "model"
-
-    def lin(
-        names: tuple[str, ...], axes: Axes, fuse: Callable[..., np.ndarray] = lambda w: w, table: bool = False
-    ) -> Any:
-        """The linear of these tensors (fused by `fuse`) in their `encoding`; `table`: as an
-        embedding / LM head is kept (the encoding's `table`)."""
-        enc = encoding(*names)
-        assert enc is not None, names
-        srcs = [source(n) for n in names]
-        if issubclass(enc, Blocks) and all(isinstance(x, Packed) and x.format == enc.fmt.name for x in srcs):
-            return enc(fuse(*(x.data for x in srcs if isinstance(x, Packed))), axes)  # the file's bytes
-        w = fuse(*(get(n) for n in names))
-        if w.shape[-1] % enc.in_block:
-            raise ModelDirError(
-                f"weights: tensor {names[0]!r} of shape {w.shape}: {enc.__name__} stores blocks of "
-                f"{enc.in_block} inputs, and its input axis ({w.shape[-1]}) is not a multiple"
-            )
-        return enc.table(w, axes) if table else enc.encode(w, axes)
-
-    def row(name: str) -> Axes:  # a row-parallel weight's axes: [out, in] split by in, at block boundaries
-        enc = encoding(name)
-        assert enc is not None  # one tensor has one format
-        return (None, col if (want[name][-1] // enc.in_block) % tensor_parallel == 0 else None)
-
-    layers = []
-    for i in range(cfg.num_hidden_layers):
-        p = f"model.layers.{i}."
-        a = p + "self_attn."
-        q, k, v = (a + f"{n}_proj.weight" for n in "qkv")
-        gate, up, down = (p + f"mlp.{n}_proj.weight" for n in ("gate", "up", "down"))
-        lp: dict[str, Any] = {
-            "attn_norm": norm(p + "input_layernorm.weight"),
-            "wo": lin((a + "o_proj.weight",), row(a + "o_proj.weight")),
-        }
-        if cfg.sandwich_norms:  # Gemma: post_attention_layernorm is on the attention's output
-            lp["attn_post_norm"] = norm(p + "post_attention_layernorm.weight")
-            lp["mlp_norm"] = norm(p + "pre_feedforward_layernorm.weight")
-            lp["mlp_post_norm"] = norm(p + "post_feedforward_layernorm.weight")
-        else:
-            lp["mlp_norm"] = norm(p + "post_attention_layernorm.weight")
-        if cfg.qk_norm:
-            lp["q_norm"], lp["k_norm"] = norm(a + "q_norm.weight"), norm(a + "k_norm.weight")
-        if cfg.is_moe(i):
-            from tl.model import moe
-
-            lp["moe"] = moe.load_experts(source, get, encoding, cfg, i, tensor_parallel)
-        elif encoding(gate, up) is not None:  # [F,2,D]
-            lp["w_gate_up"] = lin((gate, up), (col, None, None), lambda g, u: np.stack([g, u], axis=1))
-        else:
-            lp["w_gate"], lp["w_up"] = lin((gate,), (col, None)), lin((up,), (col, None))
-        if not cfg.is_moe(i):
-            lp["w_down"] = lin((down,), row(down))
-        if kv_sharded and encoding(q, k, v) is not None:
-            lp["wqkv"] = lin((q, k, v), (col, None, None, None), lambda wq, wk, wv: fuse_qkv(wq, wk, wv, cfg))
-            if cfg.attention_bias:
-                bq, bk, bv = (get(a + f"{n}_proj.bias") for n in "qkv")
-                lp["bqkv"] = Tensor(fuse_qkv(bq, bk, bv, cfg), (col, None, None))
-        else:
-            kv_axis = col if kv_sharded else None
-            lp["wq"] = lin((q,), (col, None))
-            lp["wk"], lp["wv"] = lin((k,), (kv_axis, None)), lin((v,), (kv_axis, None))
-            if cfg.attention_bias:
-                lp |= {"bq": Tensor(get(a + "q_proj.bias"), (col,))}
-                lp |= {n: Tensor(get(a + f"{n[1]}_proj.bias"), (kv_axis,)) for n in ("bk", "bv")}
-        layers.append(Layer(**lp))
-    vocab = (col if vocab_sharded else None, None)
-
-    embed: Table = lin(("model.embed_tokens.weight",), vocab, table=True)
-    lm_head: Table | None = None if cfg.tie_word_embeddings else lin(("lm_head.weight",), vocab, table=True)
-    head_enc = ENCODINGS[weight_dtype] if weight_dtype != "auto" else Dense
-    packed = head_enc.head_packing(embed if lm_head is None else lm_head)
-    return Weights(embed, tuple(layers), norm("model.norm.weight"), lm_head, packed)
 
 
 def linear(x: jax.Array, w: Linear, matmul: Matmul | None = None) -> jax.Array:
@@ -377,9 +227,7 @@ def mlp(x: jax.Array, lp: Layer, matmul: Matmul | None = None, act: str = "silu"
     """The gated MLP: down(act(gate(x)) * up(x)) (SwiGLU, or GeGLU with act gelu_pytorch_tanh),
     gate and up as one [F,2,D] matmul where fused; a mixture-of-experts layer's experts."""
     if lp.moe is not None:
-        from tl.model import moe
-
-        return moe.moe_mlp(x, lp.moe, activation(act))
+        return moe_mlp(x, lp.moe, activation(act))
     if lp.w_gate_up is not None:
         gu = linear(x, lp.w_gate_up, matmul)  # [T, F, 2]
         g, u = gu[..., 0], gu[..., 1]
@@ -538,11 +386,3 @@ def forward_dense(
         attend = functools.partial(dense_attention, window=cfg.window(i))
         x = _layer(x, lp, cfg, ropes[i], attend, matmul)
     return rms_norm(x, params.final_norm.value, cfg.rms_norm_eps), lm_logits(params, cfg, x, matmul)
-
-
-def load_params(model_dir: str, dtype: str = "float32") -> tuple[Weights, ModelConfig]:
-    """(host Weights of numpy arrays, ModelConfig) of a Hugging Face model directory."""
-    from tl.model.config import load_model_config
-
-    cfg = load_model_config(model_dir)
-    return load_weights(read_tensors(model_dir), cfg, jnp.dtype(dtype)), cfg

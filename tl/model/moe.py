@@ -1,10 +1,9 @@
 """Mixture-of-experts MLP layers (Qwen3-MoE; Mixtral's sparse block is the same computation).
 
 Owns: a MoE layer's parameters (`Experts`: the router [E,D] kept float, every expert's fused
-gate-up [E,Fm,2,D] and down [E,D,Fm] each as one linear encoding of tl/model/weights.py),
-loading them from Hugging Face per-expert tensors (`load_experts`, called by
-tl/model/llama.py `load_weights` with its own `source` / `get` / `encoding` helpers; a GGUF's
-packed expert slices stay packed), and the forward (`moe_mlp`): the router as transformers'
+gate-up [E,Fm,2,D] and down [E,D,Fm] each as one linear encoding of tl/model/weights.py;
+tl/model/loader.py `WeightLoader.experts` loads them from Hugging Face per-expert tensors, a
+GGUF's packed expert slices kept packed), and the forward (`moe_mlp`): the router as transformers'
 Qwen3MoeSparseMoeBlock computes it (logits in x's dtype, softmax in float32, top-k, optional
 renormalization, weights cast to x's dtype), then the experts' SwiGLU in one of four forms,
 chosen statically from the sizes (`choose_form`), all batched (never a loop over experts):
@@ -15,11 +14,11 @@ chosen statically from the sizes (`choose_form`), all batched (never a loop over
 masked dense product, slower than "dense"). Every form computes in float32 over the experts'
 dequantized weights (int8 too: no W8A8 here), so they agree to float32 rounding.
 Tensor parallelism: Fm split over "model" (gate-up column-parallel on axis 1; down row-parallel
-on its last axis where whole blocks fall on each device, as llama.py's `row()`), so every
+on its last axis where whole blocks fall on each device, as loader.py's `row_axes`), so every
 device holds a slice of every expert; the router whole.
-Must not: place arrays on devices, know about attention or the paged cache.
+Must not: load weights, place arrays on devices, know about attention or the paged cache.
 Tested by tests/test_moe.py (every form against a numpy per-token loop over dequantized weights,
-within a float32 error bound; loading float, quantized and packed experts; a 2-device mesh).
+within a float32 error bound; a 2-device mesh).
 """
 
 from __future__ import annotations
@@ -30,15 +29,12 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import struct
 from jax import lax
 
 from tl.model import rowwise, tree
-from tl.model.config import ModelConfig, ModelDirError
 from tl.model.encodings.ggml_formats import dequantize
-from tl.model.files import HostTensor, Packed
-from tl.model.weights import Axes, Bf16x3, Blocks, Dense, Int8, Linear, Tensor
+from tl.model.weights import Bf16x3, Blocks, Dense, Int8, Linear, Tensor
 
 Activation = Callable[[jax.Array], jax.Array]
 
@@ -57,63 +53,6 @@ class Experts:
     @property
     def num_experts(self) -> int:
         return int(self.router.value.shape[0])
-
-
-def load_experts(
-    source: Callable[[str], HostTensor],
-    get: Callable[[str], np.ndarray],
-    encoding: Callable[..., type[Linear] | None],
-    cfg: ModelConfig,
-    layer: int,
-    tensor_parallel: int = 1,
-) -> Experts:
-    """Layer `layer`'s experts from its Hugging Face tensors, through llama.py load_weights'
-    helpers: `source(name)` the tensor as stored (float or `Packed`), `get(name)` it as float,
-    `encoding(*names)` the encoding to use (None: they are stored in different formats).
-    Packed experts that all share the encoding's block format are stacked as the file's bytes;
-    mixed formats are dequantized to float (`Dense`). bf16x3 (a native AMX packing for the
-    dense layers) keeps experts as `Dense`. tensor_parallel: the degree, for the down
-    projection's row split (only at block boundaries)."""
-    p = f"model.layers.{layer}.mlp."
-    experts = range(cfg.num_experts)
-    gates = [f"{p}experts.{e}.gate_proj.weight" for e in experts]
-    ups = [f"{p}experts.{e}.up_proj.weight" for e in experts]
-    downs = [f"{p}experts.{e}.down_proj.weight" for e in experts]
-    gate_up = _stack(source, get, encoding(*gates, *ups), [gates, ups], ("model", None, None, None))
-    down_enc = encoding(*downs)
-    fm = cfg.moe_intermediate_size
-    split = down_enc is not None and (fm // down_enc.in_block) % tensor_parallel == 0
-    down = _stack(source, get, down_enc, [downs], (None, None, "model" if split else None))
-    router = Tensor(np.asarray(get(p + "gate.weight"), np.float32), (None, None))
-    return Experts(router, gate_up, down, cfg.num_experts_per_tok, cfg.norm_topk_prob)
-
-
-def _stack(
-    source: Callable[[str], HostTensor],
-    get: Callable[[str], np.ndarray],
-    enc: type[Linear] | None,
-    groups: list[list[str]],
-    axes: Axes,
-) -> Linear:
-    """One linear [E, *out, in] of per-expert tensors: groups of E names each ([gates, ups]:
-    interleaved into [E, Fm, 2, in]; [downs]: [E, D, Fm])."""
-
-    def stack(arrays: list[list[np.ndarray]]) -> np.ndarray:
-        per = [np.stack(a) for a in arrays]  # each [E, out, in]
-        return per[0] if len(per) == 1 else np.stack(per, axis=2)
-
-    if enc is None or enc is Bf16x3:
-        enc = Dense
-    srcs = [[source(n) for n in names] for names in groups]
-    if issubclass(enc, Blocks) and all(isinstance(x, Packed) and x.format == enc.fmt.name for g in srcs for x in g):
-        return enc(stack([[x.data for x in g if isinstance(x, Packed)] for g in srcs]), axes)
-    w = stack([[get(n) for n in names] for names in groups])
-    if w.shape[-1] % enc.in_block:
-        raise ModelDirError(
-            f"weights: tensor {groups[0][0]!r} of shape {w.shape[1:]}: {enc.__name__} stores blocks of "
-            f"{enc.in_block} inputs, and its input axis ({w.shape[-1]}) is not a multiple"
-        )
-    return enc.encode(w, axes)
 
 
 def route(x: jax.Array, e: Experts) -> tuple[jax.Array, jax.Array]:

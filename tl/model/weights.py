@@ -2,15 +2,17 @@
 
 Owns: the parameter types of the step layout (`flax.struct` dataclasses, registered pytrees
 whose array fields are leaves and whose `axes` are static metadata): `Tensor` (a norm scale or
-a bias), and the registry of linear encodings (`ENCODINGS`: name -> class, one module each
-under tl/model/encodings/, which owns everything that depends on its encoding: encoding at
-load, XLA's arithmetic, its native kernel, its packing). `axes` names, per array axis, the mesh
-axis it is split over ("model") or None: declared where the parameter is built
-(tl/model/llama.py `load_weights`), and `partition_specs` reads them, so no other module
-parses parameter names or paths.
+a bias), and the one registry of linear encodings: `ENCODING_TYPES` (every encoding class, one
+module each under tl/model/encodings/, which owns everything that depends on its encoding:
+encoding at load, XLA's arithmetic, its native kernel, its packing; `Linear` is their union),
+and of these `ENCODINGS`, the ones loading makes, by the name a config gives (`Panels` is not
+named: it is made from `Blocks` at placement). `axes` names, per array axis, the mesh axis it
+is split over ("model") or None: declared where the parameter is built (tl/model/loader.py
+`WeightLoader`), and `partition_specs` reads them, so no other module parses parameter names
+or paths.
 Must not: place arrays on devices (tl/runtime/placement.py does), know about the model's layers.
-Tested by tests/test_llama_reference.py, tests/test_int8.py, tests/test_blocks.py and
-tests/test_backend.py.
+Tested by tests/test_llama_reference.py, tests/test_int8.py, tests/test_blocks.py,
+tests/test_backend.py and tests/test_layering.py (the registry lists every encoding module).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from tl.model.encodings.panels import Panels
 
 __all__ = [
     "ENCODINGS",
+    "ENCODING_TYPES",
     "Axes",
     "Bf16x3",
     "Blocks",
@@ -58,15 +61,19 @@ class Tensor:
 
 
 Linear: TypeAlias = Dense | Int8 | Blocks | Bf16x3 | Panels
-"""Every registered encoding (a new one joins here and in ENCODINGS)."""
+"""Any linear encoding: the union of ENCODING_TYPES (mypy needs it spelled out)."""
+ENCODING_TYPES: tuple[type[Linear], ...] = (Dense, Int8, Blocks, Bf16x3, Panels)
+"""Every linear encoding, one module of tl/model/encodings/ each (`Blocks` with one subclass
+per ggml format); a new one joins here and in `Linear`, and in ENCODINGS where loading makes it."""
 Table: TypeAlias = Dense | Int8 | Blocks | Panels
 """What an embedding / LM head is kept as (looked up by rows): each encoding's `table`."""
 ENCODINGS: dict[str, type[Linear]] = {"float32": Dense, "int8": Int8, **BLOCK_ENCODINGS, "bf16x3": Bf16x3}
-"""Each linear encoding by the name load_weights takes ("float32": the float dtype as loaded;
-"int8": weight_dtype int8; "q8_0", "q4_1", "q4_k", ...: llama.cpp's block formats, as a GGUF
-stores them or quantized at load; "bf16x3": matmul_precision "high")."""
-_HOOKED: list[type[Encoding]] = list(ENCODINGS.values())  # mypy: each has every hook of Encoding
-PARAM_TYPES = (Tensor, *ENCODINGS.values(), Panels)  # Panels: made from Blocks at placement, not loaded
+"""The encodings loading makes, by the name tl/model/loader.py takes ("float32": the float
+dtype as loaded; "int8": weight_dtype int8; "q8_0", "q4_1", "q4_k", ...: llama.cpp's block
+formats, as a GGUF stores them or quantized at load; "bf16x3": matmul_precision "high").
+`Panels` is not among them: tl/runtime/placement.py makes it from `Blocks`."""
+_HOOKED: tuple[type[Encoding], ...] = ENCODING_TYPES  # mypy: each has every hook of Encoding
+PARAM_TYPES = (Tensor, *ENCODING_TYPES)
 
 
 def is_param(x: Any) -> bool:

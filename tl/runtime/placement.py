@@ -1,7 +1,7 @@
 """Placement: the model's weights and the KV cache as device arrays on the runner's mesh.
 
-Owns: converting host weights (Hugging Face tensors) into the step layout (`llama.load_weights`,
-straight from the tensors), their NamedShardings from the axes each parameter declares
+Owns: converting host weights (Hugging Face tensors) into the step layout (tl/model/loader.py
+`load_weights`, straight from the tensors), their NamedShardings from the axes each parameter declares
 (tl/model/weights.py `partition_specs`), putting
 them on the devices (on one CPU device: into one huge-page mapping, tl/runtime/weight_pages.py, with
 XLA's own buffers as the fallback and its reason), and allocating the paged KV cache zeroed in
@@ -23,7 +23,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from kernels import paged_attention
-from tl.model import llama, weights
+from tl.model import llama, loader, weights
 from tl.model.config import ModelConfig
 from tl.model.encodings.panels import PANEL_FORMATS, pack
 from tl.model.moe import Experts
@@ -59,7 +59,7 @@ def place_weights(
     if pack_bf16x3 and weight_dtype != "float32":
         raise ValueError(f"{weight_dtype} weights have no bf16x3 packing")
     encoding = "bf16x3" if pack_bf16x3 else weight_dtype  # tl/model/weights.py ENCODINGS
-    step = llama.load_weights(
+    step = loader.load_weights(
         tensors,
         cfg,
         dtype,

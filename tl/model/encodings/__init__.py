@@ -6,14 +6,17 @@ its one encoding, everything that depends on it: turning a float Hugging Face ma
 load (`encode`, `table` for an embedding or LM head, `head_packing`), XLA's arithmetic for it
 (`dot`, `logits`, `rows`), which native CPU kernel runs it and on which rows (`native`: a
 kernels/cpu_native.py call over its arrays, or None for XLA's `dot`), and its sharding (`specs`,
-from the `axes` declared where it is built). The encodings: tl/model/encodings/dense.py (float
-[*out, in]), tl/model/encodings/int8.py (int8 per output channel, W8A8 dots),
-tl/model/encodings/blocks.py (llama.cpp's block formats as a GGUF stores them: Q8_0, Q4_1, Q4_K, ...) and
-tl/model/encodings/bf16x3.py (float32 with its AMX packing, matmul_precision "high");
-tl/model/weights.py registers them (`ENCODINGS`), so a new encoding is one module here and one
-line there. Must not: place arrays on devices, know about the model's layers. Tested by
-tests/test_llama_reference.py, tests/test_int8.py, tests/test_blocks.py, tests/test_matmul_high.py
-and tests/test_cpu_native.py."""
+from the `axes` declared where it is built). The encodings, one module each:
+tl/model/encodings/dense.py (float [*out, in]), tl/model/encodings/int8.py (int8 per output
+channel, W8A8 dots), tl/model/encodings/blocks.py (llama.cpp's block formats as a GGUF stores
+them: Q8_0, Q4_1, Q4_K, ..., their geometry and dequantization in
+tl/model/encodings/ggml_formats.py, which is no encoding), tl/model/encodings/bf16x3.py (float32
+with its AMX packing, matmul_precision "high") and tl/model/encodings/panels.py (q8_0 / q4_0 /
+q4_1 blocks repacked at placement for the native kernel); tl/model/weights.py registers them
+(`ENCODING_TYPES`; `ENCODINGS` by name, those loading makes), so a new encoding is one module
+here and its entries there. Must not: place arrays on devices, know about the model's layers. Tested by
+tests/test_llama_reference.py, tests/test_int8.py, tests/test_blocks.py, tests/test_matmul_high.py,
+tests/test_panels.py and tests/test_cpu_native.py; tests/test_layering.py checks the registry."""
 
 from __future__ import annotations
 

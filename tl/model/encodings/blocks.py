@@ -100,7 +100,7 @@ class Blocks:
 
     def specs(self) -> Blocks:
         """The byte axis stands where the input axis does: a row-parallel split must hold whole
-        blocks on each device (tl/model/llama.py `load_weights` keeps it whole otherwise)."""
+        blocks on each device (tl/model/loader.py `WeightLoader.row_axes` keeps it whole otherwise)."""
         return type(self)(P(*self.axes), self.axes)
 
 
