@@ -1,6 +1,6 @@
 """`python -m bench <name> [args]` (also `tl bench ...`).
 
-Names: runner | engine | mixed | http | structured | quant | kl | kernels | qlayout | soak | multihost.
+Names: runner | engine | mixed | http | structured | quant | kl | kernels | qlayout | soak | multihost | wire.
 """
 
 from __future__ import annotations
@@ -37,8 +37,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from bench.soak import run
     elif name == "multihost":
         from bench.multihost_bench import run
+    elif name == "wire":
+        from bench.wire_record import run
     else:
-        names = "runner, engine, mixed, http, structured, quant, kl, kernels, qlayout, soak or multihost"
+        names = "runner, engine, mixed, http, structured, quant, kl, kernels, qlayout, soak, multihost or wire"
         print(f"unknown benchmark {name!r}; choose {names}", file=sys.stderr)
         return 2
     return run(rest)
