@@ -11,7 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from models import make_succ, make_tiny_llama
+
+from tests.helpers.models import make_succ, make_tiny_llama
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 

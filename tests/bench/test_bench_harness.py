@@ -27,7 +27,7 @@ from bench.load import Endpoint, RequestResult, chunk_text, parse_sse, percentil
 from bench.load_prompts import PromptFactory, count_tokens, sized_text
 from bench.load_tests import CUT, Job, run_closed, run_poisson
 from bench.roofline import Machine, fractions, measure_machine, model_cost, roofline_line
-from tests.models import byte_tokenizer_json
+from tests.helpers.models import byte_tokenizer_json
 
 SMOL = {
     "architectures": ["LlamaForCausalLM"],

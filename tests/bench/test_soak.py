@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from bench import soak
-from tests.models import make_tiny_llama
+from tests.helpers.models import make_tiny_llama
 
 # Small buckets: every step variant is compiled at start-up.
 ENGINE = (

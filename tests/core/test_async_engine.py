@@ -11,14 +11,14 @@ import time
 from collections.abc import Awaitable, Callable
 
 import pytest
-from fake_engine import (
+
+from tests.helpers.fake_engine import (
     FakeEngine,
     FakeRunner,
     SuccRunner,
     byte_grammars,
     fake_embedding,
 )
-
 from tl.core import async_engine
 from tl.core.async_engine import Abort, Add, AddEmbedding, AsyncEngine, EngineError, Outbox
 from tl.core.config import EngineConfig

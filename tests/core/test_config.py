@@ -43,7 +43,7 @@ def test_bad_values_name_the_key(changes: dict[str, object], needle: str) -> Non
 def test_readme_documents_every_engine_key() -> None:
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     missing = [k for k in engine_keys() if f"| `{k}` |" not in readme]
     assert not missing, f"README lacks [engine] keys {missing}"
 

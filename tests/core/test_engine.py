@@ -17,27 +17,20 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from tests.differential import Arrival, RunnerFactory, assert_concurrent_equals_alone, drive, finish_reason, token_ids
-from tests.fake_runner import FakeRunner, next_token, pooled_embedding
+from tests.helpers.differential import (
+    Arrival,
+    RunnerFactory,
+    assert_concurrent_equals_alone,
+    drive,
+    finish_reason,
+    token_ids,
+)
+from tests.helpers.engine_cases import BASE_CFG, check_engine, greedy, run, workload
+from tests.helpers.fake_runner import FakeRunner, next_token, pooled_embedding
 from tl.core.config import EngineConfig
 from tl.core.engine import Engine
 from tl.core.request import ContextLengthError, EmbedRequest, GenRequest, QueueFullError, SamplingParams, TokenOut
-from tl.core.sequence import SeqStatus
 
-BASE_CFG = EngineConfig(
-    block_size=4,
-    num_kv_blocks=64,
-    max_num_seqs=4,
-    max_num_batched_tokens=32,
-    token_buckets=(8, 16, 32),
-    seq_buckets=(1, 4),
-    prefill_chunk=0,
-    prefix_cache="none",
-    speculative="none",
-    queue_capacity=16,
-    decode_steps=1,  # one step per call, but in the decode_steps variants below
-    overlap="off",  # every step synchronous, but in the overlap variants below
-)
 VARIANTS: dict[str, dict[str, Any]] = {
     "plain": {},
     "prefix_cache": {"prefix_cache": "radix"},
@@ -62,49 +55,6 @@ VARIANTS: dict[str, dict[str, Any]] = {
 }
 VARIANTS["overlap_everything"] = {**VARIANTS["decode_steps_everything"], "overlap": "on"}
 RUNNER_FACTORIES: list[Any] = [pytest.param(FakeRunner.from_config, id="fake")]
-
-
-def greedy(max_tokens: int, **kw: Any) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
-
-
-def sampled(max_tokens: int, seed: int) -> SamplingParams:
-    return SamplingParams(temperature=0.8, max_tokens=max_tokens, seed=seed, ignore_eos=True)
-
-
-def run(n: int, start: int = 10) -> tuple[int, ...]:
-    return tuple(range(start, start + n))
-
-
-def workload() -> list[Arrival]:
-    """Different lengths and arrival steps; shared prefixes; repetitive prompts for lookup."""
-    return [
-        Arrival(0, GenRequest(run(12) + run(5), greedy(16))),
-        Arrival(0, GenRequest(run(9), sampled(12, seed=7))),
-        Arrival(1, GenRequest(run(12) + (3, 4, 5), greedy(10))),
-        Arrival(3, GenRequest(run(8, start=80), SamplingParams(temperature=0.0, max_tokens=20))),  # reaches EOS
-        Arrival(5, GenRequest(run(25), greedy(20), priority=2)),
-        Arrival(8, GenRequest((50, 51, 52), sampled(18, seed=3), priority=-1)),
-        Arrival(8, GenRequest(run(12) + run(5), sampled(15, seed=11))),
-        Arrival(9, GenRequest(run(6, start=30) + run(6, start=30), greedy(9, stop_token_ids=(40,)))),
-    ]
-
-
-def check_engine(engine: Engine) -> None:
-    """The books after a step: blocks exact, waiting holds nothing, running covers its KV."""
-    s, bm = engine.scheduler, engine.block_manager
-    bm.check_invariants()
-    assert set(s.seqs) == {q.seq_id for q in s.waiting} | {q.seq_id for q in s.running}
-    assert len(s.running) <= engine.config.max_num_seqs
-    for seq in s.waiting:
-        assert seq.status is SeqStatus.WAITING and not bm.holds(seq.seq_id) and seq.num_computed_tokens == 0
-    for seq in s.running:
-        assert seq.status is SeqStatus.RUNNING and seq.num_computed_tokens < seq.num_tokens
-        assert len(bm.block_table(seq.seq_id)) * bm.block_size >= seq.num_computed_tokens
-    if not s.running:
-        assert bm.num_used == 0 and bm.num_free + bm.num_cached == bm.num_blocks
-    if bm.num_cached and not bm.enable_prefix_cache:
-        raise AssertionError("cached blocks without a prefix cache")
 
 
 def reference(

@@ -13,54 +13,26 @@ from typing import Any
 
 import jsonschema
 import pytest
-from differential import Arrival, assert_concurrent_equals_alone, drive, finish_reason, run_alone, token_ids
-from fake_engine import byte_grammars
-from fake_runner import FakeRunner
-from models import BYTE_VOCAB_SIZE, IM_END_ID
 
+from tests.helpers.differential import (
+    Arrival,
+    assert_concurrent_equals_alone,
+    drive,
+    finish_reason,
+    run_alone,
+    token_ids,
+)
+from tests.helpers.fake_runner import FakeRunner
+from tests.helpers.models import BYTE_VOCAB_SIZE, IM_END_ID
+from tests.helpers.structured import CFG, SCHEMA, Failing, Trimmed, grammar
 from tl.core.config import EngineConfig
 from tl.core.engine import Engine
-from tl.core.request import ConstraintSpec, GenRequest, Guide, SamplingParams
+from tl.core.request import GenRequest, SamplingParams
 from tl.text.grammar import Grammar
-
-CFG = EngineConfig(
-    model_dir="unused",
-    block_size=4,
-    num_kv_blocks=128,
-    max_num_seqs=8,
-    max_num_batched_tokens=64,
-    token_buckets=(8, 16, 32, 64),
-    seq_buckets=(1, 2, 4, 8),
-    max_model_len=256,
-    prefill_chunk=16,
-    compile_cache_dir="",
-)
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "id": {"type": "integer", "minimum": 0, "maximum": 999},
-        "tag": {"enum": ["red", "green", "blue"]},
-        "pts": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "maxItems": 3},
-        "sub": {
-            "type": "object",
-            "properties": {"ok": {"type": "boolean"}, "name": {"type": "string", "maxLength": 6}},
-            "required": ["ok", "name"],
-            "additionalProperties": False,
-        },
-    },
-    "required": ["id", "tag", "pts", "sub"],
-    "additionalProperties": False,
-}
-GRAMMARS = byte_grammars(CFG)
 
 
 def factory(cfg: EngineConfig) -> FakeRunner:
     return FakeRunner.from_config(cfg, vocab_size=BYTE_VOCAB_SIZE, eos_token_ids=(IM_END_ID,))
-
-
-def grammar(kind: str = "json", text: str | None = None) -> Grammar:
-    spec = ConstraintSpec(kind, json.dumps(SCHEMA) if text is None else text, "response_format")  # type: ignore[arg-type]
-    return GRAMMARS.compile(spec).grammar
 
 
 def request(prompt: str, constraint: Any = None, **kw: Any) -> GenRequest:
@@ -123,34 +95,6 @@ def test_constrained_requests_together_equal_alone(case: str) -> None:
         assert engine.stats().spec_drafts_accepted > 0
 
 
-class Trimmed:
-    """A guide over a real matcher that records, per call, how many drafts it was offered."""
-
-    def __init__(self, inner: Guide) -> None:
-        self.inner = inner
-        self.offered: list[tuple[int, int]] = []
-
-    def valid_prefix(self, tokens: Sequence[int]) -> int:
-        n = self.inner.valid_prefix(tokens)
-        self.offered.append((len(tokens), n))
-        return n
-
-    def fill(self, mask: Any, row: int, drafts: Sequence[int]) -> None:
-        assert self.inner.valid_prefix(drafts) == len(drafts), "a refused draft reached the step"
-        self.inner.fill(mask, row, drafts)
-
-    def accept(self, token: int) -> bool:
-        return self.inner.accept(token)
-
-    @property
-    def done(self) -> bool:
-        return self.inner.done
-
-    @property
-    def error(self) -> str:
-        return self.inner.error
-
-
 class Wrapped:
     def __init__(self, g: Grammar) -> None:
         self.g = g
@@ -170,30 +114,6 @@ def test_drafts_the_grammar_refuses_are_never_verified() -> None:
     assert any(n < offered for offered, n in wrapped.guides[0].offered), wrapped.guides[0].offered
     plain = run_alone(factory, CFG, request("abcdabcdabcdabcd", grammar("regex", "[abc]{30}")))
     assert token_ids(outs) == token_ids(plain) and finish_reason(outs) == "stop" and len(text(outs)) == 30
-
-
-class Failing:
-    """A constraint whose matcher refuses the `after`-th token (a matcher error mid-generation)."""
-
-    def __init__(self, after: int) -> None:
-        self.after = after
-
-    def matcher(self) -> Guide:
-        g = grammar("regex", "[a-z]*")
-        failing = self
-
-        class _Guide(Trimmed):
-            n = 0
-
-            def accept(self, token: int) -> bool:
-                self.n += 1
-                return self.n < failing.after and self.inner.accept(token)
-
-            @property
-            def error(self) -> str:
-                return "injected"
-
-        return _Guide(g.matcher())
 
 
 def test_a_matcher_error_ends_its_request_frees_its_blocks_and_the_engine_serves_on() -> None:

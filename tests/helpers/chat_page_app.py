@@ -14,9 +14,8 @@ from __future__ import annotations
 import os
 import time
 
-from fake_engine import SuccRunner, byte_grammars, byte_model, byte_tools
-
 from serve.app import App
+from tests.helpers.fake_engine import SuccRunner, byte_grammars, byte_model, byte_tools
 from tl.core.async_engine import AsyncEngine
 from tl.core.config import EngineConfig
 from tl.core.plan import RunnerOutput, SchedulerOutput, SeqResult

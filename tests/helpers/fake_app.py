@@ -9,10 +9,9 @@ tests/test_reasoning.py).
 
 from __future__ import annotations
 
-from fake_engine import make_real_async_engine, make_script_async_engine
-from fake_think import make_think_async_engine
-
 from serve.app import App
+from tests.helpers.fake_engine import make_real_async_engine, make_script_async_engine
+from tests.helpers.fake_think import make_think_async_engine
 
 app = App(engine_factory=make_real_async_engine)
 

@@ -29,9 +29,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-from fake_runner import pick_allowed
-from models import BYTE_VOCAB_SIZE, IM_END_ID, byte_tokenizer_json
 
+from tests.helpers.fake_runner import pick_allowed
+from tests.helpers.models import BYTE_VOCAB_SIZE, IM_END_ID, byte_tokenizer_json
 from tl.core.async_engine import AsyncEngine
 from tl.core.config import EngineConfig
 from tl.core.plan import POOL_BITS, RunnerOutput, SchedulerOutput, SeqResult

@@ -18,9 +18,9 @@ import json
 from collections.abc import Iterable
 
 import numpy as np
-from fake_engine import ScriptEngine, _Seq, byte_tools
-from models import IM_END_ID, SPECIAL_TOKENS, byte_tokenizer_json
 
+from tests.helpers.fake_engine import ScriptEngine, _Seq, byte_tools
+from tests.helpers.models import IM_END_ID, SPECIAL_TOKENS, byte_tokenizer_json
 from tl.core.async_engine import AsyncEngine
 from tl.core.config import EngineConfig
 from tl.core.request import GenRequest, Guide

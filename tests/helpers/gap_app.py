@@ -15,9 +15,9 @@ import time
 from typing import Any
 
 import granian.server.mp as granian_mp
-from fake_engine import make_real_async_engine
 
 from serve.app import App
+from tests.helpers.fake_engine import make_real_async_engine
 
 GAP_WAIT_S = 0.5
 

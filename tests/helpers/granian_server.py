@@ -10,9 +10,11 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -20,7 +22,7 @@ import httpx
 from bench.soak import free_port as free_port  # one picker for every test server (re-exported)
 from serve.launch import granian_command
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def granian_argv(port: int, app: str = "serve.app:app", kill_timeout: int = 40) -> list[str]:
@@ -70,3 +72,45 @@ def serving_model(model_dir: Path, workdir: Path, engine_toml: str, model_id: st
     env = {**os.environ, "TL_CONFIG": str(cfg), "PYTHONPATH": str(ROOT)}
     with running(granian_argv(port), env, f"http://127.0.0.1:{hport}/readyz", timeout_s=600):
         yield f"http://127.0.0.1:{port}/v1"
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen[bytes]
+    api: str
+    health: str
+
+    def metric(self, name: str) -> float:
+        for line in httpx.get(f"{self.health}/metrics").text.splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[-1])
+        raise KeyError(name)
+
+
+@contextmanager
+def server(
+    tmp_path: Path,
+    extra: str = "",
+    env: dict[str, str] | None = None,
+    expect_ready: bool = True,
+    via_cli: bool = False,
+    app: str = "tests.helpers.fake_app:app",
+) -> Iterator[Server]:
+    port, hport = free_port(), free_port()
+    cfg = tmp_path / "runtime.toml"
+    cfg.write_text(
+        f'[engine]\nmodel_dir = "models/succ"\nblock_size = 4\nhttp_listen = "127.0.0.1:{port}"\n'
+        f'health_listen = "127.0.0.1:{hport}"\n{extra}'
+    )
+    full_env = {
+        **os.environ,
+        "TL_CONFIG": str(cfg),
+        "PYTHONPATH": str(ROOT),
+        **(env or {}),
+    }
+    argv = granian_argv(port, app)
+    if via_cli:  # what `tl serve --config` runs: checks the config, then execs granian in its place
+        argv = [sys.executable, "-c", f"from serve.launch import serve_main; serve_main({str(cfg)!r}, {app!r})"]
+    ready = f"http://127.0.0.1:{port}/healthz" if expect_ready else None
+    with running(argv, full_env, ready, timeout_s=20) as proc:
+        yield Server(proc, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{hport}")

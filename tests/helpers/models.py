@@ -401,3 +401,15 @@ def make_family(path: str | Path, name: str, seed: int = 0) -> Path:
 def family_token_ids(seed: int = 1) -> np.ndarray:
     """The fixed token sequence the golden logits are computed over (FAMILY_SEQ_LEN byte ids)."""
     return np.random.default_rng(seed).integers(0, 256, FAMILY_SEQ_LEN).astype(np.int32)
+
+
+HERMES_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nTools: <tools>{% for t in tools %}{{ t | tojson }}{% endfor %}</tools>"
+    "<|im_end|>\n{% endif %}"
+    "{% for m in messages %}{% if m['role'] == 'assistant' and m.get('tool_calls') %}<|im_start|>assistant\n"
+    "{% for c in m['tool_calls'] %}<tool_call>\n{{ {'name': c['function']['name'], 'arguments': "
+    "c['function']['arguments']} | tojson }}\n</tool_call>{% endfor %}<|im_end|>\n"
+    "{% elif m['role'] == 'tool' %}<|im_start|>user\n<tool_response>{{ m['content'] }}</tool_response><|im_end|>\n"
+    "{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)

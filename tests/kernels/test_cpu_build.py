@@ -20,10 +20,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from granian_server import ROOT, free_port, granian_argv, running
 
 from kernels import cpu_build
 from kernels.cpu_build import NativeUnavailable
+from tests.helpers.granian_server import ROOT, free_port, granian_argv, running
 
 ELF_MACHINE = {"x86_64": 62, "aarch64": 183}
 

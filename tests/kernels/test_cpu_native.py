@@ -23,12 +23,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from bounds import U, attention64, gamma, matmul_bound
 from jax.sharding import Mesh
-from test_paged_attention import MIXED, WINDOW_MANY, build_case, inputs, naive
 
 from kernels import cpu_build, cpu_native, select
 from kernels.paged_attention import AttnArgs, AttnMetadata, paged_attention, to_stored
+from tests.helpers.attention_cases import MIXED, WINDOW_MANY, build_case, inputs, naive
+from tests.helpers.bounds import U, attention64, gamma, matmul_bound
 from tl.model.encodings import ggml_formats
 from tl.model.weights import Dense
 

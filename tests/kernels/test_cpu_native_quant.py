@@ -29,10 +29,10 @@ import gguf
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from bounds import U, gamma
 from gguf.quants import dequantize, quantize
 
 from kernels import cpu_build, cpu_native
+from tests.helpers.bounds import U, gamma
 
 KINDS = {
     "q8_0": gguf.GGMLQuantizationType.Q8_0,

@@ -14,9 +14,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_runner import ENGINE, Seq, generate, make_runner
 
 from kernels import cpu_native
+from tests.helpers.runner import ENGINE, Seq, generate, make_runner
 from tl.core.config import ConfigError, EngineConfig
 from tl.model.weights import Bf16x3, Dense
 

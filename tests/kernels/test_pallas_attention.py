@@ -16,10 +16,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_paged_attention import MIXED, build_case, inputs, run
 
 from kernels import pallas_gpu, pallas_tpu, select
 from kernels.paged_attention import AttnArgs
+from tests.helpers.attention_cases import MIXED, build_case, inputs, run
 
 NOT_GPU = jax.default_backend() != "gpu"  # on a GPU (bench/gpu_check.sh) the kernel runs natively
 CASES = {

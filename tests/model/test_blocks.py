@@ -23,18 +23,26 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from bounds import matmul_bound
 from gguf.quants import dequantize, quantize
 from jax.sharding import PartitionSpec as P
-from models import tiny_config, tiny_tensors
-from test_convert_gguf import byte_vocab_metadata, quantize_q4_k, quantize_q6_k, to_gguf_name
 
 from kernels import cpu_native
-from tests.test_runner import ENGINE, GREEDY, dense_greedy, tiny_cfg
-from tl.core.plan import SchedulerOutput, SeqWork
+from tests.helpers.bounds import matmul_bound
+from tests.helpers.gguf_writer import (
+    CASES,
+    HALF_MIX,
+    K_MIX,
+    MIXED,
+    _k_config,
+    quantize_q4_k,
+    quantize_q6_k,
+    write_model_gguf,
+)
+from tests.helpers.models import tiny_config, tiny_tensors
+from tests.helpers.runner import ENGINE, _runner_greedy, dense_greedy, tiny_cfg
 from tl.model import llama
 from tl.model.config import ModelConfig, ModelDirError
-from tl.model.convert_gguf import GGUFError, convert_gguf, gguf_model_dir, model_dir_of, packed_tensors, permute_qk
+from tl.model.convert_gguf import GGUFError, convert_gguf, gguf_model_dir, model_dir_of, packed_tensors
 from tl.model.encodings.blocks import BLOCK_ENCODINGS, Blocks
 from tl.model.encodings.ggml_formats import QUANTIZABLE
 from tl.model.files import GGUF_FILE, Packed, read_tensors
@@ -97,99 +105,11 @@ def test_k_quants_cannot_be_made_at_load_but_are_served() -> None:
         BLOCK_ENCODINGS["q4_k"].encode(np.zeros((4, 256), np.float32), ())
 
 
-# A mix as llama.cpp's Q4_K_M-style recipes make: per tensor kind its own format.
-MIXED = {"attn_q": Q.Q4_0, "attn_k": Q.Q4_0, "attn_v": Q.Q8_0, "attn_output": Q.Q5_1, "ffn_gate": Q.Q4_1}
 MIXED |= {"ffn_up": Q.Q5_0, "ffn_down": Q.Q8_0, "token_embd": Q.Q8_0, "output": Q.Q4_1}
 
 
-def _packed(x: np.ndarray, t: Q) -> np.ndarray:
-    if t == Q.Q2_K:  # no quantizer anywhere here: zero blocks (the type is what is tested)
-        return np.zeros((x.shape[0], x.shape[1] // 256 * gguf.GGML_QUANT_SIZES[t][1]), np.uint8)
-    if t == Q.Q4_K:
-        return quantize_q4_k(x).reshape(x.shape[0], -1)
-    if t == Q.Q6_K:
-        return quantize_q6_k(x).reshape(x.shape[0], -1)
-    return np.asarray(quantize(x, t))
-
-
-def write_model_gguf(path: Path, cfg: ModelConfig, hf: dict[str, np.ndarray], types: dict[str, Q]) -> Path:
-    """What llama.cpp's converter and quantizer write for these HF tensors (llama: q/k rows
-    permuted), each matrix in types[its GGUF kind] (default Q8_0), vectors F32."""
-    tensors: dict[str, tuple[np.ndarray, Q]] = {}
-    for name, x in hf.items():
-        if ".q_proj." in name:
-            x = permute_qk(x, cfg.num_attention_heads)
-        elif ".k_proj." in name:
-            x = permute_qk(x, cfg.num_key_value_heads)
-        g = to_gguf_name(name)
-        kind = g.split(".")[-2] if g.startswith("blk.") else g.split(".")[0]
-        tensors[g] = (x, types.get(kind, Q.Q8_0) if x.ndim == 2 else Q.F32)
-    a = "llama"
-    meta: dict[str, object] = {
-        f"{a}.block_count": cfg.num_hidden_layers,
-        f"{a}.context_length": cfg.max_position_embeddings,
-        f"{a}.embedding_length": cfg.hidden_size,
-        f"{a}.feed_forward_length": cfg.intermediate_size,
-        f"{a}.attention.head_count": cfg.num_attention_heads,
-        f"{a}.attention.head_count_kv": cfg.num_key_value_heads,
-        f"{a}.rope.freq_base": cfg.rope_theta,
-        f"{a}.attention.layer_norm_rms_epsilon": cfg.rms_norm_eps,
-        **byte_vocab_metadata(),
-    }
-    return _write(path, a, tensors, meta)
-
-
-def _write(path: Path, arch: str, tensors: dict[str, tuple[np.ndarray, Q]], meta: dict[str, object]) -> Path:
-    w = gguf.GGUFWriter(str(path), arch=arch)
-    for key, value in meta.items():
-        if isinstance(value, int):
-            w.add_uint32(key, value)
-        elif isinstance(value, float):
-            w.add_float32(key, value)
-        elif isinstance(value, str):
-            w.add_string(key, value)
-        else:
-            w.add_array(key, value)  # type: ignore[arg-type]
-    for name, (x, t) in tensors.items():
-        w.add_tensor(name, x if t == Q.F32 else _packed(x, t), raw_dtype=None if t == Q.F32 else t)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
-
-
-def _k_config() -> ModelConfig:
-    """Widths that are multiples of 256, for the K-quants' super-blocks."""
-    return ModelConfig(
-        architecture="LlamaForCausalLM",
-        vocab_size=259,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        rope_theta=10000.0,
-        rms_norm_eps=1e-5,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
-        attention_bias=False,
-        bos_token_id=257,
-        eos_token_ids=(258,),
-    )
-
-
-K_MIX = {k: Q.Q4_K for k in ("attn_q", "attn_k", "attn_output", "ffn_gate", "ffn_up")}
 K_MIX |= {"attn_v": Q.Q6_K, "ffn_down": Q.Q6_K, "token_embd": Q.Q4_K, "output": Q.Q6_K}
-HALF_MIX = {k: Q.F16 for k in ("attn_q", "attn_k", "attn_v", "ffn_down", "output")}
 HALF_MIX |= {k: Q.BF16 for k in ("attn_output", "ffn_gate", "ffn_up", "token_embd")}
-CASES = {
-    "q4_1": (lambda: tiny_config(tie=True), {k: Q.Q4_1 for k in MIXED} | {"token_embd": Q.Q8_0}),
-    "mixed": (lambda: tiny_config(tie=False), MIXED),
-    "k_quants": (_k_config, K_MIX),
-    "halves": (lambda: tiny_config(tie=False), HALF_MIX),  # an F16 / BF16 file: 2 bytes a weight, as stored
-}
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -231,26 +151,6 @@ def test_gguf_served_as_it_is(tmp_path: Path, case: str) -> None:
             _runner_greedy(runner, [3, 14, 15, 92, 65, 35, 89], 5)
             == dense_greedy(f32, cfg, [3, 14, 15, 92, 65, 35, 89], 5)[0]
         )
-
-
-def _runner_greedy(runner: ModelRunner, prompt: list[int], n: int) -> list[int]:
-    ids, out, start = list(prompt), [], 0
-    for _ in range(n):
-        w = SeqWork(
-            seq_id=0,
-            token_ids=tuple(ids[start:]),
-            start_pos=start,
-            block_table=tuple(range(8)),
-            sample=True,
-            params=GREEDY,
-            seed=0,
-            num_generated=len(out),
-        )
-        tok = runner.execute(SchedulerOutput((w,))).results[0].token_ids[0]
-        start = len(ids)
-        ids.append(tok)
-        out.append(tok)
-    return out
 
 
 def test_a_type_tl_does_not_serve_is_refused_naming_the_tensor(tmp_path: Path) -> None:

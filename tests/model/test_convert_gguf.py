@@ -15,8 +15,13 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
-from models import SPECIAL_TOKENS, make_tiny_llama, tiny_config, tiny_tensors
 
+from tests.helpers.gguf_writer import (
+    byte_vocab_metadata,
+    to_gguf_name,
+    write_gguf,
+)
+from tests.helpers.models import make_tiny_llama, tiny_config, tiny_tensors
 from tl.model.config import ModelConfig, load_model_config
 from tl.model.convert_gguf import (
     GGUFError,
@@ -33,60 +38,9 @@ from tl.model.files import (
     load_tokenizer_config,
     read_tensors,
 )
-from tl.text.tokenizer import Tokenizer, byte_level_alphabet
+from tl.text.tokenizer import Tokenizer
 
 Q = gguf.GGMLQuantizationType
-
-
-def _f16_bytes(x: np.ndarray) -> np.ndarray:
-    return np.asarray(x, dtype="<f2").reshape(-1, 1).view(np.uint8)
-
-
-def quantize_q4_k(x: np.ndarray) -> np.ndarray:
-    """ggml block_q4_K: f16 d, f16 dmin, 12 bytes of 6-bit scales/mins, 128 bytes of nibbles."""
-    blocks = x.reshape(-1, 8, 32)  # [nb, sub-block, 32]
-    lo = np.minimum(blocks.min(-1), 0.0)
-    scale = (blocks.max(-1) - lo) / 15
-    d = np.maximum(scale.max(-1), 1e-3) / 63  # floors stay non-zero in f16
-    dmin = np.maximum(-lo.min(-1), 1e-3) / 63
-    d, dmin = d.astype(np.float16).astype(np.float32), dmin.astype(np.float16).astype(np.float32)
-    sc = np.clip(np.round(scale / d[:, None]), 1, 63).astype(np.uint8)
-    mn = np.clip(np.round(-lo / dmin[:, None]), 0, 63).astype(np.uint8)
-    step = (d[:, None] * sc)[..., None]
-    q = np.clip(np.round((blocks + (dmin[:, None] * mn)[..., None]) / step), 0, 15).astype(np.uint8)
-    packed = np.zeros((len(blocks), 12), np.uint8)
-    packed[:, 0:4] = sc[:, :4] | ((sc[:, 4:] >> 4) << 6)
-    packed[:, 4:8] = mn[:, :4] | ((mn[:, 4:] >> 4) << 6)
-    packed[:, 8:12] = (sc[:, 4:] & 15) | ((mn[:, 4:] & 15) << 4)
-    qs = (q[:, 0::2, :] | (q[:, 1::2, :] << 4)).reshape(len(blocks), 128)
-    return np.concatenate([_f16_bytes(d), _f16_bytes(dmin), packed, qs], axis=1)
-
-
-def quantize_q6_k(x: np.ndarray) -> np.ndarray:
-    """ggml block_q6_K: 128 bytes low nibbles, 64 bytes high 2-bit pairs, 16 int8 scales, f16 d."""
-    blocks = x.reshape(-1, 16, 16)  # [nb, sub-block, 16]
-    amax = np.abs(blocks).max(-1)
-    d = np.maximum(amax.max(-1), 1e-2) / 31 / 127
-    d = d.astype(np.float16).astype(np.float32)
-    sc = np.clip(np.round(amax / 31 / d[:, None]), 1, 127).astype(np.int8)
-    step = (d[:, None] * sc)[..., None]
-    q = (
-        (np.clip(np.round(blocks / step), -32, 31) + 32).astype(np.uint8).reshape(-1, 2, 4, 32)
-    )  # [nb, half, quarter, l]
-    ql = np.concatenate([q[:, :, 0] & 15 | (q[:, :, 2] & 15) << 4, q[:, :, 1] & 15 | (q[:, :, 3] & 15) << 4], axis=2)
-    qh = (q[:, :, 0] >> 4) | (q[:, :, 1] >> 4) << 2 | (q[:, :, 2] >> 4) << 4 | (q[:, :, 3] >> 4) << 6
-    return np.concatenate([ql.reshape(-1, 128), qh.reshape(-1, 64), sc.view(np.uint8), _f16_bytes(d)], axis=1)
-
-
-def quantized_bytes(x: np.ndarray, qtype: Q) -> np.ndarray:
-    """[rows, bytes_per_row] uint8 (or the float array itself for F32/F16)."""
-    if qtype in (Q.F32, Q.F16):
-        return x.astype(np.float32 if qtype == Q.F32 else np.float16)
-    if qtype == Q.Q4_K:
-        return quantize_q4_k(x).reshape(x.shape[0], -1)
-    if qtype == Q.Q6_K:
-        return quantize_q6_k(x).reshape(x.shape[0], -1)
-    return gguf.quants.quantize(x, qtype)
 
 
 # Largest |error| allowed relative to the row's largest |value| for each type.
@@ -100,31 +54,6 @@ TOLERANCE = {
     Q.Q4_K: 0.08,
     Q.Q6_K: 0.025,
 }
-
-
-def write_gguf(
-    path: Path, arch: str, tensors: dict[str, tuple[np.ndarray, Q]], metadata: dict[str, object] | None = None
-) -> Path:
-    w = gguf.GGUFWriter(str(path), arch=arch)
-    for key, value in (metadata or {}).items():
-        if isinstance(value, bool):
-            w.add_bool(key, value)
-        elif isinstance(value, int):
-            w.add_uint32(key, value)
-        elif isinstance(value, float):
-            w.add_float32(key, value)
-        elif isinstance(value, str):
-            w.add_string(key, value)
-        else:
-            w.add_array(key, value)  # type: ignore[arg-type]
-    for name, (x, qtype) in tensors.items():
-        data = quantized_bytes(x, qtype)
-        w.add_tensor(name, data, raw_dtype=None if qtype in (Q.F32, Q.F16) else qtype)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
 
 
 @pytest.mark.parametrize("qtype", list(TOLERANCE), ids=lambda q: q.name)
@@ -157,45 +86,6 @@ def test_unpermute_is_the_exact_inverse(n_head: int, head_dim: int, cols: int) -
     assert not np.array_equal(p, w)
     assert np.array_equal(unpermute_qk(p, n_head), w)
     assert np.array_equal(unpermute_qk(permute_qk(w[:, 0], n_head), n_head), w[:, 0])  # 1-D (biases)
-
-
-GGUF_NAMES = {
-    "model.embed_tokens.weight": "token_embd.weight",
-    "model.norm.weight": "output_norm.weight",
-    "lm_head.weight": "output.weight",
-}
-LAYER_NAMES = {
-    "input_layernorm": "attn_norm",
-    "post_attention_layernorm": "ffn_norm",
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-}
-
-
-def to_gguf_name(hf: str) -> str:
-    if hf in GGUF_NAMES:
-        return GGUF_NAMES[hf]
-    _, _, layer, rest = hf.split(".", 3)
-    module, kind = rest.rsplit(".", 1)
-    return f"blk.{layer}.{LAYER_NAMES[module]}.{kind}"
-
-
-def byte_vocab_metadata() -> dict[str, object]:
-    tokens = [*byte_level_alphabet(), *SPECIAL_TOKENS]
-    return {
-        "tokenizer.ggml.model": "gpt2",
-        "tokenizer.ggml.pre": "smollm",
-        "tokenizer.ggml.tokens": tokens,
-        "tokenizer.ggml.token_type": [1] * 256 + [3] * len(SPECIAL_TOKENS),
-        "tokenizer.ggml.bos_token_id": 257,
-        "tokenizer.ggml.eos_token_id": 258,
-        "tokenizer.chat_template": "{{ messages[0]['content'] }}",
-    }
 
 
 def tiny_gguf(path: Path, cfg: ModelConfig, hf: dict[str, np.ndarray], arch: str, qtype: Q = Q.F32) -> Path:

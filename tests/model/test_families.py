@@ -19,12 +19,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from models import FAMILIES, FAMILY_SEQ_LEN, family_config, family_tensors, family_token_ids, make_family
 
+from tests.helpers.models import FAMILIES, FAMILY_SEQ_LEN, family_config, family_tensors, family_token_ids, make_family
 from tl.model import llama
 from tl.model.config import ModelConfig, load_model_config
 
-GOLDEN = Path(__file__).parent / "golden" / "families"
+GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "families"
 # float32 rounds each operation to 2^-24 relative; a logit here comes out of ~3 layers of dots
 # over D + F <= 256 terms (plus norms, softmax, RoPE tables), so the two implementations'
 # orders of summation can differ by ~2^8 roundings of values no larger than the largest
@@ -86,8 +86,7 @@ def test_paged_chunked_batched_runner_matches_dense(name: str) -> None:
     """Sliding windows over the paged cache (blocks of 4, windows 8 and 16, chunks of 5, prompts
     longer than the windows) and experts in a batched step: the runner's greedy tokens and their
     logprobs are the dense forward's."""
-    from test_runner import ENGINE, Driver, Seq, dense_greedy
-
+    from tests.helpers.runner import ENGINE, Driver, Seq, dense_greedy
     from tl.runtime.runner import ModelRunner
     from tl.runtime.startup import start
 
@@ -109,10 +108,8 @@ def test_engine_prefix_cache_preemption_speculation_chunking(name: str) -> None:
     """The whole engine on a family with sliding windows (Gemma 3) or experts (Qwen3-MoE):
     prefix hits, preemption with recompute, prompt-lookup drafts and chunked prefill all at
     once, and every request gets exactly the tokens it gets alone, with exact block books."""
-    from differential import assert_concurrent_equals_alone
-    from test_engine import check_engine, workload
-    from test_engine_runner import CFG, NarrowKV
-
+    from tests.helpers.differential import assert_concurrent_equals_alone
+    from tests.helpers.engine_cases import CFG, NarrowKV, check_engine, workload
     from tl.runtime.runner import ModelRunner
     from tl.runtime.startup import start
 
@@ -138,10 +135,8 @@ def test_every_layer_sliding_frees_the_blocks_behind_the_window() -> None:
     """Mistral-style (every layer sliding, window 16, blocks of 4): a sequence holds at most
     window / block_size + 2 blocks however long it grows, the freed blocks serve the next
     requests, and the tokens are those of an engine that keeps every block."""
-    from differential import drive, token_ids
-    from test_engine import check_engine
-    from test_engine_runner import CFG
-
+    from tests.helpers.differential import drive, token_ids
+    from tests.helpers.engine_cases import CFG, check_engine
     from tl.core.engine import Engine
     from tl.core.request import GenRequest, SamplingParams
     from tl.runtime.runner import ModelRunner
@@ -161,7 +156,7 @@ def test_every_layer_sliding_frees_the_blocks_behind_the_window() -> None:
         held.extend(engine.block_manager.num_held(s.seq_id) for s in engine.scheduler.running)
 
     cfg_engine = CFG.replace(num_kv_blocks=12, prefill_chunk=8)  # 12 blocks: 48 tokens, less than one sequence
-    from differential import Arrival
+    from tests.helpers.differential import Arrival
 
     arrivals = [Arrival(0, GenRequest(ids[:30], greedy)), Arrival(2, GenRequest(ids[30:50], greedy))]
     got = drive(Engine(runner, cfg_engine), arrivals, check=books)
@@ -179,8 +174,7 @@ def test_gguf_form_matches_transformers(name: str, tmp_path: Path) -> None:
     """The same tiny model written as llama.cpp's converter writes a GGUF of its family (tensor
     names, llama's q/k row permutation, Gemma's 1 + w norms, stacked experts, Llama 3's
     rope_freqs; tests/test_gguf_families.py), served as it is: transformers' logits again."""
-    from test_gguf_families import family_gguf
-
+    from tests.helpers.gguf_writer import family_gguf
     from tl.model.convert_gguf import model_dir_of
     from tl.model.files import read_tensors
 

@@ -31,7 +31,7 @@ from tl.core.request import GenRequest, SamplingParams
 
 pytestmark = pytest.mark.slow
 
-GOLDEN = json.loads((Path(__file__).parent / "golden" / "gemma3_270m_llama_cpp_greedy.json").read_text())
+GOLDEN = json.loads((Path(__file__).resolve().parents[1] / "golden" / "gemma3_270m_llama_cpp_greedy.json").read_text())
 
 
 def test_prompt_ids_are_llama_cpps(gemma_dir: Path) -> None:

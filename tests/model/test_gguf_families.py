@@ -10,21 +10,23 @@ block formats kept. Also the real Gemma 3 270M GGUF's facts (slow: `tl pull gemm
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
 
 import gguf
 import numpy as np
 import pytest
-from test_convert_gguf import LAYER_NAMES, byte_vocab_metadata, write_gguf
 
+from tests.helpers.gguf_writer import (
+    family_gguf,
+    llama3_rope_freqs,
+)
 from tl.model.config import FULL, SLIDING, ModelConfig, RopeScaling, hf_shapes, load_model_config
-from tl.model.convert_gguf import GGUFError, convert_gguf, packed_tensors, permute_qk
+from tl.model.convert_gguf import GGUFError, convert_gguf, packed_tensors
 from tl.model.files import Packed, check_shapes, read_tensors
 
 Q = gguf.GGMLQuantizationType
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 BASE = {
     "vocab_size": 259,
     "hidden_size": 64,
@@ -78,22 +80,6 @@ CONFIGS: dict[str, dict[str, Any]] = {
     },
 }
 
-# llama.cpp's tensor names (gguf-py's tensor_mapping), HF module -> GGUF, per family.
-GLOBAL = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
-LAYER = {
-    **LAYER_NAMES,  # Llama 2's (tests/test_convert_gguf.py), then the new families'
-    "self_attn.q_norm": "attn_q_norm",
-    "self_attn.k_norm": "attn_k_norm",
-    "mlp.gate": "ffn_gate_inp",
-}
-GEMMA3_LAYER = {
-    **LAYER,
-    "post_attention_layernorm": "post_attention_norm",
-    "pre_feedforward_layernorm": "ffn_norm",
-    "post_feedforward_layernorm": "post_ffw_norm",
-}
-EXPERTS = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}
-
 
 def family_config(arch: str, **overrides: Any) -> ModelConfig:
     return ModelConfig.from_dict({**CONFIGS[arch], **overrides})
@@ -107,88 +93,6 @@ def random_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
         x = rng.standard_normal(shape).astype(np.float32) * 0.1
         out[name] = x + np.float32(1.0) if name.endswith("norm.weight") and not cfg.norm_offset else x
     return out
-
-
-def llama_cpp_tensors(cfg: ModelConfig, hf: dict[str, np.ndarray], arch: str) -> dict[str, np.ndarray]:
-    """What llama.cpp's converter stores for `hf`: GGUF names, llama's q/k rows permuted, Gemma's
-    norms + 1, each layer's experts stacked [E, out, in]."""
-    layer_names = GEMMA3_LAYER if arch == "gemma3" else LAYER
-    out: dict[str, np.ndarray] = {}
-    experts: dict[str, list[np.ndarray]] = {}
-    for name, x in hf.items():
-        module, kind = name.rsplit(".", 1)
-        if arch == "gemma3" and name.endswith("norm.weight"):
-            x = x + np.float32(1.0)
-        if arch == "llama" and module.endswith(("q_proj", "k_proj")):
-            x = permute_qk(x, cfg.num_attention_heads if "q_proj" in module else cfg.num_key_value_heads)
-        if module in GLOBAL:
-            out[f"{GLOBAL[module]}.{kind}"] = x
-            continue
-        _, _, layer, rest = module.split(".", 3)
-        if rest.startswith("mlp.experts."):
-            experts.setdefault(f"blk.{layer}.{EXPERTS[rest.split('.')[-1]]}.{kind}", []).append(x)
-        else:
-            out[f"blk.{layer}.{layer_names[rest]}.{kind}"] = x
-    return out | {name: np.stack(xs) for name, xs in experts.items()}
-
-
-def llama3_rope_freqs(theta: float, dim: int, scaling: dict[str, Any]) -> np.ndarray:
-    """llama.cpp's LlamaModel.generate_extra_tensors, element by element."""
-    factors = []
-    low_wavelen = scaling["original_max_position_embeddings"] / scaling["low_freq_factor"]
-    high_wavelen = scaling["original_max_position_embeddings"] / scaling["high_freq_factor"]
-    for i in range(0, dim, 2):
-        wavelen = 2 * math.pi / (1.0 / theta ** (i / dim))
-        if wavelen < high_wavelen:
-            factors.append(1.0)
-        elif wavelen > low_wavelen:
-            factors.append(scaling["factor"])
-        else:
-            smooth = (scaling["original_max_position_embeddings"] / wavelen - scaling["low_freq_factor"]) / (
-                scaling["high_freq_factor"] - scaling["low_freq_factor"]
-            )
-            factors.append(1 / ((1 - smooth) / scaling["factor"] + smooth))
-    return np.array(factors, np.float32)
-
-
-def family_gguf(
-    path: Path,
-    cfg: ModelConfig,
-    hf: dict[str, np.ndarray],
-    arch: str,
-    qtype: Q = Q.F32,
-    meta: dict[str, object] | None = None,
-    drop: tuple[str, ...] = (),
-    rope_freqs: np.ndarray | None = None,
-) -> Path:
-    tensors = {
-        n: (x, qtype if x.ndim >= 2 else Q.F32) for n, x in llama_cpp_tensors(cfg, hf, arch).items() if n not in drop
-    }
-    m: dict[str, object] = {
-        f"{arch}.block_count": cfg.num_hidden_layers,
-        f"{arch}.context_length": cfg.max_position_embeddings,
-        f"{arch}.embedding_length": cfg.hidden_size,
-        f"{arch}.feed_forward_length": cfg.intermediate_size,
-        f"{arch}.attention.head_count": cfg.num_attention_heads,
-        f"{arch}.attention.head_count_kv": cfg.num_key_value_heads,
-        f"{arch}.attention.key_length": cfg.head_dim,
-        f"{arch}.attention.value_length": cfg.head_dim,
-        f"{arch}.rope.freq_base": cfg.rope_theta,
-        f"{arch}.attention.layer_norm_rms_epsilon": cfg.rms_norm_eps,
-        **byte_vocab_metadata(),
-    }
-    if arch == "qwen3moe":
-        m |= {
-            "qwen3moe.expert_count": cfg.num_experts,
-            "qwen3moe.expert_used_count": cfg.num_experts_per_tok,
-            "qwen3moe.expert_feed_forward_length": cfg.moe_intermediate_size,
-        }
-    if arch == "gemma3" and cfg.sliding_window:
-        m["gemma3.attention.sliding_window"] = cfg.sliding_window
-    if arch == "llama" and cfg.rope_scaling is not None and cfg.rope_scaling.rope_type == "llama3":
-        freqs = llama3_rope_freqs(cfg.rope_theta, cfg.head_dim, cfg.rope_scaling.to_dict())
-        tensors["rope_freqs.weight"] = (freqs if rope_freqs is None else rope_freqs, Q.F32)
-    return write_gguf(path, arch, tensors, m | (meta or {}))
 
 
 @pytest.mark.parametrize("arch", list(CONFIGS))

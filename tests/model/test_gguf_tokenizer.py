@@ -23,15 +23,15 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from spm_reference import SpmReference
-from test_convert_gguf import write_gguf
 
+from tests.helpers.gguf_writer import write_gguf
+from tests.helpers.spm_reference import SpmReference
 from tl.model.convert_gguf import open_gguf
 from tl.model.gguf_tokenizer import GGUFError, TokenizerMeta, tokenizer_config, tokenizer_json, tokenizer_meta
 from tl.text.tokenizer import Tokenizer
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-GOLDEN = Path(__file__).with_name("golden") / "gemma3_270m_llama_cpp_tokens.json"
+REPO_ROOT = Path(__file__).resolve().parents[2]
+GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "gemma3_270m_llama_cpp_tokens.json"
 CONTROL = ("<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>")
 USER_DEFINED = ("\n", "\n\n", "\n\n\n", "  ", "   ", "\t", "\t\t", "<b>")
 ALPHABET = "ab▁nè世"

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.test_runner import ENGINE, GREEDY, dense_greedy, tiny_cfg
+from tests.helpers.runner import ENGINE, GREEDY, dense_greedy, tiny_cfg
 from tl.core.plan import SchedulerOutput, SeqWork
 from tl.model import llama
 from tl.model.encodings.int8 import quantize_int8

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from models import (
+
+from tests.helpers.models import (
     BYTE_VOCAB_SIZE,
     ENDOFTEXT_ID,
     IM_END_ID,
@@ -21,7 +22,6 @@ from models import (
     succ_logits,
     succ_tensors,
 )
-
 from tl.model.config import ModelDirError, load_model_config
 from tl.model.files import (
     GenerationConfig,

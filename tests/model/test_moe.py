@@ -36,15 +36,15 @@ import gguf
 import jax
 import numpy as np
 import pytest
-from bounds import EXP_ERR, U, gamma
-from test_convert_gguf import quantize_q4_k
 
+from tests.helpers.bounds import EXP_ERR, U, gamma
+from tests.helpers.gguf_writer import quantize_q4_k
 from tl.model import moe
 from tl.model.config import ModelConfig
 from tl.model.files import HostTensor, Packed
 from tl.model.weights import ENCODINGS, Blocks, Dense, Int8, Linear, Tensor
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 FORMS: tuple[moe.Form, ...] = ("gather", "tiled", "dense", "ragged")
 
 

@@ -23,11 +23,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from gguf.quants import quantize
-from models import tiny_config, tiny_tensors
-from test_blocks import _runner_greedy, write_model_gguf
 
 from kernels import cpu_build, cpu_native
-from tests.test_runner import ENGINE
+from tests.helpers.gguf_writer import write_model_gguf
+from tests.helpers.models import tiny_config, tiny_tensors
+from tests.helpers.runner import ENGINE, _runner_greedy
 from tl.model.encodings.blocks import BLOCK_ENCODINGS, Blocks
 from tl.model.encodings.panels import PANEL_FORMATS, Panels, pack, stored
 from tl.model.moe import Experts

@@ -13,8 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from bounds import gamma
 
+from tests.helpers.bounds import gamma
 from tl.model import llama, rowwise
 
 LENGTHS = [37, 64, 576, 640, 49152]

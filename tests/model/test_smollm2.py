@@ -12,7 +12,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from numpy_gguf_reference import GGUFModel
+
+from tests.helpers.numpy_gguf_reference import GGUFModel
 
 pytestmark = pytest.mark.slow
 

@@ -37,7 +37,7 @@ from tl.ops.multihost import GroupFailed
 
 pytestmark = pytest.mark.serial  # timing bounds: `make test` runs it alone, after the parallel part
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CHILD = """
 import sys
 from tl.runtime.backend import init_distributed, make_mesh
@@ -314,10 +314,9 @@ def _same_extra(got: list[dict[str, Any]], want: list[dict[str, Any]]) -> None:
 
 def _reference(model_dir: Path) -> tuple[list[str], list[dict[str, Any]]]:
     """The same requests through one process's server (in memory, one device, no group)."""
-    from asgi_client import call, served
-
     from serve.app import App
     from serve.config_load import load_config
+    from tests.helpers.asgi_client import call, served
 
     cfg_path = model_dir.parent / "single.toml"
     cfg_path.write_text(f'[engine]\nmodel_dir = "{model_dir}"\nmodel_id = "tiny"\n' + GROUP_ENGINE)

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from tests.models import tiny_config
+from tests.helpers.models import tiny_config
 from tl.core.config import ConfigError
 from tl.model.config import ModelConfig
 from tl.runtime import backend

@@ -20,10 +20,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from models import tiny_tensors
-from test_blocks import CASES, write_model_gguf
 
 from kernels import cpu_build
+from tests.helpers.gguf_writer import CASES, write_model_gguf
+from tests.helpers.models import tiny_tensors
 from tl.core.config import EngineConfig
 from tl.core.plan import SchedulerOutput, SeqWork
 from tl.core.request import SamplingParams

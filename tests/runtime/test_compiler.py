@@ -10,8 +10,8 @@ import time
 import jax
 import numpy as np
 import pytest
-from test_runner import ENGINE, Driver, Seq, make_runner, tiny_cfg
 
+from tests.helpers.runner import ENGINE, Driver, Seq, make_runner, tiny_cfg
 from tl.core.request import SamplingParams
 from tl.model import llama
 from tl.runtime.compiler import StepCompiler, compiling_now

@@ -18,9 +18,8 @@ from typing import Any
 
 import pytest
 
-from tests.differential import Arrival, drive, finish_reason, token_ids
-from tests.test_engine import check_engine
-from tests.test_engine_runner import NarrowKV
+from tests.helpers.differential import Arrival, drive, finish_reason, token_ids
+from tests.helpers.engine_cases import NarrowKV, check_engine
 from tl.core.config import EngineConfig
 from tl.core.engine import Engine
 from tl.core.request import GenRequest, SamplingParams, TokenOut
@@ -52,7 +51,7 @@ PROMPT = tuple(range(10, 22))
 def model() -> tuple[Any, Any]:
     import numpy as np
 
-    from tests.models import tiny_config
+    from tests.helpers.models import tiny_config
     from tl.model import llama
 
     cfg = tiny_config()
@@ -63,7 +62,7 @@ def model() -> tuple[Any, Any]:
 def eos(model: tuple[Any, Any]) -> int:
     """The third greedy token of PROMPT (not among the first two; by the numpy reference
     forward): the EOS id of `runner`."""
-    from tests.test_llama_reference import np_forward
+    from tests.helpers.numpy_llama import np_forward
 
     cfg, tensors = model
     ids = list(PROMPT)

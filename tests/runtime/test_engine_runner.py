@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from tests.differential import assert_concurrent_equals_alone
-from tests.test_engine import BASE_CFG, check_engine, greedy, run, workload
+from tests.helpers.differential import assert_concurrent_equals_alone
+from tests.helpers.engine_cases import CFG, NarrowKV, check_engine, greedy, run, workload
 from tl.core.config import EngineConfig
 from tl.core.engine import Engine
 from tl.core.plan import Runner
@@ -22,25 +22,12 @@ from tl.core.request import GenRequest, TokenOut
 
 jax = pytest.importorskip("jax")
 
-CFG = BASE_CFG.replace(token_buckets=(8, 32), seq_buckets=(1, 4), max_logprobs=5, compile_cache_dir="")
-
-
-class NarrowKV:
-    """A runner seen with fewer KV blocks than it has (the engine only hands out ids below)."""
-
-    def __init__(self, runner: Any, num_kv_blocks: int) -> None:
-        self._runner = runner
-        self.num_kv_blocks = num_kv_blocks
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._runner, name)
-
 
 @pytest.fixture(scope="module")
 def runners() -> dict[str, Any]:
     import numpy as np
 
-    from tests.models import tiny_config
+    from tests.helpers.models import tiny_config
     from tl.model import llama
     from tl.runtime.runner import ModelRunner
     from tl.runtime.startup import start
@@ -105,8 +92,8 @@ def test_constraints_in_the_compiled_step(runners: dict[str, Any]) -> None:
 
     import jsonschema
 
-    from tests.differential import Arrival, drive
-    from tests.fake_engine import byte_grammars
+    from tests.helpers.differential import Arrival, drive
+    from tests.helpers.fake_engine import byte_grammars
     from tl.core.engine import Engine
     from tl.core.request import ConstraintSpec, GenRequest, SamplingParams
 
@@ -160,8 +147,8 @@ def test_constrained_logprobs_are_the_constrained_distributions(runners: dict[st
     those two bytes, and their probabilities sum to 1."""
     import math
 
-    from tests.differential import run_alone
-    from tests.fake_engine import byte_grammars
+    from tests.helpers.differential import run_alone
+    from tests.helpers.fake_engine import byte_grammars
     from tl.core.request import ConstraintSpec, GenRequest, SamplingParams
 
     g = byte_grammars(CFG).compile(ConstraintSpec("choice", '["yes", "no"]', "p")).grammar

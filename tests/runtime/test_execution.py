@@ -7,13 +7,13 @@ import ast
 from pathlib import Path
 
 import pytest
-from test_runner import ENGINE, make_runner, tiny_cfg
 
+from tests.helpers.runner import ENGINE, make_runner, tiny_cfg
 from tl.core.config import EngineConfig
 from tl.runtime import backend
 from tl.runtime.execution import Decision, ExecutionPlan, plan_execution
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BACKEND_KEYS = (
     "attention_kernel",
     "matmul_kernel",

@@ -15,10 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from differential import Arrival, assert_concurrent_equals_alone
-from test_engine import check_engine
-from test_engine_runner import NarrowKV
 
+from tests.helpers.differential import Arrival, assert_concurrent_equals_alone
+from tests.helpers.engine_cases import NarrowKV, check_engine
 from tl.core.config import EngineConfig
 from tl.core.plan import Runner
 from tl.core.request import GenRequest, SamplingParams

@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run(select: str) -> None:
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/tp_cases.py", "-k", select],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/runtime/tp_cases.py", "-k", select],
         cwd=ROOT,
         env=env,
         capture_output=True,

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_runner import ENGINE, make_runner
 
 from kernels import paged_attention
+from tests.helpers.runner import ENGINE, make_runner
 from tl.runtime import runner as runner_mod
 from tl.runtime import verdicts
 from tl.runtime.verdicts import Verdict, Verdicts

@@ -16,8 +16,8 @@ import jax
 import ml_dtypes
 import numpy as np
 import pytest
-from test_runner import ENGINE, Seq, generate, make_runner
 
+from tests.helpers.runner import ENGINE, Seq, generate, make_runner
 from tl.core.config import ConfigError, EngineConfig
 from tl.runtime import weight_pages
 

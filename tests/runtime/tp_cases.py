@@ -17,11 +17,10 @@ from typing import Any
 
 import httpx
 import pytest
-from differential import Arrival, drive, token_ids
-from granian_server import ROOT, free_port, granian_argv, running
-from test_engine import BASE_CFG, check_engine, workload
-from test_engine_runner import NarrowKV
 
+from tests.helpers.differential import Arrival, drive, token_ids
+from tests.helpers.engine_cases import BASE_CFG, NarrowKV, check_engine, workload
+from tests.helpers.granian_server import ROOT, free_port, granian_argv, running
 from tl.core.config import ConfigError, EngineConfig
 from tl.core.engine import Engine
 from tl.core.request import GenRequest, SamplingParams
@@ -106,7 +105,7 @@ def _check_megatron_shards(runner: Any, params: Any, cfg: Any, n: int) -> None:
 
 def test_tiny_engine_identical_for_tp_1_2_4() -> None:
 
-    from tests.models import tiny_config
+    from tests.helpers.models import tiny_config
     from tl.model import llama
     from tl.runtime.runner import ModelRunner
     from tl.runtime.startup import start
@@ -130,7 +129,7 @@ def test_tiny_int8_identical_for_tp_1_2_4() -> None:
     """int8 weights: q [*out,in] and scale [*out] are split with their columns; the int32 partial
     sums of the row-parallel dots add up exactly, so greedy output matches N = 1."""
 
-    from tests.models import tiny_config
+    from tests.helpers.models import tiny_config
     from tl.model import llama
     from tl.runtime.runner import ModelRunner
     from tl.runtime.startup import start
@@ -156,7 +155,7 @@ def test_tiny_blocks_identical_for_tp_1_2_4() -> None:
     blocks) over 2 and 4 devices, wo's 64 (2 blocks) over 2; over 4 wo stays whole (XLA gathers
     its input)."""
 
-    from tests.models import tiny_config
+    from tests.helpers.models import tiny_config
     from tl.model import llama
     from tl.runtime.runner import ModelRunner
     from tl.runtime.startup import start
@@ -182,7 +181,7 @@ def test_tiny_family_identical_for_tp_1_2(family: str) -> None:
     """Gemma 3 (one KV head: replicated at N = 2; q/k norms; sliding layers) and Qwen3-MoE
     (every expert's FFN rows split over the devices, the router whole): greedy output matches N = 1."""
 
-    from tests.models import family_config, family_tensors
+    from tests.helpers.models import family_config, family_tensors
     from tl.runtime.runner import ModelRunner
     from tl.runtime.startup import start
 
@@ -262,10 +261,9 @@ def _in_memory_complete(model_dir: Path, tmp: Path, n: int) -> tuple[str, dict[s
     """The completion and /v1/models card of the same server run in this process (no HTTP)."""
     import asyncio
 
-    from asgi_client import call, served
-
     from serve.app import App
     from serve.config_load import load_config
+    from tests.helpers.asgi_client import call, served
 
     cfg = load_config(str(_config(model_dir, tmp, n)))
 
@@ -289,7 +287,7 @@ def _serve_and_complete(model_dir: Path, tmp: Path, n: int) -> tuple[str, dict[s
 
 
 def test_http_identical_for_tp_1_2(tmp_path: Path) -> None:
-    from tests.models import make_tiny_llama
+    from tests.helpers.models import make_tiny_llama
 
     model_dir = make_tiny_llama(tmp_path / "tiny")
     text1, model1 = _in_memory_complete(model_dir, tmp_path, 1)  # one device, in this process

@@ -14,7 +14,8 @@ from typing import Any
 import anthropic
 import httpx
 import pytest
-from test_serve_http import server
+
+from tests.helpers.granian_server import server
 
 TOOLS: Any = [
     {
@@ -109,7 +110,10 @@ def test_errors_have_anthropics_shape(tmp_path: Path) -> None:
 def test_tool_use_and_tool_result(tmp_path: Path) -> None:
     call = '<tool_call>[{"name": "get_weather", "arguments": {"city": "Rome"}}]</tool_call>'
     env = {"FAKE_SCRIPT": "Checking. " + call, "FAKE_SCRIPT_PER_STEP": "4"}
-    with server(tmp_path, "num_kv_blocks = 4096\n", env=env, app="fake_app:script_app") as srv, client(srv.api) as c:
+    with (
+        server(tmp_path, "num_kv_blocks = 4096\n", env=env, app="tests.helpers.fake_app:script_app") as srv,
+        client(srv.api) as c,
+    ):
         messages: Any = [{"role": "user", "content": "Weather in Rome?"}]
         msg = c.messages.create(model="succ", max_tokens=300, tools=TOOLS, messages=messages)
         assert msg.stop_reason == "tool_use" and [b.type for b in msg.content] == ["text", "tool_use"]

@@ -30,7 +30,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from granian_server import ROOT, free_port, granian_argv, running
+
+from tests.helpers.granian_server import ROOT, free_port, granian_argv, running
 
 pytest.importorskip("playwright.sync_api", reason="needs Playwright: pip install -e '.[test]'")
 from playwright.sync_api import Browser, Error, Page, Route, expect, sync_playwright  # noqa: E402
@@ -75,12 +76,12 @@ def server(tmp_path: Path) -> Iterator[tuple[str, str]]:
     env = {
         **os.environ,
         "TL_CONFIG": str(cfg),
-        "PYTHONPATH": f"{ROOT / 'tests'}{os.pathsep}{ROOT}",
+        "PYTHONPATH": str(ROOT),
         "CHAT_PAGE_SCRIPT": SCRIPT,
         "CHAT_PAGE_STEP_DELAY_S": "0.004",
     }
     api = f"http://127.0.0.1:{port}"
-    with running(granian_argv(port, "chat_page_app:app"), env, f"{api}/healthz", timeout_s=20):
+    with running(granian_argv(port, "tests.helpers.chat_page_app:app"), env, f"{api}/healthz", timeout_s=20):
         yield api, f"http://127.0.0.1:{hport}"
 
 

@@ -16,7 +16,7 @@ import yaml
 from serve.app import STOP_BOUND_S
 from tl.core.config import EngineConfig, engine_keys
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MANIFESTS = sorted((ROOT / "configs" / "k8s").glob("*.yaml"))
 
 

@@ -15,13 +15,13 @@ import logging
 from typing import Any
 
 import pytest
-from asgi_client import call
-from test_serve_app import CHAT, chat, make_app, run
 
 from serve import memwatch
 from serve.app import App
 from serve.asgi import DisconnectWatcher
 from serve.generate import Choice, Job
+from tests.helpers.asgi_client import call
+from tests.helpers.serve_app import CHAT, chat, make_app, run
 from tl.core.async_engine import EmbedHandle, RequestHandle
 from tl.core.engine import Engine
 

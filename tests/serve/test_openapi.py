@@ -23,11 +23,11 @@ import sys
 from pathlib import Path
 
 import httpx
-from granian_server import ROOT, free_port, granian_argv, running
 from openapi_spec_validator import validate
 
 from serve.openapi import document
 from serve.routes import ROUTES
+from tests.helpers.granian_server import ROOT, free_port, granian_argv, running
 
 
 def test_the_document_is_valid_and_names_exactly_the_served_routes() -> None:

@@ -15,11 +15,11 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from test_serve_http import server
 
 from serve.errors import ApiError
 from serve.responses import ResponseStore
 from serve.wire import ResponseDoc
+from tests.helpers.granian_server import server
 
 
 def client(api: str) -> openai.OpenAI:
@@ -86,7 +86,10 @@ def test_function_calls_and_their_outputs(tmp_path: Path) -> None:
         {"type": "function", "name": "get_weather", "parameters": city},
         {"type": "function", "name": "now", "parameters": {"type": "object", "properties": {}}},
     ]
-    with server(tmp_path, "num_kv_blocks = 4096\n", env=env, app="fake_app:script_app") as srv, client(srv.api) as c:
+    with (
+        server(tmp_path, "num_kv_blocks = 4096\n", env=env, app="tests.helpers.fake_app:script_app") as srv,
+        client(srv.api) as c,
+    ):
         r = c.responses.create(model="succ", input="weather?", tools=tools, max_output_tokens=300)
         assert [o.type for o in r.output] == ["message", "function_call", "function_call"]
         calls = [o for o in r.output if o.type == "function_call"]

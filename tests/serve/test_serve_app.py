@@ -11,25 +11,21 @@ import asyncio
 import base64
 import json
 import struct
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 import pytest
-from asgi_client import Reply, call, served
-from fake_engine import (
-    ConcatTemplate,
-    FakeEngine,
-    FakeRunner,
-    RoleTemplate,
-    SuccRunner,
-    byte_grammars,
-    byte_model,
-    byte_tools,
-    fake_embedding,
-)
 
 from serve.app import App
 from serve.config_load import parse_runtime_toml
+from tests.helpers.asgi_client import call
+from tests.helpers.fake_engine import (
+    RoleTemplate,
+    SuccRunner,
+    byte_model,
+    fake_embedding,
+)
+from tests.helpers.serve_app import CHAT, HAND, chat, content, factory, make_app, metric, run
 from tl.core.async_engine import AsyncEngine
 from tl.core.config import EngineConfig
 from tl.core.engine import Engine
@@ -37,62 +33,10 @@ from tl.core.request import ContextLengthError, EmbedRequest, GenRequest, Sampli
 from tl.ops.build import build_async_engine
 from tl.ops.served import ServedModel
 
-CHAT = "/v1/chat/completions"
-HAND = {"model": "succ", "messages": [{"role": "user", "content": "a"}], "max_tokens": 3, "temperature": 0}
-
-
-def factory(
-    kind: str, delay: float = 0.0, template: Any = None
-) -> Callable[[EngineConfig], tuple[AsyncEngine, ServedModel]]:
-    def build(cfg: EngineConfig) -> tuple[AsyncEngine, ServedModel]:
-        tmpl = template or ConcatTemplate()
-        if kind == "fake":
-            engine: Any = FakeEngine(FakeRunner(), cfg, delay)
-        else:
-            engine = Engine(SuccRunner(block_size=cfg.block_size, num_kv_blocks=256, step_delay_s=delay), cfg)
-        return AsyncEngine(engine, byte_grammars(cfg)), byte_model(
-            cfg, engine.max_model_len, tmpl, byte_tools(), "succ"
-        )
-
-    return build
-
 
 @pytest.fixture(params=["fake", "real"])
 def kind(request: pytest.FixtureRequest) -> str:
     return request.param  # type: ignore[no-any-return]
-
-
-def make_app(kind: str, delay: float = 0.0, template: object = None, **cfg: Any) -> App:
-    config = EngineConfig(model_dir="models/succ", block_size=4, **cfg)
-    return App(config, factory(kind, delay, template), handle_signals=False, start_health=False)
-
-
-def run(app: App, body: Callable[[App], Awaitable[None]], timeout: float = 20.0) -> None:
-    async def main() -> None:
-        async with served(app):
-            await asyncio.wait_for(body(app), timeout)
-
-    asyncio.run(main())
-
-
-def chat(**kw: Any) -> dict[str, Any]:
-    return {**HAND, **kw}
-
-
-def content(r: Reply) -> str:
-    """Concatenated deltas of a chat stream."""
-    text = ""
-    for e in r.events()[:-1]:
-        for ch in json.loads(e)["choices"]:
-            text += ch["delta"].get("content") or ""
-    return text
-
-
-def metric(app: App, name: str) -> float:
-    for line in app.metrics.render("")[0].decode().splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[-1])
-    raise KeyError(name)
 
 
 async def wait_for(pred: Callable[[], bool], timeout: float) -> None:

@@ -12,7 +12,7 @@ from serve.config_load import load_config, parse_runtime_toml
 from serve.launch import granian_argv
 from tl.core.config import ConfigError, EngineConfig
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_shipped_runtime_toml_is_the_defaults() -> None:
@@ -129,7 +129,9 @@ def test_launch_argv_uses_http_listen(tmp_path: Path) -> None:
         "21",  # drain_timeout_s + STOP_BOUND_S (7.5 + 13), rounded up: a wedged worker is killed then
         "serve.app:app",
     ]
-    assert granian_argv(str(p), "fake_app:app")[-1] == "fake_app:app"  # the tests' own target
+    assert (
+        granian_argv(str(p), "tests.helpers.fake_app:app")[-1] == "tests.helpers.fake_app:app"
+    )  # the tests' own target
 
 
 def test_the_stop_bound_is_its_parts_plus_a_margin() -> None:

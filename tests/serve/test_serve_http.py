@@ -11,65 +11,19 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 import pytest
-from granian_server import ROOT, free_port, granian_argv, running
+
+from tests.helpers.granian_server import server
 
 pytestmark = pytest.mark.serial  # timing bounds: `make test` runs it alone, after the parallel part
 
 CHAT = {"model": "succ", "messages": [{"role": "user", "content": "a"}], "max_tokens": 3, "temperature": 0}
-
-
-@dataclass
-class Server:
-    proc: subprocess.Popen[bytes]
-    api: str
-    health: str
-
-    def metric(self, name: str) -> float:
-        for line in httpx.get(f"{self.health}/metrics").text.splitlines():
-            if line.startswith(name + " "):
-                return float(line.split()[-1])
-        raise KeyError(name)
-
-
-@contextmanager
-def server(
-    tmp_path: Path,
-    extra: str = "",
-    env: dict[str, str] | None = None,
-    expect_ready: bool = True,
-    via_cli: bool = False,
-    app: str = "fake_app:app",
-) -> Iterator[Server]:
-    port, hport = free_port(), free_port()
-    cfg = tmp_path / "runtime.toml"
-    cfg.write_text(
-        f'[engine]\nmodel_dir = "models/succ"\nblock_size = 4\nhttp_listen = "127.0.0.1:{port}"\n'
-        f'health_listen = "127.0.0.1:{hport}"\n{extra}'
-    )
-    full_env = {
-        **os.environ,
-        "TL_CONFIG": str(cfg),
-        "PYTHONPATH": f"{ROOT / 'tests'}{os.pathsep}{ROOT}",
-        **(env or {}),
-    }
-    argv = granian_argv(port, app)
-    if via_cli:  # what `tl serve --config` runs: checks the config, then execs granian in its place
-        argv = [sys.executable, "-c", f"from serve.launch import serve_main; serve_main({str(cfg)!r}, {app!r})"]
-    ready = f"http://127.0.0.1:{port}/healthz" if expect_ready else None
-    with running(argv, full_env, ready, timeout_s=20) as proc:
-        yield Server(proc, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{hport}")
 
 
 def test_health_port_tokenize_models_and_openai_client(tmp_path: Path) -> None:
@@ -222,7 +176,7 @@ def test_openai_client_tool_calls_under_auto_from_a_scripted_model(tmp_path: Pat
     ]
     messages: Any = [{"role": "user", "content": "weather?"}]
     with (
-        server(tmp_path, "num_kv_blocks = 4096\n", env=env, app="fake_app:script_app") as srv,
+        server(tmp_path, "num_kv_blocks = 4096\n", env=env, app="tests.helpers.fake_app:script_app") as srv,
         openai.OpenAI(base_url=f"{srv.api}/v1", api_key="x", max_retries=0) as client,
     ):
         done = client.chat.completions.create(model="succ", messages=messages, tools=tools, max_tokens=300)

@@ -15,9 +15,8 @@ import json
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from asgi_client import Reply, call, served
-
 from serve.app import App
+from tests.helpers.asgi_client import Reply, call, served
 from tl.core.config import EngineConfig
 from tl.ops.build import build_async_engine
 

@@ -14,13 +14,12 @@ from typing import Any
 
 import jsonschema
 import pytest
-from asgi_client import call
-from fake_engine import SuccRunner, byte_model
-from test_grammar import nested_any_of
-from test_serve_app import CHAT, chat, content, make_app, metric, run
-from test_structured import SCHEMA, Failing
 
 from serve.app import App
+from tests.helpers.asgi_client import call
+from tests.helpers.fake_engine import SuccRunner, byte_model
+from tests.helpers.serve_app import CHAT, chat, content, make_app, metric, run
+from tests.helpers.structured import SCHEMA, Failing, nested_any_of
 from tl.core.async_engine import AsyncEngine
 from tl.core.config import EngineConfig
 from tl.core.engine import Engine

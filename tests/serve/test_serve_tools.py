@@ -13,11 +13,11 @@ from typing import Any
 
 import jsonschema
 import pytest
-from asgi_client import Reply, call
-from fake_engine import ScriptEngine, SuccRunner, byte_grammars, byte_model, byte_tools
-from test_serve_app import CHAT, run
 
 from serve.app import App
+from tests.helpers.asgi_client import Reply, call
+from tests.helpers.fake_engine import ScriptEngine, SuccRunner, byte_grammars, byte_model, byte_tools
+from tests.helpers.serve_app import CHAT, run
 from tl.core.async_engine import AsyncEngine
 from tl.core.config import EngineConfig
 from tl.core.engine import Engine
@@ -146,8 +146,7 @@ def test_auto_with_a_scripted_call_streams_the_same_calls(per_step: int) -> None
 
 def test_the_hermes_form_end_to_end() -> None:
     """A model whose template writes Hermes blocks: one block per call, parsed and forced alike."""
-    from test_tools import HERMES_TEMPLATE
-
+    from tests.helpers.models import HERMES_TEMPLATE
     from tl.text.chat_template import ChatTemplate
 
     hermes = setup("auto", ChatTemplate(HERMES_TEMPLATE))

@@ -18,9 +18,9 @@ from typing import Any
 
 import anthropic
 import openai
-from test_serve_http import server
 
 from serve.openapi import document
+from tests.helpers.granian_server import server
 
 BLOCK_SIZE = 4  # the server's block_size (test_serve_http.server)
 SHARED = 14  # prompt tokens the second request of a pair shares with the first

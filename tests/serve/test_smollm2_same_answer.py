@@ -20,7 +20,8 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from granian_server import serving_model
+
+from tests.helpers.granian_server import serving_model
 
 pytestmark = pytest.mark.slow
 

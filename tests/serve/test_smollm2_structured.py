@@ -14,8 +14,9 @@ from typing import Any, Literal
 import jsonschema
 import openai
 import pytest
-from granian_server import serving_model
 from pydantic import BaseModel, Field
+
+from tests.helpers.granian_server import serving_model
 
 pytestmark = pytest.mark.slow
 

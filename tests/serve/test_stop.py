@@ -30,9 +30,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from granian_server import ROOT, free_port
 
 from serve.app import STOP_BOUND_S
+from tests.helpers.granian_server import ROOT, free_port
 
 DRAIN_S = 20.0  # long: a case that ends quickly did not wait for the drain deadline
 QUICK_S = 8.0  # a stop with nothing in flight: the parent's grace, the engine's stop, the exit
@@ -107,7 +107,7 @@ def tl_serve(
         'attention_kernel = "reference"\nmatmul_kernel = "xla"\nweight_pages = "default"\n'
         'model_id = "tiny"\n' + extra
     )
-    env = {**os.environ, "TL_DEBUG_DELAYS": delays, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}
+    env = {**os.environ, "TL_DEBUG_DELAYS": delays, "PYTHONPATH": str(ROOT)}
     argv = [sys.executable, "-c", f"from serve.launch import serve_main; serve_main({str(cfg)!r}, {app!r})"]
     proc = subprocess.Popen(
         argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
@@ -177,7 +177,7 @@ def test_a_stop_signal_between_the_start_up_and_the_serving_stops_the_server(tin
     (noted, but read only when a later signal woke the loop) and the server served on after
     /readyz turned 200 (why the "background compiles" cases above failed now and then): the
     stop must be heard, drain and exit 0."""
-    with tl_serve(tiny_dir, tmp_path, "", app="gap_app:app") as srv:
+    with tl_serve(tiny_dir, tmp_path, "", app="tests.helpers.gap_app:app") as srv:
         srv.wait_line(r"serving \S+ \(context \d+\) ready", 60)
         status, took = srv.exited_within(time.monotonic(), QUICK_S)
         assert status == 0, srv.log()

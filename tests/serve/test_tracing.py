@@ -23,9 +23,6 @@ from typing import Any
 
 import httpx
 import pytest
-from asgi_client import call, served
-from fake_engine import make_real_async_engine
-from granian_server import ROOT, free_port, granian_argv, running
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -36,6 +33,9 @@ import serve
 from serve import tracing
 from serve.app import App
 from serve.otel import Tracing
+from tests.helpers.asgi_client import call, served
+from tests.helpers.fake_engine import make_real_async_engine
+from tests.helpers.granian_server import ROOT, free_port, granian_argv, running
 from tl.core.config import EngineConfig
 from tl.core.engine import Engine
 
@@ -279,13 +279,15 @@ def test_spans_are_exported_over_otlp_http(tmp_path: Path) -> None:
         env = {
             **{k: v for k, v in os.environ.items() if not k.startswith("OTEL_")},
             "TL_CONFIG": str(cfg),
-            "PYTHONPATH": f"{ROOT / 'tests'}{os.pathsep}{ROOT}",
+            "PYTHONPATH": str(ROOT),
             "OTEL_TRACES_EXPORTER": "otlp",
             "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint,
             "OTEL_SERVICE_NAME": "tl-otlp-test",
             "OTEL_BSP_SCHEDULE_DELAY": "50",
         }
-        with running(granian_argv(port, "fake_app:app"), env, f"http://127.0.0.1:{port}/healthz", timeout_s=20):
+        with running(
+            granian_argv(port, "tests.helpers.fake_app:app"), env, f"http://127.0.0.1:{port}/healthz", timeout_s=20
+        ):
             r = httpx.post(f"http://127.0.0.1:{port}{CHAT}", json=chat(), headers={"traceparent": TRACEPARENT})
             assert r.status_code == 200
             deadline = time.monotonic() + 10

@@ -14,8 +14,8 @@ import re
 from pathlib import Path
 
 import pytest
-from models import make_tiny_llama
 
+from tests.helpers.models import make_tiny_llama
 from tl.text.chat_template import DEFAULT_TEMPLATE, ChatTemplate, TemplateError
 
 SMOLLM2_TEMPLATE = (
@@ -272,7 +272,7 @@ def test_from_model_dir_precedence(tmp_path: Path) -> None:
 
 # --- The real templates of the families tl serves, against transformers' apply_chat_template ---
 
-TEMPLATES_DIR = Path(__file__).parent / "templates"
+TEMPLATES_DIR = Path(__file__).resolve().parents[1] / "templates"
 FAMILY_TOKENS = {  # bos/eos of each family's tokenizer_config.json
     "llama3_1": ("<|begin_of_text|>", "<|eot_id|>"),
     "llama3_2": ("<|begin_of_text|>", "<|eot_id|>"),

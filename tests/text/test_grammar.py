@@ -11,9 +11,10 @@ import time
 
 import numpy as np
 import pytest
-from fake_engine import byte_grammars
-from models import BYTE_VOCAB_SIZE, IM_END_ID, byte_tokenizer_json
 
+from tests.helpers.fake_engine import byte_grammars
+from tests.helpers.models import BYTE_VOCAB_SIZE, IM_END_ID, byte_tokenizer_json
+from tests.helpers.structured import nested_any_of
 from tl.core.config import EngineConfig
 from tl.core.request import ConstraintSpec
 from tl.text.grammar import GrammarCompiler, GrammarError, Matcher
@@ -138,14 +139,6 @@ def test_refusals_are_cached_with_the_callers_field() -> None:
     with pytest.raises(GrammarError) as e:
         g.compile(ConstraintSpec("regex", "a(b", "other.field"))
     assert e.value.param == "other.field" and "unclosed group" in str(e.value)
-
-
-def nested_any_of(depth: int) -> dict[str, object]:
-    """A schema whose grammar grows exponentially with depth (llguidance: ~1 s at 8 on 2 cores)."""
-    s: dict[str, object] = {"type": "integer"}
-    for _ in range(depth):
-        s = {"anyOf": [{"type": "object", "properties": {"a": s, "b": s}}, {"type": "array", "items": s}]}
-    return s
 
 
 def test_a_compile_slower_than_the_bound_is_refused_and_stays_refused() -> None:

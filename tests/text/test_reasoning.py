@@ -25,14 +25,14 @@ import jsonschema
 import numpy as np
 import openai
 import pytest
-from fake_engine import SuccRunner
-from fake_runner import pick_allowed
-from fake_think import END_ID, SCRIPTS, THINK_ID, TOKENIZER, VOCAB, allowed, think_grammars
-from models import IM_END_ID
-from test_serve_http import Server, server
 
 from serve.params import message_dicts
 from serve.wire import CallFunction, ChatMessage, ToolCall
+from tests.helpers.fake_engine import SuccRunner
+from tests.helpers.fake_runner import pick_allowed
+from tests.helpers.fake_think import END_ID, SCRIPTS, THINK_ID, TOKENIZER, VOCAB, allowed, think_grammars
+from tests.helpers.granian_server import Server, server
+from tests.helpers.models import IM_END_ID
 from tl.core.config import ConfigError, EngineConfig
 from tl.core.engine import Engine
 from tl.core.plan import RunnerOutput, SchedulerOutput, SeqResult
@@ -78,7 +78,7 @@ def test_setup_detects_from_template_or_vocabulary() -> None:
     assert setup("auto", "{{ '<think>' }}", TOKENIZER).markers == MARKERS
     assert "vocabulary" in setup("auto", "plain", TOKENIZER).reason
     assert setup("none", "<think>", TOKENIZER).markers is None
-    from fake_engine import ByteTokenizer
+    from tests.helpers.fake_engine import ByteTokenizer
 
     assert setup("auto", "<think>", ByteTokenizer()).markers is None  # no such tokens
     with pytest.raises(ConfigError, match="single tokens"):
@@ -194,7 +194,9 @@ def test_messages_reach_the_template_as_it_expects() -> None:
 
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    with server(tmp_path_factory.mktemp("think"), "num_kv_blocks = 4096\n", app="fake_app:think_app") as s:
+    with server(
+        tmp_path_factory.mktemp("think"), "num_kv_blocks = 4096\n", app="tests.helpers.fake_app:think_app"
+    ) as s:
         yield s
 
 
@@ -361,7 +363,9 @@ def test_messages_api_thinking_blocks(srv: Server) -> None:
 
 
 def test_a_model_without_markers_is_never_split(tmp_path: Path) -> None:
-    with server(tmp_path, 'num_kv_blocks = 4096\nreasoning_parser = "none"\n', app="fake_app:think_app") as s:
+    with server(
+        tmp_path, 'num_kv_blocks = 4096\nreasoning_parser = "none"\n', app="tests.helpers.fake_app:think_app"
+    ) as s:
         with oai(s) as c:
             r = c.chat.completions.create(model="think", messages=user("plain"))
         hidden = SCRIPTS["plain"].replace("<think>", "").replace("</think>", "")  # special tokens here: never shown

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from models import ENDOFTEXT_ID, IM_END_ID, IM_START_ID, make_tiny_llama
 
+from tests.helpers.models import ENDOFTEXT_ID, IM_END_ID, IM_START_ID, make_tiny_llama
 from tl.model.config import ModelDirError
 from tl.model.files import eos_token_ids
 from tl.text.chat_template import ChatTemplate

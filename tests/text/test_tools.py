@@ -10,9 +10,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fake_engine import byte_grammars
-from models import IM_END_ID
 
+from tests.helpers.fake_engine import byte_grammars
+from tests.helpers.models import HERMES_TEMPLATE, IM_END_ID
 from tl.core.config import EngineConfig
 from tl.core.request import ConstraintSpec
 from tl.text.chat_template import ChatTemplate
@@ -183,8 +183,9 @@ def test_each_tool_choice_compiles_to_the_language_it_promises(
 
 def hf_byte_tokenizer(tmp_path: Path) -> Any:
     """transformers' tokenizer over tests/models.py's byte tokenizer (the reference renderer)."""
-    from models import byte_tokenizer_json
     from transformers import PreTrainedTokenizerFast
+
+    from tests.helpers.models import byte_tokenizer_json
 
     path = tmp_path / "tokenizer.json"
     path.write_text(json.dumps(byte_tokenizer_json()))
@@ -228,18 +229,6 @@ def test_tl_tool_template_renders_as_transformers_does(tmp_path: Path) -> None:
     text = ours.render(conversations[1], tools=tools)
     assert '<tool_call>[{"name": "get_weather", "arguments": {"city": "Paris"}}, ' in text
     assert "<tool_response>18C</tool_response>" in text and "<tools>[" in text
-
-
-HERMES_TEMPLATE = (
-    "{% if tools %}<|im_start|>system\nTools: <tools>{% for t in tools %}{{ t | tojson }}{% endfor %}</tools>"
-    "<|im_end|>\n{% endif %}"
-    "{% for m in messages %}{% if m['role'] == 'assistant' and m.get('tool_calls') %}<|im_start|>assistant\n"
-    "{% for c in m['tool_calls'] %}<tool_call>\n{{ {'name': c['function']['name'], 'arguments': "
-    "c['function']['arguments']} | tojson }}\n</tool_call>{% endfor %}<|im_end|>\n"
-    "{% elif m['role'] == 'tool' %}<|im_start|>user\n<tool_response>{{ m['content'] }}</tool_response><|im_end|>\n"
-    "{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 
 
 def test_a_hermes_template_is_detected_and_gets_the_tools_as_transformers_passes_them(tmp_path: Path) -> None:
