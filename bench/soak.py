@@ -14,7 +14,7 @@ free 127.0.0.1 ports) and stopping it, and four scenarios, each a list of named 
   503, the process exits 0;
 - kv: a KV cache a tenth of the demand: every request completes, and greedy outputs equal the
   same requests' outputs run one at a time.
-Imports no tl (it drives a server over HTTP only). tests/test_soak.py runs a short version of
+Imports no tl (it drives a server over HTTP only). tests/bench/test_soak.py runs a short version of
 each on the tiny model; the closing figures come from `python -m bench soak --minutes 30`.
 """
 

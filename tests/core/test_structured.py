@@ -1,5 +1,5 @@
-"""Structured output through the real Engine and Scheduler over tests/fake_runner.py's FakeRunner
-(the byte vocabulary of tests/models.py, its EOS <|im_end|>; the runner fills each constrained
+"""Structured output through the real Engine and Scheduler over tests/helpers/fake_runner.py's FakeRunner
+(the byte vocabulary of tests/helpers/models.py, its EOS <|im_end|>; the runner fills each constrained
 row's bitmask from the sequence's matcher, as the compiled step gets it): valid, complete
 answers; concurrency, n, seeds, chunked prefill, the prefix cache, preemption and prompt-lookup
 speculation change nothing; a draft the grammar refuses is never verified; a matcher that fails

@@ -1,8 +1,8 @@
-"""The granian target of tests/test_chat_page.py: serve.app's App over the real
+"""The granian target of tests/serve/test_chat_page.py: serve.app's App over the real
 tl.core.engine.Engine and a runner that plays a script, slowly enough to be stopped.
 
 `chat_page_app:app` (tests/ on PYTHONPATH): every answer is CHAT_PAGE_SCRIPT's bytes (the
-byte tokenizer of tests/fake_engine.py), then the script again from its start, until the
+byte tokenizer of tests/helpers/fake_engine.py), then the script again from its start, until the
 request's max_tokens (no EOS; sampling parameters are ignored), one token a step and
 CHAT_PAGE_STEP_DELAY_S per step. So an answer capped at the script's length is the script
 exactly, and a long one streams long enough to press Stop. The backend card is a made-up
@@ -25,7 +25,7 @@ from tl.ops.served import ServedModel
 BACKEND = BackendInfo(
     device_kind="test runner",
     kernel_choices=("decode x1: reference (scripted)",),
-    reasons=("the scripted runner of tests/chat_page_app.py: no model",),
+    reasons=("the scripted runner of tests/helpers/chat_page_app.py: no model",),
 )
 
 

@@ -14,7 +14,7 @@ admits by the same rules (tl/core/request.py check_context and check_capacity).
 Also: ByteTokenizer, ConcatTemplate (the seed's `{% for m in messages %}{{ m.content }}`),
 `byte_model` (the ServedModel of tl/ops/served.py over them), `make_async_engine(cfg)` and
 `make_real_async_engine(cfg)`, engine factories for serve.app's App (the AsyncEngine and its
-ServedModel; tests/fake_app.py hands the latter to granian's App).
+ServedModel; tests/helpers/fake_app.py hands the latter to granian's App).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ EMBED_DIM = 8
 
 
 def byte_grammars(cfg: EngineConfig) -> GrammarCompiler:
-    """Structured output over the byte tokenizer of tests/models.py (ids 0..255 are the bytes; its
+    """Structured output over the byte tokenizer of tests/helpers/models.py (ids 0..255 are the bytes; its
     EOS, <|im_end|>, is what a complete grammar allows)."""
     return GrammarCompiler(
         json.dumps(byte_tokenizer_json()), BYTE_VOCAB_SIZE, (IM_END_ID,), cfg.grammar_cache_size, cfg.grammar_timeout_s

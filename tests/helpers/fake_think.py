@@ -1,4 +1,4 @@
-"""A tiny scripted reasoning model for the server tests: the byte tokenizer of tests/models.py with
+"""A tiny scripted reasoning model for the server tests: the byte tokenizer of tests/helpers/models.py with
 `<think>` (259) and `</think>` (260) added as special tokens, a Qwen3-like chat template, and
 ThinkEngine, whose answer is a script chosen from the prompt.
 
@@ -9,7 +9,7 @@ thought, then a JSON object; "tool": a thought, then a call; "long": a long thou
 budget); "bytes": the markers written byte by byte (not as their tokens); else a short thought
 and an answer. A token the request's guide refuses is replaced by the one token it allows (the
 budget's forced `</think>`: the script then goes on after its own `</think>`), else the request
-ends with "error". Used by tests/test_reasoning.py and tests/fake_app.py's `think_app`.
+ends with "error". Used by tests/text/test_reasoning.py and tests/helpers/fake_app.py's `think_app`.
 """
 
 from __future__ import annotations

@@ -132,7 +132,7 @@ GLOBAL = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_h
 
 
 LAYER = {
-    **LAYER_NAMES,  # Llama 2's (tests/test_convert_gguf.py), then the new families'
+    **LAYER_NAMES,  # Llama 2's (LAYER_NAMES above), then the new families'
     "self_attn.q_norm": "attn_q_norm",
     "self_attn.k_norm": "attn_k_norm",
     "mlp.gate": "ffn_gate_inp",

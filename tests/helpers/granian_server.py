@@ -1,7 +1,7 @@
 """Starting and stopping a granian server subprocess for tests (one place for the boilerplate).
 
 Owns: free loopback ports, the granian argv for an ASGI target (serve.app:app, or the
-tests' own tests/fake_app.py), waiting for a URL to answer 200, and killing the process group
+tests' own tests/helpers/fake_app.py), waiting for a URL to answer 200, and killing the process group
 at the end whatever happened; `serving_model`, tl's server over a model with a few engine keys.
 """
 

@@ -4,7 +4,7 @@ Owns: writing complete Hugging Face style model directories (config.json,
 model.safetensors or 2 shards + index, tokenizer.json, tokenizer_config.json,
 generation_config.json) for tests. Must not import jax; uses only ModelConfig and
 the byte-level alphabet of tl. Each builder runs in well under a second. Tested by
-tests/test_model_files.py (the dirs load through tl.model.files and tl.text.tokenizer).
+tests/model/test_model_files.py (the dirs load through tl.model.files and tl.text.tokenizer).
 
 Byte tokenizer (both builders): a ByteLevel BPE whose vocab is the 256 byte-level
 characters with id == byte value, no merges, plus specials
@@ -299,10 +299,10 @@ def succ_logits(token_id: int) -> np.ndarray:
 
 # The families (issue 32): one tiny config each, random weights drawn from hf_shapes, the same
 # byte tokenizer. bench/families_reference.py runs transformers on these very directories and
-# commits its logits (tests/golden/families/); tests/test_families.py checks tl against them.
+# commits its logits (tests/golden/families/); tests/model/test_families.py checks tl against them.
 FAMILIES = ("llama3", "mistral", "qwen3", "qwen3_moe", "gemma3", "qwen3_moe_gguf", "gemma3_gguf")
 """The last two: what a GGUF can state (llama.cpp's qwen3moe has no dense layers; its gemma3
-takes query_pre_attn_scalar = head_dim), for tests/test_families.py's GGUF forms."""
+takes query_pre_attn_scalar = head_dim), for tests/model/test_families.py's GGUF forms."""
 FAMILY_SEQ_LEN = 72  # positions compared: past every window below, and across a chunk boundary
 
 

@@ -4,7 +4,7 @@ Owns nothing of tl: it shares no code with tl/ (not the converter, not the model
 tokenizer). It reads tensors with the `gguf` package, keeps llama.cpp's q/k row order and
 applies RoPE the way llama.cpp does for that order (adjacent pairs, "interleaved"), so a
 bug in tl's un-permutation or in its rotate-half RoPE shows up as a logit difference.
-Used by tests/test_smollm2.py.
+Used by tests/model/test_smollm2.py.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """llama.cpp's SentencePiece ("llama" vocabulary) tokenizer, in plain Python: the reference tl's
-tokenizer.json of a GGUF is checked against (tests/test_gguf_tokenizer.py).
+tokenizer.json of a GGUF is checked against (tests/model/test_gguf_tokenizer.py).
 
 Follows llama-vocab.cpp: the text is first cut at added tokens (user-defined always, control
 tokens when `parse_special`), longest token first, each token's occurrences left to right;

@@ -8,7 +8,7 @@ aarch64-dotprod) is compiled with -Wall
 log, read; the others: compiled to objects with -Werror): a branch only one CPU family takes can no longer
 break unseen. aarch64 needs Debian's cross compiler (g++-aarch64-linux-gnu; `make test` installs
 it where apt-get can). The builds this CPU can run are also linked, loaded and tested, kernel by
-kernel, in tests/test_cpu_native.py.
+kernel, in tests/kernels/test_cpu_native.py.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def test_every_target_compiles_without_warnings(target: cpu_build.Target, tmp_pa
             raise
         pytest.skip(f"{e}: apt-get install g++-{target.arch.replace('_', '-')}-linux-gnu (make test does)")
     lib = None if cpu_build.missing(target) else cpu_build.build(target)
-    if lib is not None and lib.with_suffix(".log").exists():  # built for tests/test_cpu_native.py: read its log
+    if lib is not None and lib.with_suffix(".log").exists():  # built for tests/kernels/test_cpu_native.py: read its log
         log = lib.with_suffix(".log").read_text()
         assert "warning:" not in log and "error" not in log, log
         assert all(

@@ -4,10 +4,10 @@ build this CPU runs.
 `lib` is each target of kernels/cpu_build.py that this machine can execute (an AMX Xeon: the
 sapphirerapids, x86-64-v4, x86-64-v3 and x86-64 builds; an AVX2 EPYC: x86-64-v3 and x86-64; an
 ARM machine: aarch64), so the AVX2 and SSE2 code paths run on every developer's machine and in
-CI, whatever the CPU. Bounds come from float32 arithmetic (tests/bounds.py), not from one
+CI, whatever the CPU. Bounds come from float32 arithmetic (tests/helpers/bounds.py), not from one
 host's rounding: a matmul within gamma_K of the exact product, attention within the softmax
 bound of a float64 reference, int8 bit for bit XLA's. The small cases of
-tests/test_paged_attention.py (block size 4, head dim 8: the kernel's generic path), SmolLM2's
+tests/helpers/attention_cases.py (block size 4, head dim 8: the kernel's generic path), SmolLM2's
 shapes (block size 16, head dim 64, 3 query heads per KV head: the vector fold) over long
 contexts, bf16 caches, sliding windows (both folds), a token alone and in any step alike, bad block tables
 refused with an error.
@@ -152,7 +152,7 @@ def test_sliding_window_matches_naive_and_reference(lib: cpu_native.NativeLib) -
     and 6, not a multiple of a block; the jnp local part) against the naive reference; and
     in the vector fold with the native local part (block 16, head dim 64: decodes whose window
     starts inside a block, 20-token chunks with windows of a block and of 37) against the jnp
-    reference. A window changes every answer here (tests/test_paged_attention.py checks that)."""
+    reference. A window changes every answer here (tests/helpers/attention_cases.py checks that)."""
     for window in (1, 6):
         c = build_case(np.random.default_rng(window), WINDOW_MANY, pad=3)
         got = np.asarray(jax.jit(lib.paged_attention)(inputs(c, window=window)))

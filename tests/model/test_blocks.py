@@ -9,8 +9,8 @@
   fused), K-quants included; the paged runner's greedy output is the dense float model's of the
   dequantized file; a tensor type tl does not serve is refused naming the tensor, its type and
   the types served; specs split the byte axis only at block boundaries.
-The native integer-dot kernels: tests/test_cpu_native_quant.py. Tensor parallelism over block
-weights: tests/tp_cases.py.
+The native integer-dot kernels: tests/kernels/test_cpu_native_quant.py. Tensor parallelism over block
+weights: tests/runtime/tp_cases.py.
 """
 
 from __future__ import annotations

@@ -166,7 +166,7 @@ def test_unsupported_architecture_names_the_file(tmp_path: Path) -> None:
     with pytest.raises(GGUFError, match=r"falcon.gguf: architecture 'falcon' is not supported"):
         convert_gguf(path, tmp_path / "o", progress=False)
     assert not (tmp_path / "o" / "config.json").exists()
-    # a tensor type tl does not serve: tests/test_blocks.py
+    # a tensor type tl does not serve: tests/model/test_blocks.py
 
 
 def test_tiny_builder_dir_is_what_convert_would_read(tmp_path: Path) -> None:

@@ -1,7 +1,7 @@
 """The model families (Llama 3, Mistral, Qwen3, Qwen3-MoE, Gemma 3) against transformers.
 
 tests/golden/families/<family>.npz holds transformers' float32 logits (torch, eager attention)
-for the tiny random-weight model of each family that tests/models.py builds, over 72 fixed
+for the tiny random-weight model of each family that tests/helpers/models.py builds, over 72 fixed
 tokens: bench/families_reference.py wrote them, and shares no code with tl. Here tl loads the
 same directory and must give the same logits within float32's rounding; each family-specific
 feature is shown to matter (turned off, the logits move far past the bound); and the paged,
@@ -173,7 +173,7 @@ GGUF_FORMS = {"llama3": "llama", "qwen3": "qwen3", "qwen3_moe_gguf": "qwen3moe",
 def test_gguf_form_matches_transformers(name: str, tmp_path: Path) -> None:
     """The same tiny model written as llama.cpp's converter writes a GGUF of its family (tensor
     names, llama's q/k row permutation, Gemma's 1 + w norms, stacked experts, Llama 3's
-    rope_freqs; tests/test_gguf_families.py), served as it is: transformers' logits again."""
+    rope_freqs; tests/model/test_gguf_families.py), served as it is: transformers' logits again."""
     from tests.helpers.gguf_writer import family_gguf
     from tl.model.convert_gguf import model_dir_of
     from tl.model.files import read_tensors

@@ -1,7 +1,7 @@
 """tl.model.gguf_tokenizer: SentencePiece ("llama") vocabularies of GGUFs as tokenizer.json.
 
 Three independent references:
-- tests/spm_reference.py, llama.cpp's SPM tokenizer re-written in plain Python, on tiny
+- tests/helpers/spm_reference.py, llama.cpp's SPM tokenizer re-written in plain Python, on tiny
   vocabularies with shuffled scores (so merge order is the scores', not the file's), with and
   without the space prefix;
 - transformers' GGUF Gemma tokenizer builder (its own merges, normalizer and added tokens), on

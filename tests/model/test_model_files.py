@@ -1,4 +1,4 @@
-"""tl.model.files and the builders of tests/models.py: safetensors reading (single,
+"""tl.model.files and the builders of tests/helpers/models.py: safetensors reading (single,
 sharded, f16/bf16), errors that name the file, shape checks, side files, and the
 succ/tiny model dirs themselves."""
 

@@ -2,7 +2,7 @@
 
 - every form ("gather", "tiled", "dense", "ragged") jit-compiled, against a float64 per-token,
   per-chosen-expert loop over the dequantized weights (gguf-py's dequantization for block
-  formats), within a bound derived from float32 arithmetic (tests/bounds.py); the router's
+  formats), within a bound derived from float32 arithmetic (tests/helpers/bounds.py); the router's
   choices equal the reference's; top_k 1 and 2, 4 and 8 experts, norm_topk_prob on and off;
   float32, int8, q8_0 (quantized at load) and q4_k (the file's packed bytes);
 - `choose_form`'s static choice; several tiles per expert in the tiled form;

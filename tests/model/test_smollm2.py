@@ -1,6 +1,6 @@
 """End-to-end checks on the real SmolLM2-135M-Instruct (converted from its Q4_1 GGUF).
 
-The reference is tests/numpy_gguf_reference.py: plain numpy over the GGUF tensors as
+The reference is tests/helpers/numpy_gguf_reference.py: plain numpy over the GGUF tensors as
 llama.cpp stores them (permuted q/k rows, adjacent-pair RoPE), sharing no code with tl.
 So these tests check the converter's un-permutation, the JAX forward, the paged runner,
 the engine and the tokenizer against one independent implementation.
@@ -89,7 +89,7 @@ def test_default_config_serves_the_gguf_as_llama_cpp_does(smol_dir: Path) -> Non
     embedding and tied head), every step of up to 64 rows through the native integer-dot
     kernels (activations quantized to int8 per block of 32, as llama.cpp does), and answers as
     llama.cpp or as the float model of the same values does. The first token is a near tie:
-    the float model (tests/numpy_gguf_reference.py, float64) gives "The" 25.325 and "L" 25.243.
+    the float model (tests/helpers/numpy_gguf_reference.py, float64) gives "The" 25.325 and "L" 25.243.
     llama.cpp (llama-server from the llama-cpp-python 0.3.36 sdist, greedy) answers "L'Étoile,
     la Marseillaise,", the float model "The capital of France is Paris.". tl's kernels sum each
     block exactly and scale it once with x's block scale kept in float32 (llama.cpp rounds it to

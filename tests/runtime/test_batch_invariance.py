@@ -46,7 +46,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=4)
 BEST = cpu_build.best().name
 RUNNABLE = [t.name for t in cpu_build.runnable()]
 
-# (file case of tests/test_blocks.py, weight_dtype): the GGUF's own kinds, and float32 / int8 of one file.
+# (file case of tests/helpers/gguf_writer.py CASES, weight_dtype): the GGUF's own kinds, and float32 / int8 of one file.
 WEIGHTS = {
     "mixed": ("mixed", "auto"),
     "k_quants": ("k_quants", "auto"),

@@ -1,4 +1,4 @@
-"""Tensor parallelism on 8 fake CPU devices: runs tests/tp_cases.py in a subprocess.
+"""Tensor parallelism on 8 fake CPU devices: runs tests/runtime/tp_cases.py in a subprocess.
 
 XLA_FLAGS=--xla_force_host_platform_device_count=8 must be set before jax is imported, and the
 rest of the suite assumes one device, so the cases run in their own pytest process.

@@ -99,7 +99,7 @@ def test_every_step_shape_runs_what_the_verdicts_chose(monkeypatch: pytest.Monke
     monkeypatch.setattr(verdicts, "measure", lambda *a, **k: crafted)
     runner, _ = make_runner(ENGINE.replace(token_buckets=(1, 8, 32), max_num_batched_tokens=32))
     if runner.kernels.native is None:
-        pytest.skip("the native library does not build here (tests/test_cpu_build.py says why)")
+        pytest.skip("the native library does not build here (tests/kernels/test_cpu_build.py says why)")
     assert runner.plan.verdicts is crafted and crafted.native("matmul") == native_matmul
     for t, s in ((1, 1), (8, 4), (32, 4)):
         calls = _native_calls(runner, t, s)
@@ -115,7 +115,7 @@ def test_forced_native_kernels_measure_nothing_and_run_everywhere(monkeypatch: p
     monkeypatch.setattr(verdicts, "measure", lambda *a, **k: pytest.fail("a forced choice measured"))
     runner, _ = make_runner(ENGINE.replace(attention_kernel="cpu_native", matmul_kernel="cpu_native"))
     if runner.kernels.native is None:
-        pytest.skip("the native library does not build here (tests/test_cpu_build.py says why)")
+        pytest.skip("the native library does not build here (tests/kernels/test_cpu_build.py says why)")
     assert runner.plan.verdicts.verdicts == () and runner.backend_info.kernel_choices == ()
     for t, s in ((8, 4), (32, 4)):
         assert {"tl_gemv", "tl_small_attention"} <= _native_calls(runner, t, s)
@@ -127,7 +127,7 @@ def test_forced_native_kernels_measure_nothing_and_run_everywhere(monkeypatch: p
 def test_a_real_measurement_covers_every_class_and_is_saved() -> None:
     runner, _ = make_runner(ENGINE.replace(token_buckets=(1, 8, 32), max_num_batched_tokens=32))
     if runner.kernels.native is None:
-        pytest.skip("the native library does not build here (tests/test_cpu_build.py says why)")
+        pytest.skip("the native library does not build here (tests/kernels/test_cpu_build.py says why)")
     got = {(v.kernel, v.rows) for v in runner.plan.verdicts.verdicts}
     assert got == {("matmul", 1), ("matmul", 4), ("matmul", 16), ("matmul", 32), ("attention", 4), ("attention", 32)}
     assert all(v.native_ms > 0 and v.xla_ms > 0 for v in runner.plan.verdicts.verdicts)
@@ -147,7 +147,7 @@ def test_the_largest_token_bucket_is_a_matmul_class_of_its_own() -> None:
     for weights in ("q8_0", "float32"):
         runner, _ = make_runner(engine.replace(weight_dtype=weights))
         if runner.kernels.native is None:
-            pytest.skip("the native library does not build here (tests/test_cpu_build.py says why)")
+            pytest.skip("the native library does not build here (tests/kernels/test_cpu_build.py says why)")
         assert {v.rows for v in runner.plan.verdicts.verdicts if v.kernel == "matmul"} == {1, 4, 16, 64, 128}
 
 
@@ -185,7 +185,7 @@ def test_the_largest_attention_class_is_a_prompt_chunk_after_decodes() -> None:
     chunk filling the bucket; both kernels compute the same attention on it."""
     runner, _ = make_runner(ENGINE.replace(token_buckets=(1, 8, 32), max_num_batched_tokens=32))
     if runner.kernels.native is None:
-        pytest.skip("the native library does not build here (tests/test_cpu_build.py says why)")
+        pytest.skip("the native library does not build here (tests/kernels/test_cpu_build.py says why)")
     plan, cfg = runner.plan, runner.model_config
     k, v = runner.kv_cache
     case = verdicts.attention_case(

@@ -1,4 +1,4 @@
-"""Tensor-parallel cases, run only by tests/test_tensor_parallel.py in a subprocess whose
+"""Tensor-parallel cases, run only by tests/runtime/test_tensor_parallel.py in a subprocess whose
 XLA_FLAGS give 8 CPU devices (XLA reads the flag once, before jax starts; the rest of the
 suite must keep seeing one device). Not collected by the default run (no test_ prefix).
 
@@ -162,7 +162,7 @@ def test_tiny_blocks_identical_for_tp_1_2_4() -> None:
 
     cfg = tiny_config(vocab_size=264)
     params = llama.init_params(cfg, jax.random.key(1))
-    # The stored rows at every N (one device would repack them into panels: tests/test_panels.py).
+    # The stored rows at every N (one device would repack them into panels: tests/model/test_panels.py).
     engine_cfg = CFG.replace(weight_dtype="q4_1", speculative="none", weight_layout="stored")
     results = {}
     for n in (1, 2, 4):

@@ -1,5 +1,5 @@
 """Anthropic's Messages API (/v1/messages, /v1/messages/count_tokens) with the official
-`anthropic` client over real HTTP: granian serving tests/fake_app.py (the real Engine over the
+`anthropic` client over real HTTP: granian serving tests/helpers/fake_app.py (the real Engine over the
 succ runner: "a" continues "bcd...") and its scripted model (a known tool call). Text, system,
 stop_sequences, max_tokens, the streamed event sequence assembled by the client's own stream
 helper equal to the non-streamed message, tool_use and tool_result blocks, count_tokens, and

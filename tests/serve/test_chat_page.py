@@ -1,6 +1,6 @@
 """The chat page at / (serve/page.py, serve/static/) in a real headless Chromium driven by Playwright.
 
-The server is granian serving tests/chat_page_app.py: the real engine over a runner that plays
+The server is granian serving tests/helpers/chat_page_app.py: the real engine over a runner that plays
 a markdown script (one byte a step, a few ms each), with an API key required. The page is
 loaded without the key, given it, and checked to: show the model, its context length and its
 backend card; stream an answer (text seen while the stream is open) and render its markdown
@@ -66,7 +66,7 @@ SCREENSHOT = ROOT / "docs" / "chat-page.png"
 
 @contextmanager
 def server(tmp_path: Path) -> Iterator[tuple[str, str]]:
-    """(API origin, health origin) of a granian serving tests/chat_page_app.py with an API key."""
+    """(API origin, health origin) of a granian serving tests/helpers/chat_page_app.py with an API key."""
     port, hport = free_port(), free_port()
     cfg = tmp_path / "runtime.toml"
     cfg.write_text(

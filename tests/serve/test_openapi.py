@@ -3,7 +3,7 @@ route the API port serves and nothing else, links POST /v1/responses to the oper
 feeds, and is what GET /openapi.json answers; and the server holds up under schemathesis.
 
 The fuzzed server is the real one: granian serving serve.app:app, tl.ops.build's JAX engine on the
-tiny random-weight Llama (tests/models.py), on loopback. Its cost is kept small: one compiled
+tiny random-weight Llama (tests/helpers/models.py), on loopback. Its cost is kept small: one compiled
 step variant (32 tokens x 4 sequences), the reference kernels (no native build or timing at
 start-up) and a 64-token context, which bounds every generation whatever max_tokens the
 fuzzer draws. schemathesis runs every phase (coverage, fuzzing, and the stateful phase, which

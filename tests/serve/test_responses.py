@@ -1,5 +1,5 @@
 """OpenAI's Responses API with the official openai client over real HTTP (granian serving
-tests/fake_app.py: the real Engine over the succ runner, and its scripted model for a known
+tests/helpers/fake_app.py: the real Engine over the succ runner, and its scripted model for a known
 function call): `responses.create` and `responses.stream` (the client's own assembly of the
 typed events equals the non-streamed response), status `incomplete` on a length cut, usage,
 function calls and their outputs, `text.format` through structured output, the store

@@ -1,7 +1,8 @@
 """The server over real HTTP: the granian CLI as a subprocess on pre-picked free ports.
 
 The engine is the real tl.core.engine.Engine over the succ runner (granian serves the tests'
-target tests/fake_app.py, an App built with that engine's factory), so no JAX compile is needed. Covers the health port,
+target tests/helpers/fake_app.py, an App built with that engine's factory), so no JAX compile is
+needed. Covers the health port,
 the official openai client, disconnects freeing blocks, SIGTERM drain and start-up refusal.
 Every test stops the server it starts.
 """

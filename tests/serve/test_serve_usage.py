@@ -1,7 +1,7 @@
 """Prompt-cache hits in usage, in every API, with the official clients over real HTTP.
 
-granian serves tests/fake_app.py: the real Engine (scheduler, block manager, radix prefix
-cache) over the succ runner, 4-token KV blocks (tests/test_serve_http.py's `server`). Each API
+granian serves tests/helpers/fake_app.py: the real Engine (scheduler, block manager, radix prefix
+cache) over the succ runner, 4-token KV blocks (tests/helpers/granian_server.py's `server`). Each API
 gets its own first character, so its prompts share no block with another API's: a first
 request finds nothing cached (0), and a second one sharing SHARED prompt tokens with it
 reports the whole blocks of that prefix, exactly. Chat Completions and Completions
@@ -22,7 +22,7 @@ import openai
 from serve.openapi import document
 from tests.helpers.granian_server import server
 
-BLOCK_SIZE = 4  # the server's block_size (test_serve_http.server)
+BLOCK_SIZE = 4  # the server's block_size (granian_server.server)
 SHARED = 14  # prompt tokens the second request of a pair shares with the first
 HIT = BLOCK_SIZE * (SHARED // BLOCK_SIZE)  # the whole blocks of the shared prefix: 12
 

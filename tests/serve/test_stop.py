@@ -172,7 +172,7 @@ def test_a_stop_signal_stops_the_server_at_every_moment(
 
 def test_a_stop_signal_between_the_start_up_and_the_serving_stops_the_server(tiny_dir: Path, tmp_path: Path) -> None:
     """granian runs its loop in stretches: the lifespan start-up, then (once its HTTP server is
-    built) the serving. tests/gap_app.py signals its process group between the two. Under
+    built) the serving. tests/helpers/gap_app.py signals its process group between the two. Under
     uvloop, granian's default loop, a signal taken by the loop's own handler there was lost
     (noted, but read only when a later signal woke the loop) and the server served on after
     /readyz turned 200 (why the "background compiles" cases above failed now and then): the

@@ -1,4 +1,4 @@
-"""tl/text/grammar.py over the byte tokenizer of tests/models.py: compiling each kind of constraint, the
+"""tl/text/grammar.py over the byte tokenizer of tests/helpers/models.py: compiling each kind of constraint, the
 errors (each naming its field), the cache and its bound, the time bound, and the matcher's
 bitmask rows (drafts included, state restored), checked against llguidance's own answers and
 by hand."""

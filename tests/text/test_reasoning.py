@@ -3,8 +3,8 @@
 Pure tests of tl/text/reasoning.py (the text split at every cut, the detection, the guide that
 gates an answer's grammar and forces `</think>` on a spent budget, also under the real Engine's
 scheduler), then the official `openai`
-and `anthropic` clients over real HTTP against one granian server of tests/fake_app.py's
-`think_app` (tests/fake_think.py: a scripted model, 3 tokens a step, `<think>`/`</think>` special
+and `anthropic` clients over real HTTP against one granian server of tests/helpers/fake_app.py's
+`think_app` (tests/helpers/fake_think.py: a scripted model, 3 tokens a step, `<think>`/`</think>` special
 tokens): reasoning_content and reasoning, streamed before the content and equal to the document,
 markers never in content (also when written byte by byte), reasoning_tokens, enable_thinking
 false and other chat_template_kwargs reaching the template, a prompt that opened the thinking,

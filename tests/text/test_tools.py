@@ -1,5 +1,5 @@
 """tl/text/tools.py: the streaming tool-call parser over scripted texts cut at every boundary (as
-tests/test_textstream.py tests stop strings), the grammars each tool_choice compiles to (checked
+tests/serve/test_textstream.py tests stop strings), the grammars each tool_choice compiles to (checked
 by feeding texts through llguidance's matcher over the byte tokenizer), format detection, and
 tl's tool template rendered byte for byte as transformers renders it."""
 
@@ -182,7 +182,7 @@ def test_each_tool_choice_compiles_to_the_language_it_promises(
 
 
 def hf_byte_tokenizer(tmp_path: Path) -> Any:
-    """transformers' tokenizer over tests/models.py's byte tokenizer (the reference renderer)."""
+    """transformers' tokenizer over tests/helpers/models.py's byte tokenizer (the reference renderer)."""
     from transformers import PreTrainedTokenizerFast
 
     from tests.helpers.models import byte_tokenizer_json

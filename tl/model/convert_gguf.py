@@ -14,7 +14,7 @@ serve refused naming the tensor, its type and the types served) and `gguf_model_
 reader of a model directory serves it).
 Must not import jax and must not know the runner's parameter layout (HF names only).
 Errors (not a GGUF, unsupported architecture, tokenizer or tensor type, a missing tensor) are
-GGUFError naming the file. Tested by tests/test_convert_gguf.py and tests/test_gguf_families.py
+GGUFError naming the file. Tested by tests/model/test_convert_gguf.py and tests/model/test_gguf_families.py
 (small GGUFs written with gguf.GGUFWriter, plus the real SmolLM2 and Gemma 3 files, slow).
 """
 

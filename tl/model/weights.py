@@ -9,8 +9,8 @@ axis it is split over ("model") or None: declared where the parameter is built
 (tl/model/llama.py `load_weights`), and `partition_specs` reads them, so no other module
 parses parameter names or paths.
 Must not: place arrays on devices (tl/runtime/placement.py does), know about the model's layers.
-Tested by tests/test_llama_reference.py, tests/test_int8.py, tests/test_blocks.py and
-tests/test_backend.py.
+Tested by tests/model/test_llama_reference.py, tests/model/test_int8.py, tests/model/test_blocks.py and
+tests/runtime/test_backend.py.
 """
 
 from __future__ import annotations

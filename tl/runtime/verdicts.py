@@ -7,7 +7,7 @@ measurements make; the cache of those verdicts beside the built library (one JSO
 library build, CPU model and model shape, so a later start measures nothing); and `Verdicts`,
 the record the step's dispatch (tl/runtime/execution.py) reads.
 Must not: build the library, trace the runner's step, keep request state. Tested by
-tests/test_verdicts.py.
+tests/runtime/test_verdicts.py.
 
 One choice per kernel, not per step shape: a kernel runs natively at every step shape or at none
 (`Verdicts.native`: the geometric mean of its classes' speedups above 1, each class counted

@@ -12,8 +12,8 @@ tl/model/encodings/blocks.py (llama.cpp's block formats as a GGUF stores them: Q
 tl/model/encodings/bf16x3.py (float32 with its AMX packing, matmul_precision "high");
 tl/model/weights.py registers them (`ENCODINGS`), so a new encoding is one module here and one
 line there. Must not: place arrays on devices, know about the model's layers. Tested by
-tests/test_llama_reference.py, tests/test_int8.py, tests/test_blocks.py, tests/test_matmul_high.py
-and tests/test_cpu_native.py."""
+tests/model/test_llama_reference.py, tests/model/test_int8.py, tests/model/test_blocks.py,
+tests/kernels/test_matmul_high.py and tests/kernels/test_cpu_native.py."""
 
 from __future__ import annotations
 
