@@ -5,6 +5,7 @@ family_gguf (a tiny model of each family as llama.cpp would convert it) and writ
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,7 @@ import gguf
 import numpy as np
 from gguf.quants import quantize
 
-from tests.helpers.models import SPECIAL_TOKENS, tiny_config
+from tests.helpers.models import SPECIAL_TOKENS, TINY, tiny_config
 from tl.model.config import ModelConfig
 from tl.model.convert_gguf import permute_qk
 from tl.text.tokenizer import byte_level_alphabet
@@ -295,20 +296,14 @@ def _write(path: Path, arch: str, tensors: dict[str, tuple[np.ndarray, Q]], meta
 
 def _k_config() -> ModelConfig:
     """Widths that are multiples of 256, for the K-quants' super-blocks."""
-    return ModelConfig(
-        architecture="LlamaForCausalLM",
+    return dataclasses.replace(
+        TINY,
         vocab_size=259,
         hidden_size=256,
         intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         head_dim=64,
-        rope_theta=10000.0,
-        rms_norm_eps=1e-5,
         max_position_embeddings=256,
         tie_word_embeddings=False,
-        attention_bias=False,
         bos_token_id=257,
         eos_token_ids=(258,),
     )

@@ -22,6 +22,7 @@ concatenated, nothing else.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -153,22 +154,63 @@ def _write_dir(
     return path
 
 
+TINY = ModelConfig(
+    architecture="LlamaForCausalLM",
+    vocab_size=160,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-5,
+    max_position_embeddings=128,
+    tie_word_embeddings=True,
+    attention_bias=False,
+)
+"""The one tiny model of the tests (two layers, hidden 64, 4 query and 2 KV heads of 16): every
+tiny config below and in the tests is this one with a few fields replaced."""
+
+SMOLLM2 = ModelConfig(
+    architecture="LlamaForCausalLM",
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    head_dim=64,
+    rope_theta=100000.0,
+    rms_norm_eps=1e-5,
+    max_position_embeddings=8192,
+    tie_word_embeddings=True,
+    attention_bias=False,
+    bos_token_id=1,
+    eos_token_ids=(2,),
+)
+"""SmolLM2-135M's shape (its config.json), for tests that need the real model's numbers without
+the model."""
+
+
+def tiny_cfg(vocab: int = 160, bias: bool = False, tied: bool = True) -> ModelConfig:
+    """TINY with another vocabulary, tied or not, Qwen2's q/k/v biases or not."""
+    return dataclasses.replace(
+        TINY,
+        architecture="Qwen2ForCausalLM" if bias else "LlamaForCausalLM",
+        vocab_size=vocab,
+        tie_word_embeddings=tied,
+        attention_bias=bias,
+    )
+
+
 def tiny_config(vocab_size: int = BYTE_VOCAB_SIZE, tie: bool = True, qwen2: bool = False) -> ModelConfig:
-    """The ModelConfig make_tiny_llama writes."""
-    return ModelConfig(
-        architecture="Qwen2ForCausalLM" if qwen2 else "LlamaForCausalLM",
-        vocab_size=vocab_size,
-        hidden_size=64,
+    """The ModelConfig make_tiny_llama writes: TINY over the byte vocabulary, with its special ids."""
+    return dataclasses.replace(
+        tiny_cfg(vocab_size, bias=qwen2, tied=tie),
         intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        rope_theta=10000.0,
         rms_norm_eps=1e-6,
         max_position_embeddings=512,
-        tie_word_embeddings=tie,
-        attention_bias=qwen2,
         bos_token_id=IM_START_ID,
         eos_token_ids=(IM_END_ID,),
     )

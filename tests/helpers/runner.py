@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tests.helpers.models import tiny_cfg
 from tl.core.config import EngineConfig
 from tl.core.plan import SchedulerOutput, SeqWork
 from tl.core.request import SamplingParams
@@ -34,24 +35,6 @@ ENGINE = EngineConfig(
     max_logprobs=5,
     compile_cache_dir="",
 )
-
-
-def tiny_cfg(vocab: int = 160, bias: bool = False, tied: bool = True) -> ModelConfig:
-    return ModelConfig(
-        architecture="Qwen2ForCausalLM" if bias else "LlamaForCausalLM",
-        vocab_size=vocab,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        rope_theta=10000.0,
-        rms_norm_eps=1e-5,
-        max_position_embeddings=128,
-        tie_word_embeddings=tied,
-        attention_bias=bias,
-    )
 
 
 def make_runner(engine: EngineConfig = ENGINE, seed: int = 0, **cfg_kw: object) -> tuple[ModelRunner, dict]:

@@ -40,10 +40,12 @@ def test_every_target_compiles_without_warnings(target: cpu_build.Target, tmp_pa
     if lib is not None and lib.with_suffix(".log").exists():  # built for tests/kernels/test_cpu_native.py: read its log
         log = lib.with_suffix(".log").read_text()
         assert "warning:" not in log and "error" not in log, log
+        commands = [line for line in log.splitlines() if line.startswith("$ ")]
+        compiled = sorted(Path(line.split(" -c ", 1)[1].split()[0]).stem for line in commands if " -c " in line)
+        assert compiled == sorted(s.stem for s in cpu_build.sources()), log  # a command line a source, none missing
         assert all(
             f"-march={target.march}" in line and "-Wall -Wextra" in line and all(f in line for f in target.extra)
-            for line in log.splitlines()
-            if line.startswith("$ ")
+            for line in commands
         )
         objects = [lib]
     else:

@@ -15,6 +15,7 @@ weights: tests/runtime/tp_cases.py.
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from pathlib import Path
 
@@ -38,10 +39,10 @@ from tests.helpers.gguf_writer import (
     quantize_q6_k,
     write_model_gguf,
 )
-from tests.helpers.models import tiny_config, tiny_tensors
-from tests.helpers.runner import ENGINE, _runner_greedy, dense_greedy, tiny_cfg
+from tests.helpers.models import TINY, tiny_cfg, tiny_config, tiny_tensors
+from tests.helpers.runner import ENGINE, _runner_greedy, dense_greedy
 from tl.model import llama
-from tl.model.config import ModelConfig, ModelDirError
+from tl.model.config import ModelDirError
 from tl.model.convert_gguf import GGUFError, convert_gguf, gguf_model_dir, model_dir_of, packed_tensors
 from tl.model.encodings.blocks import BLOCK_ENCODINGS, Blocks
 from tl.model.encodings.ggml_formats import QUANTIZABLE
@@ -203,8 +204,8 @@ def test_specs_split_the_byte_axis_only_at_block_boundaries() -> None:
 
 
 def test_width_not_a_multiple_of_the_block_is_refused_naming_the_tensor() -> None:
-    cfg = ModelConfig(
-        architecture="LlamaForCausalLM",
+    cfg = dataclasses.replace(
+        TINY,
         vocab_size=64,
         hidden_size=48,
         intermediate_size=64,
@@ -212,12 +213,9 @@ def test_width_not_a_multiple_of_the_block_is_refused_naming_the_tensor() -> Non
         num_attention_heads=2,
         num_key_value_heads=1,
         head_dim=24,
-        rope_theta=10000.0,
-        rms_norm_eps=1e-5,
         max_position_embeddings=64,
-        tie_word_embeddings=True,
-        attention_bias=False,
     )
+
     host = llama.init_params(cfg, jax.random.key(0))
     with pytest.raises(
         ModelDirError, match=r"tensor 'model.layers.0.self_attn.o_proj.weight'.*Q4_1 stores blocks of 32"

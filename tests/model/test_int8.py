@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.helpers.runner import ENGINE, GREEDY, dense_greedy, tiny_cfg
+from tests.helpers.models import tiny_cfg
+from tests.helpers.runner import ENGINE, GREEDY, dense_greedy
 from tl.core.plan import SchedulerOutput, SeqWork
 from tl.model import llama
 from tl.model.encodings.int8 import quantize_int8

@@ -6,32 +6,21 @@ Tolerance: max |Δlogit| <= 1e-4 in float32.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tests.helpers import models
 from tests.helpers.numpy_llama import np_forward
 from tl.model import llama, weights
 from tl.model.config import ModelConfig, ModelDirError
 
 
 def tiny_cfg(*, tied: bool = True, bias: bool = False, vocab: int = 160) -> ModelConfig:
-    return ModelConfig(
-        architecture="Qwen2ForCausalLM" if bias else "LlamaForCausalLM",
-        vocab_size=vocab,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        rope_theta=10000.0,
-        rms_norm_eps=1e-5,
-        max_position_embeddings=256,
-        tie_word_embeddings=tied,
-        attention_bias=bias,
-    )
+    return dataclasses.replace(models.tiny_cfg(vocab, bias, tied), max_position_embeddings=256)
 
 
 def random_hf(cfg: ModelConfig, seed: int) -> dict[str, np.ndarray]:

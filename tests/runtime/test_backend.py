@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from tests.helpers.models import tiny_config
+from tests.helpers.models import SMOLLM2, tiny_config
 from tl.core.config import ConfigError
 from tl.model.config import ModelConfig
 from tl.runtime import backend
@@ -72,23 +72,7 @@ def test_fused_and_int8_specs_follow_their_axes() -> None:
 
 
 def test_smollm2_shapes() -> None:
-    smol = ModelConfig(
-        architecture="LlamaForCausalLM",
-        vocab_size=49152,
-        hidden_size=576,
-        intermediate_size=1536,
-        num_hidden_layers=30,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        head_dim=64,
-        rope_theta=100000.0,
-        rms_norm_eps=1e-5,
-        max_position_embeddings=8192,
-        tie_word_embeddings=True,
-        attention_bias=False,
-        bos_token_id=1,
-        eos_token_ids=(2,),
-    )
+    smol = SMOLLM2
     assert backend.tp_layout(smol, 3) == backend.TPLayout(3, kv_sharded=True, vocab_sharded=True)
     for n in (2, 4):
         with pytest.raises(ConfigError, match="9 attention heads"):

@@ -11,7 +11,8 @@ import jax
 import numpy as np
 import pytest
 
-from tests.helpers.runner import ENGINE, Driver, Seq, make_runner, tiny_cfg
+from tests.helpers.models import tiny_cfg
+from tests.helpers.runner import ENGINE, Driver, Seq, make_runner
 from tl.core.request import SamplingParams
 from tl.model import llama
 from tl.runtime.compiler import StepCompiler, compiling_now

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.runner import ENGINE, make_runner, tiny_cfg
+from tests.helpers.models import tiny_cfg
+from tests.helpers.runner import ENGINE, make_runner
 from tl.core.config import EngineConfig
 from tl.runtime import backend
 from tl.runtime.execution import Decision, ExecutionPlan, plan_execution

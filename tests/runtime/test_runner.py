@@ -8,6 +8,7 @@ prompt chunks mixed with decodes in one step.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import jax
@@ -15,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tests.helpers.models import TINY
 from tests.helpers.runner import (
     ENGINE,
     GREEDY,
@@ -28,7 +30,6 @@ from tests.helpers.runner import (
 from tl.core.plan import SchedulerOutput, SeqWork
 from tl.core.request import SamplingParams
 from tl.model import llama
-from tl.model.config import ModelConfig
 from tl.model.embedding import dense_embedding
 from tl.runtime.runner import ModelRunner
 from tl.runtime.startup import start
@@ -237,21 +238,10 @@ def test_bf16_kv_cache_of_a_float32_model() -> None:
     """kv_cache_dtype "bfloat16": float32 weights and activations, the cache as bf16 bits. The native
     kernel (head dim 64, block 16: its vector fold) and the reference read it alike; against the
     float32 cache only bf16 rounding differs."""
-    cfg = ModelConfig(
-        architecture="LlamaForCausalLM",
-        vocab_size=160,
-        hidden_size=128,
-        intermediate_size=192,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=64,
-        rope_theta=10000.0,
-        rms_norm_eps=1e-5,
-        max_position_embeddings=128,
-        tie_word_embeddings=True,
-        attention_bias=False,
+    cfg = dataclasses.replace(
+        TINY, hidden_size=128, intermediate_size=192, num_attention_heads=2, num_key_value_heads=1, head_dim=64
     )
+
     params = jax.tree.map(np.asarray, llama.init_params(cfg, jax.random.key(3)))
     # "highest": the reference attention runs with XLA's float32 dot, so the native one must too
     engine = ENGINE.replace(block_size=16, num_kv_blocks=16, matmul_precision="highest")
