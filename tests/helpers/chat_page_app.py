@@ -1,7 +1,7 @@
 """The granian target of tests/serve/test_chat_page.py: serve.app's App over the real
 tl.core.engine.Engine and a runner that plays a script, slowly enough to be stopped.
 
-`chat_page_app:app` (tests/ on PYTHONPATH): every answer is CHAT_PAGE_SCRIPT's bytes (the
+`tests.helpers.chat_page_app:app` (the repository root on PYTHONPATH): every answer is CHAT_PAGE_SCRIPT's bytes (the
 byte tokenizer of tests/helpers/fake_engine.py), then the script again from its start, until the
 request's max_tokens (no EOS; sampling parameters are ignored), one token a step and
 CHAT_PAGE_STEP_DELAY_S per step. So an answer capped at the script's length is the script

@@ -1,7 +1,8 @@
 """The engine's differential workload and its book checks, shared by the engine tests over the
 FakeRunner (tests/core/test_engine.py) and over the real runner (tests/runtime/): BASE_CFG, the
-workload of requests arriving at different steps, check_engine (the books after each step), and
-NarrowKV (a runner seen with fewer KV blocks). Must hold no tests."""
+workload of requests arriving at different steps, check_engine (the books after each step), CFG
+(BASE_CFG with the real runner's few buckets) and NarrowKV (a runner seen with fewer KV blocks).
+Must hold no tests."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""`gap_app:app`, a granian target for tests/serve/test_stop.py: serve.app's App over the fake engine
-(tests/helpers/fake_app.py's), whose worker sends SIGTERM to its process group (as `kill -- -PGID`
+"""`tests.helpers.gap_app:app`, a granian target for tests/serve/test_stop.py: serve.app's App
+over the fake engine (tests/helpers/fake_app.py's), whose worker sends SIGTERM to its process group (as `kill -- -PGID`
 would) in the gap between granian's lifespan start-up and its HTTP server: after the start-up
 has run on granian's loop and before granian builds its worker server (granian/server/mp.py
 builds it by the module name ASGIWorker, which the start-up wraps). It then waits there half

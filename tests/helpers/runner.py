@@ -1,6 +1,7 @@
 """A tiny random-weight ModelRunner and a host-side driver that plays the scheduler, for the runtime
 tests: the engine config of few buckets (ENGINE), make_runner, the dense no-cache greedy reference, and
-Seq/Driver/generate (non-contiguous blocks from a shuffled free list, prompt chunks mixed with decodes).
+Seq/Driver/generate (non-contiguous blocks from a shuffled free list, prompt chunks mixed with decodes),
+runner_greedy (one prompt through a runner, greedy). The tiny config is tests/helpers/models.py's.
 Used by tests/runtime/, tests/model/ and tests/kernels/ tests; must hold no tests."""
 
 from __future__ import annotations
@@ -135,7 +136,7 @@ def generate(runner: ModelRunner, prompts: list[list[int]], max_tokens: int, chu
     return seqs
 
 
-def _runner_greedy(runner: ModelRunner, prompt: list[int], n: int) -> list[int]:
+def runner_greedy(runner: ModelRunner, prompt: list[int], n: int) -> list[int]:
     ids, out, start = list(prompt), [], 0
     for _ in range(n):
         w = SeqWork(

@@ -40,7 +40,7 @@ from tests.helpers.gguf_writer import (
     write_model_gguf,
 )
 from tests.helpers.models import TINY, tiny_cfg, tiny_config, tiny_tensors
-from tests.helpers.runner import ENGINE, _runner_greedy, dense_greedy
+from tests.helpers.runner import ENGINE, dense_greedy, runner_greedy
 from tl.model import llama
 from tl.model.config import ModelDirError
 from tl.model.convert_gguf import GGUFError, convert_gguf, gguf_model_dir, model_dir_of, packed_tensors
@@ -149,7 +149,7 @@ def test_gguf_served_as_it_is(tmp_path: Path, case: str) -> None:
         runner = ModelRunner.from_model_dir(engine)
         assert isinstance(runner.params.layers[1].wv if case == "mixed" else runner.params.layers[1].wqkv, Blocks)
         assert (
-            _runner_greedy(runner, [3, 14, 15, 92, 65, 35, 89], 5)
+            runner_greedy(runner, [3, 14, 15, 92, 65, 35, 89], 5)
             == dense_greedy(f32, cfg, [3, 14, 15, 92, 65, 35, 89], 5)[0]
         )
 

@@ -27,7 +27,7 @@ from gguf.quants import quantize
 from kernels import cpu_build, cpu_native
 from tests.helpers.gguf_writer import write_model_gguf
 from tests.helpers.models import tiny_config, tiny_tensors
-from tests.helpers.runner import ENGINE, _runner_greedy
+from tests.helpers.runner import ENGINE, runner_greedy
 from tl.model.encodings.blocks import BLOCK_ENCODINGS, Blocks
 from tl.model.encodings.panels import PANEL_FORMATS, Panels, pack, stored
 from tl.model.moe import Experts
@@ -121,7 +121,7 @@ def test_the_runner_over_panels_answers_as_over_the_stored_rows(tmp_path: Path, 
         assert runner.plan.weight_layout.value == layout
         kind = Panels if layout == "panels" else Blocks
         assert isinstance(runner.params.layers[0].wqkv, kind) and isinstance(runner.params.embed, kind)
-        answers.append(_runner_greedy(runner, [3, 14, 15, 92, 65, 35, 89, 79, 32, 38], 8))
+        answers.append(runner_greedy(runner, [3, 14, 15, 92, 65, 35, 89, 79, 32, 38], 8))
     assert answers[0] == answers[1]
 
 
