@@ -40,7 +40,7 @@ $(CROSS):
 
 cross: | $(CROSS)
 
-# The chat page's test (tests/test_chat_page.py) drives a headless Chromium through Playwright:
+# The chat page's test (tests/serve/test_chat_page.py) drives a headless Chromium through Playwright:
 # Debian's package, installed here where apt-get can (as root); elsewhere that test says how and skips.
 CHROMIUM := /usr/bin/chromium
 

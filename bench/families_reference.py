@@ -3,9 +3,9 @@
 Owns: running Hugging Face transformers (with torch; neither is a dependency of tl, so this
 script needs them installed beside it, e.g. `pip install --target DIR torch==2.13.0+cpu
 sympy networkx filelock fsspec mpmath` and `PYTHONPATH=DIR`) on the tiny random-weight model
-of each family that tests/models.py builds (`make_family`), teacher-forced over
+of each family that tests/helpers/models.py builds (`make_family`), teacher-forced over
 `family_token_ids()`, and writing their float32 logits to tests/golden/families/<family>.npz
-with the versions that computed them. tests/test_families.py loads the same directories into
+with the versions that computed them. tests/model/test_families.py loads the same directories into
 tl and compares, so CI checks every family without torch. transformers shares no code with tl:
 its own config classes, rotary embeddings, norms, attention masks (sliding windows included)
 and MoE blocks.

@@ -1,7 +1,7 @@
 """Greedy equality of the accelerator path with the CPU path, on models built here.
 
 No model hub and no room to carry SmolLM2's weights to a lent GPU machine, so the check builds its
-models (tests/models.py): the successor-byte model (hand-checkable, logit margin 16: greedy must
+models (tests/helpers/models.py): the successor-byte model (hand-checkable, logit margin 16: greedy must
 be identical in fp32 and bf16), a random 2-layer Llama, and a random-weight model of SmolLM2-135M's
 exact shape (the one `bench runner` times; `--make-smol DIR` writes it and exits). Each model runs
 a few prompts through the Engine with backend="cpu" and backend=<accel> (attention "auto": the

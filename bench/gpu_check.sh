@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One prepared check for a machine with a GPU (203 s on an H200, jax 0.11.2), with models built
 # on the spot (no hub, and SmolLM2's weights are too big to carry: bench/gpu_check.py):
-#   1. the Pallas kernel tests natively (tests/test_pallas_attention.py: on a GPU the GPU kernel
+#   1. the Pallas kernel tests natively (tests/kernels/test_pallas_attention.py: on a GPU the GPU kernel
 #      runs compiled, not interpreted; the TPU kernel checks stay interpret/adaptation-only);
 #   2. greedy equality with the CPU path (successor model: must match; random models: reported);
 #   3. the offline runner benchmark on a random-weight model of SmolLM2-135M's shape, bf16 and
@@ -18,7 +18,7 @@ $PY -c "import jax; d = jax.devices('gpu'); print('jax', jax.__version__, 'devic
   2>&1 | tee "$OUT/devices.txt" || exit 1
 
 echo "== 1. kernel tests (native on GPU)"
-timeout 120 $PY -m pytest -q -p no:cacheprovider tests/test_pallas_attention.py 2>&1 | tee "$OUT/kernels.txt" || status=1
+timeout 120 $PY -m pytest -q -p no:cacheprovider tests/kernels/test_pallas_attention.py 2>&1 | tee "$OUT/kernels.txt" || status=1
 
 echo "== 2. greedy equality with the CPU path"
 SMOL=/tmp/tl-smol-shaped

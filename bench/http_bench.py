@@ -6,7 +6,7 @@ then reports: JSON lines (config, roofline, every request, every summary, ratios
 Markdown table (printed and in report.md), PNG plots, and the roofline line measured in
 this run. Every run is bounded (requests and seconds per run) and prints its config and
 seed first. Owns orchestration and presentation; the client is bench/load.py.
-Tested by tests/test_bench_harness.py against a fake streaming server.
+Tested by tests/bench/test_bench_harness.py against a fake streaming server.
 
 Example: `python -m bench http --url http://127.0.0.1:8000 --tests prefill,decode --out bench/out/x`
 """

@@ -4,7 +4,7 @@ Owns: the SSE parser (`data:` lines, events split by blank lines, `[DONE]`), one
 request over `/v1/completions` or `/v1/chat/completions` with asyncio + aiohttp, the
 per-request timings (TTFT, inter-token gaps), percentile math, and a run summary. Knows
 nothing about which test is running (bench/load_tests.py) or how it is reported
-(bench/http_bench.py). Imports no tl and no jax. Tested by tests/test_bench_harness.py
+(bench/http_bench.py). Imports no tl and no jax. Tested by tests/bench/test_bench_harness.py
 against a fake streaming server.
 
 Why aiohttp: the load generator shares the machine with the server it measures, so its own CPU

@@ -5,7 +5,7 @@ peer's model dir works) and building text whose re-encoded length is exactly N t
 of seeded random common words and starting with a caller-given head (a unique nonce, or
 nothing for shared prefixes). Counts are without special tokens: a server that adds BOS, or
 a chat template, adds its own tokens; the usage chunk reports what the server counted.
-Tested by tests/test_bench_harness.py (byte tokenizer and an in-test trained BPE).
+Tested by tests/bench/test_bench_harness.py (byte tokenizer and an in-test trained BPE).
 """
 
 from __future__ import annotations

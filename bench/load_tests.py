@@ -5,7 +5,7 @@ closed-loop driver (C workers pulling from a job list) and an open-loop Poisson 
 (seeded exponential gaps), both stopped at a request count and a deadline; and running a
 case against one or two endpoints interleaved (A, B, A, B) so a noisy machine hurts both
 sides alike. Formatting lives in bench/http_bench.py. Imports no tl and no jax.
-Tested by tests/test_bench_harness.py against a fake streaming server.
+Tested by tests/bench/test_bench_harness.py against a fake streaming server.
 """
 
 from __future__ import annotations

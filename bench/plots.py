@@ -2,7 +2,7 @@
 
 Owns drawing only, from plain numbers (no tl, no HTTP); matplotlib with the Agg backend so it
 runs headless. Install with the `bench` extra (`pip install -e .[bench]`). Tested by
-tests/test_bench_harness.py (files are written and are PNGs).
+tests/bench/test_bench_harness.py (files are written and are PNGs).
 """
 
 from __future__ import annotations

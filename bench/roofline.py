@@ -23,7 +23,7 @@ Imports numpy and the stdlib only (reads config.json itself, so a peer's model d
 without tl); `measure_device_machine`, for runs on a GPU or TPU, imports jax when called: there the
 ceilings are the accelerator's (a matmul in the step's dtype, and a sum streaming a large float32
 array from device memory), not the host's. Used by bench/http_bench.py, bench/runner_bench.py, bench/engine_bench.py.
-Tested by tests/test_bench_harness.py.
+Tested by tests/bench/test_bench_harness.py.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ Needs the tracing extra (pip install -e '.[tracing]') and runs no model. Measure
    and, off the loop on the exporter's thread, the OTLP protobuf encoding of those four spans.
 3. End to end: the mean wall time of sequential non-streamed chat requests (8 prompt tokens, 8
    output tokens) through the App in memory (the real Engine over the tests' succ runner,
-   tests/fake_engine.py), tracing off vs on (the dropping exporter), alternating rounds, best round.
+   tests/helpers/fake_engine.py), tracing off vs on (the dropping exporter), alternating rounds, best round.
 
 Prints its config and the numbers; README "Traces" quotes a run.
 """

@@ -8,7 +8,7 @@ build's report: one readable line (the first compiler error, the command, where 
 is), remembered beside the cache so that the library is not rebuilt on every call.
 Must not: load the library or know its kernels (kernels/cpu_native.py does), or read the
 environment (the cache and the compiler are arguments, from `[engine] native_cache_dir` and
-`native_cxx`). Tested by tests/test_cpu_build.py.
+`native_cxx`). Tested by tests/kernels/test_cpu_build.py.
 
 The cache (`[engine] native_cache_dir`, passed down as `cache_dir`; empty: ~/.cache/tl/native)
 holds `<target>-<key>.so`, the key a hash of every source and header, the flags, jaxlib's
@@ -273,7 +273,7 @@ def build(target: Target, *, cache_dir: str = "", cxx: str = "") -> Path:
             failed.write_text(msg + "\n")
             _failures[str(out)] = msg
             raise NativeUnavailable(msg) from None
-        out.with_suffix(".log").write_text(compile_log)  # what tests/test_cpu_build.py reads for warnings
+        out.with_suffix(".log").write_text(compile_log)  # what tests/kernels/test_cpu_build.py reads for warnings
         os.replace(lib, out)
     return out
 

@@ -16,7 +16,7 @@ and `argmax_lse` (the sampler's
 greedy token and logsumexp of each logits row in one pass).
 Must not: write the cache, know about requests or the model's weight types (kernels/ imports
 nothing from tl), decide when a kernel is worth calling (tl/runtime/verdicts.py measures that).
-Tested by tests/test_cpu_native.py against the jnp reference, float64 products, XLA's int8 dot
+Tested by tests/kernels/test_cpu_native.py against the jnp reference, float64 products, XLA's int8 dot
 and jnp's argmax/logsumexp, once per build.
 
 Why one arithmetic for every token (`paged_attention`): each token is computed as a decode of its

@@ -4,7 +4,7 @@ Owns: the one call every implementation has (`PagedAttention`: one `AttnArgs` ->
 `AttnMetadata` (the step's layout inside it) and `paged_attention`, the reference that
 accelerator kernels (Pallas, issue 6) and the native CPU one must match. Must not: write the
 cache (the model writes this step's keys before calling), know about requests or buckets.
-Tested by tests/test_paged_attention.py against a naive gather-everything-and-mask reference.
+Tested by tests/helpers/attention_cases.py against a naive gather-everything-and-mask reference.
 Not batch invariant: its sums over a step's keys follow the step's shapes and where a chunk
 begins (the native CPU kernel computes every token alone; README, "Same request, same answer").
 

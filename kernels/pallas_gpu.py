@@ -2,7 +2,7 @@
 
 Owns: adapting our ragged token axis and cache layout to the kernel jax ships in
 `jax.experimental.pallas.ops.gpu.paged_attention`. Must not: write the cache or know about
-requests. Tested in Pallas interpret mode on CPU by tests/test_pallas_attention.py against
+requests. Tested in Pallas interpret mode on CPU by tests/kernels/test_pallas_attention.py against
 kernels/paged_attention.py's reference; natively by bench/gpu_check.sh.
 
 Adaptation. The kernel is a decode kernel: one query row per batch entry, keys [0, length)

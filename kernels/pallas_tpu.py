@@ -2,7 +2,7 @@
 
 Owns: adapting our ragged token axis and cache layout to the kernel jax ships in
 `jax.experimental.pallas.ops.tpu.ragged_paged_attention`. Must not: write the cache or know
-about requests. Tested on CPU by tests/test_pallas_attention.py: the adaptation against our
+about requests. Tested on CPU by tests/kernels/test_pallas_attention.py: the adaptation against our
 reference with jax's own `ref_ragged_paged_attention` (same signature) in the kernel's place,
 and the kernel itself in TPU interpret mode (which jax 0.10.2's interpreter cannot run yet:
 see the test); natively on a TPU only.

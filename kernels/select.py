@@ -9,8 +9,8 @@ the real shapes so that a kernel that refuses them falls back to the reference w
 kernel's own message as the reason (traced with every sliding window the model's layers use:
 a kernel without windows, pallas_gpu, falls back for such a model); the layers' matmul from
 `[engine].matmul_kernel`.
-Must not: write the cache, measure anything. Tested by tests/test_pallas_attention.py,
-tests/test_cpu_native.py and tests/test_verdicts.py.
+Must not: write the cache, measure anything. Tested by tests/kernels/test_pallas_attention.py,
+tests/kernels/test_cpu_native.py and tests/runtime/test_verdicts.py.
 
 "auto": pallas_tpu on TPU, pallas_gpu on GPU, cpu_native on CPU (where the library builds; it
 or the reference then runs every step shape, whichever tl/runtime/verdicts.py measured faster on

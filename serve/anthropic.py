@@ -9,8 +9,8 @@ drain, metrics, API keys, request id); the finished Job becomes Anthropic's mess
 or, streamed, Anthropic's event sequence (message_start, content_block_start / delta / stop per
 thinking, text or tool_use block, the thinking first; message_delta with stop_reason and usage,
 message_stop; an `error` event if it fails after the first byte). Errors on these routes take Anthropic's shape
-(serve/errors.py anthropic_doc). Tested with the anthropic client by tests/test_anthropic.py
-and tests/test_reasoning.py.
+(serve/errors.py anthropic_doc). Tested with the anthropic client by tests/serve/test_anthropic.py
+and tests/text/test_reasoning.py.
 """
 
 from __future__ import annotations

@@ -16,8 +16,8 @@ second signal aborts every request at once and stops; exit 0.
 The engine and the record of the model it serves (tl/ops/served.py's ServedModel: all serve/
 knows of the model) come from the `engine_factory` App is built with: tl.ops.build's
 build_async_engine(cfg) for `app` below, a fake engine's for the tests (which hand granian
-their own target, tests/fake_app.py). Nothing here imports jax.
-Tested in memory by tests/test_serve_app.py and over HTTP by tests/test_serve_http.py.
+their own target, tests/helpers/fake_app.py). Nothing here imports jax.
+Tested in memory by tests/serve/test_serve_app.py and over HTTP by tests/serve/test_serve_http.py.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Owns the HTTP plumbing the routes share, nothing about the API. granian reports a client
 that left only through receive() returning http.disconnect (send() never raises), so
 DisconnectWatcher keeps a task awaiting receive() once the body is read.
-Tested through tests/test_serve_app.py.
+Tested through tests/serve/test_serve_app.py.
 """
 
 from __future__ import annotations

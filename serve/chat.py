@@ -7,7 +7,7 @@ opening and arguments fragment; the finish reason on the last; logprobs on the f
 delivery), the usage chunk (`stream_options.include_usage`; a reasoning model's reasoning-token
 count in it), the error event after the stream started, and `[DONE]`. Every document is a
 msgspec Struct of serve/wire.py.
-Tested through tests/test_serve_app.py, tests/test_serve_tools.py and tests/test_serve_http.py.
+Tested through tests/serve/test_serve_app.py, tests/serve/test_serve_tools.py and tests/serve/test_serve_http.py.
 """
 
 from __future__ import annotations

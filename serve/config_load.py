@@ -4,7 +4,7 @@ Owns: reading the config file named by TL_CONFIG, the `[engine]` table, and pars
 override strings by each field's declared type (a list: a JSON array, as pydantic-settings
 and k8s manifests write it, or comma-separated text). Refuses unknown tables, unknown keys
 and ill-typed values with a ConfigError naming them; range checks stay in EngineConfig.
-Tested by tests/test_serve_config.py.
+Tested by tests/serve/test_serve_config.py.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Owns the mapping from failures (msgspec validation; the engine's typed refusals,
 RequestError family, all in `from_request_error`) to status, type, param and code, and the
 JSON body `{"error": {"message", "type", "param", "code"}}`. The engine decides whether a
 request fits (its context, its queue); this module only says so in OpenAI's words.
-Must not touch the engine. Tested through tests/test_serve_app.py.
+Must not touch the engine. Tested through tests/serve/test_serve_app.py.
 """
 
 from __future__ import annotations

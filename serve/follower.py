@@ -7,7 +7,7 @@ exit status: 0 when the leader stops the group (the end of its drain), 3 when th
 SIGTERM alone does not stop a follower: the leader is draining on the same signal and still
 needs it for the requests in flight; the leader's stop (or its loss) ends it.
 Must not touch the engine's internals: tl.ops.build's run_follower does the work.
-Tested by tests/test_multihost.py.
+Tested by tests/ops/test_multihost.py.
 """
 
 from __future__ import annotations

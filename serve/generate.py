@@ -11,7 +11,7 @@ reuse: serve/otel.py), and each choice's failure;
 completions, serve/anthropic.py, serve/responses.py), and `pump`, the streamed loop every
 Presenter runs (the 15 s ping, the client leaving). Documents and chunks are the Presenters'.
 Must not reach into the engine beyond the AsyncEngine API.
-Tested through tests/test_serve_app.py and tests/test_serve_http.py.
+Tested through tests/serve/test_serve_app.py and tests/serve/test_serve_http.py.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Owns the asyncio.start_server listener that lifespan starts first (so /healthz answers while
 the model loads) and that keeps answering through a drain. One request per connection
 (Connection: close). Must not touch the engine: it reads the server's flags and Metrics.
-Tested by tests/test_serve_http.py.
+Tested by tests/serve/test_serve_http.py.
 """
 
 from __future__ import annotations

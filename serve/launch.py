@@ -10,8 +10,8 @@ runs granian's main process in this one (`GranianMain`: granian's own, except th
 stop signal is passed on to the worker, which granian's main alone would not do: the worker
 then stops at once). The drain runs in the worker (serve/app.py, serve/signals.py). granian
 imports the app by its target, `serve.app:app` (an App over tl.ops.build's engine); tests name
-another target, an App built with their fake engine. Tested by tests/test_serve_config.py,
-tests/test_serve_http.py and tests/test_stop.py.
+another target, an App built with their fake engine. Tested by tests/serve/test_serve_config.py,
+tests/serve/test_serve_http.py and tests/serve/test_stop.py.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ Owns one daemon thread and nothing else; off (no thread, no tracing) unless TL_M
 set, so serving pays nothing. It tells Python objects piling up (the types and sites say
 which) from native growth (RSS up, Python blocks flat) and from fragmentation (glibc's free
 bytes up, in use flat). Object walks run in `quiet` windows (see there). Started by
-serve/app.py at start-up. Tested by tests/test_memory.py.
+serve/app.py at start-up. Tested by tests/serve/test_memory.py.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ token, time per output token, end-to-end, queue time = submit until the engine t
 admitted the request), request counters by endpoint and status, and structured output's
 constrained requests (by kind and compile outcome: the cache hits), compile time and
 per-token mask time.
-Tested by the /metrics checks in tests/test_serve_app.py.
+Tested by the /metrics checks in tests/serve/test_serve_app.py.
 """
 
 from __future__ import annotations

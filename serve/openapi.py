@@ -5,7 +5,7 @@ Owns: `document()`, served at GET /openapi.json: every route of serve/routes.py'
 the very Structs the server decodes and encodes (never written by hand), `text/event-stream`
 where a request may stream, the error statuses the server answers in OpenAI's shape
 (serve/errors.py's ErrorDoc), and the links from a created response to the operations its id
-feeds (GET, DELETE, previous_response_id). Tested by tests/test_openapi.py (openapi-spec-validator,
+feeds (GET, DELETE, previous_response_id). Tested by tests/serve/test_openapi.py (openapi-spec-validator,
 the route set, the links, and schemathesis against the real server on a tiny model).
 """
 

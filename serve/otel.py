@@ -26,7 +26,7 @@ one place: the arrival (serve/app.py), the submit (RequestHandle.submitted_at), 
 scheduling (the scheduler's TokenOut.scheduled_s), the first token (serve/generate.py's
 Choice.first_token_at, the TTFT histogram's) and the finish (Choice.finished_at, the e2e
 histogram's). All are time.monotonic() seconds, turned into epoch nanoseconds here. The engine
-thread never sees a span. Tested by tests/test_tracing.py.
+thread never sees a span. Tested by tests/serve/test_tracing.py.
 """
 
 from __future__ import annotations

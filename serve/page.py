@@ -8,7 +8,7 @@ Content-Security-Policy under which the page loads and calls nothing but its own
 Must not touch the engine: the page talks to the public API (/v1/models,
 /v1/chat/completions) from the browser, sending the API key the user gives it, so these paths
 need no key. Not in the OpenAPI document: the page is no API.
-Tested in Chromium by tests/test_chat_page.py.
+Tested in Chromium by tests/serve/test_chat_page.py.
 """
 
 from __future__ import annotations

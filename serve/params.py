@@ -6,7 +6,7 @@ the served model id (404), the chat template render, a chat request's default ma
 (the rest of the context), the wire field a context-length refusal names (the engine
 decides whether a request fits, at submit) and the SamplingParams build (its RequestError
 becomes a 400 naming the field).
-Must not touch the engine thread. Tested through tests/test_serve_app.py.
+Must not touch the engine thread. Tested through tests/serve/test_serve_app.py.
 """
 
 from __future__ import annotations

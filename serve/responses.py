@@ -14,8 +14,8 @@ or `incomplete` with `incomplete_details.reason` on a length cut; usage, its rea
 counted), or, streamed, the typed event sequence with a `sequence_number` on every event.
 ResponseStore keeps stored responses (`store`, default true) per replica, bounded by count
 (LRU) and age, so `previous_response_id` continues a conversation and GET / DELETE work; an id
-past the bound is a 404. Tested with the openai client by tests/test_responses.py and
-tests/test_reasoning.py.
+past the bound is a 404. Tested with the openai client by tests/serve/test_responses.py and
+tests/text/test_reasoning.py.
 """
 
 from __future__ import annotations

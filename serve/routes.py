@@ -4,7 +4,7 @@ Owns decoding each body into its wire Struct (msgspec errors -> 400 with param),
 documents of the non-generation routes. Generation itself lives in serve/generate.py, its
 shapes in each dialect's Presenter (serve/chat.py, serve/anthropic.py, serve/responses.py).
 Handlers get a Ctx (engine, metrics, request, sender, watcher) and either send a response
-or raise ApiError before sending anything. Tested through tests/test_serve_app.py.
+or raise ApiError before sending anything. Tested through tests/serve/test_serve_app.py.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ between two of them (its handler only notes the signal, and the note is read whe
 signal wakes the loop: a SIGTERM just after /readyz turned 200 left the worker serving
 forever). A process handler runs in the main thread at its next Python instruction, loop
 running or not, and hands the signal to the loop with `call_soon_threadsafe`, which keeps
-it until the loop runs again. Tested by tests/test_stop.py, a signal in that gap included.
+it until the loop runs again. Tested by tests/serve/test_stop.py, a signal in that gap included.
 
 The rules (README, "Stopping"):
 - the first SIGTERM or SIGINT asks for a stop (`on_stop`): the App drains, or gives up a
@@ -32,7 +32,7 @@ The rules (README, "Stopping"):
   its worker and exits 1);
 - a signal after the hand-over (the lifespan shutdown is slow) ends the process at once,
   status 0.
-Must not import jax or the engine. Tested by tests/test_stop.py over real granian.
+Must not import jax or the engine. Tested by tests/serve/test_stop.py over real granian.
 """
 
 from __future__ import annotations

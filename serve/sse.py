@@ -1,7 +1,7 @@
 """Server-sent events framing: `data: <json>\n\n` per event, `data: [DONE]`, and `: ping` comments.
 
 Owns only bytes; every event ends with a blank line (one newline would merge events).
-Tested through the streams of tests/test_serve_app.py.
+Tested through the streams of tests/serve/test_serve_app.py.
 """
 
 from __future__ import annotations

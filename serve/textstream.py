@@ -5,7 +5,7 @@ next bytes (an invalid sequence becomes U+FFFD), and a suffix that is a proper p
 of a stop string waits until it either completes the stop string (then the stream
 stops, the stop string itself never sent) or stops being a prefix. The concatenation
 of everything push/finish return is the non-streamed text, so both paths share this.
-Pure Python; tested byte by byte by tests/test_textstream.py.
+Pure Python; tested byte by byte by tests/serve/test_textstream.py.
 """
 
 from __future__ import annotations

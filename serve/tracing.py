@@ -10,7 +10,7 @@ attributes, batch sizes, propagators) is read by the SDK itself, as its document
 This module imports no opentelemetry package: serve/otel.py does, and `start` imports that only
 when the switch is on. With tracing off the App holds None and each request pays one `is None`
 check. With it on but the packages missing, `start` raises TracingUnavailable naming the extra
-to install, and the App's start-up fails with it. Tested by tests/test_tracing.py.
+to install, and the App's start-up fails with it. Tested by tests/serve/test_tracing.py.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Owns: `smol_dir` (the real SmolLM2-135M, pulled once per machine into
 artifacts/models/smol-135m through tl.ops.pull), `tiny_dir` (a random 2-layer Llama with
 the byte tokenizer) and `succ_dir` (the successor-byte model), both built once per
-session under pytest's tmp dir by tests/models.py. Must not import jax.
+session under pytest's tmp dir by tests/helpers/models.py. Must not import jax.
 """
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from models import make_succ, make_tiny_llama
+
+from tests.helpers.models import make_succ, make_tiny_llama
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 

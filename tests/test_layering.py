@@ -284,7 +284,7 @@ def test_module_docstrings_name_files_that_exist() -> None:
 
 
 def test_a_stale_docstring_path_is_caught() -> None:
-    assert stale_paths("tl/core/engine.py", "Tested by tests/test_engine.py and tests/test_gone.py.") == [
+    assert stale_paths("tl/core/engine.py", "Tested by tests/core/test_engine.py and tests/test_gone.py.") == [
         "tests/test_gone.py"
     ]
     assert stale_paths("serve/app.py", "the drain of server-stack.md; see README.md") == ["server-stack.md"]

@@ -2,7 +2,7 @@
 //
 // Owns: TlGemmBf16x3 and TlAmxAvailable. Built only for targets with AMX-BF16 (-march=
 // sapphirerapids); elsewhere the call answers Unimplemented and TlAmxAvailable 0. Must not:
-// write anything but y. Tested by tests/test_matmul_high.py (where AMX is).
+// write anything but y. Tested by tests/kernels/test_matmul_high.py (where AMX is).
 //
 // y [N, O] = x [N, K] @ w^T with each float32 operand split into two bf16, a = a_hi + a_lo (a_hi
 // = bf16(a), a_lo = bf16(a - a_hi)), and three bf16 products summed in float32 by AMX's

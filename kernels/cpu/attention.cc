@@ -9,7 +9,7 @@
 // it with every token a sequence of its own (its earlier keys in the cache), so that a token's
 // result is a function of its keys alone (issue 48).
 // Must not: write anything but its outputs. Built by kernels/cpu_build.py, called by
-// kernels/cpu_native.py, tested by tests/test_cpu_native.py against the jnp reference and a
+// kernels/cpu_native.py, tested by tests/kernels/test_cpu_native.py against the jnp reference and a
 // float64 one; whether it or the reference runs the model is measured at start-up
 // (tl/runtime/verdicts.py).
 //

@@ -7,7 +7,7 @@
 // accumulate in registers, reduced across lanes at the end) and its blocks. A weight type is a
 // loader `L`: L::T the stored element, L::vec(p) kLanes weights at p as floats, L::one(w) one.
 // Must not: know any weight type. Used by matmul.cc and half.cc, tested through both
-// (tests/test_cpu_native.py).
+// (tests/kernels/test_cpu_native.py).
 #pragma once
 
 #include <algorithm>

@@ -3,7 +3,7 @@
 // Owns: TlGemvHalf, y [N, O] = x [N, K] @ W^T for W [O, 2 K] the little-endian bytes of each
 // output's K weights as IEEE half (`kind` 0) or bfloat16 (`kind` 1), N <= kHalfMaxRows;
 // TlGemvHalfMaxRows(kind). Must not: write anything but y. Built by kernels/cpu_build.py, called by
-// kernels/cpu_native.py (`gemv_half`), tested by tests/test_cpu_native.py against float64
+// kernels/cpu_native.py (`gemv_half`), tested by tests/kernels/test_cpu_native.py against float64
 // products of the widened weights (and, for vdpbf16ps, of x rounded to bfloat16).
 //
 // Arithmetic: each weight widened to float32 exactly (a half's 11 significant bits and a

@@ -4,7 +4,7 @@
 // every float linear is stored, tl/model/llama.py) and N <= gemm_max_rows(); TlGemvInt8, the
 // same for one row of int8 weights with a scale per output (W8A8, XLA's arithmetic exactly);
 // TlGemvMaxRows. Must not: write anything but y. Built by kernels/cpu_build.py, called by
-// kernels/cpu_native.py, tested by tests/test_cpu_native.py against float64 products and
+// kernels/cpu_native.py, tested by tests/kernels/test_cpu_native.py against float64 products and
 // XLA's int8 dot; which row counts run here rather than on XLA's dot is measured at start-up
 // (kernels/verdicts.py), per CPU.
 //

@@ -4,7 +4,7 @@
 // blocks (32 weights each) of q8_0, q4_0, q4_1, q5_0 or q5_1, or super-blocks (256 weights) of
 // q4_k, q5_k or q6_k (the `kind` attribute, Kind below), N <= max_rows(kind); TlQGemmMaxRows. Must not: write anything but y. Built by
 // kernels/cpu_build.py, called by kernels/cpu_native.py (`qgemm`), tested by
-// tests/test_cpu_native_quant.py against float64 products of gguf's dequantized weights and a
+// tests/kernels/test_cpu_native_quant.py against float64 products of gguf's dequantized weights and a
 // numpy emulation of the integer arithmetic below.
 //
 // Arithmetic, as llama.cpp's CPU backend: each row of x is quantized once a call, per block of
@@ -1028,7 +1028,7 @@ TL_STRICT_MATH inline void dot_rows_k(const uint8_t* w, const XQ& x, int64_t n0,
 //
 // One arithmetic for every row count, so that a row's result is the same bit for bit whatever
 // else its step holds (a request alone or among other decodes, a prompt after a prefix-cache
-// hit; tests/test_cpu_native_quant.py): each block's exact int32 sum is converted once and added
+// hit; tests/kernels/test_cpu_native_quant.py): each block's exact int32 sum is converted once and added
 // as acc = fma(sum, d_w * d_x, acc), then acc = fma(m_w, s_x, acc), block by block in order.
 // Steps of up to kPanelMinRows - 1 rows run exact_row / exact_tile (the weights streamed as
 // stored, a vector a pair of blocks, the lanes reduced to block sums); more run the panels,

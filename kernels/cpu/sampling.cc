@@ -1,7 +1,7 @@
 // The sampler's greedy token and logsumexp of each logits row in one pass, as an XLA FFI call.
 //
 // Owns: TlArgmaxLse. Must not: write anything but its outputs. Tested by
-// tests/test_cpu_native.py against jnp.argmax and jax.nn.logsumexp.
+// tests/kernels/test_cpu_native.py against jnp.argmax and jax.nn.logsumexp.
 
 #include <algorithm>
 #include <cmath>

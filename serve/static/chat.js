@@ -6,7 +6,7 @@
 // above the answer; content is rendered by markdown.js as it arrives. Stop aborts the fetch
 // (the server sees the disconnect and frees the request's KV blocks); the partial answer stays
 // in the conversation. The API key, when the server wants one, is sent as Authorization:
-// Bearer and kept in localStorage with the other settings. Tested by tests/test_chat_page.py.
+// Bearer and kept in localStorage with the other settings. Tested by tests/serve/test_chat_page.py.
 "use strict";
 
 (function () {

@@ -5,7 +5,7 @@
 // newline is a line break, as chat answers mean it), headings, bold, italic, strikethrough,
 // inline code, fenced code blocks (an unclosed fence, mid-stream, runs to the end), bullet and
 // numbered lists nested by indentation, block quotes, rules, and links (http, https and mailto
-// only: any other target stays plain text). Tested through tests/test_chat_page.py.
+// only: any other target stays plain text). Tested through tests/serve/test_chat_page.py.
 "use strict";
 
 (function () {

@@ -1,5 +1,5 @@
 """Regenerate gemma3_270m_llama_cpp_tokens.json: llama.cpp's token ids for CASES on the Gemma 3
-270M GGUF that `tl pull gemma3-270m` keeps, the reference tests/test_gguf_tokenizer.py checks tl's
+270M GGUF that `tl pull gemma3-270m` keeps, the reference tests/model/test_gguf_tokenizer.py checks tl's
 tokenizer.json against.
 
     .venv/bin/python tests/golden/make_gemma3_tokens.py LLAMA_TOKENIZE artifacts/models/gemma3-270m/model.gguf

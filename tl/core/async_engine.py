@@ -16,7 +16,7 @@ once: ContextLengthError, or QueueFullError when requests not yet taken by the t
 engine's waiting queue reach queue_capacity.
 The thread survives a failing step: every live request fails with EngineError and is
 aborted in the engine (its blocks freed), and the loop keeps serving.
-Must not import jax or serve/. Tested with tests/fake_engine.py by tests/test_async_engine.py.
+Must not import jax or serve/. Tested with tests/helpers/fake_engine.py by tests/core/test_async_engine.py.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ class EngineUnavailable(EngineError):
 
 
 class SyncEngine(Protocol):
-    """The part of tl.core.engine.Engine the AsyncEngine uses (tests/fake_engine.py's FakeEngine has
+    """The part of tl.core.engine.Engine the AsyncEngine uses (tests/helpers/fake_engine.py's FakeEngine has
     the same). The properties and the two checks read only what is fixed at construction, so
     the event loop calls them; everything else runs on the engine thread."""
 

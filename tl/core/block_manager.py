@@ -6,7 +6,7 @@ by >= 1 block table; cached: unreferenced but indexed for prefix reuse, evictabl
 per-sequence block tables, the prefix index, and for models whose every layer attends through
 a sliding window the release of blocks a sequence has left behind it. Knows nothing about requests, budgets or
 the runner: the scheduler decides *when* to allocate, free and cache; this module keeps
-the books exact. Pure Python, no jax/numpy. Tested by tests/test_block_manager.py (exact
+the books exact. Pure Python, no jax/numpy. Tested by tests/core/test_block_manager.py (exact
 ids, refcounts, eviction order; a hypothesis state machine checks `check_invariants`).
 
 Prefix cache ("radix"): a full block whose KV is computed is indexed by the key

@@ -5,7 +5,7 @@ Reads no environment variables and no files itself: serve/config_load.py `load_c
 turns TOML plus `TL_ENGINE__*` overrides into keyword arguments for `EngineConfig`, and
 what the library needs from the machine (the native build cache, its compiler) comes in
 as keys here, never from the environment deep in the library.
-Must not import jax. Tested by tests/test_config.py.
+Must not import jax. Tested by tests/core/test_config.py.
 """
 
 from __future__ import annotations

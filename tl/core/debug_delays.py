@@ -6,7 +6,7 @@ separated `phase=seconds` pairs. Phases:
 start-up and in the background) and `step` (before each engine step that computes: streams
 then run slowly enough to be caught open). Unset (always, outside tests): no delay, nothing
 logged. A phase's first delay is logged, so that a test can tell which phase the server is in.
-Used by tests/test_stop.py.
+Used by tests/serve/test_stop.py.
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ schedule_ahead -> launch the next call -> collect -> update, one call late), the
 and prompt-tokens histograms, the host time around each step (tl/core/stats.py HostTimes), and
 EngineStats. The scheduler owns request state, the block manager owns KV blocks, the runner owns
 the device; the engine only wires them. Not thread-safe: one thread calls it
-(tl/core/async_engine.py). Pure Python, no jax/numpy. Tested by tests/test_engine.py with
-tests/fake_runner.py, whose differential helpers also accept the real ModelRunner.
+(tl/core/async_engine.py). Pure Python, no jax/numpy. Tested by tests/core/test_engine.py with
+tests/helpers/fake_runner.py, whose differential helpers also accept the real ModelRunner.
 """
 
 from __future__ import annotations

@@ -26,8 +26,8 @@ would cost the compile again.
 The threads are daemons and `shutdown` waits for none of them (concurrent.futures' pool joins
 its workers at interpreter exit even after shutdown(wait=False): one 3,000-property compile
 held the process 2.4 s past its end). Must not import
-jax. Tested by tests/test_grammar_pool.py, and with real slow schemas by
-tests/test_async_engine.py.
+jax. Tested by tests/core/test_grammar_pool.py, and with real slow schemas by
+tests/core/test_async_engine.py.
 """
 
 from __future__ import annotations

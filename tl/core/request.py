@@ -9,8 +9,8 @@ admission errors and the two admission rules (`check_context`, `check_capacity`)
 messages; the engine applies them with its own limits
 (tl/core/engine.py), serve/ turns the errors into HTTP answers (serve/errors.py). Pure data: must
 not import jax, the runner or the scheduler. The mutable per-request state the scheduler
-keeps lives in tl/core/sequence.py, not here. Tested through tests/test_engine.py,
-tests/test_async_engine.py and the 400s and 429s of tests/test_serve_app.py.
+keeps lives in tl/core/sequence.py, not here. Tested through tests/core/test_engine.py,
+tests/core/test_async_engine.py and the 400s and 429s of tests/serve/test_serve_app.py.
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ Owns: the waiting queue (priority, then FIFO), the running set, every Sequence's
 state, preemption, the queue deadline, stop checks, draft proposal and the counters behind
 EngineStats. Uses the BlockManager for every block it holds; never touches the runner or
 device data: its only output is a SchedulerOutput, its only input a RunnerOutput. Pure
-Python, no jax/numpy. Tested by tests/test_scheduler.py (hand-made RunnerOutputs, exact
-block ids) and through tests/test_engine.py.
+Python, no jax/numpy. Tested by tests/core/test_scheduler.py (hand-made RunnerOutputs, exact
+block ids) and through tests/core/test_engine.py.
 
 Scheduling is the vLLM v1 rule with no phases: each sequence has known tokens and computed
 tokens, and a step lets computed catch up with known within a token budget

@@ -3,7 +3,7 @@
 Owns: Sequence (known tokens = prompt + output, num_computed_tokens, status, priority and
 arrival order, the request's seed, its constraint's matcher) and SeqStatus. Only tl/core/scheduler.py mutates a
 Sequence; the engine and tests read it. KV block tables live in tl/core/block_manager.py, keyed
-by seq_id, not here. Pure Python, no jax/numpy. Tested through tests/test_scheduler.py.
+by seq_id, not here. Pure Python, no jax/numpy. Tested through tests/core/test_scheduler.py.
 
 The one rule (vLLM v1): a sequence has num_tokens known tokens and num_computed_tokens of
 them have KV in the cache; each step computes some of the difference. A prompt, a chunk

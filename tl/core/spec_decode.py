@@ -3,8 +3,8 @@
 Owns: choosing draft tokens for one sequence from its own tokens (prompt + output), by
 n-gram match. Does not verify drafts (the runner does) nor roll back KV (the scheduler
 does, by advancing num_computed_tokens only over accepted tokens). Pure Python, no
-jax/numpy. Tested by tests/test_scheduler.py (proposals) and the differential tests in
-tests/test_engine.py (greedy output identical with and without speculation).
+jax/numpy. Tested by tests/core/test_scheduler.py (proposals) and the differential tests in
+tests/core/test_engine.py (greedy output identical with and without speculation).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ q/k/v biases; Qwen3 with q/k norms; Qwen3-MoE; Gemma 3 text: (1 + w) norms, four
 scaled embeddings, GeGLU, sliding layers with their own RoPE base), each family a set of
 flags on one `ModelConfig` that the one forward (tl/model/llama.py) reads, and the shape of every Hugging Face
 tensor a config implies (`hf_shapes`, described once). Errors name the file and the key.
-Must not import jax. Tested by tests/test_model_files.py.
+Must not import jax. Tested by tests/model/test_model_files.py.
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ Owns: writing a Hugging Face directory for a GGUF: config.json (tl/model/gguf_mo
 (`gguf_model_dir`: the side files and a link to the GGUF, written once per file;
 `model_dir_of`). Reading the GGUF (its config, HF names, tensors) is tl/model/gguf_model.py's.
 Must not import jax and must not know the runner's parameter layout (HF names only).
-Errors are GGUFError naming the file. Tested by tests/test_convert_gguf.py and
-tests/test_gguf_families.py (small GGUFs written with gguf.GGUFWriter, plus the real SmolLM2
+Errors are GGUFError naming the file. Tested by tests/model/test_convert_gguf.py and
+tests/model/test_gguf_families.py (small GGUFs written with gguf.GGUFWriter, plus the real SmolLM2
 and Gemma 3 files, slow).
 """
 

@@ -2,7 +2,7 @@
 
 Owns: `dense_embedding`, the reference the scheduled pooling (the runner's step output
 `pooled`, summed by tl/core/scheduler.py) is tested against; serving never calls it.
-Tested by tests/test_runner.py and tests/test_smollm2_engine.py.
+Tested by tests/runtime/test_runner.py and tests/runtime/test_smollm2_engine.py.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ checking them against a ModelConfig (`check_shapes`: the shapes tl/model/config.
 records; the one rule for which ids end generation (`eos_token_ids`). The safetensors parser
 is our own (a header and offsets) so every defect becomes a ModelDirError naming the file and
 what is wrong, never a library traceback. Must not import jax and must not know the
-runner's parameter layout. Tested by tests/test_model_files.py.
+runner's parameter layout. Tested by tests/model/test_model_files.py.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ unsupported version, a big-endian file, a value or tensor past the end of the fi
 key or tensor name, an unknown value or tensor type, a bad alignment): ValueError naming what is
 wrong, which tl/model/gguf_model.py `open_gguf` turns into GGUFError naming the file.
 Must not: interpret the metadata (tl/model/gguf_model.py, tl/model/gguf_tokenizer.py do).
-Tested by tests/test_gguf_file.py against gguf-py's GGUFReader on the same files.
+Tested by tests/model/test_gguf_file.py against gguf-py's GGUFReader on the same files.
 
 Why not gguf-py's reader: it makes a numpy view for every part of every value, and a
 tokenizer's vocabulary is hundreds of thousands of values (Gemma 3: 262,144 tokens, scores and

@@ -16,8 +16,8 @@ Must not import jax (the block formats' geometry, tl/model/encodings/ggml_format
 imported where it is used, as that module imports jax), must not import tl/model/files.py
 (which imports this), and must not know the runner's parameter layout (HF names only).
 Errors (not a GGUF, unsupported architecture or tensor type, a missing tensor) are GGUFError
-naming the file. Tested by tests/test_convert_gguf.py, tests/test_gguf_families.py and
-tests/test_gguf_file.py (small GGUFs written with gguf.GGUFWriter, plus the real SmolLM2 and
+naming the file. Tested by tests/model/test_convert_gguf.py, tests/model/test_gguf_families.py and
+tests/model/test_gguf_file.py (small GGUFs written with gguf.GGUFWriter, plus the real SmolLM2 and
 Gemma 3 files, slow).
 """
 

@@ -12,8 +12,8 @@ Control tokens become special added tokens and user-defined ones plain added tok
 whole in the raw text as llama.cpp does. tokenizer_config.json carries `add_bos_token`
 (`tokenizer.ggml.add_bos_token`; llama.cpp's default: on for SentencePiece, off for BPE).
 Must not import jax or transformers. Errors are GGUFError naming the file and the key.
-Tested by tests/test_gguf_tokenizer.py (tiny vocabularies against transformers' GGUF builders,
-and Gemma 3's against llama.cpp's ids in tests/golden/, slow) and tests/test_convert_gguf.py.
+Tested by tests/model/test_gguf_tokenizer.py (tiny vocabularies against transformers' GGUF builders,
+and Gemma 3's against llama.cpp's ids in tests/golden/, slow) and tests/model/test_convert_gguf.py.
 """
 
 from __future__ import annotations

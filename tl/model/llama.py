@@ -5,7 +5,7 @@ and SmolLM2 (Llama 3's "llama3" RoPE scaling), Mistral (sliding window), Qwen2 (
 Qwen3 (per-head q/k RMSNorm), Qwen3-MoE (tl/model/moe.py's experts in place of the MLP) and
 Gemma 3 ((1 + w) norms, four per layer, embeddings scaled by sqrt(D), tanh-GELU GeGLU,
 query_pre_attn_scalar, sliding layers with their own RoPE base). Checked against transformers'
-logits for a tiny model of each (tests/test_families.py).
+logits for a tiny model of each (tests/model/test_families.py).
 Owns: the model's parameters, described once (`Weights`, `Layer`: flax.struct dataclasses of the
 tl/model/weights.py types, each parameter built by tl/model/loader.py's `WeightLoader` with its
 encoding and its tensor-parallel axes), random weights for tests (`init_params`: Hugging Face
@@ -16,8 +16,8 @@ for embeddings and tests.
 Must not: load weights (tl/model/loader.py does), create device arrays outside a traced function
 (tl/runtime/placement.py places data), know about buckets, requests or sampling. Attention over the paged cache lives in
 kernels/paged_attention.py behind one interface.
-Tested by tests/test_llama_reference.py (against an independent numpy forward over the same
-Hugging Face tensors) and tests/test_runner.py (paged == dense).
+Tested by tests/model/test_llama_reference.py (against an independent numpy forward over the same
+Hugging Face tensors) and tests/runtime/test_runner.py (paged == dense).
 
 Layout (docs/internals.md): `Weights` = embed [V,D] (a linear: the tied LM head contracts with it),
 layers: a tuple of `Layer` {attn_norm [D], wqkv [Hk,G+2,hd,D], bqkv? [Hk,G+2,hd] (Qwen2),

@@ -12,10 +12,10 @@ first), and build a layer (`attention`, `mlp`, `experts`: tl/model/moe.py's `Exp
 the per-expert tensors, `layer`) and the whole (`weights`). `load_weights` and `load_params`
 are the entry points.
 Must not: place arrays on devices (tl/runtime/placement.py does), compute anything of the
-forward. Tested by tests/test_llama_reference.py (the loaded layout against an independent
-numpy forward), tests/test_blocks.py (packed and quantized-at-load weights), tests/test_int8.py,
-tests/test_moe.py (experts: float, quantized, packed, mixed formats, tensor-parallel axes) and
-tests/test_backend.py (tensor-parallel axes).
+forward. Tested by tests/model/test_llama_reference.py (the loaded layout against an independent
+numpy forward), tests/model/test_blocks.py (packed and quantized-at-load weights), tests/model/test_int8.py,
+tests/model/test_moe.py (experts: float, quantized, packed, mixed formats, tensor-parallel axes) and
+tests/runtime/test_backend.py (tensor-parallel axes).
 """
 
 from __future__ import annotations

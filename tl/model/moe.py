@@ -17,7 +17,7 @@ Tensor parallelism: Fm split over "model" (gate-up column-parallel on axis 1; do
 on its last axis where whole blocks fall on each device, as loader.py's `row_axes`), so every
 device holds a slice of every expert; the router whole.
 Must not: load weights, place arrays on devices, know about attention or the paged cache.
-Tested by tests/test_moe.py (every form against a numpy per-token loop over dequantized weights,
+Tested by tests/model/test_moe.py (every form against a numpy per-token loop over dequantized weights,
 within a float32 error bound; a 2-device mesh).
 """
 
@@ -92,7 +92,7 @@ TILE_ROWS = 128
 
 
 def choose_form(num_tokens: int, top_k: int, num_experts: int, backend: str | None = None) -> Form:
-    """The form `moe_mlp` runs for these static sizes, from timings on XLA:CPU (tests/test_moe.py
+    """The form `moe_mlp` runs for these static sizes, from timings on XLA:CPU (tests/model/test_moe.py
     lists them):
     - "gather" while the pairs are at most a quarter of the experts (4*T*k <= E): it reads only
       the chosen experts' weights (decode is bound by weight reads: 0.6 vs 3.3 ms at T=1,

@@ -10,7 +10,7 @@ differently with 1, 4 or 64 rows beside it (an RMSNorm over 576 values: up to 1e
 rows; over 640: from 7 rows on; over 64, Qwen3's head norms: from 64 rows on), and a step's
 answer then depended on what else the step held (issue 48). Its matrix product computes a row
 of the result the same way at any row count from two (measured at widths 37 to 49,152 and 1 to
-512 rows, tests/test_rowwise.py, which fails on a jaxlib where that stops holding); a
+512 rows, tests/model/test_rowwise.py, which fails on a jaxlib where that stops holding); a
 matrix-vector product sums in another order, hence the padding. Written as elementwise trees
 instead (slices and adds: order-fixed by construction), a SmolLM2 step's 61 RMSNorms took 35
 ms at 512 rows against 3.5 by jnp.mean; as this product, 7 ms. Max and argmax need nothing: they

@@ -11,12 +11,12 @@ fields and leaves of the same shapes and dtypes are then "equal" with different 
 and a BF16 matrix ([*out, 2 in] bytes either way), Q4_0 and Q4_K at 512 inputs (288 bytes a row),
 `Dense` and `Tensor` over one array. jit's compiled-program cache is a hash table: where the two
 hashes meet in a probe the lookup compares equal and runs the one's program on the other's
-arguments. It did: tests/test_blocks.py's BF16 product came out as the F16 program's reading of
+arguments. It did: tests/model/test_blocks.py's BF16 product came out as the F16 program's reading of
 the same bytes, deterministically wrong, in about one run in ten (it had been called with the
 F16 weights just before). So each class here carries its qualified name as one more static
 field, `tree_class` (keyword only, defaulted, never passed): treedefs of two classes differ in
 their static values and so compare unequal, and the register_dataclass fast path is kept.
-Must not: hold arrays or know about any parameter type. Tested by tests/test_tree.py.
+Must not: hold arrays or know about any parameter type. Tested by tests/model/test_tree.py.
 """
 
 from __future__ import annotations

@@ -11,8 +11,8 @@ is split over ("model") or None: declared where the parameter is built (tl/model
 `WeightLoader`), and `partition_specs` reads them, so no other module parses parameter names
 or paths.
 Must not: place arrays on devices (tl/runtime/placement.py does), know about the model's layers.
-Tested by tests/test_llama_reference.py, tests/test_int8.py, tests/test_blocks.py,
-tests/test_backend.py and tests/test_layering.py (the registry lists every encoding module).
+Tested by tests/model/test_llama_reference.py, tests/model/test_int8.py, tests/model/test_blocks.py,
+tests/runtime/test_backend.py and tests/test_layering.py (the registry lists every encoding module).
 """
 
 from __future__ import annotations

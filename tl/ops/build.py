@@ -10,7 +10,7 @@ waits for its followers to connect and then to be ready, and hands the channel t
 (each end told when this process compiles); a follower (`run_follower`) connects,
 builds the same runner and follows (tl/ops/multihost.py). Each of those waits is bounded by
 group_start_timeout_s (tl/ops/group_start.py: one ERROR line naming who is missing, exit status 4).
-Must not hold state. Tested through tests/test_cli.py, the server tests and tests/test_multihost.py.
+Must not hold state. Tested through tests/ops/test_cli.py, the server tests and tests/ops/test_multihost.py.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The `tl` command: generate, convert-gguf, pull, serve, bench.
 
 Owns: argument parsing and terminal output only; every real job is a library call.
-Must not import jax at module import (so `tl --help` is instant). Tested by tests/test_cli.py.
+Must not import jax at module import (so `tl --help` is instant). Tested by tests/ops/test_cli.py.
 """
 
 from __future__ import annotations

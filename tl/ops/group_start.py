@@ -11,7 +11,7 @@ Why a thread and not a timeout on each wait: jax.distributed.initialize blocks i
 every process has registered, where no exception reaches it, and on its own deadline it
 aborts the process (SIGABRT) naming no one; tl/runtime/backend.py passes it this bound plus a margin
 so that this line comes first.
-Must not import jax. Tested by tests/test_multihost.py.
+Must not import jax. Tested by tests/ops/test_multihost.py.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ connects before it joins jax.distributed, so the leader knows by process id who 
 (`not_connected`, `not_ready`); the waits themselves are bounded by tl/ops/group_start.py.
 Must not import jax or touch device arrays: the runner packs frames and runs them
 (tl/runtime/runner.py, reaching the Leader through tl/runtime/frame.py's StepPeers protocol);
-tl/ops/build.py wires both ends. Tested by tests/test_multihost.py.
+tl/ops/build.py wires both ends. Tested by tests/ops/test_multihost.py.
 
 Why a socket and not JAX's own broadcast (`multihost_utils.broadcast_one_to_all`): measured on
 two CPU processes on one 2-core AMD EPYC (Zen 3), a 4 KB step frame took 1.87 ms p50 that way

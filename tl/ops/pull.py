@@ -8,7 +8,7 @@ a crash never leaves a half-written model. The GGUF is kept in the directory (`m
 which weight_dtype "auto" serves in its own formats; a directory pulled before the GGUF was
 kept gets it added. Must not import jax. Tested by the
 `smol_dir` session fixture in tests/conftest.py (every slow test pulls through it)
-and tests/test_convert_gguf.py.
+and tests/model/test_convert_gguf.py.
 """
 
 from __future__ import annotations

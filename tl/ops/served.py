@@ -4,8 +4,8 @@ AsyncEngine, and the protocols its tokenizer and chat template are used through.
 Owns: ServedModel (model id, context length, the vocabulary size from the model's config, the
 largest top_logprobs, tokenizer, chat template, tool calling, reasoning) and the two protocols, each
 naming every member serve/ calls (tl/text/tokenizer.py's Tokenizer and tl/text/chat_template.py's
-ChatTemplate implement them, as do the fakes of tests/fake_engine.py). Pure data: must not
-import jax, the runner or the engine. Tested through tests/test_serve_app.py and
+ChatTemplate implement them, as do the fakes of tests/helpers/fake_engine.py). Pure data: must not
+import jax, the runner or the engine. Tested through tests/serve/test_serve_app.py and
 tests/test_layering.py (serve/ may import it).
 """
 

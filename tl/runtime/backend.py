@@ -5,7 +5,7 @@ dtype of each platform, the ("data", "model") mesh of `tensor_parallel` devices,
 the model's head counts fit that mesh (and the PartitionSpecs that follow from it), and
 `jax.distributed.initialize` for multi-host jobs. Must not: place arrays (tl/runtime/runner.py does),
 read the environment except through the mapping it is handed (tl/ops/build.py passes os.environ).
-Tested by tests/test_backend.py and, on 8 fake CPU devices, tests/test_tensor_parallel.py.
+Tested by tests/runtime/test_backend.py and, on 8 fake CPU devices, tests/runtime/test_tensor_parallel.py.
 
 Megatron layout on the "model" axis (the specs come from llama.step_partition_specs; the fused
 qkv and gate-up weights keep a KV-head and an FFN axis to split, see tl/model/llama.py):

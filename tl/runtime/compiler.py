@@ -13,7 +13,7 @@ waits on a compile once the start-up variants are in; with no warm-up asked for 
 one-shot generate, `bench runner`, tests), a step's own variant is compiled then and there.
 `compiling_now` tells a multi-host peer's heartbeat whether this process is compiling.
 Must not: decide the variants (tl/runtime/execution.py does), pack inputs, touch the KV cache.
-Tested by tests/test_compiler.py and tests/test_runner.py.
+Tested by tests/runtime/test_compiler.py and tests/runtime/test_runner.py.
 """
 
 from __future__ import annotations

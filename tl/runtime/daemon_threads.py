@@ -3,7 +3,7 @@
 Owns `map_on_daemon_threads`. Daemon threads, not an executor's: an executor's are joined at the
 process's exit, so a stop during start-up would wait for every queued compile. Used by
 tl/runtime/compiler.py (the step variants) and tl/runtime/verdicts.py (the kernel classes).
-Tested by tests/test_verdicts.py.
+Tested by tests/runtime/test_verdicts.py.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ placement's outcome (tl/runtime/placement.py): both come in through `measured`, 
 start-up pipeline (tl/runtime/startup.py). Every other module reads the plan: the step is traced
 from its dispatch, the start-up log prints `lines()`, /v1/models and tl_engine_backend_info show
 `backend_info()`.
-Must not: place data, compile steps, measure. Tested by tests/test_execution.py.
+Must not: place data, compile steps, measure. Tested by tests/runtime/test_execution.py.
 """
 
 from __future__ import annotations

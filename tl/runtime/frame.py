@@ -5,7 +5,7 @@ penalties' leaves, the token bitmask, whether top-logprobs run) with its byte fo
 `StepPeers`, the protocol of the leader's end of the step channel as the runner calls it. The
 channel itself (sockets, liveness, failure) is tl/ops/multihost.py's, which imports the frame
 from here; tl/ops/build.py hands its Leader to the runner. Pure host data: numpy, no jax.
-Tested by tests/test_multihost.py.
+Tested by tests/ops/test_multihost.py.
 """
 
 from __future__ import annotations

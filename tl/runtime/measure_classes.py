@@ -3,7 +3,7 @@
 Owns the classes (`MATMUL_ROWS`, `attention_classes`), `Verdict` (one class's times) and
 `Verdicts` (every class's, and the one choice per kernel they make). A leaf: the execution plan
 (tl/runtime/execution.py) reads the records, the measurement (tl/runtime/verdicts.py) fills them.
-Tested by tests/test_verdicts.py.
+Tested by tests/runtime/test_verdicts.py.
 
 One choice per kernel, not per step shape: a kernel runs natively at every step shape or at none
 (`Verdicts.native`: the geometric mean of its classes' speedups above 1, each class counted

@@ -6,8 +6,8 @@ Owns: converting host weights (Hugging Face tensors) into the step layout (tl/mo
 them on the devices (on one CPU device: into one huge-page mapping, tl/runtime/weight_pages.py, with
 XLA's own buffers as the fallback and its reason), and allocating the paged KV cache zeroed in
 its storage dtype. What to place how is decided by tl/runtime/execution.py; this module only does it.
-Must not: decide kernels or precision, compile steps. Tested by tests/test_runner.py and
-tests/test_weight_pages.py.
+Must not: decide kernels or precision, compile steps. Tested by tests/runtime/test_runner.py and
+tests/runtime/test_weight_pages.py.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ tokens, and penalty counts, from that call's device results through the small pr
 `feeds`, compiled when a pair of shapes first needs one), a follower's
 run of the leader's frame, the device-resident all-ones masks and all-zero penalties that
 unconstrained, penalty-free steps take instead of a copy. Must not: schedule, allocate blocks,
-keep request state, decide kernels. Tested by tests/test_runner.py (paged == dense, donation,
+keep request state, decide kernels. Tested by tests/runtime/test_runner.py (paged == dense, donation,
 flat compile count).
 """
 

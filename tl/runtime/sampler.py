@@ -7,7 +7,7 @@ buckets or requests (the runner packs `SamplingBatch`/`Penalties`), or sort the 
 XLA:CPU sort and lax.top_k cost ~13 ms per 49k row, so top-k and top-p are thresholds found
 by bisection over float32 bit patterns (exact in 31 halvings; non-negative floats order like
 their bits), followed by one inverse-CDF draw.
-Tested by tests/test_sampler.py.
+Tested by tests/runtime/test_sampler.py.
 
 Processing order for a row: the structured-output bitmask (blocked tokens -inf: everything
 after, logprobs included, sees the constrained distribution; an unconstrained row's mask

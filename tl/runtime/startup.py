@@ -6,8 +6,8 @@ plan and resolve its dispatch; compile: the step program and its table of varian
 variants compiled ahead of time as asked), the start-up log (load times, the plan's lines, the
 warm-up's time), and `Startup`, the frozen record they make. `load` reads a model directory
 first. Must not: decide (tl/runtime/execution.py), place (tl/runtime/placement.py), measure
-(tl/runtime/verdicts.py), run steps (tl/runtime/runner.py). Tested through tests/test_runner.py,
-tests/test_execution.py, tests/test_verdicts.py and tests/test_compiler.py.
+(tl/runtime/verdicts.py), run steps (tl/runtime/runner.py). Tested through tests/runtime/test_runner.py,
+tests/runtime/test_execution.py, tests/runtime/test_verdicts.py and tests/runtime/test_compiler.py.
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ plan's resolved dispatch (tl/runtime/execution.py StepKernels), the overlap's sm
 feed a call's tokens (and penalty counts) into the next call's inputs on the device, compiling a
 variant of both ahead of time over abstract arguments (what tl/runtime/compiler.py calls), and the count of traces (one
 trace = one compile). Must not: pack inputs (tl/runtime/step_io.py), run steps or hold the KV
-cache (tl/runtime/runner.py), decide kernels. Tested by tests/test_runner.py (flat compile
-count) and tests/test_verdicts.py (each variant's kernels, in its HLO).
+cache (tl/runtime/runner.py), decide kernels. Tested by tests/runtime/test_runner.py (flat compile
+count) and tests/runtime/test_verdicts.py (each variant's kernels, in its HLO).
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ block tables, sampling rows, penalties, the constraint bitmask, one flat buffer 
 `unpack_steps` (several decode steps' tokens), and `MaskFiller`, the protocol through which the
 text side fills a constraint's bitmask rows (tl/text/grammar.py's fill_masks, handed in by
 tl/ops/build.py; `fill_rows`, each Guide's own `fill`, otherwise). Must not: put data on devices
-(the runner does), schedule, import the text side. Tested through tests/test_runner.py,
-tests/test_engine_runner.py, tests/test_decode_steps.py and tests/test_sampler.py.
+(the runner does), schedule, import the text side. Tested through tests/runtime/test_runner.py,
+tests/runtime/test_engine_runner.py, tests/runtime/test_decode_steps.py and tests/runtime/test_sampler.py.
 
 Shapes of one step. T = tokens of the plan padded to the smallest token bucket >= T; S = its
 sequences padded to the smallest seq bucket >= S; R = min(S * (1 + spec_tokens), T) sample rows,

@@ -7,7 +7,7 @@ the `Verdicts` record the step's dispatch in tl/runtime/execution.py reads), at 
 cache of those verdicts beside the built library (one JSON file per library build, CPU model and
 model shape, so a later start measures nothing).
 Must not: build the library, trace the runner's step, keep request state. Tested by
-tests/test_verdicts.py.
+tests/runtime/test_verdicts.py.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ Owns: the jinja2 environment transformers uses for chat templates
 namespace that refuses underscore names), message normalization (None-valued keys
 dropped, reasoning aliased), choosing among named templates, and finding a model dir's template.
 Must not tokenize (the rendered prompt is encoded by tl/text/tokenizer.py without adding
-special tokens) and must not import jax. Tested by tests/test_chat_template.py
+special tokens) and must not import jax. Tested by tests/text/test_chat_template.py
 (SmolLM2's real template byte for byte, jinja features, errors).
 """
 

@@ -9,7 +9,7 @@ gives up), the time bound, Matcher: one
 sequence's llguidance matcher behind tl.core.request's Guide (the scheduler trims drafts and
 consumes tokens through it), and `fill_masks`, a step's bitmask rows filled in parallel. Host code (numpy,
 llguidance): must not import jax. The async time bound is AsyncEngine's (it runs `compile` on
-its worker threads). Tested by tests/test_grammar.py.
+its worker threads). Tested by tests/text/test_grammar.py.
 """
 
 from __future__ import annotations

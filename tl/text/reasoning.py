@@ -11,7 +11,7 @@ call applies to the answer after the thinking), and ReasoningParser (generated t
 ReasoningText and answer text out: a marker split across pieces is held back, as stop strings
 are; the markers themselves are never emitted, the thinking is trimmed of surrounding
 whitespace and the answer of the whitespace right after `</think>`).
-Pure Python and numpy: must not import jax. Tested by tests/test_reasoning.py.
+Pure Python and numpy: must not import jax. Tested by tests/text/test_reasoning.py.
 """
 
 from __future__ import annotations

@@ -8,9 +8,9 @@ text already begins with it); the per-token byte table (`token_bytes`) that lets
 join bytes and decode UTF-8 incrementally (SentencePiece pieces: '▁' a space, <0xNN> a byte).
 Must not import jax, render chat templates (tl/text/chat_template.py does) or decide which
 ids end generation (the engine's `eos_token_ids`, by tl.model.files' rule). Tested by
-tests/test_tokenizer.py (byte tokenizer of tests/models.py, and SmolLM2's tokenizer
+tests/text/test_tokenizer.py (byte tokenizer of tests/helpers/models.py, and SmolLM2's tokenizer
 against transformers' independent GGUF tokenizer, marked slow) and
-tests/test_gguf_tokenizer.py (SentencePiece vocabularies, BOS on prompts).
+tests/model/test_gguf_tokenizer.py (SentencePiece vocabularies, BOS on prompts).
 """
 
 from __future__ import annotations

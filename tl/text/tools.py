@@ -11,7 +11,7 @@ with or without parallel calls; compiled by tl/text/grammar.py), and ToolCallPar
 in, content text and call events out: it holds back any prefix of the start marker, as stop
 strings are held back, and streams each call's arguments as raw JSON fragments, decided one
 character at a time, so the events never depend on where the text was cut).
-Pure Python: must not import jax. Tested by tests/test_tools.py.
+Pure Python: must not import jax. Tested by tests/text/test_tools.py.
 """
 
 from __future__ import annotations

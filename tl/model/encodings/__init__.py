@@ -14,9 +14,10 @@ tl/model/encodings/ggml_formats.py, which is no encoding), tl/model/encodings/bf
 with its AMX packing, matmul_precision "high") and tl/model/encodings/panels.py (q8_0 / q4_0 /
 q4_1 blocks repacked at placement for the native kernel); tl/model/weights.py registers them
 (`ENCODING_TYPES`; `ENCODINGS` by name, those loading makes), so a new encoding is one module
-here and its entries there. Must not: place arrays on devices, know about the model's layers. Tested by
-tests/test_llama_reference.py, tests/test_int8.py, tests/test_blocks.py, tests/test_matmul_high.py,
-tests/test_panels.py and tests/test_cpu_native.py; tests/test_layering.py checks the registry."""
+here and its entries there. Must not: place arrays on devices, know about the model's layers.
+Tested by tests/model/test_llama_reference.py, tests/model/test_int8.py, tests/model/test_blocks.py,
+tests/kernels/test_matmul_high.py, tests/model/test_panels.py and tests/kernels/test_cpu_native.py;
+tests/test_layering.py checks the registry."""
 
 from __future__ import annotations
 

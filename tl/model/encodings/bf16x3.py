@@ -5,7 +5,7 @@ bf16 products on AMX tiles), which kernel runs it natively (the AMX kernel on it
 every row count: a row's arithmetic must not depend on the step's size, issue 48), and the LM head's
 packing beside its float32 table. XLA runs its float32 matrix (as `Dense`). Only on one device
 (the native kernels do not run under tensor parallelism), so the packing is never split.
-Must not: place arrays on devices. Tested by tests/test_matmul_high.py.
+Must not: place arrays on devices. Tested by tests/kernels/test_matmul_high.py.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ to bfloat16 and vdpbf16ps), and
 sharding (the byte axis split only at block boundaries: `in_block`).
 A GGUF's tensors arrive packed already (tl/model/files.py `Packed`) and are wrapped as they
 are, never expanded to float: the resident bytes of a weight are the file's.
-Must not: place arrays on devices. Tested by tests/test_blocks.py (against gguf-py's
+Must not: place arrays on devices. Tested by tests/model/test_blocks.py (against gguf-py's
 dequantization and float64 products, and the engine on a tiny model in each format).
 """
 

@@ -2,8 +2,8 @@
 
 Owns: `Dense`, its XLA arithmetic (a dot contracting the last axes), its lookup as an
 embedding, and its native kernel (kernels/cpu_native.py `gemv`: float32, up to the library's
-max_rows() rows). Must not: place arrays on devices. Tested by tests/test_llama_reference.py
-and tests/test_cpu_native.py.
+max_rows() rows). Must not: place arrays on devices. Tested by tests/model/test_llama_reference.py
+and tests/kernels/test_cpu_native.py.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ the only rounding is the one addition of q4_1/q5_1's min or the one subtraction 
 K-quants' dmin * min: the result is the same whatever the order or FMA contraction of the
 compiler, and equals gguf-py's numpy and ggml's C bit for bit.
 Must not: place arrays on devices, know about layers or encodings' dots.
-Tested by tests/test_ggml_formats.py (against gguf.quants.dequantize / quantize).
+Tested by tests/model/test_ggml_formats.py (against gguf.quants.dequantize / quantize).
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 Owns: `Int8`, per-output-channel symmetric quantization at load (`quantize_int8`), its XLA
 arithmetic (activations quantized per row, int8 x int8 -> int32), its lookup as an embedding,
 and its native kernel (kernels/cpu_native.py `gemv_int8`: one row, bit for bit the same W8A8
-arithmetic). Must not: place arrays on devices. Tested by tests/test_int8.py and
-tests/test_cpu_native.py.
+arithmetic). Must not: place arrays on devices. Tested by tests/model/test_int8.py and
+tests/kernels/test_cpu_native.py.
 """
 
 from __future__ import annotations

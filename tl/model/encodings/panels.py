@@ -12,7 +12,7 @@ blocks, so a model's resident size does not change. A 64-byte vector is then 16 
 bytes each, the int32 lanes of vpdpbusd (quant.cc says why that is faster). The values are the
 GGUF's exactly: `stored(pack(w))` is w's bytes, padding aside.
 Must not: decide when weights are packed (tl/runtime/execution.py's plan: `weight_layout`), place
-arrays on devices. Tested by tests/test_panels.py.
+arrays on devices. Tested by tests/model/test_panels.py.
 """
 
 from __future__ import annotations
