@@ -87,11 +87,11 @@ void qgemm_panels_run(ffi::ThreadPool& pool, int32_t kind, const float* X, int64
 
 namespace {
 
-constexpr int64_t kQFewRows = 64;                 // the most rows the tiles take (the VNNI build's 32-input kinds: more)
+constexpr int64_t kQFewRows = 64;  // the most rows the tiles take (the VNNI build's 32-input kinds: more)
 constexpr int64_t kQManyRows = int64_t{1} << 16;  // the most rows a kind with a panel kernel takes
-constexpr int64_t kQK = 32;        // weights a block
+constexpr int64_t kQK = 32;                       // weights a block
 
-constexpr int64_t kQKK = 256;     // weights a K-quant super-block
+constexpr int64_t kQKK = 256;  // weights a K-quant super-block
 
 enum Kind : int32_t { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2, kQ5_0 = 3, kQ5_1 = 4, kQ4_K = 5, kQ5_K = 6, kQ6_K = 7 };
 
@@ -139,7 +139,6 @@ template <>
 struct Fmt<kQ6_K> {
   static constexpr int64_t kBytes = 210;  // ql[128], qh[64], int8 scales[16], f16 d
 };
-
 
 // IEEE half at p (unaligned) -> float, exactly.
 inline float half(const uint8_t* p) {
@@ -358,8 +357,7 @@ inline void scales_mins_k4(const uint8_t* s, uint8_t out[16]) {
 // 128 h + 32 c + l has the low (c < 2) or high nibble of ql[64 h + 32 (c & 1) + l] and bits 2c..2c+1
 // of qh[32 h + l] on top, and a signed scale per 16 inputs.
 template <int KIND>
-inline void unpack_k_scalar(const uint8_t* b, uint8_t u[kQKK], int32_t sc[16], int32_t mn[16], float& d,
-                            float& dmin) {
+inline void unpack_k_scalar(const uint8_t* b, uint8_t u[kQKK], int32_t sc[16], int32_t mn[16], float& d, float& dmin) {
   if constexpr (KIND == kQ6_K) {
     const uint8_t *ql = b, *qh = b + 128;
     for (int h = 0; h < 2; ++h)

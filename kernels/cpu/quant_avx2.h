@@ -43,7 +43,9 @@ inline __m256i dot_u8s8_256(__m256i a, __m256i b) {
 // -, 17.4 and 81; exact8 for 2 rows (8 dot vectors and a reduction a row) took 13.8 ms, the
 // panels 12.9, so the panels start at 2.
 template <int KIND>
-constexpr int kOff256 = KIND == kQ4_0 ? 8 : KIND == kQ5_0 ? 16 : 0;
+constexpr int kOff256 = KIND == kQ4_0   ? 8
+                        : KIND == kQ5_0 ? 16
+                                        : 0;
 
 // A block's 32 codes: q4_0 / q5_0 their signed values plus the offset, q4_1 / q5_1 as stored,
 // q8_0 signed.
@@ -73,8 +75,8 @@ template <int KIND>
 inline void scales_8(const uint8_t* const rows[8], int64_t at, __m256& d, __m256& m) {
   const __m256i heads = scales8<8>(rows, at);
   // Bytes 0-1 (d) of each 32-bit lane to the low 128 bits, bytes 2-3 (m) to the high.
-  const __m256i split = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15, 0, 1, 4, 5, 8, 9, 12,
-                                         13, 2, 3, 6, 7, 10, 11, 14, 15);
+  const __m256i split = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15, 0, 1, 4, 5, 8, 9, 12, 13,
+                                         2, 3, 6, 7, 10, 11, 14, 15);
   const __m256i dm = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(heads, split), 0xd8);
   d = _mm256_cvtph_ps(_mm256_castsi256_si128(dm));
   m = Fmt<KIND>::kHasM ? _mm256_cvtph_ps(_mm256_extracti128_si256(dm, 1)) : _mm256_setzero_ps();
@@ -107,8 +109,7 @@ inline void exact8(const uint8_t* W, int64_t row_bytes, const XQ& x, const int32
   const int64_t span = 8 * row_bytes, share = (span + x.nb - 1) / x.nb;
   for (int64_t b = 0; b < x.nb; ++b) {
     if (ahead)
-      for (int64_t l = 0; l < share; l += 64)
-        prefetch_l2(rows[0] + 2 * span + b * share + l);
+      for (int64_t l = 0; l < share; l += 64) prefetch_l2(rows[0] + 2 * span + b * share + l);
     __m256 dw, mw;
     scales_8<KIND>(rows, b * BB, dw, mw);
     const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + b * kQK));
@@ -174,8 +175,9 @@ inline void panel8_tile(const Panel8& p, const XQ& x, const int32_t* xsum, int64
       for (int g = 0; g < 8; ++g) {
         const __m256i w = p.w[b * 8 + g];
         for (int r = 0; r < R; ++r)
-          ia[r] = _mm256_add_epi32(ia[r], dot_codes<KIND>(w, _mm256_set1_epi32(static_cast<int32_t>(
-                                                                 load_u32(reinterpret_cast<const uint8_t*>(xq + r * x.K + 4 * g))))));
+          ia[r] = _mm256_add_epi32(
+              ia[r], dot_codes<KIND>(w, _mm256_set1_epi32(static_cast<int32_t>(
+                                            load_u32(reinterpret_cast<const uint8_t*>(xq + r * x.K + 4 * g))))));
       }
     } else {
       // vpmaddubsw's int16 pairs summed in int16 over a run of groups before vpmaddwd: a pair is
@@ -188,8 +190,9 @@ inline void panel8_tile(const Panel8& p, const XQ& x, const int32_t* xsum, int64
         for (int g = g0; g < g0 + kRunG; ++g) {
           const __m256i w = p.w[b * 8 + g];
           for (int r = 0; r < R; ++r)
-            i16[r] = _mm256_add_epi16(i16[r], _mm256_maddubs_epi16(w, _mm256_set1_epi32(static_cast<int32_t>(
-                                                                         load_u32(reinterpret_cast<const uint8_t*>(xq + r * x.K + 4 * g))))));
+            i16[r] = _mm256_add_epi16(
+                i16[r], _mm256_maddubs_epi16(w, _mm256_set1_epi32(static_cast<int32_t>(load_u32(
+                                                    reinterpret_cast<const uint8_t*>(xq + r * x.K + 4 * g))))));
         }
         for (int r = 0; r < R; ++r) ia[r] = _mm256_add_epi32(ia[r], _mm256_madd_epi16(i16[r], _mm256_set1_epi16(1)));
       }
@@ -245,10 +248,13 @@ void qgemm_blocks(ffi::ThreadPool& pool, const uint8_t* W, const XQ& x, int64_t 
     sums = xsum.data();
   }
   const int64_t groups = (O + 7) / 8;
-  parallel_for(pool, tasks, [&](int64_t task) {
-    exact_outputs8<KIND>(W, row_bytes, x, sums, N, O, Y, std::min(O, 8 * (groups * task / tasks)),
-                         std::min(O, 8 * (groups * (task + 1) / tasks)));
-  }, /*linger_after=*/N == 1);
+  parallel_for(
+      pool, tasks,
+      [&](int64_t task) {
+        exact_outputs8<KIND>(W, row_bytes, x, sums, N, O, Y, std::min(O, 8 * (groups * task / tasks)),
+                             std::min(O, 8 * (groups * (task + 1) / tasks)));
+      },
+      /*linger_after=*/N == 1);
 }
 
 // Sub-block s (inputs 32 s .. 32 s + 31) as unsigned codes, in input order.
@@ -263,7 +269,8 @@ inline __m256i k_codes256(const uint8_t* b, int s) {
     const __m256i hb = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * c), _mm256_set1_epi8(3));
     return _mm256_or_si256(lo, _mm256_slli_epi16(hb, 4));
   } else {
-    const __m256i t = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + (KIND == kQ4_K ? 16 : 48) + 32 * (s / 2)));
+    const __m256i t =
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + (KIND == kQ4_K ? 16 : 48) + 32 * (s / 2)));
     __m256i u = _mm256_and_si256(_mm256_srli_epi16(t, 4 * (s & 1)), m4);
     if constexpr (KIND == kQ5_K) {
       const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
@@ -289,10 +296,11 @@ inline void dot_rows_k(const uint8_t* w, const XQ& x, int64_t n0, float out[R]) 
 #pragma GCC unroll 8
     for (int s = 0; s < 8; ++s) {
       const __m256i u = k_codes256<KIND>(blk, s);
-      const __m256i sc = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(
-          KIND == kQ6_K ? k_pick4(sb, 2 * s, 2 * s + 1, 0, 0) : k_pick4(sb, s, s, 0, 0)));
+      const __m256i sc = _mm256_cvtepi8_epi16(
+          _mm256_castsi256_si128(KIND == kQ6_K ? k_pick4(sb, 2 * s, 2 * s + 1, 0, 0) : k_pick4(sb, s, s, 0, 0)));
       for (int r = 0; r < R; ++r) {
-        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + (n0 + r) * x.K + b * kQKK + 32 * s));
+        const __m256i xv =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + (n0 + r) * x.K + b * kQKK + 32 * s));
         isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(u, xv), sc));
       }
     }

@@ -30,14 +30,16 @@ inline __m512i k_codes512(const uint8_t* b, int j) {
     const int h = j / 2, sh = 4 * (j % 2);
     const __m512i lo = _mm512_and_si512(_mm512_srli_epi16(_mm512_loadu_si512(b + 64 * h), sh), m4);
     const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h));
-    const __m512i hb = __builtin_shufflevector(_mm256_srli_epi16(qh, sh), _mm256_srli_epi16(qh, sh + 2), 0, 1, 2, 3, 4, 5, 6, 7);
+    const __m512i hb =
+        __builtin_shufflevector(_mm256_srli_epi16(qh, sh), _mm256_srli_epi16(qh, sh + 2), 0, 1, 2, 3, 4, 5, 6, 7);
     return _mm512_or_si512(lo, _mm512_slli_epi16(_mm512_and_si512(hb, _mm512_set1_epi8(3)), 4));
   } else {  // sub-blocks 2 j (low nibbles), 2 j + 1 (high) of the same 32 bytes
     const __m256i t = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + (KIND == kQ4_K ? 16 : 48) + 32 * j));
     __m512i u = _mm512_and_si512(__builtin_shufflevector(t, _mm256_srli_epi16(t, 4), 0, 1, 2, 3, 4, 5, 6, 7), m4);
     if constexpr (KIND == kQ5_K) {
       const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
-      const __m512i hb = __builtin_shufflevector(_mm256_srli_epi16(qh, 2 * j), _mm256_srli_epi16(qh, 2 * j + 1), 0, 1, 2, 3, 4, 5, 6, 7);
+      const __m512i hb = __builtin_shufflevector(_mm256_srli_epi16(qh, 2 * j), _mm256_srli_epi16(qh, 2 * j + 1), 0, 1,
+                                                 2, 3, 4, 5, 6, 7);
       u = _mm512_or_si512(u, _mm512_slli_epi16(_mm512_and_si512(hb, _mm512_set1_epi8(1)), 4));
     }
     return u;
@@ -66,7 +68,8 @@ inline void dot_rows_k(const uint8_t* w, const XQ& x, int64_t n0, float out[R]) 
     const uint8_t* blk = w + b * BB;
     float d, dmin;
     const __m128i sb = k_scale_bytes<KIND>(blk, d, dmin);
-    const __m512i s16 = __builtin_shufflevector(_mm256_cvtepi8_epi16(sb), _mm256_setzero_si256(), 0, 1, 2, 3, 4, 5, 6, 7);
+    const __m512i s16 =
+        __builtin_shufflevector(_mm256_cvtepi8_epi16(sb), _mm256_setzero_si256(), 0, 1, 2, 3, 4, 5, 6, 7);
     __m512i isum[R];
     for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
 #pragma GCC unroll 4
@@ -117,16 +120,19 @@ inline void dot_rows_k(const uint8_t* w, const XQ& x, int64_t n0, float out[R]) 
 // chunks. Panels from 8 rows serve 16 decode streams' matmuls about 1.8x faster than those
 // tiles did, at SmolLM2's shapes.)
 
-struct XL {  // x in the VNNI layout, `np` pairs a row
-  const int8_t* q;    // [N][np][64]
-  const int32_t* c;   // [N][np][16]: -(offset * the lane's x sum)
+struct XL {          // x in the VNNI layout, `np` pairs a row
+  const int8_t* q;   // [N][np][64]
+  const int32_t* c;  // [N][np][16]: -(offset * the lane's x sum)
   int64_t np;
 };
 
 template <int KIND>
 constexpr bool kNibbles = KIND != kQ8_0;
 template <int KIND>
-constexpr int kOffset = KIND == kQ8_0 ? 128 : KIND == kQ4_0 ? 8 : KIND == kQ5_0 ? 16 : 0;
+constexpr int kOffset = KIND == kQ8_0   ? 128
+                        : KIND == kQ4_0 ? 8
+                        : KIND == kQ5_0 ? 16
+                                        : 0;
 
 // x in that layout, a vector a pair: the bytes by 128-bit moves (the second block zero past a
 // row's last), each lane's offset term from one vpdpbusd of ones.
@@ -160,7 +166,8 @@ inline __m512i unpack_pair(const uint8_t* blk, bool pair) {
   constexpr int64_t BB = Fmt<KIND>::kBytes;
   if constexpr (KIND == kQ8_0) {
     const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
-    const __m256i b = pair ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + BB + 2)) : _mm256_set1_epi8(-128);
+    const __m256i b =
+        pair ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + BB + 2)) : _mm256_set1_epi8(-128);
     const __m512i w = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7);
     return _mm512_xor_si512(w, _mm512_set1_epi8(-128));
   } else {
@@ -212,8 +219,8 @@ constexpr int kExactAhead = 32;  // weight rows prefetched (into L2: prefetch_l2
 
 // Outputs [o0, o0 + mo) (mo <= MO <= 8) against rows [n0, n0 + R) of x; MO * R <= 16.
 template <int KIND, int MO, int R>
-inline void exact_tile(const uint8_t* W, int64_t row_bytes, const XL& x, const XQ& xq, int64_t O, float* Y,
-                       int64_t o0, int mo, int64_t n0, bool prefetch) {
+inline void exact_tile(const uint8_t* W, int64_t row_bytes, const XL& x, const XQ& xq, int64_t O, float* Y, int64_t o0,
+                       int mo, int64_t n0, bool prefetch) {
   static_assert(MO * R <= 16 && MO <= 8 && 8 % MO == 0, "16 lanes, each 8 a whole number of output rows");
   constexpr int64_t BB = Fmt<KIND>::kBytes;
   const int64_t nb = xq.nb;
@@ -226,8 +233,7 @@ inline void exact_tile(const uint8_t* W, int64_t row_bytes, const XL& x, const X
     const bool pair = b0 + 1 < nb;
     if (prefetch)  // the lines of this pair, kExactAhead rows on
       for (int j = 0; j < MO; ++j)
-        for (int64_t l = 0; l < 2 * BB; l += 64)
-          prefetch_l2(rows[j] + kExactAhead * row_bytes + b0 * BB + l);
+        for (int64_t l = 0; l < 2 * BB; l += 64) prefetch_l2(rows[j] + kExactAhead * row_bytes + b0 * BB + l);
     __m512i u[MO], v[16];
     for (int j = 0; j < MO; ++j) u[j] = unpack_pair<KIND>(rows[j] + b0 * BB, pair);
     for (int r = 0; r < R; ++r) {
@@ -250,7 +256,8 @@ inline void exact_tile(const uint8_t* W, int64_t row_bytes, const XL& x, const X
                                   _mm512_set1_ps(xq.d8[((n0 + r) * nb + b) * 8]));
       acc = _mm512_fmadd_ps(_mm512_mask_cvtepi32_ps(z, 0xffff, s[h]), _mm512_mul_ps(dw, dx), acc);
       if constexpr (Fmt<KIND>::kHasM) {
-        const __m512 mw = _mm512_maskz_cvtph_ps(0xffff, _mm512_maskz_cvtepi32_epi16(0xffff, _mm512_maskz_srli_epi32(0xffff, g, 16)));
+        const __m512 mw =
+            _mm512_maskz_cvtph_ps(0xffff, _mm512_maskz_cvtepi32_epi16(0xffff, _mm512_maskz_srli_epi32(0xffff, g, 16)));
         __m512 sx = _mm512_set1_ps(xq.s[n0 * nb + b]);
         for (int r = 1; r < R; ++r)
           sx = _mm512_mask_blend_ps(static_cast<__mmask16>(((1u << MO) - 1) << (r * MO)), sx,
@@ -277,7 +284,8 @@ inline void exact_row(const uint8_t* W, int64_t row_bytes, const XL& x, const XQ
   const uint8_t* rows[MO];
   alignas(64) int32_t at[16];
   for (int j = 0; j < MO; ++j) rows[j] = W + (o0 + std::min(j, mo - 1)) * row_bytes;
-  for (int c = 0; c < 16; ++c) at[c] = static_cast<int32_t>(std::min(c % MO, mo - 1) * row_bytes + (c < MO ? 0 : 2 * BB));
+  for (int c = 0; c < 16; ++c)
+    at[c] = static_cast<int32_t>(std::min(c % MO, mo - 1) * row_bytes + (c < MO ? 0 : 2 * BB));
   const __m512i gat = _mm512_load_si512(at);
   const float* dx = xq.d8 + n * nb * 8;  // block b's d_x at dx[8 b]
   const float* sx = xq.s + n * nb;
@@ -303,8 +311,7 @@ inline void exact_row(const uint8_t* W, int64_t row_bytes, const XL& x, const XQ
     const bool pair = b0 + 1 < nb;
     if (prefetch)  // the lines of the next four blocks, kExactAhead rows on
       for (int j = 0; j < MO; ++j)
-        for (int64_t l = 0; l < 4 * BB; l += 64)
-          prefetch_l2(rows[j] + kExactAhead * row_bytes + b0 * BB + l);
+        for (int64_t l = 0; l < 4 * BB; l += 64) prefetch_l2(rows[j] + kExactAhead * row_bytes + b0 * BB + l);
     __m512i v[16];
     const __m512i xv = _mm512_loadu_si512(x.q + (n * x.np + p) * 64);
     const __m512i c0 = kOffset<KIND> ? _mm512_loadu_si512(x.c + (n * x.np + p) * 16) : _mm512_setzero_si512();
@@ -312,7 +319,8 @@ inline void exact_row(const uint8_t* W, int64_t row_bytes, const XL& x, const XQ
     if (two) {
       const __m512i xv1 = _mm512_loadu_si512(x.q + (n * x.np + p + 1) * 64);
       const __m512i c1 = kOffset<KIND> ? _mm512_loadu_si512(x.c + (n * x.np + p + 1) * 16) : _mm512_setzero_si512();
-      for (int j = 0; j < MO; ++j) v[MO + j] = _mm512_dpbusd_epi32(c1, unpack_pair<KIND>(rows[j] + (b0 + 2) * BB, true), xv1);
+      for (int j = 0; j < MO; ++j)
+        v[MO + j] = _mm512_dpbusd_epi32(c1, unpack_pair<KIND>(rows[j] + (b0 + 2) * BB, true), xv1);
     } else {
       for (int j = 0; j < MO; ++j) v[MO + j] = _mm512_setzero_si512();
     }
@@ -326,7 +334,8 @@ inline void exact_row(const uint8_t* W, int64_t row_bytes, const XL& x, const XQ
       __m512i g;
       const int64_t b = b0 + h;
       if constexpr (kNibbles<KIND>) {
-        const __m256i lo = scales8<MO>(rows, b * BB), hi = two ? scales8<MO>(rows, (b + 2) * BB) : _mm256_setzero_si256();
+        const __m256i lo = scales8<MO>(rows, b * BB),
+                      hi = two ? scales8<MO>(rows, (b + 2) * BB) : _mm256_setzero_si256();
         g = __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7);
       } else {
         g = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), k, gat, rows[0] + b * BB, 1);
@@ -334,7 +343,8 @@ inline void exact_row(const uint8_t* W, int64_t row_bytes, const XL& x, const XQ
       f[h] = _mm512_mask_cvtepi32_ps(z, 0xffff, s[h]);
       d[h] = _mm512_maskz_cvtph_ps(0xffff, _mm512_maskz_cvtepi32_epi16(0xffff, g));
       if constexpr (Fmt<KIND>::kHasM)
-        m[h] = _mm512_maskz_cvtph_ps(0xffff, _mm512_maskz_cvtepi32_epi16(0xffff, _mm512_maskz_srli_epi32(0xffff, g, 16)));
+        m[h] =
+            _mm512_maskz_cvtph_ps(0xffff, _mm512_maskz_cvtepi32_epi16(0xffff, _mm512_maskz_srli_epi32(0xffff, g, 16)));
     }
     add(f[0], d[0], m[0], 0, b0);
     if (pair) add(f[1], d[1], m[1], 0, b0 + 1);
@@ -358,7 +368,8 @@ void exact_outputs(const uint8_t* W, int64_t row_bytes, const XL& x, const XQ& x
     int64_t n = 0;
     for (; n + R <= N; n += R)
       exact_tile<KIND, MO, R>(W, row_bytes, x, xq, O, Y, o, mo, n, n == 0 && o + MO + kExactAhead <= o1);
-    with_rows<R - 1>(N - n, [&](auto r) { exact_tile<KIND, MO, decltype(r)::value>(W, row_bytes, x, xq, O, Y, o, mo, n, false); });
+    with_rows<R - 1>(
+        N - n, [&](auto r) { exact_tile<KIND, MO, decltype(r)::value>(W, row_bytes, x, xq, O, Y, o, mo, n, false); });
   }
 }
 
@@ -377,7 +388,7 @@ constexpr int kPanel = 32;
 // The chain of SmolLM2's decode matmuls (q8_0, 30 layers and the head, from memory, Zen 5) at 4
 // rows: panels 1.16x the exact tiles' time; at 8 rows 0.69x, at 16 0.46x.
 constexpr int64_t kPanelMinRows = 8;
-constexpr int64_t kRun = 256;          // rows of x a panel's unpacked weights serve before the next run
+constexpr int64_t kRun = 256;  // rows of x a panel's unpacked weights serve before the next run
 
 struct PanelBuf {
   __m512i* w;  // [nb][8 groups][2 halves of 16 outputs]
@@ -396,8 +407,9 @@ inline void transpose_8x8x2(const __m512i in[8], __m512i out[8]) {
   }
   for (int i = 0; i < 2; ++i) {
     for (int h = 0; h < 2; ++h) {
-      u[4 * i + 2 * h] = _mm512_maskz_unpacklo_epi64(0xff, t[4 * i + h], t[4 * i + 2 + h]);      // r0..3 g(2h)   | g(2h+4)
-      u[4 * i + 2 * h + 1] = _mm512_maskz_unpackhi_epi64(0xff, t[4 * i + h], t[4 * i + 2 + h]);  // r0..3 g(2h+1) | g(2h+5)
+      u[4 * i + 2 * h] = _mm512_maskz_unpacklo_epi64(0xff, t[4 * i + h], t[4 * i + 2 + h]);  // r0..3 g(2h)   | g(2h+4)
+      u[4 * i + 2 * h + 1] =
+          _mm512_maskz_unpackhi_epi64(0xff, t[4 * i + h], t[4 * i + 2 + h]);  // r0..3 g(2h+1) | g(2h+5)
     }
   }
   // u[0..3]: rows 0-3 (and 8-11), u[4..7]: rows 4-7 (12-15); within each, 128-bit lane k of
@@ -423,7 +435,8 @@ void unpack_panel(const uint8_t* W, int64_t row_bytes, int64_t o0, int mo, int64
   for (int o = 0; o < kPanel; ++o) {
     __m256i* u = buf.u + o * nb;
     if (o >= mo) {
-      for (int64_t b = 0; b < nb; ++b) u[b] = _mm256_setzero_si256(), dv[b * kPanel + o] = 0.0f, mv[b * kPanel + o] = 0.0f;
+      for (int64_t b = 0; b < nb; ++b)
+        u[b] = _mm256_setzero_si256(), dv[b * kPanel + o] = 0.0f, mv[b * kPanel + o] = 0.0f;
       continue;
     }
     const uint8_t* row = W + (o0 + o) * row_bytes;
@@ -465,7 +478,8 @@ inline void panel_tile(const PanelBuf& buf, const XQ& x, const int32_t* xsum, in
     for (int g = 0; g < 8; ++g) {
       const __m512i w0 = w[(b * 8 + g) * 2], w1 = w[(b * 8 + g) * 2 + 1];
       for (int r = 0; r < R; ++r) {
-        const __m512i xb = _mm512_set1_epi32(static_cast<int32_t>(load_u32(reinterpret_cast<const uint8_t*>(xq + r * x.K + 4 * g))));
+        const __m512i xb =
+            _mm512_set1_epi32(static_cast<int32_t>(load_u32(reinterpret_cast<const uint8_t*>(xq + r * x.K + 4 * g))));
         ia[0][r] = _mm512_dpbusd_epi32(ia[0][r], w0, xb);
         ia[1][r] = _mm512_dpbusd_epi32(ia[1][r], w1, xb);
       }
@@ -489,7 +503,9 @@ inline void panel_tile(const PanelBuf& buf, const XQ& x, const int32_t* xsum, in
     }
   }
   const __mmask16 k0 = mo >= 16 ? __mmask16{0xffff} : static_cast<__mmask16>((1u << mo) - 1);
-  const __mmask16 k1 = mo >= 32 ? __mmask16{0xffff} : mo <= 16 ? __mmask16{0} : static_cast<__mmask16>((1u << (mo - 16)) - 1);
+  const __mmask16 k1 = mo >= 32   ? __mmask16{0xffff}
+                       : mo <= 16 ? __mmask16{0}
+                                  : static_cast<__mmask16>((1u << (mo - 16)) - 1);
   for (int r = 0; r < R; ++r) {
     _mm512_mask_storeu_ps(Y + (n0 + r) * O + o0, k0, acc[0][r]);
     _mm512_mask_storeu_ps(Y + (n0 + r) * O + o0 + 16, k1, acc[1][r]);
@@ -504,7 +520,8 @@ void panel_outputs(const uint8_t* W, int64_t row_bytes, const XQ& x, const int32
                    int64_t p0, int64_t p1, int64_t n0, int64_t n1) {
   thread_local Scratch w, d, m, u;
   const size_t nb = static_cast<size_t>(x.nb);
-  const PanelBuf buf{w.get<__m512i>(nb * 16), d.get<__m512>(nb * 2), m.get<__m512>(nb * 2), u.get<__m256i>(kPanel * nb)};
+  const PanelBuf buf{w.get<__m512i>(nb * 16), d.get<__m512>(nb * 2), m.get<__m512>(nb * 2),
+                     u.get<__m256i>(kPanel * nb)};
   for (int64_t p = p0; p < p1; ++p) {
     const int64_t o = p * kPanel;
     const int mo = static_cast<int>(std::min<int64_t>(kPanel, O - o));
@@ -516,7 +533,8 @@ void panel_outputs(const uint8_t* W, int64_t row_bytes, const XQ& x, const int32
     unpack_panel<KIND>(W, row_bytes, o, mo, x.nb, buf);
     int64_t n = n0;
     for (; n + kPanelRows <= n1; n += kPanelRows) panel_tile<KIND, kPanelRows>(buf, x, xsum, O, Y, o, mo, n);
-    with_rows<kPanelRows - 1>(n1 - n, [&](auto r) { panel_tile<KIND, decltype(r)::value>(buf, x, xsum, O, Y, o, mo, n); });
+    with_rows<kPanelRows - 1>(n1 - n,
+                              [&](auto r) { panel_tile<KIND, decltype(r)::value>(buf, x, xsum, O, Y, o, mo, n); });
   }
 }
 
@@ -535,8 +553,8 @@ void qgemm_blocks(ffi::ThreadPool& pool, const uint8_t* W, const XQ& xq, int64_t
     for (int64_t n0 = 0; n0 < N; n0 += kRun) {
       const int64_t n1 = std::min(N, n0 + kRun);
       parallel_for(pool, per_run, [&](int64_t task) {
-        panel_outputs<KIND>(W, row_bytes, xq, sums, O, Y, panels * task / per_run, panels * (task + 1) / per_run,
-                            n0, n1);
+        panel_outputs<KIND>(W, row_bytes, xq, sums, O, Y, panels * task / per_run, panels * (task + 1) / per_run, n0,
+                            n1);
       });
     }
     return;
@@ -548,19 +566,22 @@ void qgemm_blocks(ffi::ThreadPool& pool, const uint8_t* W, const XQ& xq, int64_t
   layout_x<KIND>(xq, N, q.data(), c.data(), np);
   const XL x{q.data(), c.data(), np};
   const int64_t tasks = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), O / 16));
-  parallel_for(pool, tasks, [&](int64_t task) {
-    // Ranges of whole tiles of 16 outputs (the last range takes the rest).
-    const int64_t tiles = O / 16;
-    const int64_t a = 16 * (tiles * task / tasks), b = task + 1 == tasks ? O : 16 * (tiles * (task + 1) / tasks);
-    if (N == 1)
-      for (int64_t o = a; o < b; o += 8)
-        exact_row<KIND>(W, row_bytes, x, xq, O, Y, o, static_cast<int>(std::min<int64_t>(8, b - o)), 0,
-                        o + 8 + kExactAhead <= b);
-    else if (N == 2)
-      exact_outputs<KIND, 8, 2>(W, row_bytes, x, xq, N, O, Y, a, b);
-    else
-      exact_outputs<KIND, 4, 4>(W, row_bytes, x, xq, N, O, Y, a, b);
-  }, /*linger_after=*/N == 1);
+  parallel_for(
+      pool, tasks,
+      [&](int64_t task) {
+        // Ranges of whole tiles of 16 outputs (the last range takes the rest).
+        const int64_t tiles = O / 16;
+        const int64_t a = 16 * (tiles * task / tasks), b = task + 1 == tasks ? O : 16 * (tiles * (task + 1) / tasks);
+        if (N == 1)
+          for (int64_t o = a; o < b; o += 8)
+            exact_row<KIND>(W, row_bytes, x, xq, O, Y, o, static_cast<int>(std::min<int64_t>(8, b - o)), 0,
+                            o + 8 + kExactAhead <= b);
+        else if (N == 2)
+          exact_outputs<KIND, 8, 2>(W, row_bytes, x, xq, N, O, Y, a, b);
+        else
+          exact_outputs<KIND, 4, 4>(W, row_bytes, x, xq, N, O, Y, a, b);
+      },
+      /*linger_after=*/N == 1);
 }
 
 // Weights repacked at load into panels (TlQGemmPanels; tl/model/encodings/panels.py packs them):
@@ -609,7 +630,8 @@ inline void panels_tile(const uint8_t* P, const XQ& x, const int32_t* xsum, int6
       for (int k = 0; k < PN; ++k) {
         const uint8_t* blk = P + ((p0 + k) * nb + b) * PB;
         if (prefetch && g == 0)
-          for (int64_t l = 0; l < PB; l += 64) _mm_prefetch(reinterpret_cast<const char*>(blk + 2 * PN * nb * PB + l), _MM_HINT_T1);
+          for (int64_t l = 0; l < PB; l += 64)
+            _mm_prefetch(reinterpret_cast<const char*>(blk + 2 * PN * nb * PB + l), _MM_HINT_T1);
         const __m512i w = _mm512_loadu_si512(blk + 64 * g);
         if constexpr (kNibbles<KIND>) {
           wl[k] = _mm512_and_si512(w, lo4);
@@ -637,7 +659,8 @@ inline void panels_tile(const uint8_t* P, const XQ& x, const int32_t* xsum, int6
         acc[k][r] = _mm512_fmadd_ps(f, _mm512_mul_ps(d, dx), acc[k][r]);
       }
       if constexpr (Fmt<KIND>::kHasM) {
-        const __m512 m = _mm512_maskz_cvtph_ps(0xffff, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(heads + 32)));
+        const __m512 m =
+            _mm512_maskz_cvtph_ps(0xffff, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(heads + 32)));
         for (int r = 0; r < R; ++r) acc[k][r] = _mm512_fmadd_ps(m, _mm512_set1_ps(x.s[(n0 + r) * nb + b]), acc[k][r]);
       }
     }
@@ -664,10 +687,12 @@ void panels_range(const uint8_t* P, const XQ& x, const int32_t* xsum, int64_t N,
     const bool two = p + 2 <= p1;
     int64_t n = 0;
     for (; n + 4 <= N; n += 4)
-      two ? panels_tile<KIND, 2, 4>(P, x, xsum, OP, Y, p, n, false) : panels_tile<KIND, 1, 4>(P, x, xsum, OP, Y, p, n, false);
+      two ? panels_tile<KIND, 2, 4>(P, x, xsum, OP, Y, p, n, false)
+          : panels_tile<KIND, 1, 4>(P, x, xsum, OP, Y, p, n, false);
     with_rows<3>(N - n, [&](auto r) {
       constexpr int R = decltype(r)::value;
-      two ? panels_tile<KIND, 2, R>(P, x, xsum, OP, Y, p, n, false) : panels_tile<KIND, 1, R>(P, x, xsum, OP, Y, p, n, false);
+      two ? panels_tile<KIND, 2, R>(P, x, xsum, OP, Y, p, n, false)
+          : panels_tile<KIND, 1, R>(P, x, xsum, OP, Y, p, n, false);
     });
   }
 }
@@ -684,10 +709,13 @@ void qgemm_panels(ffi::ThreadPool& pool, const uint8_t* P, const XQ& x, int64_t 
   // pass), tasks of panels that the threads take as they finish.
   if (N == 1) {
     const int64_t tasks = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), panels / 4));
-    parallel_for(pool, tasks, [&](int64_t task) {
-      panels_range<KIND>(P, x, sums, 1, panels * kPanelOut, Y, 4 * (panels / 4 * task / tasks),
-                         task + 1 == tasks ? panels : 4 * (panels / 4 * (task + 1) / tasks));
-    }, /*linger_after=*/true);
+    parallel_for(
+        pool, tasks,
+        [&](int64_t task) {
+          panels_range<KIND>(P, x, sums, 1, panels * kPanelOut, Y, 4 * (panels / 4 * task / tasks),
+                             task + 1 == tasks ? panels : 4 * (panels / 4 * (task + 1) / tasks));
+        },
+        /*linger_after=*/true);
     return;
   }
   const int64_t tasks = std::max<int64_t>(1, std::min<int64_t>((panels + 1) / 2, 8 * pool.num_threads()));
@@ -697,7 +725,8 @@ void qgemm_panels(ffi::ThreadPool& pool, const uint8_t* P, const XQ& x, int64_t 
     const XQ xr{x.q + n0 * x.K, x.d8 + n0 * x.nb * 8, x.s + n0 * x.nb, x.K, x.nb};
     parallel_for(pool, tasks, [&](int64_t task) {
       panels_range<KIND>(P, xr, sums + n0 * x.nb, rows, panels * kPanelOut, Y + n0 * panels * kPanelOut,
-                         2 * ((panels + 1) / 2 * task / tasks), std::min(panels, 2 * ((panels + 1) / 2 * (task + 1) / tasks)));
+                         2 * ((panels + 1) / 2 * task / tasks),
+                         std::min(panels, 2 * ((panels + 1) / 2 * (task + 1) / tasks)));
     });
   }
 }

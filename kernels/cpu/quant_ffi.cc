@@ -82,10 +82,12 @@ ffi::Error QGemm(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi:
 ffi::Error QGemmPanels(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, int32_t kind,
                        ffi::ResultBuffer<ffi::F32> y) {
   if (!panels_built()) return ffi::Error::InvalidArgument("this build has no panel kernels (AVX-512 VNNI)");
-  if (kind != kQ8_0 && kind != kQ4_0 && kind != kQ4_1) return ffi::Error::InvalidArgument("panels are q8_0, q4_0 or q4_1");
+  if (kind != kQ8_0 && kind != kQ4_0 && kind != kQ4_1)
+    return ffi::Error::InvalidArgument("panels are q8_0, q4_0 or q4_1");
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 3) return ffi::Error::InvalidArgument("expected x [N,K] and w [panels, blocks, bytes]");
+  if (xd.size() != 2 || wd.size() != 3)
+    return ffi::Error::InvalidArgument("expected x [N,K] and w [panels, blocks, bytes]");
   const int64_t N = xd[0], K = xd[1], panels = wd[0], nb = wd[1];
   if (K != nb * kQK || wd[2] != kPanelOut * block_bytes(kind))
     return ffi::Error::InvalidArgument("w is not panels of 16 outputs' blocks of x's K inputs");
@@ -108,15 +110,16 @@ extern "C" int64_t TlQGemmPanelsBuilt() { return tl::panels_built() ? 1 : 0; }
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TlQGemmPanels, tl::QGemmPanels,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // x [N, K]
-                                  .Arg<ffi::Buffer<ffi::U8>>()    // w [panels, K / 32, 16 block bytes]: repacked
-                                  .Attr<int32_t>("kind")          // Kind: 0 q8_0, 1 q4_0, 2 q4_1
-                                  .Ret<ffi::Buffer<ffi::F32>>()); // y [N, 16 panels]
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // x [N, K]
+                                  .Arg<ffi::Buffer<ffi::U8>>()     // w [panels, K / 32, 16 block bytes]: repacked
+                                  .Attr<int32_t>("kind")           // Kind: 0 q8_0, 1 q4_0, 2 q4_1
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // y [N, 16 panels]
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(TlQGemm, tl::QGemm,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // x [N, K]
-                                  .Arg<ffi::Buffer<ffi::U8>>()    // w [..., row_bytes]: raw ggml blocks
-                                  .Attr<int32_t>("kind")          // Kind: 0 q8_0, 1 q4_0, 2 q4_1, 3 q5_0, 4 q5_1, 5 q4_k, 6 q5_k, 7 q6_k
-                                  .Ret<ffi::Buffer<ffi::F32>>()); // y [N, ...]
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    TlQGemm, tl::QGemm,
+    ffi::Ffi::Bind()
+        .Ctx<ffi::ThreadPool>()
+        .Arg<ffi::Buffer<ffi::F32>>()    // x [N, K]
+        .Arg<ffi::Buffer<ffi::U8>>()     // w [..., row_bytes]: raw ggml blocks
+        .Attr<int32_t>("kind")           // Kind: 0 q8_0, 1 q4_0, 2 q4_1, 3 q5_0, 4 q5_1, 5 q4_k, 6 q5_k, 7 q6_k
+        .Ret<ffi::Buffer<ffi::F32>>());  // y [N, ...]

@@ -34,8 +34,7 @@ inline void tile(const uint8_t* W, int64_t row_bytes, const XQ& x, int64_t O, fl
 // run (from L2): a whole 64-row x (128 KB at K = 2048) read from L2 for every output ran a
 // 640 x 1024 q4_k call 3.3x slower at 64 rows than at 32.
 template <int KIND>
-void outputs(const uint8_t* W, int64_t row_bytes, const XQ& x, int64_t N, int64_t O, float* Y, int64_t o0,
-             int64_t o1) {
+void outputs(const uint8_t* W, int64_t row_bytes, const XQ& x, int64_t N, int64_t O, float* Y, int64_t o0, int64_t o1) {
   const int64_t run = kSuper<KIND> ? std::max<int64_t>(kTileRows, 32768 / x.K / kTileRows * kTileRows) : N;
   for (int64_t n0 = 0; n0 < N; n0 += run) {
     const int64_t n1 = std::min(N, n0 + run);
@@ -53,9 +52,10 @@ void qgemm(ffi::ThreadPool& pool, const uint8_t* W, const XQ& x, int64_t N, int6
   // One contiguous range of outputs a thread (one stream of weights each); after a one-row
   // call the helper lingers for the next (threads.h).
   const int64_t tasks = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), O / 16));
-  parallel_for(pool, tasks, [&](int64_t task) {
-    outputs<KIND>(W, row_bytes, x, N, O, Y, O * task / tasks, O * (task + 1) / tasks);
-  }, /*linger_after=*/N == 1);
+  parallel_for(
+      pool, tasks,
+      [&](int64_t task) { outputs<KIND>(W, row_bytes, x, N, O, Y, O * task / tasks, O * (task + 1) / tasks); },
+      /*linger_after=*/N == 1);
 }
 
 }  // namespace

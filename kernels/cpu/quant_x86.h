@@ -40,8 +40,8 @@ inline __m256i unpack256(const uint8_t* b) {
       // ggml's bytes_from_bits_32: byte i of qh to bytes 8i..8i+7, each testing its own bit.
       const __m256i shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
       const __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int32_t>(qh)), shuf);
-      const __m256i set = _mm256_cmpeq_epi8(_mm256_or_si256(bytes, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe)),
-                                            _mm256_set1_epi64x(-1));
+      const __m256i set =
+          _mm256_cmpeq_epi8(_mm256_or_si256(bytes, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe)), _mm256_set1_epi64x(-1));
 #endif
       if constexpr (KIND == kQ5_1) return _mm256_or_si256(w, _mm256_and_si256(set, _mm256_set1_epi8(16)));
       // value - 16: nibble - 16 (nibble | 0xf0) where the bit is clear, the nibble where set.
