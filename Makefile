@@ -53,11 +53,12 @@ $(CHROMIUM):
 
 browser: | $(CHROMIUM)
 
-# Lint, format and types (config in pyproject.toml): part of `make test`.
+# Lint, format and types (config in pyproject.toml; the C++ format in .clang-format): part of `make test`.
 check: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+	$(BIN)/clang-format --dry-run -Werror kernels/cpu/*.cc kernels/cpu/*.h bench/qlayout.cc
 
 # The suite on the machine's cores (pytest-xdist, at most 4 workers: each loads JAX and models;
 # tests handed out one by one: a file per worker left one worker on the largest files, 710 s

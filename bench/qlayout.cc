@@ -3,19 +3,21 @@
 // Built and run by bench/qlayout_bench.py (`python -m bench qlayout`) for the x86-64-v4-vnni
 // target; not part of the library.
 //
-// Includes kernels/cpu/quant.cc whole, so that both one-row kernels run here as the engine runs
-// them: exact_row on the stored rows (its lanes reduced to block sums, the scales loaded output
-// by output) and panels_range on the panels (16 outputs in the lanes: 4 loads, 8 vpdpbusd, one
-// conversion and two fmas a block and 16 outputs). repack() below writes the layout panels.py
-// packs (the quant bytes of a block transposed to [4][16 outputs][4], then the 16 d and 16 m);
-// the two must give the same outputs bit for bit (checked).
+// Includes the quantized matmuls' headers (kernels/cpu/quant.h, quant_avx512.h), so that both
+// one-row kernels run here as the engine runs them: exact_row on the stored rows (its lanes
+// reduced to block sums, the scales loaded output by output) and panels_range on the panels (16
+// outputs in the lanes: 4 loads, 8 vpdpbusd, one conversion and two fmas a block and 16 outputs).
+// repack() below writes the layout panels.py packs (the quant bytes of a block transposed to
+// [4][16 outputs][4], then the 16 d and 16 m); the two must give the same outputs bit for bit
+// (checked).
 //
 // Prints: one matrix resident in L2, one thread (the kernels' compute), then SmolLM2-135M's 30
 // layers of one-row matmuls (wqkv 960 x 576, wo 576 x 576, gate_up 3072 x 576, down 576 x 1536;
 // 66 MB of distinct weights, from memory) on one thread and on two (each half of each matrix's
 // outputs, a spin barrier between matrices, as a decode step's chain), the layouts alternated.
 
-#include "../kernels/cpu/quant.cc"
+#include "../kernels/cpu/quant.h"
+#include "../kernels/cpu/quant_avx512.h"
 
 #include <algorithm>
 #include <atomic>
@@ -40,7 +42,8 @@ void repack(const uint8_t* W, int64_t O, int64_t nb, uint8_t* P) {
         uint8_t u[32];
         for (int i = 0; i < 16; ++i) u[i] = blk[4 + i] & 15, u[i + 16] = blk[4 + i] >> 4;
         for (int v = 0; v < 4; ++v)
-          for (int j = 0; j < 4; ++j) out[v * 64 + l * 4 + j] = static_cast<uint8_t>(u[4 * v + j] | (u[4 * (v + 4) + j] << 4));
+          for (int j = 0; j < 4; ++j)
+            out[v * 64 + l * 4 + j] = static_cast<uint8_t>(u[4 * v + j] | (u[4 * (v + 4) + j] << 4));
         std::memcpy(out + 256 + 2 * l, blk, 2);      // d
         std::memcpy(out + 288 + 2 * l, blk + 2, 2);  // m
       }
@@ -76,7 +79,8 @@ struct XForms {
   XL xl{};
   void set(const float* X, int64_t K) {
     const int64_t nb = K / 32, np = (nb + 1) / 2;
-    q.assign(static_cast<size_t>(K + 64), 0), d8.assign(static_cast<size_t>(nb * 8 + 8), 0), s.assign(static_cast<size_t>(nb), 0);
+    q.assign(static_cast<size_t>(K + 64), 0), d8.assign(static_cast<size_t>(nb * 8 + 8), 0),
+        s.assign(static_cast<size_t>(nb), 0);
     lq.assign(static_cast<size_t>(np * 64), 0), lc.assign(static_cast<size_t>(np * 16), 0);
     tl::quantize_x(X, 1, K, q.data(), d8.data(), s.data());
     xq = XQ{q.data(), d8.data(), s.data(), K, nb};
@@ -123,8 +127,9 @@ int main() {
         t[packed].push_back((now() - t0) / 100);
       }
     const double bytes = static_cast<double>(m.W.size());
-    std::printf("case one-960x576-in-L2-1-thread stored_us %.2f packed_us %.2f stored_GBs %.1f packed_GBs %.1f differ %d\n", median(t[0]) * 1e6,
-                median(t[1]) * 1e6, bytes / median(t[0]) / 1e9, bytes / median(t[1]) / 1e9, differ);
+    std::printf(
+        "case one-960x576-in-L2-1-thread stored_us %.2f packed_us %.2f stored_GBs %.1f packed_GBs %.1f differ %d\n",
+        median(t[0]) * 1e6, median(t[1]) * 1e6, bytes / median(t[0]) / 1e9, bytes / median(t[1]) / 1e9, differ);
   }
 
   // SmolLM2's layers from memory.
@@ -181,8 +186,9 @@ int main() {
   stop.store(true);
   helper.join();
   for (int th = 0; th < 2; ++th)
-    std::printf("case smollm2-layers-%d-thread(s) MB %.1f stored_ms %.2f packed_ms %.2f stored_GBs %.1f packed_GBs %.1f\n", th + 1,
-                total / 1e6, median(t[th][0]) * 1e3, median(t[th][1]) * 1e3, total / median(t[th][0]) / 1e9,
-                total / median(t[th][1]) / 1e9);
+    std::printf(
+        "case smollm2-layers-%d-thread(s) MB %.1f stored_ms %.2f packed_ms %.2f stored_GBs %.1f packed_GBs %.1f\n",
+        th + 1, total / 1e6, median(t[th][0]) * 1e3, median(t[th][1]) * 1e3, total / median(t[th][0]) / 1e9,
+        total / median(t[th][1]) / 1e9);
   return 0;
 }

@@ -1,9 +1,9 @@
 """One-row Q4_1 matmuls on the stored GGUF rows against the panel layout (weight_layout "panels"),
 kernel against kernel (bench/qlayout.cc says what each measures).
 
-Compiles bench/qlayout.cc (which includes kernels/cpu/quant.cc) with the x86-64-v4-vnni target's
-flags (kernels/cpu_build.py) and jaxlib's FFI headers, runs it, and prints its figures with the
-CPU's name: one matrix resident in L2 on one thread (the kernels' compute, and whether the two
+Compiles bench/qlayout.cc (which includes kernels/cpu/quant.h and quant_avx512.h) with the
+x86-64-v4-vnni target's flags (kernels/cpu_build.py) and jaxlib's FFI headers, runs it, and prints
+its figures with the CPU's name: one matrix resident in L2 on one thread (the kernels' compute, and whether the two
 give the same outputs bit for bit), then SmolLM2-135M's 30 layers of one-row matmuls from memory
 on one and two threads. Needs a CPU with AVX-512 VNNI and BF16.
 Run: `python -m bench qlayout`.

@@ -83,9 +83,9 @@ HANDLERS = {  # FFI target base name -> the library's handler symbol
     "tl_qgemm_panels": "TlQGemmPanels",
     "tl_gemv_half": "TlGemvHalf",
 }
-PANEL_KINDS = ("q8_0", "q4_0", "q4_1")  # the kinds quant.cc's TlQGemmPanels reads repacked
+PANEL_KINDS = ("q8_0", "q4_0", "q4_1")  # the kinds quant_ffi.cc's TlQGemmPanels reads repacked
 HALF_KINDS = {"f16": 0, "bf16": 1}  # half.cc's kind of a 16-bit float format
-QUANT_KINDS = {  # ggml block format -> (quant.cc Kind, bytes a block, weights a block)
+QUANT_KINDS = {  # ggml block format -> (quant.h Kind, bytes a block, weights a block)
     "q8_0": (0, 34, 32),
     "q4_0": (1, 18, 32),
     "q4_1": (2, 20, 32),
@@ -130,12 +130,12 @@ class NativeLib:
         return int(self._lib.TlGemvMaxRows())
 
     def qgemm_max_rows(self, kind: str) -> int:
-        """Rows the native quantized matmul takes of a QUANT_KINDS kind (quant.cc max_rows: any
+        """Rows the native quantized matmul takes of a QUANT_KINDS kind (quant_ffi.cc max_rows: any
         count where this build has the panel kernel for it, else 64)."""
         return int(self._lib.TlQGemmMaxRows(ctypes.c_int32(QUANT_KINDS[kind][0])))
 
     def panels_built(self) -> bool:
-        """Whether this build has the kernels of weights repacked into panels (quant.cc
+        """Whether this build has the kernels of weights repacked into panels (quant_ffi.cc
         TlQGemmPanels: AVX-512 VNNI builds); elsewhere the engine keeps the stored rows."""
         return bool(self._lib.TlQGemmPanelsBuilt())
 
@@ -183,7 +183,7 @@ class NativeLib:
         """float32 x [N,K] times uint8 w [*out, row_bytes], each output's row the raw ggml blocks of
         its K weights as a GGUF stores them (`kind`: a QUANT_KINDS key) -> float32 [N,*out], with
         llama.cpp's arithmetic (x quantized to int8 per block of 32, or 256 for the K-quants,
-        integer block dots, float scaling; kernels/cpu/quant.cc). None where it does not take the
+        integer block dots, float scaling; kernels/cpu/quant.h). None where it does not take the
         call: another kind or dtype, more than qgemm_max_rows(kind) rows, K not a multiple of the
         block's weights (32, 256) or rows not K / that many blocks."""
         if kind not in QUANT_KINDS or x.dtype != jnp.float32 or w.dtype != jnp.uint8 or x.ndim != 2 or w.ndim < 2:
@@ -198,7 +198,7 @@ class NativeLib:
     def qgemm_panels(self, x: jax.Array, w: jax.Array, kind: str) -> jax.Array | None:
         """float32 x [N,K] times uint8 w [panels, K/32, 16 x block bytes], `kind`'s blocks repacked
         16 outputs a panel (tl/model/encodings/panels.py) -> float32 [N, 16 panels], the stored
-        kernel's arithmetic and results bit for bit (kernels/cpu/quant.cc TlQGemmPanels). None where
+        kernel's arithmetic and results bit for bit (kernels/cpu/quant_ffi.cc TlQGemmPanels). None where
         it does not take the call: a build without the panel kernels, a kind other than q8_0,
         q4_0, q4_1, or shapes that do not match."""
         if not self.panels_built() or kind not in PANEL_KINDS or x.dtype != jnp.float32 or w.dtype != jnp.uint8:

@@ -79,7 +79,8 @@ void split_rows(const float* X, int64_t K, int64_t KB, uint16_t* A, int64_t n0, 
     for (; k + 16 <= K; k += 16) {
       const __m512 v = _mm512_loadu_ps(x + k);
       const __m256i hi = (__m256i)_mm512_cvtneps_pbh(v);
-      const __m512 hi_f = _mm512_castsi512_ps(_mm512_maskz_slli_epi32(0xFFFF, _mm512_maskz_cvtepu16_epi32(0xFFFF, hi), 16));
+      const __m512 hi_f =
+          _mm512_castsi512_ps(_mm512_maskz_slli_epi32(0xFFFF, _mm512_maskz_cvtepu16_epi32(0xFFFF, hi), 16));
       const __m256i lo = (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(v, hi_f));
       uint16_t* t = row + (k / 32) * 1024 + (k % 32);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(t), hi);
@@ -93,7 +94,8 @@ void split_rows(const float* X, int64_t K, int64_t KB, uint16_t* A, int64_t n0, 
       alignas(32) uint16_t hi[16], lo[16];
       const __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
       _mm256_store_si256(reinterpret_cast<__m256i*>(hi), h);
-      const __m512 hi_f = _mm512_castsi512_ps(_mm512_maskz_slli_epi32(0xFFFF, _mm512_maskz_cvtepu16_epi32(0xFFFF, h), 16));
+      const __m512 hi_f =
+          _mm512_castsi512_ps(_mm512_maskz_slli_epi32(0xFFFF, _mm512_maskz_cvtepu16_epi32(0xFFFF, h), 16));
       _mm256_store_si256(reinterpret_cast<__m256i*>(lo), (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(v, hi_f)));
       for (int64_t j = 0; j < m; ++j) {
         uint16_t* t = row + ((k + j) / 32) * 1024 + ((k + j) % 32);
@@ -107,24 +109,24 @@ void split_rows(const float* X, int64_t K, int64_t KB, uint16_t* A, int64_t n0, 
 // Output tile (r, c) from tile register T: straight into y where the whole tile lies inside it,
 // else through a copy. (A macro: GCC's tile intrinsics take the register as a literal.)
 // C tiles 0-3 (rows of A tiles 6-7 x columns of B tiles 4-5) += A x B: the 2x2 block's 4 products.
-#define TL_DP_2X2()            \
-  do {                         \
-    _tile_dpbf16ps(0, 6, 4);   \
-    _tile_dpbf16ps(1, 6, 5);   \
-    _tile_dpbf16ps(2, 7, 4);   \
-    _tile_dpbf16ps(3, 7, 5);   \
+#define TL_DP_2X2()          \
+  do {                       \
+    _tile_dpbf16ps(0, 6, 4); \
+    _tile_dpbf16ps(1, 6, 5); \
+    _tile_dpbf16ps(2, 7, 4); \
+    _tile_dpbf16ps(3, 7, 5); \
   } while (0)
 
-#define TL_STORE_TILE(T, Y, N, O, r, c)                                                     \
-  do {                                                                                     \
-    if ((r) + 16 <= (N) && (c) + 16 <= (O)) {                                              \
-      _tile_stored(T, (Y) + (r) * (O) + (c), (O) * sizeof(float));                         \
-    } else {                                                                               \
-      alignas(64) float t_[256];                                                           \
-      _tile_stored(T, t_, 64);                                                             \
-      for (int64_t i = 0; i < 16 && (r) + i < (N); ++i)                                    \
+#define TL_STORE_TILE(T, Y, N, O, r, c)                                                                    \
+  do {                                                                                                     \
+    if ((r) + 16 <= (N) && (c) + 16 <= (O)) {                                                              \
+      _tile_stored(T, (Y) + (r) * (O) + (c), (O) * sizeof(float));                                         \
+    } else {                                                                                               \
+      alignas(64) float t_[256];                                                                           \
+      _tile_stored(T, t_, 64);                                                                             \
+      for (int64_t i = 0; i < 16 && (r) + i < (N); ++i)                                                    \
         for (int64_t j = 0; j < 16 && (c) + j < (O); ++j) (Y)[((r) + i) * (O) + (c) + j] = t_[i * 16 + j]; \
-    }                                                                                      \
+    }                                                                                                      \
   } while (0)
 
 // Column-block pairs [p0, p1) against every row.
@@ -211,9 +213,8 @@ ffi::Error GemmBf16x3(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   const int64_t tasks = std::min(threads, pairs);
   const uint16_t* Wp = w.typed_data();
   float* Y = y->typed_data();
-  parallel_for(pool, tasks, [&](int64_t t) {
-    bf16x3_pairs(A, N, NB, Wp, KB, Y, O, pairs * t / tasks, pairs * (t + 1) / tasks);
-  });
+  parallel_for(pool, tasks,
+               [&](int64_t t) { bf16x3_pairs(A, N, NB, Wp, KB, Y, O, pairs * t / tasks, pairs * (t + 1) / tasks); });
   return ffi::Error::Success();
 }
 
@@ -226,7 +227,8 @@ namespace tl {
 namespace {
 
 ffi::Error GemmBf16x3(ffi::ThreadPool, ffi::Buffer<ffi::F32>, ffi::Buffer<ffi::U16>, ffi::ResultBuffer<ffi::F32>) {
-  return ffi::Error(ffi::ErrorCode::kUnimplemented, "this build of native.cc has no AMX-BF16 (cpu_native.amx_available())");
+  return ffi::Error(ffi::ErrorCode::kUnimplemented,
+                    "this build of native.cc has no AMX-BF16 (cpu_native.amx_available())");
 }
 
 bool amx_available() { return false; }
@@ -240,6 +242,6 @@ extern "C" int64_t TlAmxAvailable() { return tl::amx_available() ? 1 : 0; }
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TlGemmBf16x3, tl::GemmBf16x3,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // x [N, K]
-                                  .Arg<ffi::Buffer<ffi::U16>>()   // w packed [OB, KB, 2, 16, 32]
-                                  .Ret<ffi::Buffer<ffi::F32>>()); // y [N, ...]
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // x [N, K]
+                                  .Arg<ffi::Buffer<ffi::U16>>()    // w packed [OB, KB, 2, 16, 32]
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // y [N, ...]

@@ -45,15 +45,15 @@ inline void prefetch_pair(const float* a, const float* b, int64_t n) {
 // KV: float, or uint16_t for a cache of bf16 bits (kv_cache_dtype = "bfloat16").
 template <typename KV>
 struct ProblemT {
-  const float* q;           // [T, Hk, G, hd], already scaled by 1/sqrt(hd)
-  const KV* k;              // [L, NB, Hk, hd, bs]
-  const KV* v;              // [L, NB, Hk, bs, hd]
-  const int32_t* seq_idx;   // [T], -1 for padding
-  const int32_t* start_pos; // [S]
-  const int32_t* tables;    // [S, MB]
-  float* m;                 // [T, Hk, G]
-  float* l;                 // [T, Hk, G]
-  float* acc;               // [T, Hk, G, hd]
+  const float* q;            // [T, Hk, G, hd], already scaled by 1/sqrt(hd)
+  const KV* k;               // [L, NB, Hk, hd, bs]
+  const KV* v;               // [L, NB, Hk, bs, hd]
+  const int32_t* seq_idx;    // [T], -1 for padding
+  const int32_t* start_pos;  // [S]
+  const int32_t* tables;     // [S, MB]
+  float* m;                  // [T, Hk, G]
+  float* l;                  // [T, Hk, G]
+  float* acc;                // [T, Hk, G, hd]
   int64_t T, Hk, G, hd, NB, bs, S, MB, layer;
   const int32_t* positions = nullptr;  // [T]; read only with a window
   int64_t window = 0;                  // sliding window (0: none): keys at positions > the token's - window
@@ -61,7 +61,7 @@ struct ProblemT {
 };
 using Problem = ProblemT<float>;
 
-constexpr int64_t kMaxBlock = 64;   // block_size limit of the score buffer
+constexpr int64_t kMaxBlock = 64;  // block_size limit of the score buffer
 constexpr int64_t kMaxHeadDim = 256;
 
 // The first cached key token t sees: 0, or with a sliding window the first inside it (the
@@ -87,8 +87,8 @@ inline void block_span(const ProblemT<KV>& p, int64_t ctx, int64_t k0, int64_t& 
 // heads. BS and HD are compile-time block size and head dim for the common shapes (0: runtime
 // bs, hd), so that a block's scores of one query head and its output row stay in registers.
 template <int64_t BS, int64_t HD>
-inline void fold_block(const float* q, const float* K, const float* V, int64_t j0, int64_t n, int64_t G,
-                       int64_t bs_rt, int64_t hd_rt, float* m, float* l, float* acc) {
+inline void fold_block(const float* q, const float* K, const float* V, int64_t j0, int64_t n, int64_t G, int64_t bs_rt,
+                       int64_t hd_rt, float* m, float* l, float* acc) {
   const int64_t bs = BS ? BS : bs_rt;
   const int64_t hd = HD ? HD : hd_rt;
   float s[kMaxBlock];
@@ -429,7 +429,6 @@ FoldFnT<KV> pick(const ProblemT<KV>& p) {
 // ran 50x slower); hence one-row matmuls only, where the ops around them run on one thread, and
 // a short linger.
 
-
 // Every table entry a token will read must name a block of the cache: a bad table is an
 // error, never an out-of-bounds read.
 template <typename KV>
@@ -459,16 +458,33 @@ template <ffi::DataType KVT>
 ffi::Error cached_problem(const ffi::Buffer<ffi::F32>& q, const ffi::Buffer<KVT>& k_cache,
                           const ffi::Buffer<KVT>& v_cache, const ffi::Buffer<ffi::S32>& layer,
                           const ffi::Buffer<ffi::S32>& seq_idx, const ffi::Buffer<ffi::S32>& positions,
-                          const ffi::Buffer<ffi::S32>& start_pos, const ffi::Buffer<ffi::S32>& tables,
-                          int32_t window, float* m, float* l, float* acc, ProblemT<ffi::NativeType<KVT>>& p) {
+                          const ffi::Buffer<ffi::S32>& start_pos, const ffi::Buffer<ffi::S32>& tables, int32_t window,
+                          float* m, float* l, float* acc, ProblemT<ffi::NativeType<KVT>>& p) {
   const auto qd = q.dimensions();
   const auto kd = k_cache.dimensions();
   const auto td = tables.dimensions();
   if (qd.size() != 4 || kd.size() != 5 || td.size() != 2)
     return ffi::Error::InvalidArgument("expected q [T,Hk,G,hd], k_cache [L,NB,Hk,hd,bs], tables [S,MB]");
-  p = {q.typed_data(), k_cache.typed_data(), v_cache.typed_data(), seq_idx.typed_data(),
-       start_pos.typed_data(), tables.typed_data(), m, l, acc, qd[0], qd[1], qd[2], qd[3], kd[1], kd[4],
-       td[0], td[1], static_cast<int64_t>(layer.typed_data()[0]), positions.typed_data(), window};
+  p = {q.typed_data(),
+       k_cache.typed_data(),
+       v_cache.typed_data(),
+       seq_idx.typed_data(),
+       start_pos.typed_data(),
+       tables.typed_data(),
+       m,
+       l,
+       acc,
+       qd[0],
+       qd[1],
+       qd[2],
+       qd[3],
+       kd[1],
+       kd[4],
+       td[0],
+       td[1],
+       static_cast<int64_t>(layer.typed_data()[0]),
+       positions.typed_data(),
+       window};
   if (kd[2] != p.Hk || kd[3] != p.hd) return ffi::Error::InvalidArgument("cache heads or head_dim differ from q");
   const auto vd = v_cache.dimensions();
   if (vd.size() != 5 || vd[0] != kd[0] || vd[1] != kd[1] || vd[2] != kd[2] || vd[3] != kd[4] || vd[4] != kd[3])
@@ -481,8 +497,9 @@ ffi::Error cached_problem(const ffi::Buffer<ffi::F32>& q, const ffi::Buffer<KVT>
     return ffi::Error::InvalidArgument("start_pos is not [S] of the block tables' S");
   if (p.layer >= kd[0]) return ffi::Error::InvalidArgument("layer out of range");
   if (pick(p) == nullptr)
-    return ffi::Error::InvalidArgument("a bf16 cache needs block_size 16 with head_dim 64 (1-4 query heads a KV head) "
-                                       "or 128 (1-2)");
+    return ffi::Error::InvalidArgument(
+        "a bf16 cache needs block_size 16 with head_dim 64 (1-4 query heads a KV head) "
+        "or 128 (1-2)");
   return check(p);
 }
 
@@ -563,8 +580,8 @@ void merge_runs(const float* rm, const float* rl, const float* racc, int64_t P, 
   }
 }
 
-void local_fold_small(const float* q, const float* k, const float* v, int64_t lo, int64_t t, int64_t Hk,
-                      int64_t h, int64_t G, int64_t hd, float* m, float* l, float* acc) {
+void local_fold_small(const float* q, const float* k, const float* v, int64_t lo, int64_t t, int64_t Hk, int64_t h,
+                      int64_t G, int64_t hd, float* m, float* l, float* acc) {
   for (int64_t g = 0; g < G; ++g) {
     const float* qg = q + g * hd;
     float* ag = acc + g * hd;
@@ -599,8 +616,8 @@ ffi::Error SmallAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
   const int64_t T = qd[0], Hk = qd[1], G = qd[2], hd = qd[3];
   const auto nd = k_new.dimensions();
   const auto nvd = v_new.dimensions();
-  if (nd.size() != 3 || nd[0] != T || nd[1] != Hk || nd[2] != hd || nvd.size() != 3 || nvd[0] != T ||
-      nvd[1] != Hk || nvd[2] != hd)
+  if (nd.size() != 3 || nd[0] != T || nd[1] != Hk || nd[2] != hd || nvd.size() != 3 || nvd[0] != T || nvd[1] != Hk ||
+      nvd[2] != hd)
     return ffi::Error::InvalidArgument("k_new or v_new is not [T,Hk,hd] of q's sizes");
   // The cached part's state: m and l in scratch, acc in the output (normalised in place).
   std::vector<float> ml(static_cast<size_t>(2 * T * Hk * G));
@@ -686,22 +703,23 @@ template <ffi::DataType KVT>
 auto small_attention_binding() {
   return ffi::Ffi::Bind()
       .Ctx<ffi::ThreadPool>()
-      .Arg<ffi::Buffer<ffi::F32>>()               // q [T,Hk,G,hd], scaled
-      .Arg<ffi::Buffer<ffi::F32>>()               // k_new
-      .Arg<ffi::Buffer<ffi::F32>>()               // v_new
-      .Arg<ffi::Buffer<KVT>>()                    // k_cache
-      .template Arg<ffi::Buffer<KVT>>()           // v_cache
-      .template Arg<ffi::Buffer<ffi::S32>>()      // layer
-      .template Arg<ffi::Buffer<ffi::S32>>()      // seq_idx
-      .template Arg<ffi::Buffer<ffi::S32>>()      // positions
-      .template Arg<ffi::Buffer<ffi::S32>>()      // start_pos
-      .template Arg<ffi::Buffer<ffi::S32>>()      // block_tables
-      .template Ret<ffi::Buffer<ffi::F32>>()      // out [T,Hk,G,hd]
-      .template Attr<int32_t>("window");          // sliding window, 0: none
+      .Arg<ffi::Buffer<ffi::F32>>()           // q [T,Hk,G,hd], scaled
+      .Arg<ffi::Buffer<ffi::F32>>()           // k_new
+      .Arg<ffi::Buffer<ffi::F32>>()           // v_new
+      .Arg<ffi::Buffer<KVT>>()                // k_cache
+      .template Arg<ffi::Buffer<KVT>>()       // v_cache
+      .template Arg<ffi::Buffer<ffi::S32>>()  // layer
+      .template Arg<ffi::Buffer<ffi::S32>>()  // seq_idx
+      .template Arg<ffi::Buffer<ffi::S32>>()  // positions
+      .template Arg<ffi::Buffer<ffi::S32>>()  // start_pos
+      .template Arg<ffi::Buffer<ffi::S32>>()  // block_tables
+      .template Ret<ffi::Buffer<ffi::F32>>()  // out [T,Hk,G,hd]
+      .template Attr<int32_t>("window");      // sliding window, 0: none
 }
 
 }  // namespace
 }  // namespace tl
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TlSmallAttention, tl::SmallAttention<ffi::F32>, tl::small_attention_binding<ffi::F32>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(TlSmallAttentionBf16, tl::SmallAttention<ffi::U16>, tl::small_attention_binding<ffi::U16>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TlSmallAttentionBf16, tl::SmallAttention<ffi::U16>,
+                              tl::small_attention_binding<ffi::U16>());

@@ -77,12 +77,15 @@ void dot_form(xla::ffi::ThreadPool& pool, const float* X, int64_t N, int64_t K, 
               float* Y, bool linger_after) {
   const int64_t blocks = O / kDotMO;  // the last O % kDotMO outputs one by one
   const int64_t tasks = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), blocks));
-  parallel_for(pool, tasks, [&](int64_t task) {
-    const int64_t b0 = blocks * task / tasks, b1 = blocks * (task + 1) / tasks;
-    for (int64_t b = b0; b < b1; ++b) dot_outputs<L, kDotMO>(X, N, K, W, O, Y, kDotMO * b, b + 1 < b1);
-    if (task == tasks - 1)
-      for (int64_t o = kDotMO * blocks; o < O; ++o) dot_outputs<L, 1>(X, N, K, W, O, Y, o, false);
-  }, linger_after);
+  parallel_for(
+      pool, tasks,
+      [&](int64_t task) {
+        const int64_t b0 = blocks * task / tasks, b1 = blocks * (task + 1) / tasks;
+        for (int64_t b = b0; b < b1; ++b) dot_outputs<L, kDotMO>(X, N, K, W, O, Y, kDotMO * b, b + 1 < b1);
+        if (task == tasks - 1)
+          for (int64_t o = kDotMO * blocks; o < O; ++o) dot_outputs<L, 1>(X, N, K, W, O, Y, o, false);
+      },
+      linger_after);
 }
 
 }  // namespace tl

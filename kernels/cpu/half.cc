@@ -84,8 +84,12 @@ void bf16_rows(const float* X, int64_t N, int64_t K, int64_t KP, uint16_t* out) 
   for (int64_t n = 0; n < N; ++n)
     for (int64_t k = 0; k < KP; k += 32) {
       const int64_t left = K - k;
-      const __mmask16 m0 = left >= 16 ? __mmask16{0xffff} : left <= 0 ? __mmask16{0} : static_cast<__mmask16>((1u << left) - 1);
-      const __mmask16 m1 = left >= 32 ? __mmask16{0xffff} : left <= 16 ? __mmask16{0} : static_cast<__mmask16>((1u << (left - 16)) - 1);
+      const __mmask16 m0 = left >= 16  ? __mmask16{0xffff}
+                           : left <= 0 ? __mmask16{0}
+                                       : static_cast<__mmask16>((1u << left) - 1);
+      const __mmask16 m1 = left >= 32   ? __mmask16{0xffff}
+                           : left <= 16 ? __mmask16{0}
+                                        : static_cast<__mmask16>((1u << (left - 16)) - 1);
       const __m512 lo = _mm512_maskz_loadu_ps(m0, X + n * K + k);
       const __m512 hi = _mm512_maskz_loadu_ps(m1, X + n * K + k + 16);
       _mm512_storeu_si512(out + n * KP + k, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
@@ -203,16 +207,20 @@ void bdot(ffi::ThreadPool& pool, const float* X, int64_t N, int64_t K, const uin
   // Ranges of whole tiles of 16 outputs over the threads (more tasks than threads past a few
   // rows: the threads take them as they finish).
   const int64_t tiles = (O + 15) / 16;
-  const int64_t tasks = std::max<int64_t>(1, std::min<int64_t>(tiles, N == 1 ? pool.num_threads() : 8 * pool.num_threads()));
-  parallel_for(pool, tasks, [&](int64_t task) {
-    const int64_t a = std::min(O, 16 * (tiles * task / tasks)), b = std::min(O, 16 * (tiles * (task + 1) / tasks));
-    if (N == 1)
-      bdot_outputs<16, 1>(xp, KP, N, W, K, O, Y, a, b);
-    else if (N <= 3)
-      bdot_outputs<8, 2>(xp, KP, N, W, K, O, Y, a, b);
-    else
-      bdot_outputs<4, 4>(xp, KP, N, W, K, O, Y, a, b);
-  }, /*linger_after=*/N == 1);
+  const int64_t tasks =
+      std::max<int64_t>(1, std::min<int64_t>(tiles, N == 1 ? pool.num_threads() : 8 * pool.num_threads()));
+  parallel_for(
+      pool, tasks,
+      [&](int64_t task) {
+        const int64_t a = std::min(O, 16 * (tiles * task / tasks)), b = std::min(O, 16 * (tiles * (task + 1) / tasks));
+        if (N == 1)
+          bdot_outputs<16, 1>(xp, KP, N, W, K, O, Y, a, b);
+        else if (N <= 3)
+          bdot_outputs<8, 2>(xp, KP, N, W, K, O, Y, a, b);
+        else
+          bdot_outputs<4, 4>(xp, KP, N, W, K, O, Y, a, b);
+      },
+      /*linger_after=*/N == 1);
 }
 #endif
 
@@ -264,7 +272,7 @@ extern "C" int64_t TlGemvHalfMaxRows(int32_t kind) { return tl::max_rows(kind); 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TlGemvHalf, tl::GemvHalf,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // x [N, K]
-                                  .Arg<ffi::Buffer<ffi::U8>>()    // w [..., 2 K]: the weights' bytes
-                                  .Attr<int32_t>("kind")          // 0 f16, 1 bf16
-                                  .Ret<ffi::Buffer<ffi::F32>>()); // y [N, ...]
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // x [N, K]
+                                  .Arg<ffi::Buffer<ffi::U8>>()     // w [..., 2 K]: the weights' bytes
+                                  .Attr<int32_t>("kind")           // 0 f16, 1 bf16
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // y [N, ...]

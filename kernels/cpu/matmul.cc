@@ -106,8 +106,8 @@ TL_STRICT_MATH float rescale(int32_t acc, float x_scale, float w_scale) {
   return t * w_scale;
 }
 
-ffi::Error GemvInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> q,
-                    ffi::Buffer<ffi::F32> scale, ffi::ResultBuffer<ffi::F32> y) {
+ffi::Error GemvInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> q, ffi::Buffer<ffi::F32> scale,
+                    ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions();
   const auto qd = q.dimensions();
   if (xd.size() != 2 || qd.size() < 2 || xd[1] != qd[qd.size() - 1])
@@ -115,7 +115,8 @@ ffi::Error GemvInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
   const int64_t N = xd[0], K = xd[1];
   if (K < 1) return ffi::Error::InvalidArgument("q has no columns");
   const int64_t O = static_cast<int64_t>(q.element_count()) / K;
-  if (static_cast<int64_t>(scale.element_count()) != O) return ffi::Error::InvalidArgument("scale is not [...] of q's rows");
+  if (static_cast<int64_t>(scale.element_count()) != O)
+    return ffi::Error::InvalidArgument("scale is not [...] of q's rows");
   if (N > 16) return ffi::Error::InvalidArgument("gemv takes at most 16 rows");
   std::vector<int16_t> xq(static_cast<size_t>(N * K));  // int8 values, widened once
   float x_scale[16];
@@ -126,12 +127,15 @@ ffi::Error GemvInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
   // One contiguous range of output rows a thread (one stream of weights each, as the float
   // one-row matmul), its helper lingering for the next call.
   const int64_t tasks = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), O / 16));
-  parallel_for(pool, tasks, [&](int64_t task) {
-    for (int64_t o = O * task / tasks; o < O * (task + 1) / tasks; ++o) {
-      const int8_t* row = Q + o * K;
-      for (int64_t n = 0; n < N; ++n) Y[n * O + o] = rescale(dot_i8(xq.data() + n * K, row, K), x_scale[n], S[o]);
-    }
-  }, /*linger_after=*/N == 1);
+  parallel_for(
+      pool, tasks,
+      [&](int64_t task) {
+        for (int64_t o = O * task / tasks; o < O * (task + 1) / tasks; ++o) {
+          const int8_t* row = Q + o * K;
+          for (int64_t n = 0; n < N; ++n) Y[n * O + o] = rescale(dot_i8(xq.data() + n * K, row, K), x_scale[n], S[o]);
+        }
+      },
+      /*linger_after=*/N == 1);
   return ffi::Error::Success();
 }
 
@@ -143,14 +147,14 @@ extern "C" int64_t TlGemvMaxRows() { return tl::kGemmRows; }
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TlGemv, tl::Gemv,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // x [N, K]
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // w [..., K]
-                                  .Ret<ffi::Buffer<ffi::F32>>()); // y [N, ...]
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // x [N, K]
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // w [..., K]
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // y [N, ...]
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TlGemvInt8, tl::GemvInt8,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // x [N, K]
-                                  .Arg<ffi::Buffer<ffi::S8>>()    // q [..., K]
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // scale [...]
-                                  .Ret<ffi::Buffer<ffi::F32>>()); // y [N, ...]
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // x [N, K]
+                                  .Arg<ffi::Buffer<ffi::S8>>()     // q [..., K]
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // scale [...]
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // y [N, ...]

@@ -70,6 +70,6 @@ ffi::Error ArgmaxLse(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::ResultB
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TlArgmaxLse, tl::ArgmaxLse,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // x [R, V]
-                                  .Ret<ffi::Buffer<ffi::S32>>()   // token [R]
-                                  .Ret<ffi::Buffer<ffi::F32>>()); // lse [R]
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // x [R, V]
+                                  .Ret<ffi::Buffer<ffi::S32>>()    // token [R]
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // lse [R]

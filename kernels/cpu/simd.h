@@ -96,8 +96,8 @@ template <typename V, typename I>
 inline V vexp_t(V x) {
   x = x < -87.0f ? V{} - 87.0f : x;
   const V t = x * 1.44269504088896341f;
-  V n = __builtin_convertvector(__builtin_convertvector(t, I), V);  // trunc toward 0
-  n = n > t ? n - 1.0f : n;                                         // floor
+  V n = __builtin_convertvector(__builtin_convertvector(t, I), V);           // trunc toward 0
+  n = n > t ? n - 1.0f : n;                                                  // floor
   const V r = (x - n * 0.693145751953125f) - n * 1.428606765330187045e-06f;  // in [0, ln 2)
   V p = V{} + 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
@@ -155,29 +155,29 @@ struct v16 {
   }
 };
 
-#define TL_V16_BINARY(OP)                                                  \
-  inline v16 operator OP(v16 a, v16 b) {                                   \
-    for (int i = 0; i < kParts; ++i) a.p[i] = a.p[i] OP b.p[i];            \
-    return a;                                                              \
-  }                                                                        \
-  inline v16 operator OP(v16 a, float b) {                                 \
-    for (int i = 0; i < kParts; ++i) a.p[i] = a.p[i] OP b;                 \
-    return a;                                                              \
-  }                                                                        \
-  inline v16 operator OP(float a, v16 b) {                                 \
-    for (int i = 0; i < kParts; ++i) b.p[i] = a OP b.p[i];                 \
-    return b;                                                              \
+#define TL_V16_BINARY(OP)                                       \
+  inline v16 operator OP(v16 a, v16 b) {                        \
+    for (int i = 0; i < kParts; ++i) a.p[i] = a.p[i] OP b.p[i]; \
+    return a;                                                   \
+  }                                                             \
+  inline v16 operator OP(v16 a, float b) {                      \
+    for (int i = 0; i < kParts; ++i) a.p[i] = a.p[i] OP b;      \
+    return a;                                                   \
+  }                                                             \
+  inline v16 operator OP(float a, v16 b) {                      \
+    for (int i = 0; i < kParts; ++i) b.p[i] = a OP b.p[i];      \
+    return b;                                                   \
   }
 TL_V16_BINARY(+)
 TL_V16_BINARY(-)
 TL_V16_BINARY(*)
 #undef TL_V16_BINARY
 
-#define TL_V16_COMPARE(T, OP)                                              \
-  inline m16 operator OP(T a, T b) {                                       \
-    m16 m;                                                                 \
-    for (int i = 0; i < kParts; ++i) m.p[i] = a.p[i] OP b.p[i];            \
-    return m;                                                              \
+#define TL_V16_COMPARE(T, OP)                                   \
+  inline m16 operator OP(T a, T b) {                            \
+    m16 m;                                                      \
+    for (int i = 0; i < kParts; ++i) m.p[i] = a.p[i] OP b.p[i]; \
+    return m;                                                   \
   }
 TL_V16_COMPARE(v16, <)
 TL_V16_COMPARE(v16, >)

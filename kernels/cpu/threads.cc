@@ -14,8 +14,8 @@ namespace {
 std::atomic<int64_t> g_linger_ns{50000};  // TlSetLingerNs: benchmarks compare values, 0 = off
 
 int64_t now_ns() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(
-             std::chrono::steady_clock::now().time_since_epoch()).count();
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
 }
 
 }  // namespace

@@ -1,4 +1,4 @@
-"""kernels/cpu_native.py `qgemm` (kernels/cpu/quant.cc): matmuls over llama.cpp's q8_0, q4_0, q4_1,
+"""kernels/cpu_native.py `qgemm` (kernels/cpu/quant.h): matmuls over llama.cpp's q8_0, q4_0, q4_1,
 q5_0 and q5_1 blocks and q4_k, q5_k, q6_k super-blocks, once per build this CPU runs (as
 tests/kernels/test_cpu_native.py's `lib`).
 

@@ -1,4 +1,4 @@
-"""Block weights repacked at load into panels (tl/model/encodings/panels.py, kernels/cpu/quant.cc
+"""Block weights repacked at load into panels (tl/model/encodings/panels.py, kernels/cpu/quant_ffi.cc
 TlQGemmPanels, the plan's weight_layout).
 
 - The layout holds the stored bytes: read back inside the step they are the GGUF's, and a

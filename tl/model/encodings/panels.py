@@ -1,6 +1,6 @@
 """Block-format weights repacked at load into panels of 16 outputs, as the native CPU kernel streams them.
 
-Owns: `Panels` (q8_0, q4_0 or q4_1 weights as kernels/cpu/quant.cc's TlQGemmPanels reads them:
+Owns: `Panels` (q8_0, q4_0 or q4_1 weights as kernels/cpu/quant_ffi.cc's TlQGemmPanels reads them:
 uint8 [panels, blocks, 16 x block bytes], the outputs padded to a multiple of 16 with zero
 blocks), `pack` (a `Blocks` weight -> `Panels`, numpy, at load), `stored` (the inverse inside
 the step, jnp: XLA's arithmetic and the embedding's lookups read the stored blocks back from it)
@@ -9,7 +9,7 @@ The layout of one panel's block of 32 inputs: its 16 outputs' stored blocks with
 bytes transposed to [G][16 outputs][4 bytes] (G = 8 for q8_0's 32 bytes, 4 for the nibble
 formats' 16), then the 16 d and (q4_1) the 16 m, as halves: as many bytes as the 16 stored
 blocks, so a model's resident size does not change. A 64-byte vector is then 16 outputs' 4
-bytes each, the int32 lanes of vpdpbusd (quant.cc says why that is faster). The values are the
+bytes each, the int32 lanes of vpdpbusd (quant_avx512.h says why that is faster). The values are the
 GGUF's exactly: `stored(pack(w))` is w's bytes, padding aside.
 Must not: decide when weights are packed (tl/runtime/execution.py's plan: `weight_layout`), place
 arrays on devices. Tested by tests/model/test_panels.py.

@@ -1,0 +1,328 @@
+// The AVX2 kernels (x86-64-v3; x86-64-v4, AVX-512 without VNNI): TL_QDOT_256 (quant.h).
+//
+// Owns: the exact family of the 32-input kinds (exact8 for one row, panels of 8 outputs,
+// panel8_tile, for more: any row count, qgemm_blocks) and the K-quants' dot_rows_k (vpmaddubsw
+// then vpmaddwd with the pairs' scales, 32 inputs a vector), which quant_tiles.h runs. Must not:
+// be compiled for another family (empty elsewhere). Included by quant_gemm.cc; tested by
+// tests/kernels/test_cpu_native_quant.py on every build this CPU runs.
+#pragma once
+
+#include "quant_x86.h"
+
+#if defined(TL_QDOT_256)
+namespace tl {
+namespace {
+
+constexpr int kTileRows = kRegs >= 32 ? 8 : 4;
+
+// The 32-input kinds run the exact family below (qgemm_blocks), the K-quants dot_rows_k;
+// quant_tiles.h's reference to dot_rows is never instantiated here.
+template <int KIND, int R>
+void dot_rows(const uint8_t* w, const XQ& x, int64_t n0, float out[R]);
+
+// Sum of u8 a times s8 b in 8 int32 lanes, the pairs through saturating int16 (no VNNI here):
+// exact for a <= 128 (|w|, or a q4_1 / q5_1 value <= 31) and |b| <= 127 (2 * 128 * 127 < 2^15).
+inline __m256i dot_u8s8_256(__m256i a, __m256i b) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1));
+}
+
+// The exact family (AVX2 without VNNI: x86-64-v3, x86-64-v4), the 32-input kinds: one arithmetic
+// for every row count, as the VNNI path's (quant_avx512.h), so a row's result does not depend on its
+// step's other rows: each block's int32 sum is exact and is added as acc = fma(sum, d_w * d_x,
+// acc), then acc = fma(m_w, s_x, acc), block by block, in 8 lanes that are 8 outputs. The
+// weights are codes u: the nibble formats unsigned (q4_0: the nibble, w = u - 8; q5_0: w = u -
+// 16; q4_1 / q5_1 as stored), their offset's share -off * sum(q_x) added once per block and row
+// (exact: |sum| < 2^20); q8_0 signed, by the sign trick (|w| * sign(x, w)). vpmaddubsw's int16
+// pairs cannot saturate: u <= 31 (2 * 31 * 128), |w| <= 128 against |x| <= 127. One row: exact8
+// (8 outputs' blocks unpacked as stored, the row's 8 dot vectors reduced to 8 block sums by
+// vphaddd); more: panels of 8 outputs, unpacked once a call into [block][group of 4
+// inputs][output] (the 8 x 8 int32 transpose), which a row meets as 8 vpmaddubsw against its 4
+// bytes broadcast, the lanes already outputs. SmolLM2 Q4_1 decode steps on Zen 3 (bench runner,
+// noisy machine): 1 row 7.0-9.9 ms, 2 rows 12.9-13.8, 4 rows 17.5-18.3, 16 rows 44-48, where the
+// tiles before (4 rows a tile per output, 8 float lanes a block summed at the end) took 9.9-10.3,
+// -, 17.4 and 81; exact8 for 2 rows (8 dot vectors and a reduction a row) took 13.8 ms, the
+// panels 12.9, so the panels start at 2.
+template <int KIND>
+constexpr int kOff256 = KIND == kQ4_0   ? 8
+                        : KIND == kQ5_0 ? 16
+                                        : 0;
+
+// A block's 32 codes: q4_0 / q5_0 their signed values plus the offset, q4_1 / q5_1 as stored,
+// q8_0 signed.
+template <int KIND>
+inline __m256i codes256(const uint8_t* b) {
+  if constexpr (kOff256<KIND> != 0) return _mm256_add_epi8(unpack256<KIND>(b), _mm256_set1_epi8(kOff256<KIND>));
+  return unpack256<KIND>(b);
+}
+
+// 8 int32 lanes of u8 codes (q8_0: signed w) against s8 x.
+template <int KIND>
+inline __m256i dot_codes(__m256i u, __m256i x) {
+  if constexpr (KIND == kQ8_0) return dot_u8s8_256(_mm256_sign_epi8(u, u), _mm256_sign_epi8(x, u));
+  return dot_u8s8_256(u, x);
+}
+
+// Lane j: the sum of p[j]'s 8 lanes.
+inline __m256i reduce8(const __m256i p[8]) {
+  const __m256i t0 = _mm256_hadd_epi32(p[0], p[1]), t1 = _mm256_hadd_epi32(p[2], p[3]);
+  const __m256i t2 = _mm256_hadd_epi32(p[4], p[5]), t3 = _mm256_hadd_epi32(p[6], p[7]);
+  const __m256i u0 = _mm256_hadd_epi32(t0, t1), u1 = _mm256_hadd_epi32(t2, t3);  // [p0..p3 low | high], p4..p7
+  return _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20), _mm256_permute2x128_si256(u0, u1, 0x31));
+}
+
+// The 8 rows' (d, m) of block b as floats: lanes j of d and m.
+template <int KIND>
+inline void scales_8(const uint8_t* const rows[8], int64_t at, __m256& d, __m256& m) {
+  const __m256i heads = scales8<8>(rows, at);
+  // Bytes 0-1 (d) of each 32-bit lane to the low 128 bits, bytes 2-3 (m) to the high.
+  const __m256i split = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15, 0, 1, 4, 5, 8, 9, 12, 13,
+                                         2, 3, 6, 7, 10, 11, 14, 15);
+  const __m256i dm = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(heads, split), 0xd8);
+  d = _mm256_cvtph_ps(_mm256_castsi256_si128(dm));
+  m = Fmt<KIND>::kHasM ? _mm256_cvtph_ps(_mm256_extracti128_si256(dm, 1)) : _mm256_setzero_ps();
+}
+
+// Row n's share of block b: acc = fma(sum, d_w * d_x, acc) (+ fma(m_w, s_x, acc)).
+template <int KIND>
+inline __m256 scale_block(__m256i sum, __m256 dw, __m256 mw, const XQ& x, const int32_t* xsum, int64_t n, int64_t b,
+                          __m256 acc) {
+  const int64_t at = n * x.nb + b;
+  if constexpr (kOff256<KIND> != 0) sum = _mm256_add_epi32(sum, _mm256_set1_epi32(-kOff256<KIND> * xsum[at]));
+  acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(dw, _mm256_set1_ps(x.d8[at * 8])), acc);
+  if constexpr (Fmt<KIND>::kHasM) acc = _mm256_fmadd_ps(mw, _mm256_set1_ps(x.s[at]), acc);
+  return acc;
+}
+
+// Outputs [o0, o0 + mo) (mo <= 8; past mo computed, not stored) against the one row of x.
+// `ahead`: rows 16 to 23 from o0 exist, prefetched a block's share a block (8 rows read side by
+// side are 8 streams row_bytes apart, which the hardware prefetcher follows badly: without it
+// one-row calls of a q4_1 1536 x 576 chain on Zen 3 ran at 9-10 GB/s, with it 21), into L2
+// (prefetch_l2: this build's SmolLM2 Q4_1 one-row decode steps on Zen 4 1.17x those prefetching
+// into L1).
+template <int KIND>
+inline void exact8(const uint8_t* W, int64_t row_bytes, const XQ& x, const int32_t* xsum, float* Y, int64_t o0, int mo,
+                   bool ahead) {
+  constexpr int64_t BB = Fmt<KIND>::kBytes;
+  const uint8_t* rows[8];
+  for (int j = 0; j < 8; ++j) rows[j] = W + (o0 + std::min(j, mo - 1)) * row_bytes;
+  __m256 acc = _mm256_setzero_ps();
+  const int64_t span = 8 * row_bytes, share = (span + x.nb - 1) / x.nb;
+  for (int64_t b = 0; b < x.nb; ++b) {
+    if (ahead)
+      for (int64_t l = 0; l < share; l += 64) prefetch_l2(rows[0] + 2 * span + b * share + l);
+    __m256 dw, mw;
+    scales_8<KIND>(rows, b * BB, dw, mw);
+    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + b * kQK));
+    __m256i p[8];
+    for (int j = 0; j < 8; ++j) p[j] = dot_codes<KIND>(codes256<KIND>(rows[j] + b * BB), xv);
+    acc = scale_block<KIND>(reduce8(p), dw, mw, x, xsum, 0, b, acc);
+  }
+  alignas(32) float out[8];
+  _mm256_store_ps(out, acc);
+  for (int j = 0; j < mo; ++j) Y[o0 + j] = out[j];
+}
+
+// A panel of 8 outputs unpacked: w [nb][8 groups] (lane j: output j's 4 codes of the group),
+// d and m [nb] (lane j: output j's d_w, m_w).
+struct Panel8 {
+  __m256i* w;
+  __m256* d;
+  __m256* m;
+};
+
+// 8 x 8 int32 transpose: out[g] lane j = in[j] lane g.
+inline void transpose8(const __m256i in[8], __m256i out[8]) {
+  __m256i t[8], v[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_epi32(in[2 * i], in[2 * i + 1]);      // a0 b0 a1 b1 | a4 b4 a5 b5
+    t[2 * i + 1] = _mm256_unpackhi_epi32(in[2 * i], in[2 * i + 1]);  // a2 b2 a3 b3 | a6 b6 a7 b7
+  }
+  for (int i = 0; i < 2; ++i)
+    for (int h = 0; h < 2; ++h) {
+      v[4 * i + 2 * h] = _mm256_unpacklo_epi64(t[4 * i + h], t[4 * i + 2 + h]);      // rows 4i..4i+3, g 2h | 2h+4
+      v[4 * i + 2 * h + 1] = _mm256_unpackhi_epi64(t[4 * i + h], t[4 * i + 2 + h]);  // g 2h+1 | 2h+5
+    }
+  for (int g = 0; g < 4; ++g) {
+    out[g] = _mm256_permute2x128_si256(v[g], v[4 + g], 0x20);
+    out[g + 4] = _mm256_permute2x128_si256(v[g], v[4 + g], 0x31);
+  }
+}
+
+template <int KIND>
+void unpack_panel8(const uint8_t* W, int64_t row_bytes, int64_t o0, int mo, int64_t nb, const Panel8& p) {
+  constexpr int64_t BB = Fmt<KIND>::kBytes;
+  const uint8_t* rows[8];
+  for (int j = 0; j < 8; ++j) rows[j] = W + (o0 + std::min(j, mo - 1)) * row_bytes;
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256i in[8];
+    for (int j = 0; j < 8; ++j) in[j] = codes256<KIND>(rows[j] + b * BB);
+    transpose8(in, p.w + b * 8);
+    scales_8<KIND>(rows, b * BB, p.d[b], p.m[b]);
+  }
+}
+
+template <int KIND, int R>
+inline void panel8_tile(const Panel8& p, const XQ& x, const int32_t* xsum, int64_t O, float* Y, int64_t o0, int mo,
+                        int64_t n0) {
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < x.nb; ++b) {
+    __m256i ia[R];
+    for (int r = 0; r < R; ++r) ia[r] = _mm256_setzero_si256();
+    const int8_t* xq = x.q + n0 * x.K + b * kQK;
+    if constexpr (KIND == kQ8_0) {
+#pragma GCC unroll 8
+      for (int g = 0; g < 8; ++g) {
+        const __m256i w = p.w[b * 8 + g];
+        for (int r = 0; r < R; ++r)
+          ia[r] = _mm256_add_epi32(
+              ia[r], dot_codes<KIND>(w, _mm256_set1_epi32(static_cast<int32_t>(
+                                            load_u32(reinterpret_cast<const uint8_t*>(xq + r * x.K + 4 * g))))));
+      }
+    } else {
+      // vpmaddubsw's int16 pairs summed in int16 over a run of groups before vpmaddwd: a pair is
+      // at most 2 * 15 * 127 (4-bit codes: 8 groups, 30480) or 2 * 31 * 127 (5-bit: 4, 31496).
+      constexpr int kRunG = KIND == kQ4_0 || KIND == kQ4_1 ? 8 : 4;
+      for (int g0 = 0; g0 < 8; g0 += kRunG) {
+        __m256i i16[R];
+        for (int r = 0; r < R; ++r) i16[r] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int g = g0; g < g0 + kRunG; ++g) {
+          const __m256i w = p.w[b * 8 + g];
+          for (int r = 0; r < R; ++r)
+            i16[r] = _mm256_add_epi16(
+                i16[r], _mm256_maddubs_epi16(w, _mm256_set1_epi32(static_cast<int32_t>(load_u32(
+                                                    reinterpret_cast<const uint8_t*>(xq + r * x.K + 4 * g))))));
+        }
+        for (int r = 0; r < R; ++r) ia[r] = _mm256_add_epi32(ia[r], _mm256_madd_epi16(i16[r], _mm256_set1_epi16(1)));
+      }
+    }
+    for (int r = 0; r < R; ++r) acc[r] = scale_block<KIND>(ia[r], p.d[b], p.m[b], x, xsum, n0 + r, b, acc[r]);
+  }
+  for (int r = 0; r < R; ++r) {
+    alignas(32) float out[8];
+    _mm256_store_ps(out, acc[r]);
+    for (int j = 0; j < mo; ++j) Y[(n0 + r) * O + o0 + j] = out[j];
+  }
+}
+
+constexpr int64_t kRun256 = 256;  // rows of x a panel's unpacked weights serve before the next run
+
+// Outputs [o0, o1) against every row of x, 8 outputs at a time.
+template <int KIND>
+void exact_outputs8(const uint8_t* W, int64_t row_bytes, const XQ& x, const int32_t* xsum, int64_t N, int64_t O,
+                    float* Y, int64_t o0, int64_t o1) {
+  if (N == 1) {
+    for (int64_t o = o0; o < o1; o += 8)
+      exact8<KIND>(W, row_bytes, x, xsum, Y, o, static_cast<int>(std::min<int64_t>(8, o1 - o)), o + 24 <= o1);
+    return;
+  }
+  thread_local Scratch scratch;  // the panel: w, then d, then m
+  __m256i* w = scratch.get<__m256i>(static_cast<size_t>(x.nb * 10));
+  const Panel8 p{w, reinterpret_cast<__m256*>(w + x.nb * 8), reinterpret_cast<__m256*>(w + x.nb * 9)};
+  // Runs of kRun rows (their x stays in L2 across the panels), each panel unpacked once a run.
+  for (int64_t n0 = 0; n0 < N; n0 += kRun256) {
+    const int64_t n1 = std::min(N, n0 + kRun256);
+    for (int64_t o = o0; o < o1; o += 8) {
+      const int mo = static_cast<int>(std::min<int64_t>(8, o1 - o));
+      unpack_panel8<KIND>(W, row_bytes, o, mo, x.nb, p);
+      int64_t n = n0;
+      for (; n + 4 <= n1; n += 4) panel8_tile<KIND, 4>(p, x, xsum, O, Y, o, mo, n);
+      with_rows<3>(n1 - n, [&](auto r) { panel8_tile<KIND, decltype(r)::value>(p, x, xsum, O, Y, o, mo, n); });
+    }
+  }
+}
+
+// The 32-input kinds: each row's block sums of q_x (the offset kinds' share), then one contiguous
+// range of whole groups of 8 outputs a thread (one stream of weights each); after a one-row call
+// the helper lingers for the next (threads.h).
+template <int KIND>
+void qgemm_blocks(ffi::ThreadPool& pool, const uint8_t* W, const XQ& x, int64_t N, int64_t O, float* Y) {
+  const int64_t row_bytes = x.nb * Fmt<KIND>::kBytes;
+  const int64_t tasks = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), O / 16));
+  thread_local std::vector<int32_t> xsum;
+  const int32_t* sums = nullptr;  // not xsum in the tasks: a thread_local names each thread's own
+  if constexpr (kOff256<KIND> != 0) {
+    xsum.resize(static_cast<size_t>(N * x.nb));
+    block_sums(x.q, N * x.nb, xsum.data());
+    sums = xsum.data();
+  }
+  const int64_t groups = (O + 7) / 8;
+  parallel_for(
+      pool, tasks,
+      [&](int64_t task) {
+        exact_outputs8<KIND>(W, row_bytes, x, sums, N, O, Y, std::min(O, 8 * (groups * task / tasks)),
+                             std::min(O, 8 * (groups * (task + 1) / tasks)));
+      },
+      /*linger_after=*/N == 1);
+}
+
+// Sub-block s (inputs 32 s .. 32 s + 31) as unsigned codes, in input order.
+template <int KIND>
+inline __m256i k_codes256(const uint8_t* b, int s) {
+  const __m256i m4 = _mm256_set1_epi8(15);
+  if constexpr (KIND == kQ6_K) {
+    const int h = s / 4, c = s % 4;
+    const __m256i l = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h + 32 * (c & 1)));
+    const __m256i lo = _mm256_and_si256(_mm256_srli_epi16(l, 4 * (c >> 1)), m4);
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h));
+    const __m256i hb = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * c), _mm256_set1_epi8(3));
+    return _mm256_or_si256(lo, _mm256_slli_epi16(hb, 4));
+  } else {
+    const __m256i t =
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + (KIND == kQ4_K ? 16 : 48) + 32 * (s / 2)));
+    __m256i u = _mm256_and_si256(_mm256_srli_epi16(t, 4 * (s & 1)), m4);
+    if constexpr (KIND == kQ5_K) {
+      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
+      u = _mm256_or_si256(u, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, s), _mm256_set1_epi8(1)), 4));
+    }
+    return u;
+  }
+}
+
+// AVX2 (and AVX-512 without VNNI): 32 inputs a vector, vpmaddubsw then vpmaddwd with the pairs'
+// int16 scales (lanes 0-7 group 2 s, 8-15 group 2 s + 1).
+template <int KIND, int R>
+inline void dot_rows_k(const uint8_t* w, const XQ& x, int64_t n0, float out[R]) {
+  constexpr int64_t BB = Fmt<KIND>::kBytes;
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < x.ns; ++b) {
+    const uint8_t* blk = w + b * BB;
+    float d, dmin;
+    const __m128i sb = k_scale_bytes<KIND>(blk, d, dmin);
+    __m256i isum[R];
+    for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int s = 0; s < 8; ++s) {
+      const __m256i u = k_codes256<KIND>(blk, s);
+      const __m256i sc = _mm256_cvtepi8_epi16(
+          _mm256_castsi256_si128(KIND == kQ6_K ? k_pick4(sb, 2 * s, 2 * s + 1, 0, 0) : k_pick4(sb, s, s, 0, 0)));
+      for (int r = 0; r < R; ++r) {
+        const __m256i xv =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + (n0 + r) * x.K + b * kQKK + 32 * s));
+        isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(u, xv), sc));
+      }
+    }
+    const __m256i mn = k_mins16<KIND>(sb);
+    const __m256 dw = _mm256_set1_ps(d), dmw = _mm256_set1_ps(dmin);
+    for (int r = 0; r < R; ++r) {
+      const int64_t at = (n0 + r) * x.ns + b;
+      const __m256i msum = _mm256_madd_epi16(mn, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.bs + at * 16)));
+      __m256 f;  // as the AVX-512 path's
+      if constexpr (KIND == kQ6_K) {
+        f = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(isum[r], msum)), dw);
+      } else {
+        f = _mm256_fmsub_ps(_mm256_cvtepi32_ps(isum[r]), dw, _mm256_mul_ps(_mm256_cvtepi32_ps(msum), dmw));
+      }
+      acc[r] = _mm256_fmadd_ps(f, _mm256_broadcast_ss(x.dk + at), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = hsum256(acc[r]);
+}
+
+}  // namespace
+}  // namespace tl
+
+#include "quant_tiles.h"
+#endif
