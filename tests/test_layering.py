@@ -336,3 +336,61 @@ def test_a_launcher_or_a_follower_imports_no_route() -> None:
     every serving process shares from serve/process.py, never the app with its routes."""
     for rel in ("serve/launch.py", "serve/follower.py"):
         assert not {"serve.app", "serve.routes"} & imports(ROOT / rel), rel
+
+
+def runtime_imports(source: str) -> set[str]:
+    """The absolute module names `source` imports when it runs, at any depth (function-level
+    imports too), but not those only the type checker reads (`if TYPE_CHECKING:` blocks)."""
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            node.body = []
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+            names.update(f"{node.module}.{a.name}" for a in node.names)  # a submodule imported by name
+    return names
+
+
+def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The circles of `graph` (module -> modules it imports): each strongly connected component
+    of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = stack[stack.index(v) :]
+            del stack[stack.index(v) :]
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_circle_in_tl() -> None:
+    """No two modules of tl/ import each other at run time, directly or round a longer circle
+    (a shared record goes to a leaf module instead); type-only imports aside."""
+    names = {
+        ".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
+        for p in ROOT.glob("tl/**/*.py")
+    }
+    graph = {m: {d for d in runtime_imports(p.read_text()) if d in names and d != m} for m, p in names.items()}
+    assert import_circles(graph) == []
+    assert import_circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]

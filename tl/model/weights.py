@@ -20,16 +20,14 @@ from __future__ import annotations
 from typing import Any, TypeAlias
 
 import jax
-from flax import struct
-from jax.sharding import PartitionSpec as P
 
-from tl.model import tree
 from tl.model.encodings import Axes, Encoding
 from tl.model.encodings.bf16x3 import Bf16x3
 from tl.model.encodings.blocks import BLOCK_ENCODINGS, Blocks
 from tl.model.encodings.dense import Dense
 from tl.model.encodings.int8 import Int8
 from tl.model.encodings.panels import Panels
+from tl.model.tensor import Tensor
 
 __all__ = [
     "ENCODINGS",
@@ -47,17 +45,6 @@ __all__ = [
     "matrix",
     "partition_specs",
 ]
-
-
-@tree.dataclass
-class Tensor:
-    """A parameter used as it is (a norm's scale, a bias)."""
-
-    value: Any
-    axes: Axes = struct.field(pytree_node=False, default=())
-
-    def specs(self) -> Tensor:
-        return Tensor(P(*self.axes), self.axes)
 
 
 Linear: TypeAlias = Dense | Int8 | Blocks | Bf16x3 | Panels

@@ -21,9 +21,10 @@ from kernels import cpu_native
 from tl.model import tree
 from tl.model.encodings import Axes
 from tl.model.encodings.dense import Dense
+from tl.model.tensor import Tensor
 
 if TYPE_CHECKING:
-    from tl.model.weights import Table, Tensor
+    from tl.model.weights import Table
 
 
 @tree.dataclass
@@ -48,8 +49,6 @@ class Bf16x3:
 
     @classmethod
     def head_packing(cls, head: Table) -> Tensor | None:
-        from tl.model.weights import Tensor
-
         return Tensor(cpu_native.pack_bf16x3(head.w), ()) if isinstance(head, Dense) else None
 
     @classmethod
