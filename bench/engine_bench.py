@@ -158,7 +158,7 @@ def run(argv: Sequence[str]) -> int:
     args = ap.parse_args(argv)
     print("config:", json.dumps(vars(args)))
 
-    from tl.ops.build import build_engine
+    from tl.entry.build import build_engine
 
     if args.host_split:
         counts = [int(n) for n in args.host_split.split(",")]

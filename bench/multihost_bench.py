@@ -2,7 +2,7 @@
 the same model on one process over N devices (the same sharded arithmetic, one controller).
 
 Owns `start_group` (N `tl serve` processes on localhost, one CPU device each, process 0 serving
-the API: also what tests/ops/test_multihost.py starts) and the measurement: per server, greedy
+the API: also what tests/entry/test_multihost.py starts) and the measurement: per server, greedy
 streams of `--tokens` tokens (ignore_eos) at each concurrency of `--streams`, output tok/s and
 the time between tokens; the group's leader logs what its step channel cost per step. The ratio
 group/single is the whole price of the group on one machine: the step channel and JAX's
@@ -224,7 +224,7 @@ def run(argv: Sequence[str]) -> int:
             f"{s['itl_p50_ms']:.1f} | {g_['itl_p50_ms']:.1f} |"
         )
     lines.append("")
-    lines.append(channel.split("tl.ops.multihost: ", 1)[-1])
+    lines.append(channel.split("tl.entry.multihost: ", 1)[-1])
     md = "\n".join(lines)
     (out / "report.md").write_text(md + "\n")
     (out / "results.json").write_text(json.dumps({"config": config, **results, "channel": channel}))

@@ -2,8 +2,8 @@
 
 Owns only this command line: serve.launch's serve_main (the process becomes granian), a bad
 or missing config reported in one line with exit status 2, as the `tl` command reports its
-errors. tl/ops/cli.py execs this in its own place because tl imports no serve.
-Tested by tests/ops/test_cli.py.
+errors. tl/entry/cli.py execs this in its own place because tl imports no serve.
+Tested by tests/entry/test_cli.py.
 """
 
 from __future__ import annotations

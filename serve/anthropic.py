@@ -50,7 +50,7 @@ from serve.wire import (
     ToolCall,
     encoder,
 )
-from tl.ops.served import ServedModel
+from tl.entry.served import ServedModel
 from tl.text.reasoning import ReasoningText
 from tl.text.tools import CallArgs, CallStart
 

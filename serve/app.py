@@ -13,8 +13,8 @@ drain_timeout_s (then are aborted, 2 s more for their error events), then grania
 to stop, and its lifespan shutdown stops the engine thread (bounded, each step timed); a
 second signal aborts every request at once and stops; exit 0.
 
-The engine and the record of the model it serves (tl/ops/served.py's ServedModel: all serve/
-knows of the model) come from the `engine_factory` App is built with: tl.ops.build's
+The engine and the record of the model it serves (tl/entry/served.py's ServedModel: all serve/
+knows of the model) come from the `engine_factory` App is built with: tl.entry.build's
 build_async_engine(cfg) for `app` below, a fake engine's for the tests (which hand granian
 their own target, tests/helpers/fake_app.py). Nothing here imports jax.
 Tested in memory by tests/serve/test_serve_app.py and over HTTP by tests/serve/test_serve_http.py.
@@ -62,8 +62,8 @@ from serve.signals import STOP, take_over_granian
 from tl.core.async_engine import AsyncEngine, EmbedHandle
 from tl.core.config import EngineConfig
 from tl.core.stats import BackendInfo, EngineStats
-from tl.ops.build import build_async_engine
-from tl.ops.served import ServedModel
+from tl.entry.build import build_async_engine
+from tl.entry.served import ServedModel
 
 if TYPE_CHECKING:
     from serve.otel import Tracing

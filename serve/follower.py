@@ -3,11 +3,11 @@
 Owns the follower's process: the health port (GET /healthz always; /readyz 200 once the runner
 is built, its start-up variants compiled and the leader reachable; /metrics), no API, and the
 exit status: 0 when the leader stops the group (the end of its drain), 3 when the group failed
-(tl/ops/multihost.py), 1 when its health port did not start (one ERROR line names the cause).
+(tl/entry/multihost.py), 1 when its health port did not start (one ERROR line names the cause).
 SIGTERM alone does not stop a follower: the leader is draining on the same signal and still
 needs it for the requests in flight; the leader's stop (or its loss) ends it.
-Must not touch the engine's internals: tl.ops.build's run_follower does the work.
-Tested by tests/ops/test_multihost.py.
+Must not touch the engine's internals: tl.entry.build's run_follower does the work.
+Tested by tests/entry/test_multihost.py.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from serve.health import HealthServer
 from serve.metrics import Metrics
 from serve.process import parse_listen, setup_logging
 from tl.core.config import EngineConfig
-from tl.ops.build import run_follower
+from tl.entry.build import run_follower
 
 log = logging.getLogger("serve.follower")
 HEALTH_START_S = 10.0

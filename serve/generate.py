@@ -30,7 +30,7 @@ from serve.params import GenSpec
 from serve.textstream import TextStream
 from tl.core.async_engine import AsyncEngine, EngineError, Outbox, Output, RequestHandle, settled
 from tl.core.request import Constraint, GenRequest, RequestError, TokenOut
-from tl.ops.served import ServedModel, TextTokenizer
+from tl.entry.served import ServedModel, TextTokenizer
 from tl.text.reasoning import Markers, ReasoningParser, ReasoningText, Thinking
 from tl.text.tools import CallStart, Event, ToolCallParser
 

@@ -9,7 +9,7 @@ bad key or value stops start-up here with its message), sets TL_CONFIG for the w
 runs granian's main process in this one (`GranianMain`: granian's own, except that a second
 stop signal is passed on to the worker, which granian's main alone would not do: the worker
 then stops at once). The drain runs in the worker (serve/app.py, serve/signals.py). granian
-imports the app by its target, `serve.app:app` (an App over tl.ops.build's engine); tests name
+imports the app by its target, `serve.app:app` (an App over tl.entry.build's engine); tests name
 another target, an App built with their fake engine. Tested by tests/serve/test_serve_config.py,
 tests/serve/test_serve_http.py and tests/serve/test_stop.py.
 """
@@ -27,7 +27,7 @@ from typing import Any, NoReturn
 from serve.config_load import load_config
 from serve.process import STOP_BOUND_S, parse_listen
 from tl.core.config import EngineConfig
-from tl.ops.build import is_follower
+from tl.entry.build import is_follower
 
 APP = "serve.app:app"
 log = logging.getLogger("serve")

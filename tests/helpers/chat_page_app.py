@@ -20,7 +20,7 @@ from tl.core.async_engine import AsyncEngine
 from tl.core.config import EngineConfig
 from tl.core.plan import RunnerOutput, SchedulerOutput, SeqResult
 from tl.core.stats import BackendInfo
-from tl.ops.served import ServedModel
+from tl.entry.served import ServedModel
 
 BACKEND = BackendInfo(
     device_kind="test runner",

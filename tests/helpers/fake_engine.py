@@ -12,7 +12,7 @@ FakeEngine has the members tl.core.async_engine.SyncEngine names, as tl.core.eng
 admits by the same rules (tl/core/request.py check_context and check_capacity).
 
 Also: ByteTokenizer, ConcatTemplate (the seed's `{% for m in messages %}{{ m.content }}`),
-`byte_model` (the ServedModel of tl/ops/served.py over them), `make_async_engine(cfg)` and
+`byte_model` (the ServedModel of tl/entry/served.py over them), `make_async_engine(cfg)` and
 `make_real_async_engine(cfg)`, engine factories for serve.app's App (the AsyncEngine and its
 ServedModel; tests/helpers/fake_app.py hands the latter to granian's App).
 """
@@ -37,7 +37,7 @@ from tl.core.config import EngineConfig
 from tl.core.plan import POOL_BITS, Overlapping, RunnerOutput, SchedulerOutput, SeqResult
 from tl.core.request import EmbedRequest, GenRequest, Guide, TokenOut, check_capacity, check_context
 from tl.core.stats import BackendInfo, EngineStats
-from tl.ops.served import ChatRenderer, ServedModel
+from tl.entry.served import ChatRenderer, ServedModel
 from tl.text.chat_template import ChatTemplate
 from tl.text.grammar import GrammarCompiler
 from tl.text.tools import FORMATS, ToolSetup, tool_template

@@ -24,7 +24,7 @@ from tests.helpers.models import IM_END_ID, SPECIAL_TOKENS, byte_tokenizer_json
 from tl.core.async_engine import AsyncEngine
 from tl.core.config import EngineConfig
 from tl.core.request import GenRequest, Guide
-from tl.ops.served import ServedModel
+from tl.entry.served import ServedModel
 from tl.text.chat_template import ChatTemplate
 from tl.text.grammar import GrammarCompiler
 from tl.text.reasoning import setup

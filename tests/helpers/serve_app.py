@@ -23,7 +23,7 @@ from tests.helpers.fake_engine import (
 from tl.core.async_engine import AsyncEngine
 from tl.core.config import EngineConfig
 from tl.core.engine import Engine
-from tl.ops.served import ServedModel
+from tl.entry.served import ServedModel
 
 CHAT = "/v1/chat/completions"
 

@@ -175,7 +175,7 @@ def test_server_without_a_compiler_answers_on_the_reference(tmp_path: Path, tiny
     kernels."""
     from tl.core.config import EngineConfig
     from tl.core.request import GenRequest, SamplingParams
-    from tl.ops.build import build_engine
+    from tl.entry.build import build_engine
     from tl.text.tokenizer import Tokenizer
 
     port, hport = free_port(), free_port()

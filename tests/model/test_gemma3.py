@@ -43,7 +43,7 @@ def test_prompt_ids_are_llama_cpps(gemma_dir: Path) -> None:
 
 
 def test_greedy_continuations_are_llama_cpps(gemma_dir: Path) -> None:
-    from tl.ops.build import build_engine
+    from tl.entry.build import build_engine
 
     cfg = EngineConfig(
         model_dir=str(gemma_dir),

@@ -238,7 +238,7 @@ def test_unknown_architecture_and_missing_tensors_are_named(tmp_path: Path) -> N
 
 @pytest.mark.slow
 def test_real_gemma3_270m(tmp_path: Path) -> None:
-    from tl.ops.pull import pull
+    from tl.entry.pull import pull
 
     d = pull("gemma3-270m", root=REPO_ROOT / "artifacts" / "models", progress=False)
     cfg = load_model_config(d)

@@ -202,7 +202,7 @@ def test_unsupported_tokenizers_are_named(tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def gemma_dir() -> Path:
-    from tl.ops.pull import pull
+    from tl.entry.pull import pull
 
     return pull("gemma3-270m", root=REPO_ROOT / "artifacts" / "models", progress=False)
 

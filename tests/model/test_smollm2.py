@@ -59,7 +59,7 @@ def test_engine_greedy_matches_reference_and_answers(
 ) -> None:
     from tl.core.config import EngineConfig
     from tl.core.request import GenRequest, SamplingParams
-    from tl.ops.build import build_engine
+    from tl.entry.build import build_engine
     from tl.text.tokenizer import Tokenizer
 
     cfg = EngineConfig(
@@ -100,9 +100,9 @@ def test_default_config_serves_the_gguf_as_llama_cpp_does(smol_dir: Path) -> Non
     4-product lane, answered as llama.cpp. A wrong nibble, scale or sign answers none of these."""
     from tl.core.config import EngineConfig
     from tl.core.request import GenRequest, SamplingParams
+    from tl.entry.build import build_engine
     from tl.model.encodings.blocks import Blocks
     from tl.model.encodings.panels import Panels
-    from tl.ops.build import build_engine
     from tl.text.chat_template import ChatTemplate
     from tl.text.tokenizer import Tokenizer
 

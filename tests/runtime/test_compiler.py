@@ -143,7 +143,7 @@ def test_requested_variants_compile_in_order_once_after_the_other_compilation() 
 
 
 def test_compiling_now_is_true_only_while_a_variant_compiles() -> None:
-    """What a multi-host peer's heartbeat reports (tl/ops/build.py passes it to both ends)."""
+    """What a multi-host peer's heartbeat reports (tl/entry/build.py passes it to both ends)."""
     seen: list[bool] = []
 
     def compile(v: tuple[int, int]) -> str:

@@ -2,7 +2,7 @@
 route the API port serves and nothing else, links POST /v1/responses to the operations its `id`
 feeds, and is what GET /openapi.json answers; and the server holds up under schemathesis.
 
-The fuzzed server is the real one: granian serving serve.app:app, tl.ops.build's JAX engine on the
+The fuzzed server is the real one: granian serving serve.app:app, tl.entry.build's JAX engine on the
 tiny random-weight Llama (tests/helpers/models.py), on loopback. Its cost is kept small: one compiled
 step variant (32 tokens x 4 sequences), the reference kernels (no native build or timing at
 start-up) and a 64-token context, which bounds every generation whatever max_tokens the

@@ -30,8 +30,8 @@ from tl.core.async_engine import AsyncEngine
 from tl.core.config import EngineConfig
 from tl.core.engine import Engine
 from tl.core.request import ContextLengthError, EmbedRequest, GenRequest, SamplingParams
-from tl.ops.build import build_async_engine
-from tl.ops.served import ServedModel
+from tl.entry.build import build_async_engine
+from tl.entry.served import ServedModel
 
 
 @pytest.fixture(params=["fake", "real"])

@@ -1,4 +1,4 @@
-"""The server over the real runner (tl.ops.build) on the tiny test models, in memory.
+"""The server over the real runner (tl.entry.build) on the tiny test models, in memory.
 
 One app per model (compiling is the cost): one step bucket (32 tokens x 4 sequences), so
 each model compiles once. succ: the hand example, stop strings and framing on real
@@ -18,7 +18,7 @@ from pathlib import Path
 from serve.app import App
 from tests.helpers.asgi_client import Reply, call, served
 from tl.core.config import EngineConfig
-from tl.ops.build import build_async_engine
+from tl.entry.build import build_async_engine
 
 CHAT = "/v1/chat/completions"
 

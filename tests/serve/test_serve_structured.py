@@ -24,7 +24,7 @@ from tl.core.async_engine import AsyncEngine
 from tl.core.config import EngineConfig
 from tl.core.engine import Engine
 from tl.core.request import ConstraintSpec
-from tl.ops.served import ServedModel
+from tl.entry.served import ServedModel
 from tl.text.grammar import Compiled, GrammarCompiler
 
 COMPLETIONS = "/v1/completions"

@@ -21,7 +21,7 @@ from tests.helpers.serve_app import CHAT, run
 from tl.core.async_engine import AsyncEngine
 from tl.core.config import EngineConfig
 from tl.core.engine import Engine
-from tl.ops.served import ServedModel
+from tl.entry.served import ServedModel
 from tl.text.tools import ToolSetup, setup
 
 CITY = {

@@ -365,7 +365,7 @@ class AsyncEngine:
     async def warmup(self) -> None:
         """Mark ready once the engine thread answers (one round trip through its commands).
 
-        tl.ops.build compiles the step variants start-up needs before it returns the engine, so
+        tl.entry.build compiles the step variants start-up needs before it returns the engine, so
         nothing is left to warm here; a thread that never took commands never turns ready.
         """
         await self.call(_nothing)
@@ -443,7 +443,7 @@ class AsyncEngine:
         self.engine.close()  # the runner's background compilation
 
     def fail(self, reason: str) -> None:
-        """From any thread: the engine can run no more steps (tl/ops/multihost.py's on_failure, while
+        """From any thread: the engine can run no more steps (tl/entry/multihost.py's on_failure, while
         the engine thread may be stuck in a step). Not ready from now on; every open request
         fails with EngineUnavailable(reason) on the loop, and submit refuses new ones with it."""
         self.failure = EngineUnavailable(reason)

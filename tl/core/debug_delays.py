@@ -1,6 +1,6 @@
 """Debug delays: make a start-up phase slow on purpose, so that a test can stop the server in it.
 
-Owns the delays: tl/ops/build.py hands over the TL_DEBUG_DELAYS variable (`configure`), comma-
+Owns the delays: tl/entry/build.py hands over the TL_DEBUG_DELAYS variable (`configure`), comma-
 separated `phase=seconds` pairs. Phases:
 `load` (before the model is loaded), `compile` (before each step variant is compiled, at
 start-up and in the background) and `step` (before each engine step that computes: streams

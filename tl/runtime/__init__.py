@@ -6,5 +6,5 @@ unpacks each step, with in-step sampling.
 May import: tl.core, tl.model, kernels, jax, numpy. The text side (a constraint's token
 bitmask) and the multi-host channel reach it only through protocols declared beside the step
 (tl/runtime/step_io.py's MaskFiller, tl/runtime/frame.py's StepPeers), their objects handed in by
-tl/ops/build.py, never by import.
+tl/entry/build.py, never by import.
 """

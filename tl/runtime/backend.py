@@ -4,7 +4,7 @@ Owns: resolving `[engine].backend` ("auto": tpu, then gpu, then cpu) to a platfo
 dtype of each platform, the ("data", "model") mesh of `tensor_parallel` devices, the check that
 the model's head counts fit that mesh (and the PartitionSpecs that follow from it), and
 `jax.distributed.initialize` for multi-host jobs. Must not: place arrays (tl/runtime/runner.py does),
-read the environment except through the mapping it is handed (tl/ops/build.py passes os.environ).
+read the environment except through the mapping it is handed (tl/entry/build.py passes os.environ).
 Tested by tests/runtime/test_backend.py and, on 8 fake CPU devices, tests/runtime/test_tensor_parallel.py.
 
 Megatron layout on the "model" axis (the specs come from llama.step_partition_specs; the fused
@@ -115,7 +115,7 @@ def init_distributed(group: Group | None, group_start_timeout_s: float) -> bool:
 
     This waits for every process of the job. JAX's own bound on that wait is
     group_start_timeout_s plus JAX_INIT_MARGIN_S: on expiry JAX aborts the process naming no one,
-    so tl/ops/group_start.py's watchdog (the bound itself) must speak first."""
+    so tl/entry/group_start.py's watchdog (the bound itself) must speak first."""
     if group is None:
         return False
     if not jax.distributed.is_initialized():

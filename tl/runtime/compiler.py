@@ -51,7 +51,7 @@ def enable_compile_cache(path: str) -> None:
 
 def compiling_now() -> bool:
     """A step variant is being compiled in this process now (start-up, background or on demand):
-    a multi-host peer's heartbeat says so (tl/ops/multihost.py), its collectives held up legitimately."""
+    a multi-host peer's heartbeat says so (tl/entry/multihost.py), its collectives held up legitimately."""
     return _active > 0
 
 

@@ -3,9 +3,9 @@
 Owns: `StepFrame` (the compiled variant, the packed host buffers of tl/runtime/step_io.py, the
 penalties' leaves, the token bitmask, whether top-logprobs run) with its byte form, and
 `StepPeers`, the protocol of the leader's end of the step channel as the runner calls it. The
-channel itself (sockets, liveness, failure) is tl/ops/multihost.py's, which imports the frame
-from here; tl/ops/build.py hands its Leader to the runner. Pure host data: numpy, no jax.
-Tested by tests/ops/test_multihost.py.
+channel itself (sockets, liveness, failure) is tl/entry/multihost.py's, which imports the frame
+from here; tl/entry/build.py hands its Leader to the runner. Pure host data: numpy, no jax.
+Tested by tests/entry/test_multihost.py.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def _decode_array(data: bytes, at: int) -> tuple[np.ndarray, int]:
 
 
 class StepPeers(Protocol):
-    """The leader's end of the multi-host step channel (tl/ops/multihost.py's Leader): each step's
+    """The leader's end of the multi-host step channel (tl/entry/multihost.py's Leader): each step's
     frame goes to the followers before the leader runs it."""
 
     def send_step(self, frame: StepFrame) -> None: ...

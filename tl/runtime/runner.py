@@ -7,7 +7,7 @@ is tl/runtime/step_io.py's, the step itself tl/runtime/step.py's, compiling its 
 tl/runtime/compiler.py's, the model tl/model/'s, attention kernels/', token selection
 tl/runtime/sampler.py's. The text side (a constraint's bitmask rows) and the multi-host channel
 reach it only through the protocols step_io.MaskFiller and frame.StepPeers, passed in by
-tl/ops/build.py.
+tl/entry/build.py.
 
 Owns: running one step (the variant picked, its inputs packed, the frame sent to a multi-host
 job's followers, the donated KV cache replaced, the results fetched and unpacked), in two halves

@@ -9,7 +9,7 @@ block tables, sampling rows, penalties, the constraint bitmask, one flat buffer 
 `fetch` and `unpack` (accepted drafts, logprobs, top logprobs, pooled sums), `fetch_steps` and
 `unpack_steps` (several decode steps' tokens), and `MaskFiller`, the protocol through which the
 text side fills a constraint's bitmask rows (tl/text/grammar.py's fill_masks, handed in by
-tl/ops/build.py; `fill_rows`, each Guide's own `fill`, otherwise). Must not: put data on devices
+tl/entry/build.py; `fill_rows`, each Guide's own `fill`, otherwise). Must not: put data on devices
 (the runner does), schedule, import the text side. Tested through tests/runtime/test_runner.py,
 tests/runtime/test_engine_runner.py, tests/runtime/test_decode_steps.py and tests/runtime/test_sampler.py.
 

@@ -1,12 +1,12 @@
 """Multi-host as far as one machine allows. Two processes join one jax.distributed job through
 tl.runtime.backend.init_distributed (coordinator on localhost, 2 CPU devices each) and see one 4-device
 job from which make_mesh builds the tensor-parallel mesh; the keywords come from config, then
-the standard JAX_* variables. The step channel (tl/ops/multihost.py): frames round-trip, a silent
+the standard JAX_* variables. The step channel (tl/entry/multihost.py): frames round-trip, a silent
 peer fails within peer_timeout_s. Groups of 2 and 4 processes (one CPU device each, JAX's CPU
 collectives) serve the tiny model over HTTP as one job: greedy answers equal one process's,
 concurrent streams equal serial ones, a follower killed mid-stream fails the group (503s, exit
 status 3 everywhere), a killed leader takes its followers down, SIGTERM drains then stops them.
-A group that does not form (tl/ops/group_start.py): the leader names who has not connected or is
+A group that does not form (tl/entry/group_start.py): the leader names who has not connected or is
 not ready, a lone leader and a lone follower exit within group_start_timeout_s with one line
 naming who is missing, and a leader's start-up error makes its granian exit non-zero.
 """
@@ -33,7 +33,7 @@ import pytest
 
 from bench.multihost_bench import Group, start_group
 from tl.core.config import EngineConfig
-from tl.ops.multihost import GroupFailed
+from tl.entry.multihost import GroupFailed
 
 pytestmark = pytest.mark.serial  # timing bounds: `make test` runs it alone, after the parallel part
 
@@ -119,7 +119,7 @@ def test_step_frames_round_trip() -> None:
 
 
 def test_step_address_and_roles() -> None:
-    from tl.ops.multihost import is_follower, step_address
+    from tl.entry.multihost import is_follower, step_address
 
     assert step_address("10.0.0.1:8476", 0) == ("10.0.0.1", 8477)
     assert step_address("leader.tl:8476", 9000) == ("leader.tl", 9000)
@@ -137,7 +137,7 @@ def test_step_address_and_roles() -> None:
 def test_a_silent_follower_and_a_lost_leader_fail_within_the_bound() -> None:
     """The channel alone (no jax): a follower that stops beating is lost after peer_timeout_s,
     on_failure runs once with the reason, and the follower then sees its leader gone."""
-    from tl.ops.multihost import Follower, Leader
+    from tl.entry.multihost import Follower, Leader
 
     reasons: list[str] = []
     leader = Leader(1, 0.5, reasons.append, exit_on_failure=False)
@@ -172,7 +172,7 @@ def test_a_step_that_raises_on_the_leader_fails_the_group_naming_the_lost_proces
     before its reader has seen the socket close; `broken` waits for that diagnosis (bounded by
     peer_timeout_s), so the reason names the process. With no peer lost, the step's own error
     fails the group once the bound has passed."""
-    from tl.ops.multihost import Follower, Leader
+    from tl.entry.multihost import Follower, Leader
 
     reasons: list[str] = []
     leader = Leader(1, 2.0, reasons.append, exit_on_failure=False)
@@ -198,7 +198,7 @@ def test_the_leader_names_the_follower_lost_without_a_word() -> None:
     """The channel alone (no jax): a follower that fails on its own reports why before it closes;
     the leader takes it for a consequence and names a follower that closed without a report (the
     killed one), else, after REPORTED_WAIT_S, the reporter with its reason."""
-    from tl.ops.multihost import REPORTED_WAIT_S, Follower, Leader
+    from tl.entry.multihost import REPORTED_WAIT_S, Follower, Leader
 
     def group(n: int) -> tuple[Leader, list[Follower], list[str]]:
         reasons: list[str] = []
@@ -233,8 +233,8 @@ def test_the_leader_names_the_follower_lost_without_a_word() -> None:
 def test_the_start_up_bound_names_the_missing_followers() -> None:
     """The channel alone (no jax): a leader of three knows by process id who has not connected
     and who has not reported ready, and the start-up bound's line says so on expiry."""
-    from tl.ops.group_start import start_deadline
-    from tl.ops.multihost import Follower, Leader
+    from tl.entry.group_start import start_deadline
+    from tl.entry.multihost import Follower, Leader
 
     leader = Leader(2, 5.0, exit_on_failure=False)
     port = leader.listen("127.0.0.1", 0)
@@ -505,7 +505,7 @@ def test_a_leader_without_its_follower_exits_naming_it(tiny_dir: Path, tmp_path:
     proc, log = _alone(tiny_dir, tmp_path, 0, f"num_processes = 2\ngroup_start_timeout_s = {BOUND}\n")
     code, text = _wait_alone(proc, log, BOUND + SLACK_S)
     assert code == 1, text[-3000:]
-    errors = [x for x in text.splitlines() if " ERROR tl.ops.group_start: " in x]
+    errors = [x for x in text.splitlines() if " ERROR tl.entry.group_start: " in x]
     assert len(errors) == 1, text[-3000:]
     assert errors[0].endswith(
         "group start-up: process 1 of 2 did not connect within 3.0 s (group_start_timeout_s); exiting with status 4"

@@ -1,7 +1,7 @@
 """The `tl` command: generate, convert-gguf, pull, serve, bench.
 
 Owns: argument parsing and terminal output only; every real job is a library call.
-Must not import jax at module import (so `tl --help` is instant). Tested by tests/ops/test_cli.py.
+Must not import jax at module import (so `tl --help` is instant). Tested by tests/entry/test_cli.py.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def _generate(args: argparse.Namespace) -> int:
     ids = tokenizer.encode_prompt(prompt)  # BOS first where the tokenizer adds it (Gemma)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed, max_tokens=args.max_tokens)
 
-    from tl.ops.build import build_engine
+    from tl.entry.build import build_engine
 
     engine = build_engine(cfg, warmup=False)
     t0 = time.perf_counter()
@@ -79,7 +79,7 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _pull(args: argparse.Namespace) -> int:
-    from tl.ops.pull import pull
+    from tl.entry.pull import pull
 
     print(pull(args.name, root=args.root))
     return 0

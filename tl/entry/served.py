@@ -1,4 +1,4 @@
-"""The served model as serve/ sees it: one frozen record that tl/ops/build.py hands over beside the
+"""The served model as serve/ sees it: one frozen record that tl/entry/build.py hands over beside the
 AsyncEngine, and the protocols its tokenizer and chat template are used through.
 
 Owns: ServedModel (model id, context length, the vocabulary size from the model's config, the

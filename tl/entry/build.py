@@ -1,5 +1,5 @@
 """Assembly: turn an EngineConfig into a ready Engine (and, for serve/, an AsyncEngine with the
-ServedModel record of tl/ops/served.py).
+ServedModel record of tl/entry/served.py).
 
 Owns: the order of start-up (multi-host: the step channel, then jax.distributed -> the model's
 start-up pipeline (tl/runtime/startup.py: plan, place, measure, compile, warm-up, and its log of
@@ -8,9 +8,9 @@ out of the garbage collector's passes), what the runner is handed (the text side
 filler, the leader's step channel), and the multi-host roles: process 0 binds the step channel,
 waits for its followers to connect and then to be ready, and hands the channel to its runner
 (each end told when this process compiles); a follower (`run_follower`) connects,
-builds the same runner and follows (tl/ops/multihost.py). Each of those waits is bounded by
-group_start_timeout_s (tl/ops/group_start.py: one ERROR line naming who is missing, exit status 4).
-Must not hold state. Tested through tests/ops/test_cli.py, the server tests and tests/ops/test_multihost.py.
+builds the same runner and follows (tl/entry/multihost.py). Each of those waits is bounded by
+group_start_timeout_s (tl/entry/group_start.py: one ERROR line naming who is missing, exit status 4).
+Must not hold state. Tested through tests/entry/test_cli.py, the server tests and tests/entry/test_multihost.py.
 """
 
 from __future__ import annotations
@@ -28,11 +28,11 @@ from tl.core.config import EngineConfig, Group, multihost_group
 if TYPE_CHECKING:
     from tl.core.async_engine import AsyncEngine
     from tl.core.engine import Engine
-    from tl.ops.multihost import Leader
-    from tl.ops.served import ServedModel
+    from tl.entry.multihost import Leader
+    from tl.entry.served import ServedModel
     from tl.runtime.runner import ModelRunner
 
-log = logging.getLogger("tl.ops.build")
+log = logging.getLogger("tl.entry.build")
 
 
 def build_engine(
@@ -58,7 +58,7 @@ def _runner_and_engine(
 ) -> tuple[ModelRunner, Engine]:
     """build_engine's work; the runner too, for what serving reads of the model (its config)."""
     from tl.core.engine import Engine
-    from tl.ops.group_start import start_deadline
+    from tl.entry.group_start import start_deadline
     from tl.runtime import startup
     from tl.runtime.runner import ModelRunner
     from tl.text.grammar import fill_masks
@@ -86,8 +86,8 @@ def _leader(cfg: EngineConfig, group: Group | None, on_failure: Callable[[str], 
     process (jax.distributed joined all the same when configured). Another process here is a
     mistake: the followers run `run_follower` (serve starts it for a known process_id > 0)."""
     from tl.core.config import ConfigError
-    from tl.ops.group_start import start_deadline
-    from tl.ops.multihost import Leader, step_address
+    from tl.entry.group_start import start_deadline
+    from tl.entry.multihost import Leader, step_address
     from tl.runtime.backend import init_distributed
     from tl.runtime.compiler import compiling_now
 
@@ -126,7 +126,7 @@ def jax_coordinator(group: Group) -> str:
 def is_follower(cfg: EngineConfig) -> bool:
     """This process follows a multi-host job (a known process id other than 0): it runs
     `run_follower`, not the server."""
-    from tl.ops.multihost import is_follower as follower
+    from tl.entry.multihost import is_follower as follower
 
     return follower(multihost_group(cfg, os.environ))
 
@@ -135,11 +135,11 @@ def run_follower(cfg: EngineConfig, on_ready: Callable[[Callable[[], bool]], Non
     """A follower's whole life: join the job, connect to the leader's step channel, build the
     same runner and compile its start-up variants, call `on_ready(is_ready)` (is_ready: the
     leader still reachable), then run the leader's steps until it stops the group (returns 0).
-    A lost leader or a stuck step exits the process with status 3 (tl/ops/multihost.py); a leader
+    A lost leader or a stuck step exits the process with status 3 (tl/entry/multihost.py); a leader
     not reached or a job not formed within group_start_timeout_s, with status 4
-    (tl/ops/group_start.py). It connects before it joins jax.distributed: the leader then knows it."""
-    from tl.ops.group_start import start_deadline
-    from tl.ops.multihost import Follower, GroupFailed, follow, step_address
+    (tl/entry/group_start.py). It connects before it joins jax.distributed: the leader then knows it."""
+    from tl.entry.group_start import start_deadline
+    from tl.entry.multihost import Follower, GroupFailed, follow, step_address
     from tl.runtime import startup
     from tl.runtime.backend import init_distributed
     from tl.runtime.compiler import compiling_now
@@ -170,7 +170,7 @@ def run_follower(cfg: EngineConfig, on_ready: Callable[[Callable[[], bool]], Non
     try:
         follow(chan, runner)
     except GroupFailed:
-        return 3  # the exit is on its way (tl/ops/multihost.py), status 3
+        return 3  # the exit is on its way (tl/entry/multihost.py), status 3
     finally:
         runner.close()
     chan.close()
@@ -183,8 +183,8 @@ def build_async_engine(cfg: EngineConfig, warmup: bool = True) -> tuple[AsyncEng
     structured output), and the record of the model it serves (tokenizer, chat template, tool
     calling, reasoning, limits; the vocabulary size from the model's config as the runner loaded it)."""
     from tl.core.async_engine import AsyncEngine
+    from tl.entry.served import ServedModel
     from tl.model.convert_gguf import model_dir_of
-    from tl.ops.served import ServedModel
     from tl.text.chat_template import ChatTemplate
     from tl.text.grammar import GrammarCompiler
     from tl.text.reasoning import setup as reasoning_setup

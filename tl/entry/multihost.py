@@ -17,10 +17,10 @@ group was compiling (a compile slows the steps beside it by seconds on a small C
 heartbeats say who compiles), is stuck.
 Start-up: the leader accepts, beats and reads each follower from its hello on, and a follower
 connects before it joins jax.distributed, so the leader knows by process id who is missing
-(`not_connected`, `not_ready`); the waits themselves are bounded by tl/ops/group_start.py.
+(`not_connected`, `not_ready`); the waits themselves are bounded by tl/entry/group_start.py.
 Must not import jax or touch device arrays: the runner packs frames and runs them
 (tl/runtime/runner.py, reaching the Leader through tl/runtime/frame.py's StepPeers protocol);
-tl/ops/build.py wires both ends. Tested by tests/ops/test_multihost.py.
+tl/entry/build.py wires both ends. Tested by tests/entry/test_multihost.py.
 
 Why a socket and not JAX's own broadcast (`multihost_utils.broadcast_one_to_all`): measured on
 two CPU processes on one 2-core AMD EPYC (Zen 3), a 4 KB step frame took 1.87 ms p50 that way
@@ -43,10 +43,10 @@ from collections.abc import Callable, Iterator
 from typing import Protocol
 
 from tl.core.config import Group
-from tl.ops.group_start import processes
+from tl.entry.group_start import processes
 from tl.runtime.frame import StepFrame
 
-log = logging.getLogger("tl.ops.multihost")
+log = logging.getLogger("tl.entry.multihost")
 
 EXIT_GROUP_FAILED = 3
 FAILURE_GRACE_S = 1.0  # after on_failure: time for the 503s to reach their clients
@@ -137,7 +137,7 @@ class _Peer:
         self.stopping = False
         self._fail_lock = threading.Lock()
         self._step_since: float | None = None  # monotonic start of the step in flight
-        self.busy = busy or _idle  # this process is compiling (tl/ops/build.py passes the compiler's)
+        self.busy = busy or _idle  # this process is compiling (tl/entry/build.py passes the compiler's)
         self._closed = threading.Event()
 
     def step_began(self) -> None:
@@ -268,7 +268,7 @@ class Leader(_Peer):
 
     def wait_connected(self, timeout_s: float | None = None) -> bool:
         """Block until every follower has said hello (False: timeout_s passed first; a failed
-        group raises GroupFailed). tl/ops/build.py bounds it with tl/ops/group_start.py's deadline."""
+        group raises GroupFailed). tl/entry/build.py bounds it with tl/entry/group_start.py's deadline."""
         return self._wait(lambda: len(self.conns) == self.num_followers, timeout_s)
 
     def wait_ready(self, timeout_s: float | None = None) -> bool:
@@ -409,7 +409,7 @@ class Follower(_Peer):
         self._inbox: queue.SimpleQueue[StepFrame | None] = queue.SimpleQueue()  # None: stop or lost
 
     def connect(self, host: str, port: int, timeout_s: float = math.inf) -> None:
-        """Connect (retrying while the leader starts; tl/ops/build.py bounds it with tl/ops/group_start.py's
+        """Connect (retrying while the leader starts; tl/entry/build.py bounds it with tl/entry/group_start.py's
         deadline), say hello, start the heartbeat."""
         deadline = time.monotonic() + timeout_s
         while True:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tl.ops.cli import main
+from tl.entry.cli import main
 
 
 def test_generate_streams_the_succ_continuation(succ_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -35,7 +35,7 @@ def test_serve_hands_over_to_python_m_serve_which_names_a_bad_key(tmp_path: Path
     """The process execs `python -m serve`, which checks the config before granian starts."""
     bad = tmp_path / "rt.toml"
     bad.write_text("[engine]\nprefill_chunkz = 3\n")
-    code = f"from tl.ops.cli import main; main(['serve', '--config', {str(bad)!r}])"
+    code = f"from tl.entry.cli import main; main(['serve', '--config', {str(bad)!r}])"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
     assert r.returncode == 2, r.stderr
     assert "tl: error:" in r.stderr and "prefill_chunkz" in r.stderr and "Traceback" not in r.stderr

@@ -1,7 +1,7 @@
 """The bound on a multi-host group's start-up (`group_start_timeout_s`) and what its expiry does.
 
 Owns: `start_deadline`, one bounded stage of start-up watched from its own thread, and exit
-status 4 (`EXIT_GROUP_START`). The stages (tl/ops/build.py): the leader waiting for every
+status 4 (`EXIT_GROUP_START`). The stages (tl/entry/build.py): the leader waiting for every
 follower to connect to its step channel and for jax.distributed to form; the leader, once its
 own model is loaded and compiled, waiting for every follower to report ready; a follower
 waiting for the leader's step channel and for jax.distributed. On expiry: one ERROR line that
@@ -11,7 +11,7 @@ Why a thread and not a timeout on each wait: jax.distributed.initialize blocks i
 every process has registered, where no exception reaches it, and on its own deadline it
 aborts the process (SIGABRT) naming no one; tl/runtime/backend.py passes it this bound plus a margin
 so that this line comes first.
-Must not import jax. Tested by tests/ops/test_multihost.py.
+Must not import jax. Tested by tests/entry/test_multihost.py.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
-log = logging.getLogger("tl.ops.group_start")
+log = logging.getLogger("tl.entry.group_start")
 
 EXIT_GROUP_START = 4  # the group did not form within group_start_timeout_s
 

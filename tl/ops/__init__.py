@@ -1,6 +1,0 @@
-"""The operational entry points: building a served engine from an EngineConfig (tl/ops/build.py),
-the `tl` command line, pulling models, and the multi-host group (the step channel and its
-start-up bounds).
-
-May import: every layer of tl. Only tl/ops/build.py reads the environment.
-"""
