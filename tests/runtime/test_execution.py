@@ -50,7 +50,7 @@ def test_forced_choices_are_configured_and_say_so() -> None:
     assert plan.weight_layout == Decision("stored", "configured")
     assert plan.kv_storage == Decision("bfloat16", "kv_cache_dtype bfloat16") and plan.kv_dtype.name == "uint16"
     assert plan.native_target == "" and plan.measure_classes() == []  # nothing native: nothing to measure
-    assert not plan.attention_measured and not plan.matmul_measured
+    assert not plan.matmul_measured
 
 
 def test_high_precision_without_a_native_matmul_runs_highest_and_says_why() -> None:
@@ -65,7 +65,7 @@ def test_auto_plan_lists_what_it_measures() -> None:
         pytest.skip(f"the native library does not build here: {plan.matmul.reason}")
     assert plan.attention.value == "cpu_native" and plan.native_target
     kinds = {k for k, _ in plan.measure_classes()}
-    assert kinds == {"matmul", "attention"}
+    assert kinds == {"matmul"}  # attention is native without measurement: batch invariant
     assert plan.variants == ((8, 1), (8, 4), (32, 1), (32, 4)) and plan.startup_variants == ((8, 1), (32, 4))
 
 

@@ -12,10 +12,8 @@ import json
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 
-from kernels import paged_attention
 from tests.helpers.runner import ENGINE, make_runner
 from tl.runtime import runner as runner_mod
 from tl.runtime import verdicts
@@ -129,7 +127,10 @@ def test_a_real_measurement_covers_every_class_and_is_saved() -> None:
     if runner.kernels.native is None:
         pytest.skip("the native library does not build here (tests/kernels/test_cpu_build.py says why)")
     got = {(v.kernel, v.rows) for v in runner.plan.verdicts.verdicts}
-    assert got == {("matmul", 1), ("matmul", 4), ("matmul", 16), ("matmul", 32), ("attention", 4), ("attention", 32)}
+    assert got == {("matmul", 1), ("matmul", 4), ("matmul", 16), ("matmul", 32)}
+    # attention is not measured: the native kernel, whose rows do not depend on their step (the
+    # reference's do: a verdict for it broke same-request-same-answer on a busy machine)
+    assert runner.plan.attention.value == "cpu_native" and "do not depend" in runner.plan.attention.reason
     assert all(v.native_ms > 0 and v.xla_ms > 0 for v in runner.plan.verdicts.verdicts)
     path = (
         Path(runner.plan.verdicts.source.split()[-1])
@@ -137,7 +138,7 @@ def test_a_real_measurement_covers_every_class_and_is_saved() -> None:
         else Path(runner.plan.verdicts.source.removeprefix("cached: "))
     )
     saved = json.loads(path.read_text())
-    assert len(saved["verdicts"]) == 6 and saved["shapes"]["classes"] == sorted([list(c) for c in got])
+    assert len(saved["verdicts"]) == 4 and saved["shapes"]["classes"] == sorted([list(c) for c in got])
 
 
 def test_the_largest_token_bucket_is_a_matmul_class_of_its_own() -> None:
@@ -182,34 +183,3 @@ def test_the_start_up_compiles_run_on_daemon_threads_in_order() -> None:
     with pytest.raises(ValueError, match="item 2"):
         map_on_daemon_threads(fails, [1, 2, 3, 4, 5, 6], 1, name="t", stop_at_error=True)
     assert seen == [(1, True), (2, True)]
-
-
-def test_the_largest_attention_class_is_a_prompt_chunk_after_decodes() -> None:
-    """The case timed for the largest token bucket is a busy server's large step: 15 decodes at
-    DECODE_CONTEXT (or what a block table holds) packed first (head_rows), then one fresh prompt
-    chunk filling the bucket; both kernels compute the same attention on it."""
-    runner, _ = make_runner(ENGINE.replace(token_buckets=(1, 8, 32), max_num_batched_tokens=32))
-    if runner.kernels.native is None:
-        pytest.skip("the native library does not build here (tests/kernels/test_cpu_build.py says why)")
-    plan, cfg = runner.plan, runner.model_config
-    k, v = runner.kv_cache
-    case = verdicts.attention_case(
-        32, False, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, k,
-        plan.chunk_blocks, plan.max_blocks, plan.compute_dtype, decodes=verdicts.PROMPT_CLASS_DECODES,
-    )  # fmt: skip
-    q, kv, meta = case
-    d = verdicts.PROMPT_CLASS_DECODES
-    ctx = min(verdicts.DECODE_CONTEXT, runner.block_size * (plan.max_blocks - 1))  # as long as a table holds
-    assert meta.head_rows == d and q.shape[0] == 32
-    assert list(np.asarray(meta.seq_idx)) == list(range(d)) + [d] * (32 - d)
-    assert list(np.asarray(meta.positions)) == [ctx] * d + list(range(32 - d))
-    assert list(np.asarray(meta.start_pos)) == [ctx] * d + [0]
-    # the step's own keys in the cache, as the model writes them before attention (the native
-    # kernel reads a token's earlier keys of its step from there)
-    seq, pos = np.asarray(meta.seq_idx), np.asarray(meta.positions)
-    blocks = np.asarray(meta.block_tables)[seq, pos // runner.block_size]
-    for layer in range(2):
-        k = paged_attention.write_kv(k, "k", layer, blocks, pos % runner.block_size, kv)
-        v = paged_attention.write_kv(v, "v", layer, blocks, pos % runner.block_size, kv)
-    timed = verdicts.attention_timed(runner.kernels.attention.fn, paged_attention.paged_attention, case, k, v, 2)
-    np.testing.assert_allclose(np.asarray(timed["native"]()), np.asarray(timed["xla"]()), rtol=1e-4, atol=1e-4)

@@ -34,7 +34,7 @@ from tl.core.config import EngineConfig
 from tl.core.stats import BackendInfo
 from tl.model.config import ModelConfig
 from tl.runtime import backend, weight_pages
-from tl.runtime.measure_classes import MATMUL_ROWS, Verdicts, attention_classes
+from tl.runtime.measure_classes import MATMUL_ROWS, Verdicts
 
 if TYPE_CHECKING:
     from kernels.cpu_native import NativeLib
@@ -96,12 +96,10 @@ class ExecutionPlan:
     seq_buckets: tuple[int, ...]
     variants: tuple[tuple[int, int], ...]  # every (token bucket, seq bucket) a step can land in
     startup_variants: tuple[tuple[int, int], ...]  # compiled before ready; the rest in the background
-    attention_classes: tuple[tuple[int, bool], ...]  # (tokens, decode) of each attention class measured
     chunk_blocks: int  # KV blocks per cached-attention iteration
     max_blocks: int  # block-table width (whole chunks covering max_model_len)
     kernels: Kernels  # the callables the choices above name
     verdicts: Verdicts = dataclasses.field(default_factory=Verdicts)
-    attention_measured: bool = False  # cpu_native under "auto": it or the reference at every step shape, as measured
     matmul_measured: bool = False
     step_kernels: StepKernels | None = None  # the dispatch the step traces; set by `measured`
 
@@ -124,14 +122,11 @@ class ExecutionPlan:
 
     def measure_classes(self) -> list[tuple[str, int]]:
         """(kernel, rows) of every class whose kernel is chosen by measurement: the matmul's row
-        classes up to the largest token bucket (a native kernel takes any row count), the
-        attention's step classes."""
+        classes up to the largest token bucket (a native kernel takes any row count)."""
         classes: list[tuple[str, int]] = []
         if self.matmul_measured:
             top = self.token_buckets[-1]
             classes += [("matmul", r) for r in sorted({min(r, top) for r in (*MATMUL_ROWS, top)})]
-        if self.attention_measured:
-            classes += [("attention", t) for t, _ in self.attention_classes]
         return classes
 
     def measured(self, v: Verdicts, pages: str, pages_reason: str) -> ExecutionPlan:
@@ -139,8 +134,6 @@ class ExecutionPlan:
         the step's dispatch resolved from them."""
         k = self.kernels
         attention, matmul, argmax_lse = k.attention.fn, k.matmul.fn, k.matmul.argmax_lse
-        if self.attention_measured and not v.native("attention"):
-            attention = paged_attention.paged_attention
         if self.matmul_measured and not v.native("matmul"):
             matmul, argmax_lse = None, None
         return dataclasses.replace(
@@ -153,9 +146,7 @@ class ExecutionPlan:
     def summary(self, kernel: str) -> str:
         """A kernel's implementation as run: one name, or "native+other" where classes differ."""
         if kernel == "attention":
-            if not self.attention_measured:
-                return self.attention.value
-            return self.verdicts.summary("attention", self.attention.value, "reference")
+            return self.attention.value
         if not self.matmul_measured:
             return self.matmul.value
         return self.verdicts.summary("matmul", "cpu_native", "xla")
@@ -327,14 +318,6 @@ def plan_execution(
     attention = kernel_select.select(
         ec.attention_kernel, platform, mesh, layout.kv_sharded, probe, native, why_native, windows=windows
     )
-    if attention.measured and jax.process_count() > 1:
-        # Each process would time (or find cached) its own verdicts, and its timing runs would
-        # have to meet the others' collectives: every process of a group must run one program.
-        attention = kernel_select.Choice(
-            paged_attention.paged_attention,
-            "reference",
-            "auto in a multi-host job is not measured (each process would time its own); cpu_native forces it",
-        )
     matmul = kernel_select.select_matmul(ec.matmul_kernel, native, why_native, mesh)
     tp = mesh.shape["model"]
     kv_heads = (
@@ -362,11 +345,9 @@ def plan_execution(
         seq_buckets=ec.seq_buckets,
         variants=variants,
         startup_variants=startup_variants(variants),
-        attention_classes=tuple(attention_classes(ec.token_buckets, ec.max_num_seqs, ec.max_num_batched_tokens)),
         chunk_blocks=chunk_blocks,
         max_blocks=max_blocks,
         kernels=Kernels(native, attention, matmul),
-        attention_measured=attention.measured,
         matmul_measured=matmul.measured,
     )
     return plan

@@ -1,6 +1,6 @@
 """What start-up times each native kernel at, and the records of what it found.
 
-Owns the classes (`MATMUL_ROWS`, `attention_classes`), `Verdict` (one class's times) and
+Owns the classes (`MATMUL_ROWS`), `Verdict` (one class's times) and
 `Verdicts` (every class's, and the one choice per kernel they make). A leaf: the execution plan
 (tl/runtime/execution.py) reads the records, the measurement (tl/runtime/verdicts.py) fills them.
 Tested by tests/runtime/test_verdicts.py.
@@ -11,37 +11,22 @@ once). The native kernels and XLA's compute a row in different orders (the integ
 quantize activations to int8, XLA's dot does not), so a choice by shape made a request's answer
 depend on how many rows its step held (issue 48).
 
-Classes (`MATMUL_ROWS`, `attention_classes`), each timed once; together they decide:
-- matmuls by rows: 1, 4, 16, 64 and the largest token bucket (a native kernel takes any row
-  count: kernels/cpu_native.py runs a call past its kernel's rows in slices). Each is timed on a
-  chain of the model's own layer matmuls and its LM head, as a step runs them, over enough
-  layers that the weights stream from memory as in a real step. The sampler's argmax/logsumexp
-  goes with the matmul's verdict (it is its own class only in name: measured together, it is a
-  few percent of the LM head's time).
-- attention by step tokens: up to 16 (decodes of up to 16 sequences at context 256), up to
-  max_num_seqs (a batch of decodes), and the largest token bucket (a fresh prompt chunk filling
-  it after PROMPT_CLASS_DECODES decodes at context 256, at most max_num_seqs - 1).
+Classes (`MATMUL_ROWS`), each timed once; together they decide the matmul: by rows, 1, 4, 16, 64
+and the largest token bucket (a native kernel takes any row count: kernels/cpu_native.py runs a
+call past its kernel's rows in slices). Each is timed on a chain of the model's own layer
+matmuls and its LM head, as a step runs them, over enough layers that the weights stream from
+memory as in a real step. The sampler's argmax/logsumexp goes with the matmul's verdict (it is its
+own class only in name: measured together, it is a few percent of the LM head's time). Attention
+is not measured: on a CPU with the native library it is always the native kernel, the one whose
+rows do not depend on their step (kernels/select.py); both matmul forms are batch invariant.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 MATMUL_ROWS = (1, 4, 16, 64)
-
-
-def attention_classes(token_buckets: Sequence[int], max_num_seqs: int, max_tokens: int) -> list[tuple[int, bool]]:
-    """(tokens, decode) per attention class: decodes up to 16 and up to max_num_seqs sequences,
-    then one prompt chunk at the largest token bucket a step can fill."""
-    top = max(t for t in token_buckets if t <= max(max_tokens, token_buckets[0])) if token_buckets else max_tokens
-    out = [(min(16, max_num_seqs), True)]
-    if max_num_seqs > 16:
-        out.append((max_num_seqs, True))
-    if top > out[-1][0]:
-        out.append((top, False))
-    return out
 
 
 @dataclass(frozen=True, slots=True)

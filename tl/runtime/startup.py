@@ -78,7 +78,7 @@ def start(
     lap("kv_cache")
     weights = _place_weights(tensors, cfg, engine_cfg, mesh, layout, plan)
     lap("weights")
-    plan = _measure(plan, cfg, weights, kv)
+    plan = _measure(plan, cfg, weights)
     lap("verdicts")
     _log_loaded(engine_cfg, plan, kv, lap)
     eos_ids = tuple(eos) or cfg.eos_token_ids
@@ -141,12 +141,10 @@ def _place_weights(
     )
 
 
-def _measure(
-    plan: ExecutionPlan, cfg: ModelConfig, weights: PlacedWeights, kv: tuple[jax.Array, jax.Array]
-) -> ExecutionPlan:
-    """The plan completed: the verdicts of its measured classes (over the placed weights and KV
-    cache), the weight placement's outcome, and so the step's dispatch."""
-    measured = verdicts.measure_runner(plan, plan.kernels, cfg, weights.params, kv)
+def _measure(plan: ExecutionPlan, cfg: ModelConfig, weights: PlacedWeights) -> ExecutionPlan:
+    """The plan completed: the verdicts of its measured classes (over the placed weights), the
+    weight placement's outcome, and so the step's dispatch."""
+    measured = verdicts.measure_runner(plan, plan.kernels, cfg, weights.params)
     return plan.measured(measured, weights.pages, weights.reason or plan.weight_pages.reason)
 
 

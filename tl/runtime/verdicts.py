@@ -1,7 +1,7 @@
-"""Kernel verdicts: whether the native CPU kernels beat XLA's own on this model, measured here.
+"""Kernel verdicts: whether the native CPU matmul beats XLA's own on this model, measured here.
 
-Owns: timing each native kernel (kernels/cpu_native.py) against what XLA would run in its place
-(the jnp reference attention, XLA's dot, jnp's argmax and logsumexp) at the model's real
+Owns: timing the native matmul (kernels/cpu_native.py) against what XLA would run in its place
+(XLA's dot, jnp's argmax and logsumexp) at the model's real
 shapes, one measurement per step-shape class (tl/runtime/measure_classes.py: the classes, and
 the `Verdicts` record the step's dispatch in tl/runtime/execution.py reads), at start-up; and the
 cache of those verdicts beside the built library (one JSON file per library build, CPU model and
@@ -26,7 +26,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from kernels import cpu_build
-from kernels.paged_attention import AttnArgs, AttnMetadata, PagedAttention
 from tl.model.weights import is_param, matrix
 from tl.runtime.daemon_threads import map_on_daemon_threads
 from tl.runtime.execution import ExecutionPlan, Kernels
@@ -38,13 +37,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("tl.runtime.verdicts")
 
-DECODE_CONTEXT = 256  # tokens of context of each decoding sequence in the attention classes
-PROMPT_CLASS_DECODES = 15
-"""Decodes beside the prompt chunk of the largest attention class (fewer where max_num_seqs
-is smaller): a busy server's large steps (chunked prefill beside running decodes) are what that
-class serves, and the reference's time there differs from a lone prompt's (Gemma 3 on Zen 4:
-native 0.99x XLA on a lone 512-token chunk, which chose XLA, and the 16-stream sweep's TTFT p50
-doubled)."""
 STREAM_BYTES = 96 << 20  # the matmul chain's weights: past the last-level cache, as a step's are
 
 
@@ -110,76 +102,6 @@ def matmul_case(
 
 def _jnp_argmax_lse(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return jnp.argmax(x, axis=1).astype(jnp.int32), jax.nn.logsumexp(x, axis=1)
-
-
-def attention_case(
-    tokens: int,
-    decode: bool,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    k_cache: jax.Array,
-    chunk_blocks: int,
-    max_blocks: int,
-    dtype: Any,
-    decodes: int = 0,
-) -> tuple[Any, ...]:
-    """One step's attention inputs over (a view of) the runner's cache: `tokens` decoding
-    sequences at DECODE_CONTEXT (decode), or a fresh prompt chunk of `tokens - decodes` tokens
-    packed after `decodes` decoding sequences at DECODE_CONTEXT (as the runner packs a busy
-    server's large steps: decode rows first, `head_rows` of them)."""
-    bs, nb = k_cache.shape[-1], k_cache.shape[1]
-    rng = np.random.default_rng(tokens)
-    ctx = min(DECODE_CONTEXT, bs * (max_blocks - 1))
-    d = tokens if decode else min(decodes, tokens - 1)
-    prompt = 0 if decode else tokens - d
-    seqs = d + (0 if decode else 1)
-    need = [-(-(ctx + 1) // bs)] * d + ([-(-prompt // bs)] if prompt else [])
-    per_seq = max(need)
-    blocks = rng.choice(nb - 1, size=(seqs, per_seq), replace=seqs * per_seq > nb - 1).astype(np.int32)
-    tables = np.full((seqs, max_blocks), nb - 1, np.int32)
-    for i, n in enumerate(need):
-        tables[i, :n] = blocks[i, :n]
-    seq_idx = np.concatenate([np.arange(d), np.full(prompt, d)]).astype(np.int64)
-    positions = np.concatenate([np.full(d, ctx), np.arange(prompt)]).astype(np.int64)
-    starts = np.concatenate([np.full(d, ctx), np.zeros(1 if prompt else 0)]).astype(np.int64)
-    meta = AttnMetadata(
-        seq_idx=jnp.asarray(seq_idx, jnp.int32),
-        positions=jnp.asarray(positions, jnp.int32),
-        start_pos=jnp.asarray(starts, jnp.int32),
-        block_tables=jnp.asarray(tables),
-        chunk_blocks=chunk_blocks,
-        head_rows=d if 0 < d < tokens else 0,
-    )
-    q = jnp.asarray(rng.standard_normal((tokens, num_heads, head_dim), dtype=np.float32)).astype(dtype)
-    kv = jnp.asarray(rng.standard_normal((tokens, num_kv_heads, head_dim), dtype=np.float32)).astype(dtype)
-    return q, kv, meta
-
-
-def attention_timed(
-    native: PagedAttention,
-    reference: PagedAttention,
-    case: tuple[Any, ...],
-    k_cache: jax.Array,
-    v_cache: jax.Array,
-    layers: int,
-) -> Timed:
-    """{"native", "xla"} compiled calls of `layers` dependent attention calls over the cache's layers."""
-    q, kv, meta = case
-    n = min(layers, k_cache.shape[0])
-
-    def chain(fn: PagedAttention) -> Callable[..., Any]:
-        def run(q: jax.Array, kv: jax.Array, k: jax.Array, v: jax.Array, meta: AttnMetadata) -> jax.Array:
-            for layer in range(n):  # each layer's query depends on the last layer's output
-                q = q + 1e-3 * fn(AttnArgs(q, kv, kv, k, v, jnp.int32(layer), meta))
-            return q
-
-        return run
-
-    return {
-        "native": _compiled(chain(native), q, kv, k_cache, v_cache, meta),
-        "xla": _compiled(chain(reference), q, kv, k_cache, v_cache, meta),
-    }
 
 
 def cache_path(library: Path, shape_key: dict[str, Any]) -> Path:
@@ -252,11 +174,9 @@ def _encoding_name(w: Any) -> str:
     return f"{type(w).__name__}:{name}" if name else type(w).__name__
 
 
-def measure_runner(plan: ExecutionPlan, kernels: Kernels, cfg: ModelConfig, params: Any, kv: Any) -> Verdicts:
+def measure_runner(plan: ExecutionPlan, kernels: Kernels, cfg: ModelConfig, params: Any) -> Verdicts:
     """The verdicts of each class `plan.measure_classes()` names, from the cache beside the
-    library or timed now at this model's shapes over its own placed weights and KV cache."""
-    from kernels import paged_attention
-
+    library or timed now at this model's shapes over its own placed weights."""
     native = kernels.native
     layers = stream_layers(params.layers)
     head = params.head()
@@ -264,30 +184,13 @@ def measure_runner(plan: ExecutionPlan, kernels: Kernels, cfg: ModelConfig, para
     if not classes:
         return Verdicts()
     assert native is not None
-    attn = dict(plan.attention_classes)
-    # The largest class's decodes: no more than a step can hold beside its prompt (the largest
-    # decode class is max_num_seqs decodes).
-    decodes = min(PROMPT_CLASS_DECODES, max((t for t, dec in plan.attention_classes if dec), default=1) - 1)
 
     def prepare(kernel: str, rows: int) -> Timed:
-        if kernel == "matmul":
-            # One row streams the weights (a chain past the cache); more rows are compute-bound.
-            mm = kernels.matmul
-            assert mm.fn is not None and mm.argmax_lse is not None  # measured: the native matmul
-            return matmul_case(layers if rows == 1 else layers[:1], head, cfg, mm.fn, rows, mm.argmax_lse)
-        case = attention_case(
-            rows,
-            attn[rows],
-            cfg.num_attention_heads,
-            cfg.num_key_value_heads,
-            cfg.head_dim,
-            kv[0],
-            plan.chunk_blocks,
-            plan.max_blocks,
-            plan.compute_dtype,
-            decodes=decodes,
-        )
-        return attention_timed(kernels.attention.fn, paged_attention.paged_attention, case, kv[0], kv[1], layers=2)
+        assert kernel == "matmul", kernel
+        # One row streams the weights (a chain past the cache); more rows are compute-bound.
+        mm = kernels.matmul
+        assert mm.fn is not None and mm.argmax_lse is not None  # measured: the native matmul
+        return matmul_case(layers if rows == 1 else layers[:1], head, cfg, mm.fn, rows, mm.argmax_lse)
 
     key = {
         "model": [
@@ -309,6 +212,5 @@ def measure_runner(plan: ExecutionPlan, kernels: Kernels, cfg: ModelConfig, para
         "block_size": plan.block_size,
         "tp": plan.tensor_parallel,
         "classes": sorted(classes),
-        "prompt_class": f"a chunk after {decodes} decodes",
     }
     return measure(cache_path(native.path, key), key, classes, prepare)
