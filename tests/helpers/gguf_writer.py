@@ -235,6 +235,7 @@ def family_gguf(
 
 # A mix as llama.cpp's Q4_K_M-style recipes make: per tensor kind its own format.
 MIXED = {"attn_q": Q.Q4_0, "attn_k": Q.Q4_0, "attn_v": Q.Q8_0, "attn_output": Q.Q5_1, "ffn_gate": Q.Q4_1}
+MIXED |= {"ffn_up": Q.Q5_0, "ffn_down": Q.Q8_0, "token_embd": Q.Q8_0, "output": Q.Q4_1}
 
 
 def _packed(x: np.ndarray, t: Q) -> np.ndarray:
@@ -310,9 +311,11 @@ def _k_config() -> ModelConfig:
 
 
 K_MIX = {k: Q.Q4_K for k in ("attn_q", "attn_k", "attn_output", "ffn_gate", "ffn_up")}
+K_MIX |= {"attn_v": Q.Q6_K, "ffn_down": Q.Q6_K, "token_embd": Q.Q4_K, "output": Q.Q6_K}
 
 
 HALF_MIX = {k: Q.F16 for k in ("attn_q", "attn_k", "attn_v", "ffn_down", "output")}
+HALF_MIX |= {k: Q.BF16 for k in ("attn_output", "ffn_gate", "ffn_up", "token_embd")}
 
 
 CASES = {

@@ -31,8 +31,6 @@ from kernels import cpu_native
 from tests.helpers.bounds import matmul_bound
 from tests.helpers.gguf_writer import (
     CASES,
-    HALF_MIX,
-    K_MIX,
     MIXED,
     _k_config,
     quantize_q4_k,
@@ -105,13 +103,6 @@ def test_dot_within_gamma_k_of_the_exact_product(fmt: str, rows: int) -> None:
 def test_k_quants_cannot_be_made_at_load_but_are_served() -> None:
     with pytest.raises(ValueError, match="q4_k cannot be quantized at load"):
         BLOCK_ENCODINGS["q4_k"].encode(np.zeros((4, 256), np.float32), ())
-
-
-MIXED |= {"ffn_up": Q.Q5_0, "ffn_down": Q.Q8_0, "token_embd": Q.Q8_0, "output": Q.Q4_1}
-
-
-K_MIX |= {"attn_v": Q.Q6_K, "ffn_down": Q.Q6_K, "token_embd": Q.Q4_K, "output": Q.Q6_K}
-HALF_MIX |= {k: Q.BF16 for k in ("attn_output", "ffn_gate", "ffn_up", "token_embd")}
 
 
 @pytest.mark.parametrize("case", list(CASES))
