@@ -37,7 +37,7 @@ def _alternate(fns: dict[str, Callable[[], Any]], repeat: int) -> dict[str, floa
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def _attention_case(batch: int, context: int, seed: int) -> tuple[Any, ...]:
+def _attention_case(batch: int, context: int, seed: int, layers: int = L) -> tuple[Any, ...]:
     import jax.numpy as jnp
     import numpy as np
 
@@ -46,8 +46,8 @@ def _attention_case(batch: int, context: int, seed: int) -> tuple[Any, ...]:
     rng = np.random.default_rng(seed)
     per_seq = context // BS + 1
     nb = batch * per_seq + 1
-    k = jnp.asarray(rng.standard_normal(cache_shape("k", L, nb, BS, HK, HD), dtype=np.float32))
-    v = jnp.asarray(rng.standard_normal(cache_shape("v", L, nb, BS, HK, HD), dtype=np.float32))
+    k = jnp.asarray(rng.standard_normal(cache_shape("k", layers, nb, BS, HK, HD), dtype=np.float32))
+    v = jnp.asarray(rng.standard_normal(cache_shape("v", layers, nb, BS, HK, HD), dtype=np.float32))
     tables = jnp.asarray(rng.permutation(nb - 1)[: batch * per_seq].reshape(batch, per_seq).astype(np.int32))
     meta = AttnMetadata(
         seq_idx=jnp.arange(batch, dtype=jnp.int32),
@@ -60,14 +60,14 @@ def _attention_case(batch: int, context: int, seed: int) -> tuple[Any, ...]:
     return q, kv_new, k, v, meta
 
 
-def _attention_chain(attention: Callable[..., Any]) -> Callable[..., Any]:
+def _attention_chain(attention: Callable[..., Any], layers: int = L) -> Callable[..., Any]:
     import jax
     import jax.numpy as jnp
 
     from kernels.paged_attention import AttnArgs
 
     def chain(q: Any, kv_new: Any, k: Any, v: Any, meta: Any) -> Any:
-        for layer in range(L):  # each layer's query depends on the last layer's output
+        for layer in range(layers):  # each layer's query depends on the last layer's output
             q = q + 1e-3 * attention(AttnArgs(q, kv_new, kv_new, k, v, jnp.int32(layer), meta))
         return q
 
@@ -90,7 +90,7 @@ def _linear_chain(matmul: Any) -> Callable[..., Any]:
     return jax.jit(chain)
 
 
-def _weights(int8: bool, seed: int) -> list[dict[str, Any]]:
+def _weights(int8: bool, seed: int, layers: int = L) -> list[dict[str, Any]]:
     import jax.numpy as jnp
     import numpy as np
 
@@ -106,7 +106,9 @@ def _weights(int8: bool, seed: int) -> list[dict[str, Any]]:
         q, scale = quantize_int8(x)
         return Int8(jnp.asarray(q), jnp.asarray(scale))
 
-    return [{"qkv": w(D, (HQ + 2 * HK) * HD), "o": w(HQ * HD, D), "gu": w(D, 2 * F), "d": w(F, D)} for _ in range(L)]
+    return [
+        {"qkv": w(D, (HQ + 2 * HK) * HD), "o": w(HQ * HD, D), "gu": w(D, 2 * F), "d": w(F, D)} for _ in range(layers)
+    ]
 
 
 def run(argv: Sequence[str]) -> int:
@@ -116,11 +118,12 @@ def run(argv: Sequence[str]) -> int:
     ap.add_argument("--rows", default="1,2,4,8,16,32,64", help="rows of the float32 matmul tests")
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--layers", type=int, default=L, help="layers each chain runs (SmolLM2's 30; fewer: a quick check)")
     ap.add_argument(
         "--target", default="auto", help="native build (kernels/cpu_build.py TARGETS); auto: the best this CPU runs"
     )
     args = ap.parse_args(argv)
-    print("config:", json.dumps({**vars(args), "shapes": "SmolLM2-135M", "layers": L}))
+    print("config:", json.dumps({**vars(args), "shapes": "SmolLM2-135M"}))
 
     import jax
     import jax.numpy as jnp
@@ -143,8 +146,9 @@ def run(argv: Sequence[str]) -> int:
             }
         )
 
-    case = _attention_case(args.batch, args.context, args.seed)
-    ref, nat = _attention_chain(paged_attention.paged_attention), _attention_chain(lib.paged_attention)
+    case = _attention_case(args.batch, args.context, args.seed, args.layers)
+    ref = _attention_chain(paged_attention.paged_attention, args.layers)
+    nat = _attention_chain(lib.paged_attention, args.layers)
     med = _alternate({"reference": lambda: ref(*case), "native": lambda: nat(*case)}, args.repeat)
     add(f"attention, {args.batch} seqs @ctx {args.context}", med, "reference", "native")
     q, kv_new, k, v, meta = case
@@ -156,7 +160,7 @@ def run(argv: Sequence[str]) -> int:
 
     rng = np.random.default_rng(args.seed)
     for int8, row_counts in ((False, [int(r) for r in args.rows.split(",")]), (True, [1])):
-        ws = _weights(int8, args.seed)
+        ws = _weights(int8, args.seed, args.layers)
         xla, nat_mm = _linear_chain(None), _linear_chain(lib.matmul)
         for n in row_counts:
             x = jnp.asarray(rng.standard_normal((n, D), dtype=np.float32))
@@ -166,7 +170,7 @@ def run(argv: Sequence[str]) -> int:
             )
             add(f"layer matmuls {'int8' if int8 else 'float32'}, {n} row{'s' if n > 1 else ''}", med, "xla", "native")
     if lib.amx_available():  # matmul_precision "high": against the float32 path the runner would take
-        ws = _weights(False, args.seed)
+        ws = _weights(False, args.seed, args.layers)
         high = [
             {k: {"f32": w, "bf16x3": jnp.asarray(cpu_native.pack_bf16x3(np.asarray(w)))} for k, w in lw.items()}
             for lw in ws

@@ -24,6 +24,7 @@ code is tested there), and the build that serves is one the tests ran.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import platform
@@ -250,11 +251,25 @@ def build(target: Target, *, cache_dir: str = "", cxx: str = "") -> Path:
         raise NativeUnavailable(_failures[str(out)])
     if out.exists():
         return out
-    if failed.exists():
-        _failures[str(out)] = failed.read_text().strip()
-        raise NativeUnavailable(_failures[str(out)])
     out.parent.mkdir(parents=True, exist_ok=True)
     found = compiler(target, cxx)
+    # One compile of a library at a time on this machine: another process building it (a second
+    # server, a test worker) is waited for, and its library taken, not compiled again beside it.
+    with open(out.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if out.exists():
+            return out
+        if failed.exists():
+            _failures[str(out)] = failed.read_text().strip()
+            raise NativeUnavailable(_failures[str(out)])
+        _compile_library(found, target, out)
+    return out
+
+
+def _compile_library(found: str, target: Target, out: Path) -> None:
+    """`target`'s library compiled by `found` into a temporary directory beside `out`, then moved
+    there (its compile log beside it); a failure is remembered in `<name>.failed`."""
+    failed = out.with_suffix(".failed")
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         try:
             objects, compile_log = _compile(found, target, (), Path(tmp))
@@ -275,7 +290,6 @@ def build(target: Target, *, cache_dir: str = "", cxx: str = "") -> Path:
             raise NativeUnavailable(msg) from None
         out.with_suffix(".log").write_text(compile_log)  # what tests/kernels/test_cpu_build.py reads for warnings
         os.replace(lib, out)
-    return out
 
 
 def compile_objects(target: Target, outdir: Path, werror: bool = True, *, cxx: str = "") -> list[Path]:

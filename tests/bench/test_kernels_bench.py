@@ -11,7 +11,9 @@ from kernels import cpu_native
 
 
 def test_kernels_bench_prints_every_row(capsys: pytest.CaptureFixture[str]) -> None:
-    assert kernels_bench.run(["--batch", "2", "--context", "32", "--rows", "1,2", "--repeat", "1"]) == 0
+    assert (
+        kernels_bench.run(["--batch", "2", "--context", "32", "--rows", "1,2", "--repeat", "1", "--layers", "2"]) == 0
+    )
     out = capsys.readouterr().out
     tests = re.findall(
         r"^\| (attention|layer matmuls)[^|]*\| (reference|xla) \| [\d.]+ \| [\d.]+ \| ([\d.]+) \|$", out, re.MULTILINE
