@@ -3,18 +3,26 @@
 Owns: `smol_dir` (the real SmolLM2-135M, pulled once per machine into
 artifacts/models/smol-135m through tl.entry.pull), `tiny_dir` (a random 2-layer Llama with
 the byte tokenizer) and `succ_dir` (the successor-byte model), both built once per
-session under pytest's tmp dir by tests/helpers/models.py. Must not import jax.
+session under pytest's tmp dir by tests/helpers/models.py; the run's shared JAX compilation
+cache (environment variables set before jax is imported). Must not import jax.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
-from tests.helpers.models import make_succ, make_tiny_llama
-
 REPO_ROOT = Path(__file__).resolve().parent.parent
+# One JAX persistent compilation cache for the whole run, set before anything imports jax, so the
+# xdist workers and the processes tests start share every step compiled alike (the tiny models'
+# variants, compiled by many tests): tests/runtime and tests/model took 435 s on 2 workers
+# against 573 without it (Zen 3). A config's own compile_cache_dir still wins where it names one.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(REPO_ROOT / "artifacts" / "jax-cache-tests"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+
+from tests.helpers.models import make_succ, make_tiny_llama  # noqa: E402 -- after the cache's environment
 
 
 @pytest.fixture(scope="session")
