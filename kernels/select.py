@@ -12,9 +12,8 @@ a kernel without windows, pallas_gpu, falls back for such a model); the layers' 
 Must not: write the cache, measure anything. Tested by tests/kernels/test_pallas_attention.py,
 tests/kernels/test_cpu_native.py and tests/runtime/test_verdicts.py.
 
-"auto": pallas_tpu on TPU, pallas_gpu on GPU, cpu_native on CPU (where the library builds; it
-or the reference then runs every step shape, whichever tl/runtime/verdicts.py measured faster on
-the model). Naming a Pallas
+"auto": pallas_tpu on TPU, pallas_gpu on GPU, cpu_native on CPU (where the library builds;
+unmeasured: its rows do not depend on their step, the reference's do). Naming a Pallas
 kernel of another platform runs it in interpret mode (tests do this); cpu_native runs on CPU
 only, and naming it forces it at every shape.
 """

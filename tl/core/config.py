@@ -92,13 +92,13 @@ class EngineConfig:
     tensor_parallel: int = 1
     """Devices the model is sharded over (Megatron layout on the mesh's "model" axis)."""
     attention_kernel: AttentionKernel = "auto"
-    """Paged attention: "auto" picks the Pallas kernel on TPU/GPU; on CPU the native kernel where it
-    measured faster than the jnp reference at each step shape (timed at start-up, cached per CPU);
+    """Paged attention: "auto" picks the Pallas kernel on TPU/GPU; on CPU the native kernel where the
+    library builds (not timed: its rows do not depend on their step, the jnp reference's do);
     "cpu_native" forces the native kernel at every shape, "reference" the jnp one."""
     matmul_kernel: MatmulKernel = "auto"
-    """CPU matmuls of up to 64 rows (and the sampler's argmax): "auto" takes the native kernel at
-    each row count where it measured faster than XLA's dot (timed at start-up, cached per CPU);
-    "cpu_native" forces it, "xla" never uses it."""
+    """CPU matmuls (and the sampler's argmax): "auto" takes the native kernels at every row count
+    where they measured faster than XLA's dot on the model (timed at start-up per row class, cached
+    per CPU), else XLA's at every one; "cpu_native" forces them, "xla" never uses them."""
     native_target: NativeTarget = "auto"
     """Which build of the native CPU kernels: "auto" is the most capable this CPU runs
     (sapphirerapids with AMX, x86-64-v4-vnni with AVX-512 VNNI+BF16, x86-64-v4 with AVX-512,
