@@ -1,7 +1,8 @@
 """Writing GGUF files for tests, independently of tl's reader: llama.cpp's tensor names, the
-byte vocabulary's metadata, the K-quants' quantizers (Q4_K, Q6_K) written in numpy, write_gguf,
-family_gguf (a tiny model of each family as llama.cpp would convert it) and write_model_gguf
-(mixed block kinds, CASES). Must hold no tests."""
+byte vocabulary's metadata, write_gguf, family_gguf (a tiny model of each family as llama.cpp
+would convert it) and write_model_gguf (mixed block kinds, CASES). The K-quants' numpy
+quantizers (Q4_K, Q6_K) are bench/kquants.py's, which `python -m bench synth` writes with too.
+Must hold no tests."""
 
 from __future__ import annotations
 
@@ -14,52 +15,13 @@ import gguf
 import numpy as np
 from gguf.quants import quantize
 
+from bench.kquants import quantize_q4_k, quantize_q6_k
 from tests.helpers.models import SPECIAL_TOKENS, TINY, tiny_config
 from tl.model.config import ModelConfig
 from tl.model.gguf_model import permute_qk
 from tl.text.tokenizer import byte_level_alphabet
 
 Q = gguf.GGMLQuantizationType
-
-
-def _f16_bytes(x: np.ndarray) -> np.ndarray:
-    return np.asarray(x, dtype="<f2").reshape(-1, 1).view(np.uint8)
-
-
-def quantize_q4_k(x: np.ndarray) -> np.ndarray:
-    """ggml block_q4_K: f16 d, f16 dmin, 12 bytes of 6-bit scales/mins, 128 bytes of nibbles."""
-    blocks = x.reshape(-1, 8, 32)  # [nb, sub-block, 32]
-    lo = np.minimum(blocks.min(-1), 0.0)
-    scale = (blocks.max(-1) - lo) / 15
-    d = np.maximum(scale.max(-1), 1e-3) / 63  # floors stay non-zero in f16
-    dmin = np.maximum(-lo.min(-1), 1e-3) / 63
-    d, dmin = d.astype(np.float16).astype(np.float32), dmin.astype(np.float16).astype(np.float32)
-    sc = np.clip(np.round(scale / d[:, None]), 1, 63).astype(np.uint8)
-    mn = np.clip(np.round(-lo / dmin[:, None]), 0, 63).astype(np.uint8)
-    step = (d[:, None] * sc)[..., None]
-    q = np.clip(np.round((blocks + (dmin[:, None] * mn)[..., None]) / step), 0, 15).astype(np.uint8)
-    packed = np.zeros((len(blocks), 12), np.uint8)
-    packed[:, 0:4] = sc[:, :4] | ((sc[:, 4:] >> 4) << 6)
-    packed[:, 4:8] = mn[:, :4] | ((mn[:, 4:] >> 4) << 6)
-    packed[:, 8:12] = (sc[:, 4:] & 15) | ((mn[:, 4:] & 15) << 4)
-    qs = (q[:, 0::2, :] | (q[:, 1::2, :] << 4)).reshape(len(blocks), 128)
-    return np.concatenate([_f16_bytes(d), _f16_bytes(dmin), packed, qs], axis=1)
-
-
-def quantize_q6_k(x: np.ndarray) -> np.ndarray:
-    """ggml block_q6_K: 128 bytes low nibbles, 64 bytes high 2-bit pairs, 16 int8 scales, f16 d."""
-    blocks = x.reshape(-1, 16, 16)  # [nb, sub-block, 16]
-    amax = np.abs(blocks).max(-1)
-    d = np.maximum(amax.max(-1), 1e-2) / 31 / 127
-    d = d.astype(np.float16).astype(np.float32)
-    sc = np.clip(np.round(amax / 31 / d[:, None]), 1, 127).astype(np.int8)
-    step = (d[:, None] * sc)[..., None]
-    q = (
-        (np.clip(np.round(blocks / step), -32, 31) + 32).astype(np.uint8).reshape(-1, 2, 4, 32)
-    )  # [nb, half, quarter, l]
-    ql = np.concatenate([q[:, :, 0] & 15 | (q[:, :, 2] & 15) << 4, q[:, :, 1] & 15 | (q[:, :, 3] & 15) << 4], axis=2)
-    qh = (q[:, :, 0] >> 4) | (q[:, :, 1] >> 4) << 2 | (q[:, :, 2] >> 4) << 4 | (q[:, :, 3] >> 4) << 6
-    return np.concatenate([ql.reshape(-1, 128), qh.reshape(-1, 64), sc.view(np.uint8), _f16_bytes(d)], axis=1)
 
 
 def write_gguf(

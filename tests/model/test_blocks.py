@@ -27,14 +27,13 @@ import pytest
 from gguf.quants import dequantize, quantize
 from jax.sharding import PartitionSpec as P
 
+from bench.kquants import quantize_q4_k, quantize_q6_k
 from kernels import cpu_native
 from tests.helpers.bounds import matmul_bound
 from tests.helpers.gguf_writer import (
     CASES,
     MIXED,
     _k_config,
-    quantize_q4_k,
-    quantize_q6_k,
     write_model_gguf,
 )
 from tests.helpers.models import TINY, tiny_cfg, tiny_config, tiny_tensors

@@ -36,8 +36,8 @@ import jax
 import numpy as np
 import pytest
 
+from bench.kquants import quantize_q4_k
 from tests.helpers.bounds import EXP_ERR, U, gamma
-from tests.helpers.gguf_writer import quantize_q4_k
 from tl.model import moe
 from tl.model.config import ModelConfig
 from tl.model.files import HostTensor
