@@ -1,6 +1,6 @@
 """`python -m bench <name> [args]` (also `tl bench ...`).
 
-Names: runner | engine | mixed | http | structured | quant | kl | kernels | qlayout | soak | multihost | wire.
+Names: runner | engine | mixed | http | structured | quant | kl | kernels | qlayout | soak | multihost | wire | synth.
 """
 
 from __future__ import annotations
@@ -39,8 +39,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from bench.multihost_bench import run
     elif name == "wire":
         from bench.wire_record import run
+    elif name == "synth":
+        from bench.synth import run
     else:
-        names = "runner, engine, mixed, http, structured, quant, kl, kernels, qlayout, soak, multihost or wire"
+        names = "runner, engine, mixed, http, structured, quant, kl, kernels, qlayout, soak, multihost, wire or synth"
         print(f"unknown benchmark {name!r}; choose {names}", file=sys.stderr)
         return 2
     return run(rest)
