@@ -74,7 +74,11 @@ class _EngineCollector(Collector):
             ("tl_engine_prefix_cache_hits", "Prompt tokens found in the prefix cache", s.prefix_cache_hits),
             ("tl_engine_spec_draft_tokens", "Speculative draft tokens proposed", s.spec_drafts_proposed),
             ("tl_engine_spec_accepted_tokens", "Speculative draft tokens accepted", s.spec_drafts_accepted),
-            ("tl_engine_capped_steps", "Steps whose prompt work prompt_tokens_while_decoding cut", s.capped_steps),
+            (
+                "tl_engine_capped_steps",
+                "Steps whose prompt work the cadence bound cut (prompt tokens or ms while decoding)",
+                s.capped_steps,
+            ),
             ("tl_engine_aborted_sequences", "Sequences aborted: the client disconnected or stopped", s.aborts),
             ("tl_engine_multi_step_calls", "Steps that ran several decode steps in one call", s.multi_step_calls),
             (

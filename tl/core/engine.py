@@ -5,8 +5,9 @@ queue rules applied with this engine's limits, `check_context` and `check_capaci
 AsyncEngine also calls to refuse at once), the context length (`max_model_len`), the ids that
 end generation (`eos_token_ids`), embeddings requests turned into pooled sequences, the step
 loop (schedule -> runner.execute -> update; with `overlap`, schedule -> launch, then
-schedule_ahead -> launch the next call -> collect -> update, one call late), the step-time
-and prompt-tokens histograms, the host time around each step (tl/core/stats.py HostTimes), and
+schedule_ahead -> launch the next call -> collect -> update, one call late), the measured step
+costs the scheduler budgets prompt work with (tl/core/step_costs.py), the step-time and
+prompt-tokens histograms, the host time around each step (tl/core/stats.py HostTimes), and
 EngineStats. The scheduler owns request state, the block manager owns KV blocks, the runner owns
 the device; the engine only wires them. Not thread-safe: one thread calls it
 (tl/core/async_engine.py). Pure Python, no jax/numpy. Tested by tests/core/test_engine.py with
@@ -35,6 +36,7 @@ from tl.core.stats import (
     Histogram,
     HostTimes,
 )
+from tl.core.step_costs import StepCosts
 
 _POOL_PARAMS = SamplingParams(temperature=0.0, max_tokens=1)  # an embeddings input samples nothing
 
@@ -47,8 +49,13 @@ class Engine:
         *,
         clock: Callable[[], float] = time.monotonic,
         seed: int | None = None,
+        timer: Callable[[], float] = time.perf_counter,
     ) -> None:
-        """clock (seconds) drives the queue deadline; seed fixes the seeds drawn for seedless requests."""
+        """clock (seconds) drives the queue deadline; seed fixes the seeds drawn for seedless
+        requests; timer (seconds) times the steps (the runner's StepTimes are on the same one)."""
+        self._timer = timer
+        self._costs = StepCosts(config.token_buckets)
+        self._compilations = runner.num_compilations  # at the last step's end: a change means a compile
         self.runner = runner
         self.config = config
         self.max_model_len = _context_limit(runner, config)
@@ -63,6 +70,7 @@ class Engine:
             max_model_len=self.max_model_len,
             clock=clock,
             attention_window=runner.attention_window,
+            step_cost=self._costs.predict,
         )
         self._clock = clock
         self._rng = random.Random(seed)
@@ -137,7 +145,7 @@ class Engine:
 
     def step(self) -> list[TokenOut]:
         """One step's tokens: synchronously (schedule, run, fold the results in), or overlapped."""
-        begun = time.perf_counter()
+        begun = self._timer()
         if self._overlap is None:
             return self._step_synchronous(begun)
         return self._step_overlapped(self._overlap, begun)
@@ -147,7 +155,7 @@ class Engine:
         if not plan.work:
             return self._fold(plan, RunnerOutput(()), begun, schedule_s, 0.0, True, None)
         debug_delay("step")
-        launched_at = time.perf_counter()
+        launched_at = self._timer()
         output = self.runner.execute(plan)
         return self._fold(plan, output, begun, schedule_s, launched_at, True, None)
 
@@ -164,17 +172,17 @@ class Engine:
             if not plan.work:
                 return self._fold(plan, RunnerOutput(()), begun, schedule_s, 0.0, own, None)
             debug_delay("step")
-            launched_at = time.perf_counter()
+            launched_at = self._timer()
             current = overlap.launch(plan)
             assert current is not None, "a call that follows none is always launched"
-        t0 = time.perf_counter()
+        t0 = self._timer()
         ahead = None
         if self._launches_ahead(current.plan):
             ahead = self.scheduler.schedule_ahead(current.plan, self._steps_of())
-        schedule_s += time.perf_counter() - t0
+        schedule_s += self._timer() - t0
         if ahead is not None:
             debug_delay("step")
-            self._inflight_at = time.perf_counter()
+            self._inflight_at = self._timer()
             self._inflight = overlap.launch(ahead, after=current)
             self._overlapped_steps += self._inflight is not None  # None: not yet (its blocks stay reserved)
         try:
@@ -187,7 +195,7 @@ class Engine:
     def _schedule(self, begun: float) -> tuple[SchedulerOutput, float]:
         """This step's plan and the seconds since `begun` it took."""
         plan = self.scheduler.schedule(self._steps_of())
-        return plan, time.perf_counter() - begun
+        return plan, self._timer() - begun
 
     def _steps_of(self) -> Callable[[int], int] | None:
         """How the scheduler asks how many decode steps one call may run (None: [engine] decode_steps 1)."""
@@ -213,12 +221,15 @@ class Engine:
         plan's call was handed to the runner; own: by this step (not by an earlier one, ahead);
         ahead: the call this step launched after plan's before waiting for plan's results."""
         if plan.work:
-            now = time.perf_counter()
+            now = self._timer()
             took = now - max(launched_at, self._results_at)  # launched ahead: from the last results on
             self._results_at = now
             self._step_seconds.observe(took)
             if all(w.plain_decode for w in plan.work):
                 self._decode_step_s[len(plan.work)] = took / plan.decode_steps
+            if plan.decode_steps == 1 and self.runner.num_compilations == self._compilations:
+                self._costs.observe(plan.num_tokens, took)
+            self._compilations = self.runner.num_compilations
             self._prompt_tokens.observe(plan.num_prompt_tokens)
             if output.mask_rows:  # the rows were filled together: each its share of the time
                 self._mask_seconds.observe(output.mask_seconds / output.mask_rows, output.mask_rows)
@@ -227,7 +238,7 @@ class Engine:
         self._multi_step_calls += plan.decode_steps > 1
         outs = self.scheduler.update(plan, output)
         ahead_times = None if ahead is None else (ahead.started, ahead.packed, ahead.launched)
-        self._host.step(begun, schedule_s, output.times, time.perf_counter(), self.has_work(), own, ahead_times)
+        self._host.step(begun, schedule_s, output.times, self._timer(), self.has_work(), own, ahead_times)
         return outs
 
     def _decode_steps(self, num_seqs: int) -> int:

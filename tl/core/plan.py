@@ -82,7 +82,7 @@ class SeqWork:
 class SchedulerOutput:
     work: tuple[SeqWork, ...]
     num_prompt_tokens: int = 0  # tokens of prompt work (everything but decodes and their drafts)
-    capped: bool = False  # prompt_tokens_while_decoding cut this step's prompt work
+    capped: bool = False  # the cadence bound (prompt tokens or ms while decoding) cut this step's prompt work
 
     @property
     def decode_steps(self) -> int:

@@ -22,8 +22,11 @@ are simply rewritten later (their blocks stay in the table).
 Steady cadence: while a step carries decodes, the prompt work beside them (chunks of
 prompts, recomputes, embeddings inputs) is capped at prompt_tokens_while_decoding tokens,
 rounded up to fill the token bucket the step lands in (its padding rows cost as much as
-real ones), so a burst of prompts never stretches every stream's next token to a long
-prefill step;
+real ones), and, by time, at the largest bucket whose estimated step time (step_cost, from
+measured steps) is within the decodes' own plus prompt_ms_while_decoding, never below the next
+bucket above the decodes; so a burst of prompts never stretches every stream's next token to
+a long prefill step, whatever the model's size: a stream's gap is at most the larger of its
+decode step plus prompt_ms_while_decoding and the step of the next bucket up (as estimated);
 with no decode in the step the whole max_num_batched_tokens budget is prompt work (and
 with prefill_chunk = 0, where a prompt cannot be cut, the step's first prompt goes whole).
 
@@ -78,7 +81,7 @@ class SchedulerCounters:
     prefix_cache_hits: int = 0  # of those, tokens found cached
     spec_drafts_proposed: int = 0
     spec_drafts_accepted: int = 0
-    capped_steps: int = 0  # steps whose prompt work prompt_tokens_while_decoding cut
+    capped_steps: int = 0  # steps whose prompt work the cadence bound cut (tokens or time beside decodes)
     aborts: int = 0  # live sequences finished by abort() (a client gone or stopped)
 
 
@@ -107,10 +110,14 @@ class Scheduler:
         max_model_len: int,
         clock: Callable[[], float],
         attention_window: int = 0,
+        step_cost: Callable[[int], float | None] | None = None,
     ) -> None:
         """attention_window: W when every layer of the model attends to its last W positions
-        only (Mistral v0.1): blocks behind a sequence's window are released after each step."""
+        only (Mistral v0.1): blocks behind a sequence's window are released after each step.
+        step_cost(n): the estimated seconds of one step of n tokens, None while unknown (the
+        engine's tl/core/step_costs.py): what prompt_ms_while_decoding is measured with."""
         self.config = config
+        self.step_cost = step_cost
         self.block_manager = block_manager
         self.attention_window = attention_window
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -130,7 +137,7 @@ class Scheduler:
         self._num_scheduled_tokens = 0
         self._num_prompt_tokens = 0  # of those, prompt work's
         self._num_decodes = 0  # decodes scheduled this step
-        self._capped = False  # the cadence cap cut some prompt work this step
+        self._capped = False  # the cadence bound cut some prompt work this step
         self._preempted_this_step = False
         self._waiting_on_compute = False  # the last admission stopped for the token budget
         self._max_pool_seqs = max(1, config.max_num_seqs // 2)
@@ -307,13 +314,12 @@ class Scheduler:
         """Tokens to compute this step: the rest, a chunk of it, or 0 to wait for a roomier step."""
         remaining = seq.num_tokens - num_computed
         budget = self.config.max_num_batched_tokens - self._num_scheduled_tokens
-        cap = self.config.prompt_tokens_while_decoding
-        if cap and self._num_decodes and (seq.pool or remaining > 1):  # prompt work beside decodes
-            # The step's tokens up to the token bucket that decodes + cap land in: the padding
-            # the compiled step would compute anyway is filled with prompt work. Without
-            # chunking a prompt cannot be cut: the step's first prompt goes whole.
-            decode_tokens = self._num_scheduled_tokens - self._num_prompt_tokens
-            room = max(0, self._cap_top(decode_tokens + cap) - self._num_scheduled_tokens)
+        top = self._cadence_top() if self._num_decodes and (seq.pool or remaining > 1) else None
+        if top is not None:  # prompt work beside decodes
+            # The step's tokens up to the cadence's token bucket: the padding the compiled step
+            # would compute anyway is filled with prompt work. Without chunking a prompt cannot
+            # be cut: the step's first prompt goes whole.
+            room = max(0, top - self._num_scheduled_tokens)
             if not self.config.prefill_chunk and self._num_prompt_tokens == 0:
                 room = budget
             if room < min(remaining, budget, self.config.prefill_chunk or remaining):
@@ -327,6 +333,37 @@ class Scheduler:
             return remaining
         # No chunking: wait for a step with room, unless even a whole step's budget is too small.
         return budget if remaining > self.config.max_num_batched_tokens else 0
+
+    def _cadence_top(self) -> int | None:
+        """The most tokens a step carrying decodes may reach with prompt work (None: unbounded):
+        the token bucket prompt_tokens_while_decoding lands in, and the largest bucket whose
+        estimated time stays within the decodes' own plus prompt_ms_while_decoding (at least the
+        next bucket above the decodes); the lower of the two where both apply."""
+        decode_tokens = self._num_scheduled_tokens - self._num_prompt_tokens
+        tops = []
+        if cap := self.config.prompt_tokens_while_decoding:
+            tops.append(self._cap_top(decode_tokens + cap))
+        if (timed := self._timed_top(decode_tokens)) is not None:
+            tops.append(timed)
+        return min(tops, default=None)
+
+    def _timed_top(self, decode_tokens: int) -> int | None:
+        """The largest token bucket whose estimated step time is within the decodes' bucket's
+        plus prompt_ms_while_decoding, at least the next bucket above the decodes (None: no time
+        bound configured, or nothing measured yet)."""
+        ms, cost_of = self.config.prompt_ms_while_decoding, self.step_cost
+        base = cost_of(decode_tokens) if ms and cost_of is not None else None
+        if base is None or cost_of is None:
+            return None
+        top = self._cap_top(decode_tokens + 1)  # the least: prompts always progress
+        for bucket in self.config.token_buckets:
+            if bucket <= top or bucket > self.config.max_num_batched_tokens:
+                continue
+            cost = cost_of(bucket)
+            if cost is None or cost > base + ms / 1000:
+                break
+            top = bucket
+        return top
 
     def _cap_top(self, tokens: int) -> int:
         """The smallest token bucket holding `tokens` (at most the step's budget)."""

@@ -142,7 +142,7 @@ class EngineStats:
     compilations: int = 0  # compiled step variants so far (flat once the background compilation is done)
     multi_step_compilations: int = 0  # several decode steps' programs compiled (each shape when first asked for)
     compile_pending: int = 0  # step variants not compiled yet (tl/runtime/compiler.py compiles them in the background)
-    capped_steps: int = 0  # steps whose prompt work prompt_tokens_while_decoding cut
+    capped_steps: int = 0  # steps whose prompt work the cadence bound cut (tokens or time beside decodes)
     aborts: int = 0  # live sequences aborted (client disconnected or stopped, or cancelled)
     multi_step_calls: int = 0  # steps that ran several decode steps in one call (decode_steps)
     overlapped_steps: int = 0  # calls launched before the previous call's results were waited for (overlap)
