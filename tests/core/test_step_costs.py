@@ -1,9 +1,10 @@
 """The time bound on prompt work beside decodes ([engine] prompt_ms_while_decoding): StepCosts'
-estimates by hand, and the engine over a FakeRunner whose steps cost a scripted time on a fake
-timer (cost proportional to the token bucket, at two model sizes): every step that carries a
-decode stays within the decodes' own step plus the budget, or the next bucket up; prompts
-progress; a step during which the runner compiled is not taken as a measurement; and the
-tokens are those of each request alone."""
+estimates (high for a step that adds prompt work, low for the decodes' own) by hand, and the
+engine over a FakeRunner whose steps cost a scripted time on a fake timer (cost proportional to
+the token bucket, at two model sizes): every step that carries a decode stays within the
+decodes' own step plus the budget, or the next bucket up; prompts progress; a step during which
+the runner compiled is not taken as a measurement; and the tokens are those of each request
+alone."""
 
 from __future__ import annotations
 
@@ -32,9 +33,14 @@ def test_estimates_measured_interpolated_bounded_and_scaled() -> None:
     assert costs.predict(64) == 0.5
     costs.observe(10, 0.0)  # nothing to learn from
     assert costs.predict(16) == pytest.approx(0.2 + 0.3 * 12 / 60)
+    assert costs.predict_low(16) == costs.predict(16)  # between measured buckets: the same line
     only_above = StepCosts((4, 8, 16))
     only_above.observe(16, 0.3)
     assert only_above.predict(2) == 0.3  # a step costs no more than a larger one
+    assert only_above.predict_low(2) is None  # but nothing says how little
+    only_below = StepCosts((4, 8, 16))
+    only_below.observe(4, 0.1)
+    assert only_below.predict(16) == pytest.approx(0.4) and only_below.predict_low(16) == 0.1
 
 
 class TimedRunner(FakeRunner):

@@ -70,7 +70,7 @@ class Engine:
             max_model_len=self.max_model_len,
             clock=clock,
             attention_window=runner.attention_window,
-            step_cost=self._costs.predict,
+            step_costs=self._costs,
         )
         self._clock = clock
         self._rng = random.Random(seed)
@@ -225,10 +225,11 @@ class Engine:
             took = now - max(launched_at, self._results_at)  # launched ahead: from the last results on
             self._results_at = now
             self._step_seconds.observe(took)
-            if all(w.plain_decode for w in plan.work):
+            decodes_only = all(w.plain_decode for w in plan.work)
+            if decodes_only:
                 self._decode_step_s[len(plan.work)] = took / plan.decode_steps
-            if plan.decode_steps == 1 and self.runner.num_compilations == self._compilations:
-                self._costs.observe(plan.num_tokens, took)
+            if (plan.decode_steps == 1 or decodes_only) and self.runner.num_compilations == self._compilations:
+                self._costs.observe(len(plan.work) if decodes_only else plan.num_tokens, took / plan.decode_steps)
             self._compilations = self.runner.num_compilations
             self._prompt_tokens.observe(plan.num_prompt_tokens)
             if output.mask_rows:  # the rows were filled together: each its share of the time

@@ -22,7 +22,7 @@ are simply rewritten later (their blocks stay in the table).
 Steady cadence: while a step carries decodes, the prompt work beside them (chunks of
 prompts, recomputes, embeddings inputs) is capped at prompt_tokens_while_decoding tokens,
 rounded up to fill the token bucket the step lands in (its padding rows cost as much as
-real ones), and, by time, at the largest bucket whose estimated step time (step_cost, from
+real ones), and, by time, at the largest bucket whose estimated step time (step_costs, from
 measured steps) is within the decodes' own plus prompt_ms_while_decoding, never below the next
 bucket above the decodes; so a burst of prompts never stretches every stream's next token to
 a long prefill step, whatever the model's size: a stream's gap is at most the larger of its
@@ -65,6 +65,7 @@ import dataclasses
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
 from tl.core.block_manager import BlockManager
 from tl.core.config import EngineConfig
@@ -83,6 +84,14 @@ class SchedulerCounters:
     spec_drafts_accepted: int = 0
     capped_steps: int = 0  # steps whose prompt work the cadence bound cut (tokens or time beside decodes)
     aborts: int = 0  # live sequences finished by abort() (a client gone or stopped)
+
+
+class StepCostEstimates(Protocol):
+    """Estimated seconds of one step of n tokens (None: not known yet), high or low where guessed."""
+
+    def predict(self, num_tokens: int) -> float | None: ...
+
+    def predict_low(self, num_tokens: int) -> float | None: ...
 
 
 def _is_decode(seq: Sequence) -> bool:
@@ -110,14 +119,14 @@ class Scheduler:
         max_model_len: int,
         clock: Callable[[], float],
         attention_window: int = 0,
-        step_cost: Callable[[int], float | None] | None = None,
+        step_costs: StepCostEstimates | None = None,
     ) -> None:
         """attention_window: W when every layer of the model attends to its last W positions
         only (Mistral v0.1): blocks behind a sequence's window are released after each step.
-        step_cost(n): the estimated seconds of one step of n tokens, None while unknown (the
-        engine's tl/core/step_costs.py): what prompt_ms_while_decoding is measured with."""
+        step_costs: the estimated seconds of a step of n tokens (the engine's
+        tl/core/step_costs.py): what prompt_ms_while_decoding is measured with."""
         self.config = config
-        self.step_cost = step_cost
+        self.step_costs = step_costs
         self.block_manager = block_manager
         self.attention_window = attention_window
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -351,15 +360,15 @@ class Scheduler:
         """The largest token bucket whose estimated step time is within the decodes' bucket's
         plus prompt_ms_while_decoding, at least the next bucket above the decodes (None: no time
         bound configured, or nothing measured yet)."""
-        ms, cost_of = self.config.prompt_ms_while_decoding, self.step_cost
-        base = cost_of(decode_tokens) if ms and cost_of is not None else None
-        if base is None or cost_of is None:
+        ms, costs = self.config.prompt_ms_while_decoding, self.step_costs
+        base = costs.predict_low(decode_tokens) if ms and costs is not None else None
+        if base is None or costs is None:
             return None
         top = self._cap_top(decode_tokens + 1)  # the least: prompts always progress
         for bucket in self.config.token_buckets:
             if bucket <= top or bucket > self.config.max_num_batched_tokens:
                 continue
-            cost = cost_of(bucket)
+            cost = costs.predict(bucket)
             if cost is None or cost > base + ms / 1000:
                 break
             top = bucket

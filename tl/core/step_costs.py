@@ -6,8 +6,10 @@ a step of that many tokens: its bucket's time if measured; else a straight line 
 nearest measured buckets below and above; else the nearest measured bucket above (a step costs no
 more than a larger one); else the largest measured bucket below scaled up by tokens (too
 high where steps are bound by reading the weights, which keeps the estimate on the safe side);
-None before any step is measured. The engine feeds it (tl/core/engine.py), leaving out calls of
-several decode steps and calls during which the runner compiled; the scheduler budgets prompt
+None before any step is measured. `predict_low` errs the other way, for the decodes' own step
+(the base the budget is added to). The engine feeds it (tl/core/engine.py): one-step calls, and
+each step of a call of several plain decodes (its time over its steps), leaving out calls during
+which the runner compiled; the scheduler budgets prompt
 work beside decodes with it (tl/core/scheduler.py, [engine] prompt_ms_while_decoding). The last
 time, not an average: a step's cost grows with its sequences' context, and the next step is
 most like the last. Pure Python. Tested by tests/core/test_step_costs.py.
@@ -35,12 +37,12 @@ class StepCosts:
             self._seconds[self.bucket(num_tokens)] = seconds
 
     def predict(self, num_tokens: int) -> float | None:
-        """Estimated seconds of one step of num_tokens tokens (None: nothing measured yet)."""
+        """Estimated seconds of one step of num_tokens tokens, on the high side where it must
+        guess (None: nothing measured yet): what a step that adds prompt work will cost."""
         b = self.bucket(num_tokens)
         if b in self._seconds:
             return self._seconds[b]
-        below = max((m for m in self._seconds if m < b), default=None)
-        above = min((m for m in self._seconds if m > b), default=None)
+        below, above = self._neighbours(b)
         if below is not None and above is not None:
             lo, hi = self._seconds[below], self._seconds[above]
             return lo + (hi - lo) * (b - below) / (above - below)
@@ -49,3 +51,21 @@ class StepCosts:
         if below is not None:
             return self._seconds[below] * b / below
         return None
+
+    def predict_low(self, num_tokens: int) -> float | None:
+        """Estimated seconds of one step of num_tokens tokens, on the low side where it must
+        guess: its bucket's, the line between measured neighbours, or the nearest measured
+        bucket below (None: none measured at or below): what the decodes alone cost, the base
+        the budget is added to (too high a base would let more prompt work in)."""
+        b = self.bucket(num_tokens)
+        if b in self._seconds:
+            return self._seconds[b]
+        below, above = self._neighbours(b)
+        if below is None:
+            return None
+        return self.predict(num_tokens) if above is not None else self._seconds[below]
+
+    def _neighbours(self, b: int) -> tuple[int | None, int | None]:
+        below = max((m for m in self._seconds if m < b), default=None)
+        above = min((m for m in self._seconds if m > b), default=None)
+        return below, above
