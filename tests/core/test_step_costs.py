@@ -22,7 +22,7 @@ from tl.core.step_costs import StepCosts
 
 def test_estimates_measured_interpolated_bounded_and_scaled() -> None:
     costs = StepCosts((4, 8, 16, 32, 64))
-    assert costs.predict(5) is None  # nothing measured
+    assert costs.predict(5) is None and costs.predict_low(5) == 0.0  # nothing measured
     costs.observe(3, 0.2)  # bucket 4
     assert costs.predict(1) == 0.2 and costs.predict(4) == 0.2
     assert costs.predict(20) == pytest.approx(0.2 * 32 / 4)  # only below: scaled by tokens
@@ -37,7 +37,7 @@ def test_estimates_measured_interpolated_bounded_and_scaled() -> None:
     only_above = StepCosts((4, 8, 16))
     only_above.observe(16, 0.3)
     assert only_above.predict(2) == 0.3  # a step costs no more than a larger one
-    assert only_above.predict_low(2) is None  # but nothing says how little
+    assert only_above.predict_low(2) == 0.0  # but nothing says how little
     only_below = StepCosts((4, 8, 16))
     only_below.observe(4, 0.1)
     assert only_below.predict(16) == pytest.approx(0.4) and only_below.predict_low(16) == 0.1
@@ -75,14 +75,20 @@ CFG = BASE_CFG.replace(
     prompt_tokens_while_decoding=0,  # the token cap off: the time bound alone
     prompt_ms_while_decoding=50.0,
 )
-ARRIVALS = [Arrival(0, GenRequest(run(30), greedy(30))), Arrival(3, GenRequest(run(60, 100), greedy(4)))]
 
 
-def _drive(cfg: EngineConfig, seconds_per_token: float, compile_at: frozenset[int] = frozenset()) -> TimedRunner:
+def _arrivals(second_at: int) -> list[Arrival]:
+    return [Arrival(0, GenRequest(run(30), greedy(30))), Arrival(second_at, GenRequest(run(60, 100), greedy(4)))]
+
+
+def _drive(
+    cfg: EngineConfig, seconds_per_token: float, compile_at: frozenset[int] = frozenset(), second_at: int = 3
+) -> TimedRunner:
     runner = TimedRunner(cfg, seconds_per_token, compile_at)
     engine = Engine(runner, cfg, timer=lambda: runner.now)
-    got = drive(engine, ARRIVALS, check=check_engine)
-    for arrival, outs in zip(ARRIVALS, got, strict=True):  # each request's tokens are its own alone
+    arrivals = _arrivals(second_at)
+    got = drive(engine, arrivals, check=check_engine)
+    for arrival, outs in zip(arrivals, got, strict=True):  # each request's tokens are its own alone
         alone = drive(Engine(FakeRunner.from_config(cfg), cfg), [Arrival(0, arrival.request)])[0]
         assert token_ids(outs) == token_ids(alone)
     assert engine.stats().kv_blocks_used == 0
@@ -99,9 +105,12 @@ def _mixed(runner: TimedRunner) -> list[tuple[int, int, float]]:
     return out
 
 
+@pytest.mark.parametrize("second_at", [1, 3], ids=["before_any_decode_is_measured", "after"])
 @pytest.mark.parametrize("seconds_per_token", [0.01, 0.1], ids=["small_model", "model_ten_times_larger"])
-def test_a_decodes_gap_stays_within_its_step_plus_the_budget(seconds_per_token: float) -> None:
-    runner = _drive(CFG, seconds_per_token)
+def test_a_decodes_gap_stays_within_its_step_plus_the_budget(seconds_per_token: float, second_at: int) -> None:
+    """Arriving at step 1, the second prompt meets a decode whose step was never measured (only
+    the first prompt's 32-token step was): the least goes beside it, and is measured."""
+    runner = _drive(CFG, seconds_per_token, second_at=second_at)
     mixed = _mixed(runner)
     assert sum(p for _, p, _ in mixed) >= 59  # the second prompt was computed beside the decodes
     budget = CFG.prompt_ms_while_decoding / 1000

@@ -87,11 +87,12 @@ class SchedulerCounters:
 
 
 class StepCostEstimates(Protocol):
-    """Estimated seconds of one step of n tokens (None: not known yet), high or low where guessed."""
+    """Estimated seconds of one step of n tokens: high where guessed (None: nothing measured), or
+    low (0: nothing measured at or below)."""
 
     def predict(self, num_tokens: int) -> float | None: ...
 
-    def predict_low(self, num_tokens: int) -> float | None: ...
+    def predict_low(self, num_tokens: int) -> float: ...
 
 
 def _is_decode(seq: Sequence) -> bool:
@@ -359,11 +360,12 @@ class Scheduler:
     def _timed_top(self, decode_tokens: int) -> int | None:
         """The largest token bucket whose estimated step time is within the decodes' bucket's
         plus prompt_ms_while_decoding, at least the next bucket above the decodes (None: no time
-        bound configured, or nothing measured yet)."""
+        bound configured). A bucket with no estimate yet is taken as too costly: steps start
+        small and are measured."""
         ms, costs = self.config.prompt_ms_while_decoding, self.step_costs
-        base = costs.predict_low(decode_tokens) if ms and costs is not None else None
-        if base is None or costs is None:
+        if not ms or costs is None:
             return None
+        base = costs.predict_low(decode_tokens)
         top = self._cap_top(decode_tokens + 1)  # the least: prompts always progress
         for bucket in self.config.token_buckets:
             if bucket <= top or bucket > self.config.max_num_batched_tokens:

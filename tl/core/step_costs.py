@@ -52,18 +52,19 @@ class StepCosts:
             return self._seconds[below] * b / below
         return None
 
-    def predict_low(self, num_tokens: int) -> float | None:
+    def predict_low(self, num_tokens: int) -> float:
         """Estimated seconds of one step of num_tokens tokens, on the low side where it must
-        guess: its bucket's, the line between measured neighbours, or the nearest measured
-        bucket below (None: none measured at or below): what the decodes alone cost, the base
-        the budget is added to (too high a base would let more prompt work in)."""
+        guess: its bucket's, the line between measured neighbours, the nearest measured bucket
+        below, or 0 (none measured at or below): what the decodes alone cost, the base the
+        budget is added to (too high a base would let more prompt work in; too low only keeps
+        steps small, and small steps are soon measured)."""
         b = self.bucket(num_tokens)
         if b in self._seconds:
             return self._seconds[b]
         below, above = self._neighbours(b)
         if below is None:
-            return None
-        return self.predict(num_tokens) if above is not None else self._seconds[below]
+            return 0.0
+        return self._seconds[below] if above is None else self.predict(num_tokens) or 0.0
 
     def _neighbours(self, b: int) -> tuple[int | None, int | None]:
         below = max((m for m in self._seconds if m < b), default=None)
