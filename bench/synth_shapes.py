@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from tl.model.config import RopeScaling
 
@@ -88,48 +89,60 @@ _LLAMA31_ROPE = RopeScaling("llama3", factor=8.0, low_freq_factor=1.0, high_freq
 # anonymous memory and adds ~1.8 GB of its own (measured serving llama3.2-1b's 0.67 GB file:
 # 3.1 GB peak RSS, the file's mapped pages included), so ~20 GB: within 24 GiB by that estimate,
 # not by a run (Q4_0, 17.0 GB, leaves more room).
+# What a family's configs share; each row below is what differs.
+_LLAMA3: dict[str, Any] = dict(
+    arch="llama",
+    tokenizer="smollm2",
+    published_vocab_size=128256,
+    rope_theta=500000.0,
+    rms_norm_eps=1e-5,
+    context_length=131072,
+)
+_QWEN3: dict[str, Any] = dict(
+    tokenizer="smollm2",
+    published_vocab_size=151936,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
+    context_length=40960,
+    head_dim=128,
+    num_kv_heads=8,
+)
+_GEMMA3: dict[str, Any] = dict(
+    arch="gemma3",
+    tokenizer="gemma3",
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
+    head_dim=256,
+    tie_word_embeddings=True,
+)
 SHAPES: dict[str, Shape] = {
     s.name: s
     for s in (
-        Shape("llama3.2-1b", "llama", "meta-llama/Llama-3.2-1B", tokenizer="smollm2",
-              hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64, intermediate_size=8192,
-              published_vocab_size=128256, rope_theta=500000.0, rms_norm_eps=1e-5, context_length=131072,
-              tie_word_embeddings=True, rope_scaling=_LLAMA32_ROPE),
-        Shape("llama3.2-3b", "llama", "meta-llama/Llama-3.2-3B", tokenizer="smollm2",
-              hidden_size=3072, num_layers=28, num_heads=24, num_kv_heads=8, head_dim=128, intermediate_size=8192,
-              published_vocab_size=128256, rope_theta=500000.0, rms_norm_eps=1e-5, context_length=131072,
-              tie_word_embeddings=True, rope_scaling=_LLAMA32_ROPE),
-        Shape("llama3.1-8b", "llama", "meta-llama/Llama-3.1-8B", tokenizer="smollm2",
-              hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, intermediate_size=14336,
-              published_vocab_size=128256, rope_theta=500000.0, rms_norm_eps=1e-5, context_length=131072,
-              tie_word_embeddings=False, rope_scaling=_LLAMA31_ROPE),
-        Shape("qwen3-0.6b", "qwen3", "Qwen/Qwen3-0.6B", tokenizer="smollm2",
-              hidden_size=1024, num_layers=28, num_heads=16, num_kv_heads=8, head_dim=128, intermediate_size=3072,
-              published_vocab_size=151936, rope_theta=1000000.0, rms_norm_eps=1e-6, context_length=40960,
-              tie_word_embeddings=True),
-        Shape("qwen3-1.7b", "qwen3", "Qwen/Qwen3-1.7B", tokenizer="smollm2",
-              hidden_size=2048, num_layers=28, num_heads=16, num_kv_heads=8, head_dim=128, intermediate_size=6144,
-              published_vocab_size=151936, rope_theta=1000000.0, rms_norm_eps=1e-6, context_length=40960,
-              tie_word_embeddings=True),
-        Shape("qwen3-4b", "qwen3", "Qwen/Qwen3-4B", tokenizer="smollm2",
-              hidden_size=2560, num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128, intermediate_size=9728,
-              published_vocab_size=151936, rope_theta=1000000.0, rms_norm_eps=1e-6, context_length=40960,
-              tie_word_embeddings=True),
-        Shape("qwen3-8b", "qwen3", "Qwen/Qwen3-8B", tokenizer="smollm2",
-              hidden_size=4096, num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128, intermediate_size=12288,
-              published_vocab_size=151936, rope_theta=1000000.0, rms_norm_eps=1e-6, context_length=40960,
-              tie_word_embeddings=False),
-        Shape("qwen3-30b-a3b", "qwen3moe", "Qwen/Qwen3-30B-A3B", tokenizer="smollm2",
-              hidden_size=2048, num_layers=48, num_heads=32, num_kv_heads=4, head_dim=128, intermediate_size=6144,
-              published_vocab_size=151936, rope_theta=1000000.0, rms_norm_eps=1e-6, context_length=40960,
-              tie_word_embeddings=False, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768),
-        Shape("gemma3-1b", "gemma3", "google/gemma-3-1b-it", tokenizer="gemma3",
-              hidden_size=1152, num_layers=26, num_heads=4, num_kv_heads=1, head_dim=256, intermediate_size=6912,
-              published_vocab_size=262144, rope_theta=1000000.0, rms_norm_eps=1e-6, context_length=32768,
-              tie_word_embeddings=True, sliding_window=512),
-        Shape("gemma3-4b", "gemma3", "google/gemma-3-4b-it", tokenizer="gemma3",
-              hidden_size=2560, num_layers=34, num_heads=8, num_kv_heads=4, head_dim=256, intermediate_size=10240,
-              published_vocab_size=262208, rope_theta=1000000.0, rms_norm_eps=1e-6, context_length=131072,
-              tie_word_embeddings=True, sliding_window=1024, rope_scaling=RopeScaling("linear", factor=8.0)),
+        Shape("llama3.2-1b", source="meta-llama/Llama-3.2-1B", hidden_size=2048, num_layers=16, num_heads=32,
+              num_kv_heads=8, head_dim=64, intermediate_size=8192, tie_word_embeddings=True,
+              rope_scaling=_LLAMA32_ROPE, **_LLAMA3),
+        Shape("llama3.2-3b", source="meta-llama/Llama-3.2-3B", hidden_size=3072, num_layers=28, num_heads=24,
+              num_kv_heads=8, head_dim=128, intermediate_size=8192, tie_word_embeddings=True,
+              rope_scaling=_LLAMA32_ROPE, **_LLAMA3),
+        Shape("llama3.1-8b", source="meta-llama/Llama-3.1-8B", hidden_size=4096, num_layers=32, num_heads=32,
+              num_kv_heads=8, head_dim=128, intermediate_size=14336, tie_word_embeddings=False,
+              rope_scaling=_LLAMA31_ROPE, **_LLAMA3),
+        Shape("qwen3-0.6b", arch="qwen3", source="Qwen/Qwen3-0.6B", hidden_size=1024, num_layers=28, num_heads=16,
+              intermediate_size=3072, tie_word_embeddings=True, **_QWEN3),
+        Shape("qwen3-1.7b", arch="qwen3", source="Qwen/Qwen3-1.7B", hidden_size=2048, num_layers=28, num_heads=16,
+              intermediate_size=6144, tie_word_embeddings=True, **_QWEN3),
+        Shape("qwen3-4b", arch="qwen3", source="Qwen/Qwen3-4B", hidden_size=2560, num_layers=36, num_heads=32,
+              intermediate_size=9728, tie_word_embeddings=True, **_QWEN3),
+        Shape("qwen3-8b", arch="qwen3", source="Qwen/Qwen3-8B", hidden_size=4096, num_layers=36, num_heads=32,
+              intermediate_size=12288, tie_word_embeddings=False, **_QWEN3),
+        Shape("qwen3-30b-a3b", arch="qwen3moe", source="Qwen/Qwen3-30B-A3B", hidden_size=2048, num_layers=48,
+              num_heads=32, intermediate_size=6144, tie_word_embeddings=False, num_experts=128,
+              num_experts_per_tok=8, moe_intermediate_size=768, **{**_QWEN3, "num_kv_heads": 4}),
+        Shape("gemma3-1b", source="google/gemma-3-1b-it", hidden_size=1152, num_layers=26, num_heads=4,
+              num_kv_heads=1, intermediate_size=6912, published_vocab_size=262144, context_length=32768,
+              sliding_window=512, **_GEMMA3),
+        Shape("gemma3-4b", source="google/gemma-3-4b-it", hidden_size=2560, num_layers=34, num_heads=8,
+              num_kv_heads=4, intermediate_size=10240, published_vocab_size=262208, context_length=131072,
+              sliding_window=1024, rope_scaling=RopeScaling("linear", factor=8.0), **_GEMMA3),
     )
 }  # fmt: skip
