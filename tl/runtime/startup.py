@@ -200,17 +200,24 @@ def _compile(
 
 def _ready(compiler: StepCompiler, several: StepCompiler | None, plan: ExecutionPlan, warmup: Warmup) -> None:
     """The step variants compiled ahead of time as `warmup` asks. In the background (a server)
-    one sequence's several-decode-steps program is asked for too, compiled once the step
-    variants are: else a lone request's first decodes ran a step a call while it compiled on a
-    core of its own (one stream at 0.46x llama.cpp's rate, not 1.16x, on a 2-core Zen 3 when
-    that compile fell in the run). Other sequence counts' are compiled when a step first asks
-    for their shape (the runner's `decode_steps`); a multi-host group runs a step a call."""
+    one sequence's several-decode-steps program is compiled before ready too, after the start-up
+    variants and before the background compiles begin: asked for after them, a lone request's
+    first decodes ran a step a call until every step variant had compiled (one stream at 0.46x
+    llama.cpp's rate, not 1.16x, on a 2-core Zen 3 when that compile fell in the run; at Llama
+    3.1 8B shapes the step variants take 133 s, that program 6.8 s). Other sequence counts' are
+    compiled when a step first asks for their shape (the runner's `decode_steps`); a multi-host
+    group runs a step a call."""
     if warmup == "none":
         return
     t0 = time.perf_counter()
-    compiler.warm_up(plan.startup_variants, background=warmup == "background")
-    one = plan.shape(1, 1)
-    if warmup == "background" and several is not None and one in several.variants and jax.process_count() == 1:
-        several.request(one, wait_while=lambda: compiler.compiling)
     if warmup == "all":
+        compiler.warm_up(plan.startup_variants, background=False)
         log.info("compiled %d step variants in %.1f s", compiler.num_compiled, time.perf_counter() - t0)
+        return
+    compiler.compile_startup(plan.startup_variants)
+    one = plan.shape(1, 1)
+    if several is not None and one in several.variants and jax.process_count() == 1:
+        t1 = time.perf_counter()
+        several.ensure(one)
+        log.info("compiled several decode steps for %dx%d before ready in %.1f s", *one, time.perf_counter() - t1)
+    compiler.start_background()
