@@ -40,10 +40,11 @@ from typing import BinaryIO
 import numpy as np
 
 from bench.kquants import quantize_rows
-from bench.synth_gguf import TensorInfo, array_length, pad, raw_entries, write_head
+from bench.synth_gguf import TensorInfo, pad, write_head
 from bench.synth_layout import TensorSpec, metadata, tensor_specs
 from bench.synth_mix import MIXES, Mix, Q, tensor_bytes, tensor_type
 from bench.synth_shapes import SHAPES, TOKENIZERS, Shape
+from tl.model.gguf_file import GGUFFile
 from tl.model.gguf_model import llama3_rope_factors
 
 WEIGHT_STD = 0.02  # keeps activations finite through every layer (norms renormalize each one)
@@ -123,8 +124,9 @@ def _jobs(p: Planned) -> Iterator[tuple[TensorSpec, Q, int, bool]]:
 def synthesize(out: Path, p: Planned, seed: int, threads: int, tokenizer: Path | None = None) -> int:
     """Write the planned file to `out` (through `out`.part, renamed when complete); its bytes."""
     tok = TOKENIZERS[p.shape.tokenizer]
-    raw = raw_entries(tokenizer or tok.path, "tokenizer.")
-    if array_length(raw["tokenizer.ggml.tokens"]) != p.shape.vocab_size:
+    shipped = GGUFFile(tokenizer or tok.path)
+    raw = {k: shipped.entry_bytes(k) for k in shipped.fields if k.startswith("tokenizer.")}
+    if len(shipped.fields["tokenizer.ggml.tokens"]) != p.shape.vocab_size:
         raise ValueError(f"{tokenizer or tok.path}: its vocabulary is not {tok.name}'s {p.shape.vocab_size} tokens")
     fields = {"general.architecture": p.shape.arch, **metadata(p.shape, p.num_layers, p.mix.file_type)}
     infos = [TensorInfo(s.name, s.shape, t, tensor_bytes(s, t)) for s, t in zip(p.specs, p.types, strict=True)]

@@ -1,30 +1,25 @@
 """GGUF (version 3) written as a stream, with metadata entries copied byte for byte from another file.
 
-Owns: `raw_entries` (the metadata entries of a GGUF whose keys start with a prefix, each as its
-bytes in the file: key, value type, value), `array_length` (the item count of an array entry),
-`TensorInfo` and `write_head` (magic, counts, metadata, tensor table, padding: after it a
-writer appends each tensor's bytes, `pad` between them).
-Why not gguf-py: its reader takes ~20 s to open a file with Gemma 3's 262,144-token vocabulary
-(a numpy view per value) and its writer packs an array item by item; copying the tokenizer's
-entries as bytes keeps every value and type exactly as the shipped file has them and costs one
-pass. Tensor data is appended as it is made, so a file never has to fit in memory.
+Owns: `TensorInfo` and `write_head` (magic, counts, metadata, tensor table, padding: after it a
+writer appends each tensor's bytes, `pad` between them); entries copied from another file come
+as their stored bytes (tl/model/gguf_file.py `GGUFFile.entry_bytes`).
+Why not gguf-py's writer: it packs an array item by item; copying the tokenizer's entries as
+bytes keeps every value and type exactly as the shipped file has them. Tensor data is
+appended as it is made, so a file never has to fit in memory.
 Must not know model layouts or quantize. Tested by tests/bench/test_synth.py (files read back
 with gguf.GGUFReader).
 """
 
 from __future__ import annotations
 
-import mmap
 import struct
 from dataclasses import dataclass
-from pathlib import Path
 from typing import BinaryIO
 
 import gguf
 
 ALIGNMENT = 32  # general.alignment's default, which these files keep
-STRING, ARRAY = 8, 9
-_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # GGUF value type -> bytes
+STRING = 8  # GGUF value type of a string
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,48 +30,6 @@ class TensorInfo:
     shape: tuple[int, ...]
     qtype: gguf.GGMLQuantizationType
     nbytes: int
-
-
-def _skip(buf: mmap.mmap, at: int, vtype: int) -> int:
-    """The offset just past a value of `vtype` starting at `at`."""
-    if vtype in _SIZES:
-        return at + _SIZES[vtype]
-    if vtype == STRING:
-        return at + 8 + struct.unpack_from("<Q", buf, at)[0]
-    if vtype != ARRAY:
-        raise ValueError(f"unknown GGUF value type {vtype} at byte {at}")
-    itype, count = struct.unpack_from("<IQ", buf, at)
-    at += 12
-    if itype in _SIZES:
-        return at + count * _SIZES[itype]
-    for _ in range(count):
-        at = _skip(buf, at, itype)
-    return at
-
-
-def raw_entries(path: Path, prefix: str) -> dict[str, bytes]:
-    """Every metadata entry of the GGUF at `path` whose key starts with `prefix`, as its bytes."""
-    with path.open("rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as data:
-        if data[:4] != b"GGUF" or struct.unpack_from("<I", data, 4)[0] != 3:
-            raise ValueError(f"{path}: not a version 3 little-endian GGUF")
-        n_kv = struct.unpack_from("<Q", data, 16)[0]
-        at, out = 24, {}
-        for _ in range(n_kv):
-            start, n = at, struct.unpack_from("<Q", data, at)[0]
-            key = data[at + 8 : at + 8 + n].decode()
-            at = _skip(data, at + 12 + n, struct.unpack_from("<I", data, at + 8 + n)[0])
-            if key.startswith(prefix):
-                out[key] = data[start:at]
-        return out
-
-
-def array_length(entry: bytes) -> int:
-    """The item count of a raw array entry."""
-    n = struct.unpack_from("<Q", entry, 0)[0]
-    vtype, _, count = struct.unpack_from("<IIQ", entry, 8 + n)
-    if vtype != ARRAY:
-        raise ValueError("not an array entry")
-    return int(count)
 
 
 def _string(s: str) -> bytes:

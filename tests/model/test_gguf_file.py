@@ -79,6 +79,14 @@ def _same_as_gguf_py(path: Path) -> GGUFFile:
         assert a.data.tobytes() == np.asarray(b.data).tobytes(), a.name
         assert a.n_elements == b.n_elements
     assert (ours.data_offset, ours.alignment) == (theirs.data_offset, theirs.alignment)
+    # entry_bytes: each entry as stored, back to back from byte 24 (after magic, version, counts)
+    entries = [ours.entry_bytes(k) for k in keys]
+    assert all(e[8 : 8 + len(k.encode())] == k.encode() for k, e in zip(keys, entries, strict=True))
+    stored = path.read_bytes()
+    assert b"".join(entries) == stored[24 : 24 + sum(map(len, entries))]
+    assert all(
+        theirs.fields[k].offset == 24 + sum(map(len, entries[:i])) for i, k in enumerate(keys)
+    )  # gguf-py's own offset of each field
     return ours
 
 

@@ -1,6 +1,7 @@
 """A GGUF file's metadata and tensor table, read in one pass over the mapped file.
 
-Owns: `GGUFFile` (the key/value metadata as Python values: scalars, strings, lists; the tensor
+Owns: `GGUFFile` (the key/value metadata as Python values: scalars, strings, lists, and each
+entry's bytes as stored, `entry_bytes`; the tensor
 table as `GGUFTensor`s whose `data` are views of the mapping, shaped and typed as gguf-py's
 ReaderTensor.data: F32 / F16 / F64 / I8-I64 as their numpy types in numpy order, every other
 type its bytes, uint8 [*rows, row_bytes]) and the checks a damaged file fails (bad magic, an
@@ -150,11 +151,14 @@ class GGUFFile:
         self.version = version
         n_tensors, n_kv = c.scalar("Q", "the tensor count"), c.scalar("Q", "the key count")
         self.fields: dict[str, Any] = {}
+        self._spans: dict[str, tuple[int, int]] = {}  # key -> its entry's bytes (key, type, value)
         for _ in range(n_kv):
+            start = c.at
             key = c.string("a metadata key")
             if key in self.fields:
                 raise ValueError(f"duplicate metadata key {key!r}")
             self.fields[key] = c.value(c.scalar("I", f"the type of {key!r}"), f"metadata value {key!r}")
+            self._spans[key] = (start, c.at)
         infos = []
         for _ in range(n_tensors):
             name = c.string("a tensor name")
@@ -199,3 +203,10 @@ class GGUFFile:
     def field(self, key: str, default: Any = None) -> Any:
         """A metadata value; `default` when the key is absent."""
         return self.fields.get(key, default)
+
+    def entry_bytes(self, key: str) -> bytes:
+        """The metadata entry `key` as stored (key, value type, value): what a writer copies to
+        keep a value and its type exactly (bench/synth.py copies a shipped tokenizer). KeyError
+        when absent."""
+        start, end = self._spans[key]
+        return self._map[start:end]
