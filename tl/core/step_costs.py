@@ -44,8 +44,7 @@ class StepCosts:
             return self._seconds[b]
         below, above = self._neighbours(b)
         if below is not None and above is not None:
-            lo, hi = self._seconds[below], self._seconds[above]
-            return lo + (hi - lo) * (b - below) / (above - below)
+            return self._line(b, below, above)
         if above is not None:
             return self._seconds[above]
         if below is not None:
@@ -64,9 +63,14 @@ class StepCosts:
         below, above = self._neighbours(b)
         if below is None:
             return 0.0
-        return self._seconds[below] if above is None else self.predict(num_tokens) or 0.0
+        return self._seconds[below] if above is None else self._line(b, below, above)
 
     def _neighbours(self, b: int) -> tuple[int | None, int | None]:
         below = max((m for m in self._seconds if m < b), default=None)
         above = min((m for m in self._seconds if m > b), default=None)
         return below, above
+
+    def _line(self, b: int, below: int, above: int) -> float:
+        """Bucket b's time on the straight line between two measured buckets around it."""
+        lo, hi = self._seconds[below], self._seconds[above]
+        return lo + (hi - lo) * (b - below) / (above - below)
