@@ -124,22 +124,29 @@ def _jobs(p: Planned) -> Iterator[tuple[TensorSpec, Q, int, bool]]:
 def synthesize(out: Path, p: Planned, seed: int, threads: int, tokenizer: Path | None = None) -> int:
     """Write the planned file to `out` (through `out`.part, renamed when complete); its bytes."""
     tok = TOKENIZERS[p.shape.tokenizer]
-    shipped = GGUFFile(tokenizer or tok.path)
+    try:
+        shipped = GGUFFile(tokenizer or tok.path)
+    except ValueError as e:
+        raise ValueError(f"{tokenizer or tok.path}: {e}") from None
     raw = {k: shipped.entry_bytes(k) for k in shipped.fields if k.startswith("tokenizer.")}
-    if len(shipped.fields["tokenizer.ggml.tokens"]) != p.shape.vocab_size:
+    if len(shipped.field("tokenizer.ggml.tokens", [])) != p.shape.vocab_size:
         raise ValueError(f"{tokenizer or tok.path}: its vocabulary is not {tok.name}'s {p.shape.vocab_size} tokens")
     fields = {"general.architecture": p.shape.arch, **metadata(p.shape, p.num_layers, p.mix.file_type)}
     infos = [TensorInfo(s.name, s.shape, t, tensor_bytes(s, t)) for s, t in zip(p.specs, p.types, strict=True)]
     part = out.with_name(out.name + ".part")
-    with part.open("wb") as f, ThreadPoolExecutor(threads) as pool:
-        write_head(f, fields, raw, infos)
-        pending: deque[tuple[Future[np.ndarray], bool]] = deque()
-        for spec, t, i, last in _jobs(p):
-            pending.append((pool.submit(_encode, seed, spec, t, i, p.shape), last))
-            if len(pending) > 2 * threads:
+    try:
+        with part.open("wb") as f, ThreadPoolExecutor(threads) as pool:
+            write_head(f, fields, raw, infos)
+            pending: deque[tuple[Future[np.ndarray], bool]] = deque()
+            for spec, t, i, last in _jobs(p):
+                pending.append((pool.submit(_encode, seed, spec, t, i, p.shape), last))
+                if len(pending) > 2 * threads:
+                    _drain(f, pending.popleft())
+            while pending:
                 _drain(f, pending.popleft())
-        while pending:
-            _drain(f, pending.popleft())
+    except BaseException:  # a full disk, an interrupt: no partial file left behind
+        part.unlink(missing_ok=True)
+        raise
     part.replace(out)
     return out.stat().st_size
 
@@ -203,6 +210,10 @@ def run(argv: Sequence[str]) -> int:
     p = plan(SHAPES[args.shape], MIXES[args.format], args.layers)
     if not 0 < p.num_layers <= p.shape.num_layers:
         ap.error(f"--layers {args.layers}: {args.shape} has 1 to {p.shape.num_layers}")
+    if not args.out.parent.is_dir():
+        ap.error(f"--out {args.out}: the directory {args.out.parent} does not exist")
+    if args.threads < 1:
+        ap.error(f"--threads {args.threads}: at least 1")
     tok = args.tokenizer or TOKENIZERS[p.shape.tokenizer].path
     if not tok.is_file():
         ap.error(f"{tok} is missing: `tl pull {TOKENIZERS[p.shape.tokenizer].pull}` fetches it")
@@ -215,10 +226,15 @@ def run(argv: Sequence[str]) -> int:
         f"quantizer {exe or 'bench/kquants.py + gguf-py'} -> {args.out}"
     )
     t0 = time.perf_counter()
-    if exe:
-        size = llama_quantize(exe, args.out, p, args.seed, args.threads, args.tokenizer)
-    else:
-        size = synthesize(args.out, p, args.seed, args.threads, args.tokenizer)
+    try:
+        if exe:
+            size = llama_quantize(exe, args.out, p, args.seed, args.threads, args.tokenizer)
+        else:
+            size = synthesize(args.out, p, args.seed, args.threads, args.tokenizer)
+    except (OSError, ValueError, subprocess.CalledProcessError) as e:  # unwritable --out, a --tokenizer
+        # that is no GGUF or not the shape's, llama-quantize failing
+        print(f"python -m bench synth: error: {e}", file=sys.stderr)
+        return 2
     print(f"wrote {size / 1e9:.3f} GB in {time.perf_counter() - t0:.1f} s")
     return 0
 

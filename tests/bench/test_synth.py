@@ -252,3 +252,31 @@ def test_llama_quantize_is_run_on_an_f16_file(tmp_path: Path) -> None:
     written = GGUFFile(out)  # the stand-in's copy of its input: the same weights in F16
     assert written.field("general.file_type") == 1 and Q(written.tensors[0].tensor_type) == Q.F16  # token_embd
     assert not list(tmp_path.glob("*.part"))
+
+
+def test_bad_arguments_and_files_are_one_clear_line_and_leave_no_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base = ["--shape", "qwen3-0.6b", "--format", "q4_0", "--layers", "1"]
+    with pytest.raises(SystemExit):  # argparse's usage error, exit 2
+        synth.run([*base, "--out", str(tmp_path / "no-such-dir" / "x.gguf")])
+    assert "no-such-dir does not exist" in capsys.readouterr().err
+    (tmp_path / "bad.gguf").write_bytes(b"not a gguf")
+    cases = {
+        str(tmp_path / "bad.gguf"): "bad.gguf: bad magic (not a GGUF file)",
+        str(TOKENIZERS["gemma3"].path): "its vocabulary is not smollm2's 49152 tokens",
+    }
+    for tokenizer, message in cases.items():
+        assert synth.run([*base, "--out", str(tmp_path / "x.gguf"), "--tokenizer", tokenizer]) == 2
+        assert message in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == [tmp_path / "bad.gguf"]  # no file and no .part left
+
+
+def test_a_write_that_fails_midway_leaves_no_partial_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def full_disk(*_: object) -> np.ndarray:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(synth, "_encode", full_disk)
+    out = tmp_path / "x.gguf"
+    assert synth.run(["--shape", "qwen3-0.6b", "--format", "q4_0", "--layers", "1", "--out", str(out)]) == 2
+    assert list(tmp_path.iterdir()) == []
