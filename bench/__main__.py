@@ -1,6 +1,7 @@
 """`python -m bench <name> [args]` (also `tl bench ...`).
 
-Names: runner | engine | mixed | http | structured | quant | kl | kernels | qlayout | soak | multihost | wire | synth.
+Names: runner | engine | mixed | http | structured | quant | kl | kernels | qgemm | qlayout | soak | multihost |
+wire | synth.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from bench.kl_bench import run
     elif name == "kernels":
         from bench.kernels_bench import run
+    elif name == "qgemm":
+        from bench.qgemm_bench import run
     elif name == "qlayout":
         from bench.qlayout_bench import run
     elif name == "soak":
@@ -42,7 +45,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif name == "synth":
         from bench.synth import run
     else:
-        names = "runner, engine, mixed, http, structured, quant, kl, kernels, qlayout, soak, multihost, wire or synth"
+        names = "runner, engine, mixed, http, structured, quant, kl, kernels, qgemm, qlayout, soak, multihost, wire"
+        names += " or synth"
         print(f"unknown benchmark {name!r}; choose {names}", file=sys.stderr)
         return 2
     return run(rest)

@@ -14,9 +14,9 @@
 // x86 families share); one header of kernels per family, each compiled only where its macro is
 // set: quant_avx512.h (AVX-512 VNNI: x86-64-v4-vnni, sapphirerapids), quant_avx2.h (AVX2 without
 // VNNI: x86-64-v3, x86-64-v4), quant_neon.h (aarch64 with dotprod), quant_scalar.h (SSE2, plain
-// armv8-a); quant_tiles.h (the tiles of rows every family runs its K-quants by, and the NEON and
-// scalar builds their blocks of 32); quant_gemm.cc (x quantized, the build's kernel for a kind);
-// quant_ffi.cc (TlQGemm, TlQGemmPanels: shapes checked, then quant_gemm.cc).
+// armv8-a); quant_tiles.h (the tiles of rows the VNNI, NEON and scalar families run their K-quants
+// by, and the NEON and scalar builds their blocks of 32; AVX2's K-quants are its own); quant_gemm.cc (x quantized, the
+// build's kernel for a kind); quant_ffi.cc (TlQGemm, TlQGemmPanels: shapes checked, then quant_gemm.cc).
 //
 // Arithmetic, as llama.cpp's CPU backend: each row of x is quantized once a call, per block of
 // 32, by ggml's quantize_row_q8_0_ref rule (d = amax / 127, id = d ? 1 / d : 0, q = roundf(x *

@@ -1,8 +1,8 @@
 // The AVX2 kernels (x86-64-v3; x86-64-v4, AVX-512 without VNNI): TL_QDOT_256 (quant.h).
 //
 // Owns: the exact family of the 32-input kinds (exact8 for one row, panels of 8 outputs,
-// panel8_tile, for more: any row count, qgemm_blocks) and the K-quants' dot_rows_k (vpmaddubsw
-// then vpmaddwd with the pairs' scales, 32 inputs a vector), which quant_tiles.h runs. Must not:
+// panel8_tile, for more: any row count, qgemm_blocks) and of the K-quants (k_rows8 for up to 7 rows,
+// panels of 8 outputs a super-block at a time, k_panel_tile, for more: qgemm). Must not:
 // be compiled for another family (empty elsewhere). Included by quant_gemm.cc; tested by
 // tests/kernels/test_cpu_native_quant.py on every build this CPU runs.
 #pragma once
@@ -12,13 +12,6 @@
 #if defined(TL_QDOT_256)
 namespace tl {
 namespace {
-
-constexpr int kTileRows = kRegs >= 32 ? 8 : 4;
-
-// The 32-input kinds run the exact family below (qgemm_blocks), the K-quants dot_rows_k;
-// quant_tiles.h's reference to dot_rows is never instantiated here.
-template <int KIND, int R>
-void dot_rows(const uint8_t* w, const XQ& x, int64_t n0, float out[R]);
 
 // Sum of u8 a times s8 b in 8 int32 lanes, the pairs through saturating int16 (no VNNI here):
 // exact for a <= 128 (|w|, or a q4_1 / q5_1 value <= 31) and |b| <= 127 (2 * 128 * 127 < 2^15).
@@ -62,12 +55,17 @@ inline __m256i dot_codes(__m256i u, __m256i x) {
   return dot_u8s8_256(u, x);
 }
 
-// Lane j: the sum of p[j]'s 8 lanes.
+// Lane j: the sum of p[j]'s 8 lanes (exact int32 sums, so any order gives the same; an add tree
+// of unpacks, single-uop shuffles where vphaddd is three).
 inline __m256i reduce8(const __m256i p[8]) {
-  const __m256i t0 = _mm256_hadd_epi32(p[0], p[1]), t1 = _mm256_hadd_epi32(p[2], p[3]);
-  const __m256i t2 = _mm256_hadd_epi32(p[4], p[5]), t3 = _mm256_hadd_epi32(p[6], p[7]);
-  const __m256i u0 = _mm256_hadd_epi32(t0, t1), u1 = _mm256_hadd_epi32(t2, t3);  // [p0..p3 low | high], p4..p7
-  return _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20), _mm256_permute2x128_si256(u0, u1, 0x31));
+  __m256i a[4], b[2];
+  for (int i = 0; i < 4; ++i)  // lanes (p[2i] a0+a1 | b0+b1 | a2+a3 | b2+b3, then the high half's)
+    a[i] =
+        _mm256_add_epi32(_mm256_unpacklo_epi32(p[2 * i], p[2 * i + 1]), _mm256_unpackhi_epi32(p[2 * i], p[2 * i + 1]));
+  for (int i = 0; i < 2; ++i)  // lanes (p[4i] | p[4i+1] | p[4i+2] | p[4i+3]) of each 128-bit half
+    b[i] =
+        _mm256_add_epi32(_mm256_unpacklo_epi64(a[2 * i], a[2 * i + 1]), _mm256_unpackhi_epi64(a[2 * i], a[2 * i + 1]));
+  return _mm256_add_epi32(_mm256_permute2x128_si256(b[0], b[1], 0x20), _mm256_permute2x128_si256(b[0], b[1], 0x31));
 }
 
 // The 8 rows' (d, m) of block b as floats: lanes j of d and m.
@@ -280,49 +278,243 @@ inline __m256i k_codes256(const uint8_t* b, int s) {
   }
 }
 
-// AVX2 (and AVX-512 without VNNI): 32 inputs a vector, vpmaddubsw then vpmaddwd with the pairs'
-// int16 scales (lanes 0-7 group 2 s, 8-15 group 2 s + 1).
-template <int KIND, int R>
-inline void dot_rows_k(const uint8_t* w, const XQ& x, int64_t n0, float out[R]) {
+// The K-quants, one arithmetic for every row count (as the 32-input kinds'): for each output
+// and super-block, isum = sum sc u q and msum = sum mn bsum as exact int32 sums, then in float32
+// f = isum d_w - msum dmin (q6_k: (isum - msum) d_w) and acc = fma(f, d_x, acc), super-block by
+// super-block in order, in 8 lanes that are 8 outputs. Up to 7 rows: k_rows8 (each output's
+// super-block as stored, 32 inputs a vector against its scales, the 8 outputs' lanes reduced
+// to 8 sums by vphaddd); more: panels of 8 outputs unpacked a super-block at a time into [group
+// of 4 inputs][output] (k_unpack8), which each row meets as vpmaddubsw against its 4 bytes
+// broadcast, the int16 pairs summed over a run of groups (q4_k 8: 8 * 2 * 15 * 127 = 30480;
+// q5_k 4: 31496; q6_k 2: 32004, below 2^15) before vpmaddwd with the run's scales. (The tiles
+// before these, 4 rows an output, each sub-block unpacked once a tile and the lanes summed as
+// floats at the end, ran a 16-row Llama 3.2 1B q4_k layer 4.7x its one-row time on Zen 3.)
+template <int KIND>
+constexpr int kKRun = KIND == kQ4_K   ? 8
+                      : KIND == kQ5_K ? 4
+                                      : 2;
+
+// vpshufb's index that puts int16 element a of each 128-bit half in all 8 lanes of the low half,
+// element b in the high half's.
+inline __m256i k_pick16(int a, int b) {
+  const int64_t lo = (2 * a) | (2 * a + 1) << 8, hi = (2 * b) | (2 * b + 1) << 8;
+  const int64_t qa = lo | lo << 16 | lo << 32 | lo << 48, qb = hi | hi << 16 | hi << 32 | hi << 48;
+  return _mm256_set_epi64x(qb, qb, qa, qa);
+}
+
+// A super-block of 8 outputs unpacked: w [64 groups of 4 inputs] (lane j: output j's 4 codes),
+// sc [16] (lane j: output j's int16 scale of group g of 16 inputs, twice: the pair's), mn [8]
+// (lane j: the int16 pair of output j's mins of inputs 32 t .. 32 t + 31, per 16: q4_k / q5_k
+// the sub-block's min twice, q6_k its two scales, 32 times each later), d and dmin (lane j).
+struct KPanel8 {
+  __m256i w[64];
+  __m256i sc[16];
+  __m256i mn[8];
+  __m256 d, dmin;
+};
+
+// The 16 int16 scale bytes widened: q4_k / q5_k the 8 scales then the 8 mins, q6_k the 16 scales.
+template <int KIND>
+inline __m256i k_scales16(const uint8_t* blk, float& d, float& dmin) {
+  return _mm256_cvtepi8_epi16(k_scale_bytes<KIND>(blk, d, dmin));
+}
+
+template <int KIND>
+inline void k_unpack8(const uint8_t* const rows[8], int64_t b, KPanel8& p) {
   constexpr int64_t BB = Fmt<KIND>::kBytes;
-  __m256 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < x.ns; ++b) {
-    const uint8_t* blk = w + b * BB;
-    float d, dmin;
-    const __m128i sb = k_scale_bytes<KIND>(blk, d, dmin);
-    __m256i isum[R];
-    for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
+  for (int s = 0; s < 8; ++s) {
+    __m256i in[8];
+    for (int j = 0; j < 8; ++j) in[j] = k_codes256<KIND>(rows[j] + b * BB, s);
+    transpose8(in, p.w + 8 * s);
+  }
+  alignas(32) float d[8], dmin[8];
+  __m256i s16[8], lo[8], hi[8];
+  for (int j = 0; j < 8; ++j) {
+    s16[j] = k_scales16<KIND>(rows[j] + b * BB, d[j], dmin[j]);
+    lo[j] = _mm256_unpacklo_epi16(s16[j], s16[j]);  // groups 0-3 | 8-11, each twice
+    hi[j] = _mm256_unpackhi_epi16(s16[j], s16[j]);  // groups 4-7 | 12-15
+  }
+  __m256i t[8], u[8];
+  transpose8(lo, t);
+  transpose8(hi, u);
+  for (int g = 0; g < 4; ++g) p.sc[g] = t[g], p.sc[8 + g] = t[4 + g], p.sc[4 + g] = u[g], p.sc[12 + g] = u[4 + g];
+  if constexpr (KIND == kQ6_K) {
+    transpose8(s16, p.mn);  // lane j of mn[t]: output j's scales of groups 2 t, 2 t + 1
+  } else {
+    for (int s = 0; s < 8; ++s) p.mn[s] = p.sc[8 + s];  // the sub-block's min, twice
+  }
+  p.d = _mm256_load_ps(d);
+  p.dmin = _mm256_load_ps(dmin);
+}
+
+// Row n's share of super-block b from its exact sums: acc = fma(f, d_x, acc).
+template <int KIND>
+inline __m256 k_scale(__m256i isum, __m256i msum, __m256 dw, __m256 dmw, const XQ& x, int64_t n, int64_t b,
+                      __m256 acc) {
+  const int64_t at = n * x.ns + b;
+  __m256 f;
+  if constexpr (KIND == kQ6_K) {
+    f = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(isum, msum)), dw);
+  } else {
+    f = _mm256_fmsub_ps(_mm256_cvtepi32_ps(isum), dw, _mm256_mul_ps(_mm256_cvtepi32_ps(msum), dmw));
+  }
+  return _mm256_fmadd_ps(f, _mm256_broadcast_ss(x.dk + at), acc);
+}
+
+// Rows [n0, n0 + R) against the panel's super-block b, into acc (their 8 outputs' lanes).
+template <int KIND, int R>
+inline void k_panel_tile(const KPanel8& p, const XQ& x, int64_t n0, int64_t b, __m256* acc) {
+  constexpr int kRun = kKRun<KIND>;
+  constexpr int kGroup = KIND == kQ6_K ? 4 : 8;  // groups of 4 inputs a scale covers
+  __m256i isum[R], msum[R];
+  for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256(), msum[r] = _mm256_setzero_si256();
+  const int8_t* xq = x.q + n0 * x.K + b * kQKK;
+#pragma GCC unroll 4
+  for (int g0 = 0; g0 < 64; g0 += kRun) {
+    __m256i i16[R];
 #pragma GCC unroll 8
-    for (int s = 0; s < 8; ++s) {
-      const __m256i u = k_codes256<KIND>(blk, s);
-      const __m256i sc = _mm256_cvtepi8_epi16(
-          _mm256_castsi256_si128(KIND == kQ6_K ? k_pick4(sb, 2 * s, 2 * s + 1, 0, 0) : k_pick4(sb, s, s, 0, 0)));
+    for (int g = g0; g < g0 + kRun; ++g) {
+      const __m256i w = p.w[g];
       for (int r = 0; r < R; ++r) {
-        const __m256i xv =
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + (n0 + r) * x.K + b * kQKK + 32 * s));
-        isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(u, xv), sc));
+        const __m256i xb =
+            _mm256_set1_epi32(static_cast<int32_t>(load_u32(reinterpret_cast<const uint8_t*>(xq + r * x.K + 4 * g))));
+        const __m256i prod = _mm256_maddubs_epi16(w, xb);
+        i16[r] = g == g0 ? prod : _mm256_add_epi16(i16[r], prod);
       }
     }
-    const __m256i mn = k_mins16<KIND>(sb);
-    const __m256 dw = _mm256_set1_ps(d), dmw = _mm256_set1_ps(dmin);
+    const __m256i sc = p.sc[g0 / kGroup];
+    for (int r = 0; r < R; ++r) isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(i16[r], sc));
+  }
+  for (int t = 0; t < 8; ++t)
     for (int r = 0; r < R; ++r) {
-      const int64_t at = (n0 + r) * x.ns + b;
-      const __m256i msum = _mm256_madd_epi16(mn, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.bs + at * 16)));
-      __m256 f;  // as the AVX-512 path's
-      if constexpr (KIND == kQ6_K) {
-        f = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(isum[r], msum)), dw);
-      } else {
-        f = _mm256_fmsub_ps(_mm256_cvtepi32_ps(isum[r]), dw, _mm256_mul_ps(_mm256_cvtepi32_ps(msum), dmw));
+      const int16_t* bs = x.bs + ((n0 + r) * x.ns + b) * 16 + 2 * t;
+      const __m256i pair = _mm256_set1_epi32(static_cast<int32_t>(load_u32(reinterpret_cast<const uint8_t*>(bs))));
+      msum[r] = _mm256_add_epi32(msum[r], _mm256_madd_epi16(p.mn[t], pair));
+    }
+  for (int r = 0; r < R; ++r) {
+    if constexpr (KIND == kQ6_K) msum[r] = _mm256_slli_epi32(msum[r], 5);
+    acc[r] = k_scale<KIND>(isum[r], msum[r], p.d, p.dmin, x, n0 + r, b, acc[r]);
+  }
+}
+
+// Outputs [o0, o0 + mo) (mo <= 8; past mo computed, not stored) against rows [n0, n0 + R) of x:
+// each output's row streamed front to back as stored (one sequential stream of weights, as the
+// hardware prefetcher likes: 8 rows read side by side ran a one-row Llama 3.2 1B q4_k layer 6%
+// slower on Zen 3), each sub-block unpacked once for the R rows, each super-block's sums kept
+// in 8 lanes in `sums` ([R][ns][8 outputs] isum, then as many msum), then the 8 outputs' lanes
+// reduced to exact sums by vphaddd and scaled in order.
+template <int KIND, int R>
+inline void k_rows8(const uint8_t* W, int64_t row_bytes, const XQ& x, int64_t O, float* Y, int64_t o0, int mo,
+                    int64_t n0, __m256i* sums, float* scales) {
+  constexpr int64_t BB = Fmt<KIND>::kBytes;
+  const int64_t ns = x.ns;
+  __m256i* ms = sums + R * ns * 8;
+  float* dmins = scales + ns * 8;
+  for (int j = 0; j < 8; ++j) {
+    const uint8_t* row = W + (o0 + std::min(j, mo - 1)) * row_bytes;
+    for (int64_t b = 0; b < ns; ++b) {
+      const uint8_t* blk = row + b * BB;
+      const __m128i sb = k_scale_bytes<KIND>(blk, scales[b * 8 + j], dmins[b * 8 + j]);
+      const __m256i s16 = _mm256_cvtepi8_epi16(sb);
+      const __m256i lo = _mm256_permute4x64_epi64(s16, 0x44), hi = _mm256_permute4x64_epi64(s16, 0xee);
+      __m256i isum[R];
+      for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+      for (int s = 0; s < 8; ++s) {
+        const __m256i u = k_codes256<KIND>(blk, s);
+        // The sub-block's scale in every int16 lane (q6_k: lanes 0-7 group 2 s's, 8-15 2 s + 1's).
+        const int g0 = KIND == kQ6_K ? 2 * s : s, g1 = KIND == kQ6_K ? 2 * s + 1 : s;
+        const __m256i sc = _mm256_shuffle_epi8(g0 < 8 ? lo : hi, k_pick16(g0 % 8, g1 % 8));
+        for (int r = 0; r < R; ++r) {
+          const __m256i xv =
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + (n0 + r) * x.K + b * kQKK + 32 * s));
+          isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(u, xv), sc));
+        }
       }
-      acc[r] = _mm256_fmadd_ps(f, _mm256_broadcast_ss(x.dk + at), acc[r]);
+      const __m256i mn = k_mins16<KIND>(sb);
+      for (int r = 0; r < R; ++r) {
+        sums[(r * ns + b) * 8 + j] = isum[r];
+        ms[(r * ns + b) * 8 + j] = _mm256_madd_epi16(
+            mn, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.bs + ((n0 + r) * ns + b) * 16)));
+      }
     }
   }
-  for (int r = 0; r < R; ++r) out[r] = hsum256(acc[r]);
+  for (int r = 0; r < R; ++r) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t b = 0; b < ns; ++b)
+      acc = k_scale<KIND>(reduce8(sums + (r * ns + b) * 8), reduce8(ms + (r * ns + b) * 8),
+                          _mm256_loadu_ps(scales + b * 8), _mm256_loadu_ps(dmins + b * 8), x, n0 + r, b, acc);
+    alignas(32) float out[8];
+    _mm256_store_ps(out, acc);
+    for (int j = 0; j < mo; ++j) Y[(n0 + r) * O + o0 + j] = out[j];
+  }
+}
+
+constexpr int64_t kKPanelMinRows = 8;  // fewer rows than this run k_rows8 (see k_outputs8)
+
+// Outputs [o0, o1) against every row of x, 8 outputs at a time: up to 7 rows by k_rows8 (tiles
+// of 4); more by panels, in runs of rows whose x fits L2 (the panel's super-blocks unpacked again a run),
+// each super-block unpacked once a run and met by every row of it while in L1, the rows'
+// accumulators in the thread's scratch.
+template <int KIND>
+void k_outputs8(const uint8_t* W, int64_t row_bytes, const XQ& x, int64_t N, int64_t O, float* Y, int64_t o0,
+                int64_t o1) {
+  if (N < kKPanelMinRows) {
+    thread_local Scratch sums, scales;
+    __m256i* is = sums.get<__m256i>(static_cast<size_t>(2 * 4 * x.ns * 8));
+    float* sc = scales.get<float>(static_cast<size_t>(2 * x.ns * 8));
+    for (int64_t o = o0; o < o1; o += 8) {
+      const int mo = static_cast<int>(std::min<int64_t>(8, o1 - o));
+      int64_t n = 0;
+      for (; n + 4 <= N; n += 4) k_rows8<KIND, 4>(W, row_bytes, x, O, Y, o, mo, n, is, sc);
+      with_rows<3>(N - n, [&](auto r) { k_rows8<KIND, decltype(r)::value>(W, row_bytes, x, O, Y, o, mo, n, is, sc); });
+    }
+    return;
+  }
+  constexpr int R = 4;
+  thread_local Scratch scratch;  // the panel, then the run's accumulators
+  const int64_t run = std::max<int64_t>(R, (int64_t{256} << 10) / x.K / R * R);
+  KPanel8* p =
+      scratch.get<KPanel8>(1 + (static_cast<size_t>(run) * sizeof(__m256) + sizeof(KPanel8) - 1) / sizeof(KPanel8));
+  __m256* acc = reinterpret_cast<__m256*>(p + 1);
+  for (int64_t n0 = 0; n0 < N; n0 += run) {
+    const int64_t n1 = std::min(N, n0 + run);
+    for (int64_t o = o0; o < o1; o += 8) {
+      const int mo = static_cast<int>(std::min<int64_t>(8, o1 - o));
+      const uint8_t* rows[8];
+      for (int j = 0; j < 8; ++j) rows[j] = W + (o + std::min(j, mo - 1)) * row_bytes;
+      for (int64_t n = n0; n < n1; ++n) acc[n - n0] = _mm256_setzero_ps();
+      for (int64_t b = 0; b < x.ns; ++b) {
+        k_unpack8<KIND>(rows, b, *p);
+        int64_t n = n0;
+        for (; n + R <= n1; n += R) k_panel_tile<KIND, R>(*p, x, n, b, acc + (n - n0));
+        with_rows<R - 1>(n1 - n, [&](auto r) { k_panel_tile<KIND, decltype(r)::value>(*p, x, n, b, acc + (n - n0)); });
+      }
+      for (int64_t n = n0; n < n1; ++n) {
+        alignas(32) float out[8];
+        _mm256_store_ps(out, acc[n - n0]);
+        for (int j = 0; j < mo; ++j) Y[n * O + o + j] = out[j];
+      }
+    }
+  }
+}
+
+// The K-quants: one contiguous range of whole groups of 8 outputs a thread; after a one-row
+// call the helper lingers for the next (threads.h).
+template <int KIND>
+void qgemm(ffi::ThreadPool& pool, const uint8_t* W, const XQ& x, int64_t N, int64_t O, float* Y) {
+  const int64_t row_bytes = x.ns * Fmt<KIND>::kBytes;
+  const int64_t tasks = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), O / 16));
+  const int64_t groups = (O + 7) / 8;
+  parallel_for(
+      pool, tasks,
+      [&](int64_t task) {
+        k_outputs8<KIND>(W, row_bytes, x, N, O, Y, std::min(O, 8 * (groups * task / tasks)),
+                         std::min(O, 8 * (groups * (task + 1) / tasks)));
+      },
+      /*linger_after=*/N == 1);
 }
 
 }  // namespace
 }  // namespace tl
-
-#include "quant_tiles.h"
 #endif

@@ -37,8 +37,8 @@ bool panels_built() {
 }
 
 // The rows a call of `kind` takes: any count where a panel kernel runs it (AVX-512 VNNI, and
-// AVX2's exact family: the formats of 32-input blocks), and the K-quants' any count on the SIMD
-// builds (their tiles take x in runs of an L1's worth, so a row count costs only the weights
+// AVX2's exact family: the formats of 32-input blocks and the K-quants), and the K-quants' any
+// count on the other SIMD builds (their tiles take x in runs of an L1's worth, so a row count costs only the weights
 // streamed again a run: Gemma 3 270M's q6_k ffn_down at 512 rows ran 1.9x XLA's dequantizing
 // dot on Zen 4, its q4_k attn_output 1.24x, at 128-256 rows 0.77-1.0x: the verdicts weigh the
 // whole layer chain at 64 rows and at the largest token bucket, not each matrix); else the

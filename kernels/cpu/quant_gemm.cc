@@ -15,8 +15,10 @@
 // whatever the row count (a row's result does not depend on its step's other rows): exact block
 // sums scaled once a block, by exact_row / exact_tile (VNNI) or exact8 (AVX2) for the fewest
 // rows and by panel kernels with outputs in the vector lanes for more (panel_tile, panel8_tile),
-// any row count. Elsewhere each weight block is unpacked once per tile of up to kTileRows rows
-// of x and dotted against all of them (quant_tiles.h). A row's blocks stream front to back, each
+// any row count; on AVX2 the K-quants too (exact super-block sums: k_rows8 for up to 7 rows,
+// k_panel_tile for more). Elsewhere (the VNNI build's K-quants, NEON, scalar) each weight block
+// is unpacked once per tile of up to kTileRows rows of x and dotted against all of them
+// (quant_tiles.h). A row's blocks stream front to back, each
 // thread one contiguous range of outputs, its helper lingering after one-row calls as TlGemv's
 // does (threads.h).
 

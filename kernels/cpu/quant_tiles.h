@@ -1,11 +1,11 @@
-// The tiles of rows every kernel family runs its K-quants by (and the NEON and scalar families
-// their blocks of 32): the family's dot_rows_k / dot_rows over output o and up to kTileRows rows
-// of x, each weight row read once a tile, the outputs split over the threads.
+// The tiles of rows the AVX-512 VNNI, NEON and scalar families run their K-quants by (and the
+// NEON and scalar families their blocks of 32; AVX2 has its own, quant_avx2.h): the family's dot_rows_k / dot_rows over
+// output o and up to kTileRows rows of x, each weight row read once a tile, the outputs split over the threads.
 //
-// Owns: tile, outputs, qgemm (the K-quants' call on every build; the blocks of 32 on NEON and
+// Owns: tile, outputs, qgemm (the K-quants' call on those builds; the blocks of 32 on NEON and
 // scalar builds). Must not: know a family's vectors (dot_rows, dot_rows_k and kTileRows are the
-// including family header's). Included at the end of each family header (quant_avx512.h,
-// quant_avx2.h, quant_neon.h, quant_scalar.h); tested by tests/kernels/test_cpu_native_quant.py.
+// including family header's). Included at the end of those family headers (quant_avx512.h,
+// quant_neon.h, quant_scalar.h); tested by tests/kernels/test_cpu_native_quant.py.
 //
 // The K-quants, each target's way: a weight super-block is unpacked once per tile of up to
 // kTileRows rows of x and dotted against all of them (codes u <= 63 unsigned, x signed: u8 x s8
