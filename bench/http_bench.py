@@ -1,7 +1,9 @@
 """`python -m bench http`: the HTTP load benchmark against any OpenAI-compatible server.
 
 Runs the tests of bench/load_tests.py (prefill, decode, sweep, shared, poisson) against
-`--url`, and with `--compare URL` against a second server interleaved A, B, A, B per case,
+`--url`, and with `--compare URL` against a second server interleaved A, B, A, B per case (or,
+with `--peer LLAMA_SERVER --gguf FILE`, llama.cpp's server started by bench/peer.py on the same
+file at its best setting for each case), each server warmed up before each case,
 then reports: JSON lines (config, roofline, every request, every summary, ratios), a
 Markdown table (printed and in report.md), PNG plots, and the roofline line measured in
 this run. Every run is bounded (requests and seconds per run) and prints its config and
@@ -17,6 +19,8 @@ import argparse
 import asyncio
 import json
 import math
+import os
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict
@@ -26,7 +30,8 @@ import aiohttp
 
 from bench.load import Endpoint, RequestResult, first_model, summarize
 from bench.load_prompts import PromptFactory, load_tokenizer
-from bench.load_tests import Limits, Run, Sizes, build_cases, run_interleaved
+from bench.load_tests import Case, Limits, Run, Sizes, build_cases, run_interleaved
+from bench.peer import Peer, PeerSpec, slots_for
 from bench.report import markdown_table
 from bench.roofline import Machine, ModelCost, fractions, load_model_cost, measure_machine, roofline_line
 
@@ -51,6 +56,16 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--api", default="completions", choices=["completions", "chat"])
     ap.add_argument("--model", default="", help="API model name (default: first of GET /v1/models)")
     ap.add_argument("--compare-model", default="", help="model name on server B (default: its first)")
+    ap.add_argument(
+        "--peer",
+        default="",
+        help="llama.cpp's llama-server executable: bench starts it as server B on --gguf, at its best setting "
+        "for each test (-np 1 for prefill and one stream, -np N -c N*ctx for N streams); instead of --compare",
+    )
+    ap.add_argument("--gguf", default="", help="the GGUF file both servers serve: the peer's model, and the roofline's")
+    ap.add_argument("--peer-threads", type=int, default=0, help="the peer's -t (0: every core)")
+    ap.add_argument("--peer-ctx", type=int, default=4096, help="the peer's context a slot (-c = slots x this)")
+    ap.add_argument("--warmup", type=int, default=1, help="requests to each server before each case, not counted")
     ap.add_argument(
         "--model-dir",
         default="artifacts/models/smol-135m",
@@ -90,7 +105,11 @@ def run(argv: Sequence[str]) -> int:
     )
     limits = Limits(args.max_requests, args.max_seconds)
     tests = [t for t in args.tests.split(",") if t]
+    if args.peer and (args.compare or not args.gguf):
+        print("--peer takes --gguf (the file both servers serve) and no --compare", file=sys.stderr)
+        return 2
     endpoints = asyncio.run(_endpoints(args))
+    peer = Peer(PeerSpec(args.peer, args.gguf, args.peer_threads or os.cpu_count() or 1, args.peer_ctx), out)
     pf = PromptFactory(load_tokenizer(args.model_dir), args.seed, args.run_id)
     cases = build_cases(tests, pf, sizes, args.rate, limits)
     bound_s = len(cases) * args.repeats * len(endpoints) * limits.max_seconds
@@ -106,19 +125,40 @@ def run(argv: Sequence[str]) -> int:
         "limits": asdict(limits),
         "sizes": asdict(sizes),
         "model_dir": args.model_dir,
+        "gguf": args.gguf,
+        "peer": asdict(peer.spec) if args.peer else None,  # its -np: each case's (bench/peer.py slots_for)
+        "warmup": args.warmup,
         "out": str(out),
         "worst_case_wall_s": bound_s,
     }
     print("config:", json.dumps(config), flush=True)
 
     machine = measure_machine(args.roofline_gemm_n, args.roofline_mem_mib << 20)
-    cost = _cost(args.model_dir, args.bytes_per_param)
-    roof = roofline_line(machine, cost, args.model_dir)
+    cost = _cost(args.gguf or args.model_dir, args.bytes_per_param)
+    roof = roofline_line(machine, cost, args.gguf or args.model_dir)
     print(roof, flush=True)
 
-    runs = asyncio.run(run_interleaved(cases, endpoints, limits, args.repeats, args.seed, on_run=_progress))
+    def prepare(case: Case) -> dict[str, Endpoint]:
+        url = peer.ensure(slots_for(case, peer.spec))
+        return {"B": Endpoint(url, args.gguf, args.api, not args.no_ignore_eos, api_key=args.api_key)}
+
+    try:
+        runs = asyncio.run(
+            run_interleaved(
+                cases,
+                endpoints,
+                limits,
+                args.repeats,
+                args.seed,
+                on_run=_progress,
+                prepare=prepare if args.peer else None,
+                warmup=args.warmup,
+            )
+        )
+    finally:
+        peer.stop()
     rows = [summary_row(r, machine, cost) for r in runs]
-    ratios = ratio_rows(rows) if len(endpoints) > 1 else []
+    ratios = ratio_rows(rows) if len(endpoints) > 1 or args.peer else []
     plots = [] if args.no_plots else write_plots(runs, rows, out)
     write_jsonl(out / "results.jsonl", config, machine, cost, runs, rows, ratios)
     md = report_markdown(config, roof, rows, ratios, plots)
@@ -129,6 +169,7 @@ def run(argv: Sequence[str]) -> int:
 
 async def _endpoints(args: argparse.Namespace) -> dict[str, Endpoint]:
     pairs = [("A", args.url, args.model)] + ([("B", args.compare, args.compare_model)] if args.compare else [])
+    # --peer: B's endpoint comes with each case (run_interleaved's prepare).
     eps = {}
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as client:
         for name, url, model in pairs:

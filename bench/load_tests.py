@@ -31,6 +31,9 @@ class Job:
     system: str | None = None
 
 
+WARMUP = Job("The first request after a start pays for what the server prepares lazily:", 8)
+
+
 @dataclass(frozen=True, slots=True)
 class Limits:
     max_requests: int = 256  # per run (one case against one server, one repeat)
@@ -238,8 +241,13 @@ async def run_interleaved(
     repeats: int,
     seed: int,
     on_run: Callable[[Run, list[RequestResult], float], None] | None = None,
+    prepare: Callable[[Case], dict[str, Endpoint]] | None = None,
+    warmup: int = 0,
 ) -> list[Run]:
-    """For each case: repeat × (A, B, ...) in turn; results merged per (case, server)."""
+    """For each case: repeat × (A, B, ...) in turn; results merged per (case, server).
+    `prepare(case)`: the endpoints that replace the given ones for that case (a peer started at
+    the case's best setting: bench/peer.py); `warmup`: requests to each server before a case's
+    runs (WARMUP, not counted: a server just started pays its first request's costs there)."""
     runs: list[Run] = []
     conns = max([c.concurrency for c in cases] + [64])
     # A connection a request: llama.cpp's server closes the connection after each streamed response
@@ -251,9 +259,12 @@ async def run_interleaved(
         timeout=aiohttp.ClientTimeout(total=limits.max_seconds + 10),
     ) as client:
         for case in cases:
-            merged = {name: Run(case, name) for name in endpoints}
+            eps = {**endpoints, **(prepare(case) if prepare is not None else {})}
+            for ep in eps.values():
+                await run_closed(client, ep, [WARMUP] * warmup, 1, limits.max_seconds)
+            merged = {name: Run(case, name) for name in eps}
             for rep in range(repeats):
-                for name, ep in endpoints.items():
+                for name, ep in eps.items():
                     res, wall = await run_case(client, ep, case, limits, seed + rep)
                     m = merged[name]
                     m.results += res

@@ -10,7 +10,7 @@ Llama-family model's parameters from its config.json; and the achieved fractions
     FLOP fraction = FLOPs/token × tokens/s ÷ GEMM FLOP/s
     BW fraction   = weight bytes × steps/s ÷ read bandwidth
 
-What is counted: parameters are every stored tensor of a Llama/Qwen2/Mistral config
+What is counted (a GGUF file: `gguf_model_cost`): parameters are every stored tensor of a Llama/Qwen2/Mistral config
 (embedding, per-layer q/k/v/o, gate/up/down, both norms, q/k/v biases when present, the
 final norm, and lm_head only when not tied). FLOPs/token = 2 × matmul parameters, where
 the matmul parameters are the per-layer linears plus the lm_head product (V×D, done even
@@ -20,9 +20,10 @@ count minus the norms. Steps/s is exact only for single-stream decode (= tokens/
 say how they estimate it elsewhere.
 
 Imports numpy and the stdlib only (reads config.json itself, so a peer's model dir works
-without tl); `measure_device_machine`, for runs on a GPU or TPU, imports jax when called: there the
-ceilings are the accelerator's (a matmul in the step's dtype, and a sum streaming a large float32
-array from device memory), not the host's. Used by bench/http_bench.py, bench/runner_bench.py, bench/engine_bench.py.
+without tl; a GGUF file's counts through gguf-py, when asked for); `measure_device_machine`, for
+runs on a GPU or TPU, imports jax when called: there the ceilings are the accelerator's (a
+matmul in the step's dtype, and a sum streaming a large float32 array from device memory), not
+the host's. Used by bench/http_bench.py, bench/runner_bench.py, bench/engine_bench.py.
 Tested by tests/bench/test_bench_harness.py.
 """
 
@@ -55,7 +56,7 @@ class Machine:
 class ModelCost:
     num_params: int  # every stored tensor (tied embeddings counted once)
     num_matmul_params: int  # per-layer linears + lm_head product (V×D, even when tied)
-    weight_bytes: int  # num_params × bytes_per_param
+    weight_bytes: int  # what a decode step reads: num_params × bytes_per_param (a GGUF: its stored bytes)
     bytes_per_param: float
 
     @property
@@ -152,7 +153,27 @@ def model_cost(config: dict[str, Any], bytes_per_param: float = 4) -> ModelCost:
 
 
 def load_model_cost(model_dir: str | Path, bytes_per_param: float = 4) -> ModelCost:
+    """From a Hugging Face directory's config.json at `bytes_per_param`, or from a GGUF file's
+    tensors as stored (`gguf_model_cost`)."""
+    if str(model_dir).endswith(".gguf"):
+        return gguf_model_cost(model_dir)
     return model_cost(json.loads((Path(model_dir) / "config.json").read_text()), bytes_per_param)
+
+
+def gguf_model_cost(path: str | Path) -> ModelCost:
+    """A GGUF's counts from its tensors (gguf-py's reader): every tensor's elements; the matmul
+    parameters every 2-D weight's but the embedding's, plus the embedding's where no output.weight
+    (tied: the LM head reads it); the bytes a token reads the same tensors' stored bytes and the
+    1-D ones (a lookup reads one embedding row, not counted)."""
+    from gguf import GGUFReader
+
+    tensors = GGUFReader(str(path)).tensors
+    tied = not any(t.name == "output.weight" for t in tensors)
+    read = [t for t in tensors if t.name != "token_embd.weight" or tied]
+    params = sum(int(t.n_elements) for t in tensors)
+    matmul = sum(int(t.n_elements) for t in read if len(t.shape) == 2)
+    stored = sum(int(t.n_bytes) for t in read)
+    return ModelCost(params, matmul, stored, sum(int(t.n_bytes) for t in tensors) / params)
 
 
 def fractions(machine: Machine, cost: ModelCost, tokens_per_s: float, steps_per_s: float) -> dict[str, float]:

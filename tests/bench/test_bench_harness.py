@@ -46,8 +46,8 @@ SMOL = {k: v for k, v in SMOLLM2.to_dict().items() if k in SMOL_KEYS}  # attenti
 class FakeServer:
     """Streams max_tokens deltas 'tok{i} ' (first after first_s, then every gap_s), then usage, [DONE]."""
 
-    def __init__(self, first_s: float = 0.004, gap_s: float = 0.002) -> None:
-        self.first_s, self.gap_s = first_s, gap_s
+    def __init__(self, first_s: float = 0.004, gap_s: float = 0.002, port: int = 0) -> None:
+        self.first_s, self.gap_s, self.port = first_s, gap_s, port
         self.bodies: list[dict[str, object]] = []
         self.auth: list[str] = []  # Authorization header of each POST
         self.loop = asyncio.new_event_loop()
@@ -58,7 +58,7 @@ class FakeServer:
 
     def _main(self) -> None:
         asyncio.set_event_loop(self.loop)
-        self.server = self.loop.run_until_complete(asyncio.start_server(self._conn, "127.0.0.1", 0))
+        self.server = self.loop.run_until_complete(asyncio.start_server(self._conn, "127.0.0.1", self.port))
         self.port = self.server.sockets[0].getsockname()[1]
         self.ready.set()
         self.loop.run_forever()
@@ -89,7 +89,9 @@ class FakeServer:
                 body = await reader.readexactly(int(hdrs.get("content-length", "0")))
                 if method == "POST":
                     self.auth.append(hdrs.get("authorization", ""))
-                if method == "GET" and path == "/v1/models":
+                if method == "GET" and path == "/health":  # llama-server's readiness
+                    writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}")
+                elif method == "GET" and path == "/v1/models":
                     data = json.dumps({"object": "list", "data": [{"id": "fake-model", "object": "model"}]}).encode()
                     writer.write(
                         b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
@@ -444,6 +446,8 @@ def test_http_bench_chat_api(server: FakeServer, model_dir: Path, tmp_path: Path
         "--no-ignore-eos",
         "--api-key",
         "sekrit",
+        "--warmup",
+        "0",
     ]
     before, before_auth = len(server.bodies), len(server.auth)
     assert http_bench.run(argv) == 0
@@ -455,3 +459,72 @@ def test_http_bench_chat_api(server: FakeServer, model_dir: Path, tmp_path: Path
     assert systems[0] == systems[1] and systems[2] != systems[3]  # shared, then unique prefixes
     assert not list(tmp_path.glob("*.png")) and "sekrit" not in (tmp_path / "report.md").read_text()
     assert server.auth[before_auth:] == ["Bearer sekrit"] * 4
+
+
+STAND_IN = """
+import sys, time
+sys.path.insert(0, {root!r})
+from tests.bench.test_bench_harness import FakeServer
+args = sys.argv[1:]
+with open({log!r}, "a") as f:
+    f.write(" ".join(args) + "\\n")
+time.sleep(0.3)  # not ready at once: the bench waits for /health
+server = FakeServer(port=int(args[args.index("--port") + 1]))
+time.sleep(600)
+"""
+
+
+def test_http_bench_starts_the_peer_at_its_best_setting_for_each_case(
+    server: FakeServer, model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--peer: the stand-in llama-server started once a slot count (1 for prefill and one stream,
+    N for an N-stream sweep), on the --gguf file, warmed up, stopped at the end; the roofline's
+    counts from the GGUF's tensors."""
+    import subprocess
+    import sys
+
+    import gguf
+
+    log = tmp_path / "argv.log"
+    exe = tmp_path / "llama-server"
+    script = tmp_path / "stand_in.py"
+    script.write_text(STAND_IN.format(root=str(Path(__file__).resolve().parents[2]), log=str(log)))
+    exe.write_text(f'#!/bin/sh\nexec {sys.executable} {script} "$@"\n')
+    exe.chmod(0o755)
+    model = tmp_path / "tiny.gguf"
+    w = gguf.GGUFWriter(str(model), "llama")
+    w.add_tensor("token_embd.weight", np.ones((10, 4), np.float32))
+    w.add_tensor("output_norm.weight", np.ones(4, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    out = tmp_path / "out"
+    argv = ["--url", server.url, "--peer", str(exe), "--gguf", str(model), "--peer-threads", "3"]
+    argv += ["--tests", "prefill,decode,sweep", "--levels", "1,4", "--model-dir", str(model_dir), "--out", str(out)]
+    argv += ["--max-seconds", "5", "--roofline-gemm-n", "128", "--roofline-mem-mib", "4", "--no-plots"]
+    argv += [
+        "--prefill-tokens",
+        "64",
+        "--decode-tokens",
+        "4",
+        "--sweep-prompt-tokens",
+        "32",
+        "--sweep-output-tokens",
+        "2",
+    ]
+    warmed = len([b for b in server.bodies if b.get("max_tokens") == 8])
+    assert http_bench.run(argv) == 0
+    printed = capsys.readouterr().out
+    starts = [line.split() for line in log.read_text().splitlines()]
+    assert [a[a.index("-np") + 1] for a in starts] == ["1", "4"]  # prefill, decode, c=1 on one; c=4 on four
+    assert all(a[a.index("-m") + 1] == str(model) and a[a.index("-t") + 1] == "3" for a in starts)
+    assert [a[a.index("-c") + 1] for a in starts] == ["4096", str(4 * 4096)]
+    assert printed.count("peer: ") == 2
+    assert "tiny.gguf: 0.0 M params, 0.0 MB weights at 4 B/param" in printed  # float32 tensors, as stored
+    assert len([b for b in server.bodies if b.get("max_tokens") == 8]) - warmed == 4  # A warmed before each case
+    assert (out / "peer-1.log").exists() and (out / "peer-4.log").exists()
+    left = subprocess.run(["pgrep", "-f", str(script)], capture_output=True, text=True).stdout.split()
+    assert not left, "the peer was not stopped"
+    ratios = [json.loads(ln) for ln in (out / "results.jsonl").read_text().splitlines() if '"ratio"' in ln]
+    assert len({r["case"] for r in ratios}) == 4  # B / A for every case, B the peer
