@@ -150,3 +150,22 @@ def test_the_budget_is_checked_in_the_config() -> None:
 
     with pytest.raises(ConfigError, match="prompt_ms_while_decoding"):
         EngineConfig(prompt_ms_while_decoding=-1.0)
+
+
+def test_a_burst_takes_the_full_budget_beside_its_own_streams_and_a_later_prompt_the_bounded_one() -> None:
+    """Three prompts arrive together (60 tokens each: one a 64-token step) and a fourth once
+    they all stream. The burst's second and third go at the full budget beside the first ones'
+    decodes (they arrived before any of those had its first token); the fourth arrives while
+    they stream: bounded as ever (the cadence's 7 tokens beside the decodes)."""
+    runner = TimedRunner(CFG, 0.01)
+    engine = Engine(runner, CFG, clock=lambda: runner.now, timer=lambda: runner.now)
+    burst = [Arrival(0, GenRequest(run(60, 10 * i), greedy(12))) for i in range(3)]
+    got = drive(engine, [*burst, Arrival(4, GenRequest(run(60, 200), greedy(4)))], check=check_engine)
+    first = [
+        next(i for i, p in enumerate(runner.plans) if any(w.seq_id == s and w.sample for w in p.work)) for s in range(3)
+    ]
+    assert first == [0, 1, 2]  # one budget a step, streams or not
+    late = [sum(len(w.token_ids) for w in p.work if w.seq_id == 3 and not w.plain_decode) for p in runner.plans[4:]]
+    assert 0 < max(late) <= 7 and sum(late) == 60
+    assert all(len(token_ids(outs)) == n for outs, n in zip(got, (12, 12, 12, 4), strict=True))
+    assert engine.stats().kv_blocks_used == 0

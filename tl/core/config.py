@@ -144,12 +144,15 @@ class EngineConfig:
     """Longest piece of one prompt computed in one step; 0 disables chunking."""
     prompt_tokens_while_decoding: int = 128
     """Most prompt tokens (prefill chunks, embeddings inputs) a step carries beside decodes, so that
-    every running stream keeps its cadence; 0: only max_num_batched_tokens bounds them."""
+    every running stream keeps its cadence (as prompt_ms_while_decoding, to prompts that arrived
+    while a stream of the step was streaming); 0: only max_num_batched_tokens bounds them."""
     prompt_ms_while_decoding: float = 100.0
     """The same cadence bound in time, whatever the model's size: a step that carries decodes takes
     prompt work only up to the token bucket whose measured step time (tl/core/step_costs.py) stays
     within the decodes' own step time plus this many milliseconds, and always at least up to the
-    next bucket above the decodes (so prompts progress); both bounds apply. 0: no time bound."""
+    next bucket above the decodes (so prompts progress); both bounds apply, to prompts that arrived
+    while a stream of the step was already streaming (not to the rest of a burst: the scheduler's
+    docstring). 0: no time bound."""
     token_buckets: tuple[int, ...] = (1, 4, 8, 16, 32, 64, 128, 256, 512)
     """Padded token counts of the compiled step, ascending; the last >= max_num_batched_tokens."""
     seq_buckets: tuple[int, ...] = (1, 4, 16, 64)

@@ -29,6 +29,11 @@ a long prefill step, whatever the model's size: a stream's gap is at most the la
 decode step plus prompt_ms_while_decoding and the step of the next bucket up (as estimated);
 with no decode in the step the whole max_num_batched_tokens budget is prompt work (and
 with prefill_chunk = 0, where a prompt cannot be cut, the step's first prompt goes whole).
+The cadence protects streams from prompts that arrive while they stream: a prompt that
+arrived before every decode of the step had its first token (the rest of a burst admitted a
+budget at a time) takes the full budget beside them, so a burst's last prompt does not wait
+behind its first ones' streams (16 prompts at once on a 1B model: the last one's first token
+otherwise came after some 40 s of 100-ms slices).
 
 Embeddings inputs (Sequence.pool) are prompt work like any other: chunked, under the same
 budget and cap, never looked up in nor added to the prefix cache (their hidden states must
@@ -183,6 +188,7 @@ class Scheduler:
         self._expire_waiting()
         self._scheduled, self._num_scheduled_tokens, self._preempted_this_step = {}, 0, False
         self._num_prompt_tokens, self._num_decodes, self._capped = 0, 0, False
+        self._first_decoding_s = math.inf  # the earliest decoding_s of this step's decodes
         for seq in sorted(self.running, key=_running_order):
             if seq.status is SeqStatus.RUNNING and self._has_room():
                 self._schedule_running(seq)
@@ -235,6 +241,7 @@ class Scheduler:
         self._expire_waiting()
         self._scheduled, self._num_scheduled_tokens, self._preempted_this_step = {}, 0, False
         self._num_prompt_tokens, self._num_decodes, self._capped = 0, 0, False
+        self._first_decoding_s = math.inf  # the earliest decoding_s of this step's decodes
         for seq, w in live:
             num_tokens, num_generated = w.start_pos + 1 + w.steps, w.num_generated + w.steps
             if num_generated >= seq.params.max_tokens or num_tokens >= self.max_model_len:
@@ -254,6 +261,7 @@ class Scheduler:
             )
             self._num_scheduled_tokens += 1
             self._num_decodes += 1
+            self._first_decoding_s = min(self._first_decoding_s, seq.decoding_s)
         if self.waiting:
             self._admit_waiting()
             self.counters.capped_steps += self._capped
@@ -324,7 +332,7 @@ class Scheduler:
         """Tokens to compute this step: the rest, a chunk of it, or 0 to wait for a roomier step."""
         remaining = seq.num_tokens - num_computed
         budget = self.config.max_num_batched_tokens - self._num_scheduled_tokens
-        top = self._cadence_top() if self._num_decodes and (seq.pool or remaining > 1) else None
+        top = self._cadence_top() if self._protects_decodes(seq) and (seq.pool or remaining > 1) else None
         if top is not None:  # prompt work beside decodes
             # The step's tokens up to the cadence's token bucket: the padding the compiled step
             # would compute anyway is filled with prompt work. Without chunking a prompt cannot
@@ -343,6 +351,13 @@ class Scheduler:
             return remaining
         # No chunking: wait for a step with room, unless even a whole step's budget is too small.
         return budget if remaining > self.config.max_num_batched_tokens else 0
+
+    def _protects_decodes(self, seq: Sequence) -> bool:
+        """Whether seq's prompt work is bounded by the cadence: some decode of this step was
+        streaming when seq arrived (its first token sampled no later). Prompts that arrived
+        before every decode's first token (a burst, admitted a budget at a time) go at the full
+        budget: the streams of their own burst are not protected from them."""
+        return self._num_decodes > 0 and self._first_decoding_s <= seq.arrival_s
 
     def _cadence_top(self) -> int | None:
         """The most tokens a step carrying decodes may reach with prompt work (None: unbounded):
@@ -441,6 +456,8 @@ class Scheduler:
         )
         self._num_scheduled_tokens += num_new + len(drafts)
         self._num_decodes += decode
+        if decode:
+            self._first_decoding_s = min(self._first_decoding_s, seq.decoding_s)
         self._num_prompt_tokens += 0 if decode else num_new
 
     def _expire_waiting(self) -> None:
@@ -486,6 +503,8 @@ class Scheduler:
         self.counters.spec_drafts_accepted += min(result.num_accepted, len(work.draft_ids))
         seq.num_computed_tokens += num_fed + result.num_accepted  # rejected drafts' KV is stale: recomputed later
         outs = self._append_tokens(seq, result)
+        if not seq.decoding_s:
+            seq.decoding_s = self.clock()
         seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens)  # a stop may cut the accepted run
         if outs[-1].finish_reason is not None:
             self.block_manager.cache_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)

@@ -40,6 +40,7 @@ class Sequence:
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens its first admission found in the prefix cache (TokenOut's)
     scheduled_s: float = 0.0  # the scheduler's clock at its first admission (TokenOut's); 0.0 until then
+    decoding_s: float = 0.0  # the scheduler's clock when its first token was sampled; 0.0 until then
     finish_reason: FinishReason | None = None
     pool: bool = False  # an embeddings input: pooled, never sampled, its blocks never cached
     group: int = -1  # the request it belongs to (an embeddings request's inputs share one); -1: its own
