@@ -6,8 +6,9 @@ with `--peer LLAMA_SERVER --gguf FILE`, llama.cpp's server started by bench/peer
 file at its best setting for each case), each server warmed up before each case,
 then reports: JSON lines (config, roofline, every request, every summary, ratios), a
 Markdown table (printed and in report.md), PNG plots, and the roofline line measured in
-this run. Every run is bounded (requests and seconds per run) and prints its config and
-seed first. Owns orchestration and presentation; the client is bench/load.py.
+this run (memory read, fp32 GEMM, and the int8 ceiling: bench/int8_peak.py). Every run is
+bounded (requests and seconds per run) and prints its config and seed first. Owns
+orchestration and presentation; the client is bench/load.py.
 Tested by tests/bench/test_bench_harness.py against a fake streaming server.
 
 Example: `python -m bench http --url http://127.0.0.1:8000 --tests prefill,decode --out bench/out/x`
@@ -28,6 +29,7 @@ from pathlib import Path
 
 import aiohttp
 
+from bench import int8_peak
 from bench.load import Endpoint, RequestResult, first_model, summarize
 from bench.load_prompts import PromptFactory, load_tokenizer
 from bench.load_tests import Case, Limits, Run, Sizes, build_cases, run_interleaved
@@ -135,7 +137,7 @@ def run(argv: Sequence[str]) -> int:
 
     machine = measure_machine(args.roofline_gemm_n, args.roofline_mem_mib << 20)
     cost = _cost(args.gguf or args.model_dir, args.bytes_per_param)
-    roof = roofline_line(machine, cost, args.gguf or args.model_dir)
+    roof = roofline_line(machine, cost, args.gguf or args.model_dir) + "; " + int8_peak.describe(int8_peak.measure())
     print(roof, flush=True)
 
     def prepare(case: Case) -> dict[str, Endpoint]:

@@ -400,6 +400,7 @@ def test_http_bench_end_to_end(
     assert http_bench.run(argv) == 0
     printed = capsys.readouterr().out
     assert printed.startswith("config: ") and '"seed": 7' in printed and "roofline: fp32 GEMM" in printed
+    assert "; int8 " in printed  # the int8 ceiling beside the memory and GEMM ones (bench/int8_peak.py)
     kinds = [json.loads(ln)["kind"] for ln in (out / "results.jsonl").read_text().splitlines()]
     assert kinds[:2] == ["config", "roofline"] and {"request", "summary", "ratio"} <= set(kinds)
     summaries = [json.loads(ln) for ln in (out / "results.jsonl").read_text().splitlines() if '"summary"' in ln]
@@ -528,3 +529,19 @@ def test_http_bench_starts_the_peer_at_its_best_setting_for_each_case(
     assert not left, "the peer was not stopped"
     ratios = [json.loads(ln) for ln in (out / "results.jsonl").read_text().splitlines() if '"ratio"' in ln]
     assert len({r["case"] for r in ratios}) == 4  # B / A for every case, B the peer
+
+
+def test_the_int8_ceiling_is_measured_on_every_core_from_registers() -> None:
+    """bench/int8_peak.py on this CPU's native build: a positive rate naming the instruction
+    (vpdpbusd on AVX-512 VNNI builds, vpmaddubsw + vpaddw on AVX2 ones); None elsewhere."""
+    from bench import int8_peak
+    from kernels import cpu_build
+
+    peak = int8_peak.measure(threads=1, iters=200_000)
+    best = cpu_build.best()
+    if best.arch != "x86_64" or best.rank < 1:
+        assert peak is None and "not measured" in int8_peak.describe(peak)
+        return
+    assert peak is not None and peak[0] > 1e9
+    assert peak[1] == ("vpdpbusd zmm" if best.rank >= 3 else "vpmaddubsw + vpaddw ymm")
+    assert int8_peak.describe(peak, 1).startswith("int8 ") and "1 threads" in int8_peak.describe(peak, 1)
