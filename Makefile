@@ -58,7 +58,7 @@ check: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
-	$(BIN)/clang-format --dry-run -Werror kernels/cpu/*.cc kernels/cpu/*.h bench/qlayout.cc
+	$(BIN)/clang-format --dry-run -Werror kernels/cpu/*.cc kernels/cpu/*.h bench/*.cc
 
 # The suite on the machine's cores (pytest-xdist, at most 4 workers: each loads JAX and models;
 # tests handed out one by one: a file per worker left one worker on the largest files, 710 s
