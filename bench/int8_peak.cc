@@ -36,7 +36,11 @@ int64_t run(int64_t iters, int seed) {
     for (int c = 0; c < kChains; ++c) acc[c] = _mm512_dpbusd_epi32(acc[c], a[c % 2], bs[c / 2]);
   }
   int64_t sum = 0;
-  for (int c = 0; c < kChains; ++c) sum += _mm512_reduce_add_epi32(acc[c]);
+  for (int c = 0; c < kChains; ++c) {  // (GCC 12's _mm512_reduce_add_epi32 warns of an uninitialized __Y)
+    alignas(64) int32_t lanes[16];
+    _mm512_store_si512(lanes, acc[c]);
+    for (int32_t v : lanes) sum += v;
+  }
   return sum;
 }
 #else

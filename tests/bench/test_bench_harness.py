@@ -545,3 +545,22 @@ def test_the_int8_ceiling_is_measured_on_every_core_from_registers() -> None:
     assert peak is not None and peak[0] > 1e9
     assert peak[1] == ("vpdpbusd zmm" if best.rank >= 3 else "vpmaddubsw + vpaddw ymm")
     assert int8_peak.describe(peak, 1).startswith("int8 ") and "1 threads" in int8_peak.describe(peak, 1)
+
+
+@pytest.mark.parametrize("target", ["x86-64-v3", "x86-64-v4", "x86-64-v4-vnni", "sapphirerapids"])
+def test_the_int8_ceiling_compiles_for_every_x86_target(target: str, tmp_path: Path) -> None:
+    """bench/int8_peak.cc's two loops (vpdpbusd, vpmaddubsw) compile warning-free for every x86
+    SIMD target, whichever this CPU runs."""
+    import subprocess
+
+    from kernels import cpu_build
+
+    t = cpu_build.BY_NAME[target]
+    try:
+        cxx = cpu_build.compiler(t)
+    except cpu_build.NativeUnavailable as e:
+        pytest.skip(str(e))
+    src = Path(__file__).resolve().parents[2] / "bench" / "int8_peak.cc"
+    cmd = [cxx, "-O2", "-Wall", "-Wextra", "-Werror", f"-march={t.march}", *t.extra, "-c", str(src)]
+    res = subprocess.run([*cmd, "-o", str(tmp_path / "p.o")], capture_output=True, text=True, check=False)
+    assert res.returncode == 0, res.stderr
