@@ -28,7 +28,7 @@ inline __m256i dot_u8s8_256(__m256i a, __m256i b) {
 // (exact: |sum| < 2^20); q8_0 signed, by the sign trick (|w| * sign(x, w)). vpmaddubsw's int16
 // pairs cannot saturate: u <= 31 (2 * 31 * 128), |w| <= 128 against |x| <= 127. One row: exact8
 // (8 outputs' blocks unpacked as stored, the row's 8 dot vectors reduced to 8 block sums by
-// vphaddd); more: panels of 8 outputs, unpacked once a call into [block][group of 4
+// reduce8); more: panels of 8 outputs, unpacked once a call into [block][group of 4
 // inputs][output] (the 8 x 8 int32 transpose), which a row meets as 8 vpmaddubsw against its 4
 // bytes broadcast, the lanes already outputs. SmolLM2 Q4_1 decode steps on Zen 3 (bench runner,
 // noisy machine): 1 row 7.0-9.9 ms, 2 rows 12.9-13.8, 4 rows 17.5-18.3, 16 rows 44-48, where the
@@ -231,13 +231,25 @@ void exact_outputs8(const uint8_t* W, int64_t row_bytes, const XQ& x, const int3
   }
 }
 
-// The 32-input kinds: each row's block sums of q_x (the offset kinds' share), then one contiguous
-// range of whole groups of 8 outputs a thread (one stream of weights each); after a one-row call
-// the helper lingers for the next (threads.h).
+// fn(o0, o1) over one contiguous range of whole groups of 8 outputs a thread (one stream of
+// weights each); after a one-row call the helper lingers for the next (threads.h).
+template <typename F>
+void for_output_groups8(ffi::ThreadPool& pool, int64_t N, int64_t O, F&& fn) {
+  const int64_t tasks = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), O / 16));
+  const int64_t groups = (O + 7) / 8;
+  parallel_for(
+      pool, tasks,
+      [&](int64_t task) {
+        fn(std::min(O, 8 * (groups * task / tasks)), std::min(O, 8 * (groups * (task + 1) / tasks)));
+      },
+      /*linger_after=*/N == 1);
+}
+
+// The 32-input kinds: each row's block sums of q_x (the offset kinds' share), then the outputs
+// in groups of 8 over the threads.
 template <int KIND>
 void qgemm_blocks(ffi::ThreadPool& pool, const uint8_t* W, const XQ& x, int64_t N, int64_t O, float* Y) {
   const int64_t row_bytes = x.nb * Fmt<KIND>::kBytes;
-  const int64_t tasks = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), O / 16));
   thread_local std::vector<int32_t> xsum;
   const int32_t* sums = nullptr;  // not xsum in the tasks: a thread_local names each thread's own
   if constexpr (kOff256<KIND> != 0) {
@@ -245,14 +257,8 @@ void qgemm_blocks(ffi::ThreadPool& pool, const uint8_t* W, const XQ& x, int64_t 
     block_sums(x.q, N * x.nb, xsum.data());
     sums = xsum.data();
   }
-  const int64_t groups = (O + 7) / 8;
-  parallel_for(
-      pool, tasks,
-      [&](int64_t task) {
-        exact_outputs8<KIND>(W, row_bytes, x, sums, N, O, Y, std::min(O, 8 * (groups * task / tasks)),
-                             std::min(O, 8 * (groups * (task + 1) / tasks)));
-      },
-      /*linger_after=*/N == 1);
+  for_output_groups8(pool, N, O,
+                     [&](int64_t o0, int64_t o1) { exact_outputs8<KIND>(W, row_bytes, x, sums, N, O, Y, o0, o1); });
 }
 
 // Sub-block s (inputs 32 s .. 32 s + 31) as unsigned codes, in input order.
@@ -283,7 +289,7 @@ inline __m256i k_codes256(const uint8_t* b, int s) {
 // f = isum d_w - msum dmin (q6_k: (isum - msum) d_w) and acc = fma(f, d_x, acc), super-block by
 // super-block in order, in 8 lanes that are 8 outputs. Up to 7 rows: k_rows8 (each output's
 // super-block as stored, 32 inputs a vector against its scales, the 8 outputs' lanes reduced
-// to 8 sums by vphaddd); more: panels of 8 outputs unpacked a super-block at a time into [group
+// to 8 sums by reduce8); more: panels of 8 outputs unpacked a super-block at a time into [group
 // of 4 inputs][output] (k_unpack8), which each row meets as vpmaddubsw against its 4 bytes
 // broadcast, the int16 pairs summed over a run of groups (q4_k 8: 8 * 2 * 15 * 127 = 30480;
 // q5_k 4: 31496; q6_k 2: 32004, below 2^15) before vpmaddwd with the run's scales. (The tiles
@@ -313,12 +319,6 @@ struct KPanel8 {
   __m256 d, dmin;
 };
 
-// The 16 int16 scale bytes widened: q4_k / q5_k the 8 scales then the 8 mins, q6_k the 16 scales.
-template <int KIND>
-inline __m256i k_scales16(const uint8_t* blk, float& d, float& dmin) {
-  return _mm256_cvtepi8_epi16(k_scale_bytes<KIND>(blk, d, dmin));
-}
-
 template <int KIND>
 inline void k_unpack8(const uint8_t* const rows[8], int64_t b, KPanel8& p) {
   constexpr int64_t BB = Fmt<KIND>::kBytes;
@@ -330,7 +330,8 @@ inline void k_unpack8(const uint8_t* const rows[8], int64_t b, KPanel8& p) {
   alignas(32) float d[8], dmin[8];
   __m256i s16[8], lo[8], hi[8];
   for (int j = 0; j < 8; ++j) {
-    s16[j] = k_scales16<KIND>(rows[j] + b * BB, d[j], dmin[j]);
+    // the 16 scale bytes widened: q4_k / q5_k the 8 scales then the 8 mins, q6_k the 16 scales
+    s16[j] = _mm256_cvtepi8_epi16(k_scale_bytes<KIND>(rows[j] + b * BB, d[j], dmin[j]));
     lo[j] = _mm256_unpacklo_epi16(s16[j], s16[j]);  // groups 0-3 | 8-11, each twice
     hi[j] = _mm256_unpackhi_epi16(s16[j], s16[j]);  // groups 4-7 | 12-15
   }
@@ -402,7 +403,7 @@ inline void k_panel_tile(const KPanel8& p, const XQ& x, int64_t n0, int64_t b, _
 // hardware prefetcher likes: 8 rows read side by side ran a one-row Llama 3.2 1B q4_k layer 6%
 // slower on Zen 3), each sub-block unpacked once for the R rows, each super-block's sums kept
 // in 8 lanes in `sums` ([R][ns][8 outputs] isum, then as many msum), then the 8 outputs' lanes
-// reduced to exact sums by vphaddd and scaled in order.
+// reduced to exact sums by reduce8 and scaled in order.
 template <int KIND, int R>
 inline void k_rows8(const uint8_t* W, int64_t row_bytes, const XQ& x, int64_t O, float* Y, int64_t o0, int mo,
                     int64_t n0, __m256i* sums, float* scales) {
@@ -499,20 +500,11 @@ void k_outputs8(const uint8_t* W, int64_t row_bytes, const XQ& x, int64_t N, int
   }
 }
 
-// The K-quants: one contiguous range of whole groups of 8 outputs a thread; after a one-row
-// call the helper lingers for the next (threads.h).
+// The K-quants: the outputs in groups of 8 over the threads.
 template <int KIND>
 void qgemm(ffi::ThreadPool& pool, const uint8_t* W, const XQ& x, int64_t N, int64_t O, float* Y) {
   const int64_t row_bytes = x.ns * Fmt<KIND>::kBytes;
-  const int64_t tasks = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), O / 16));
-  const int64_t groups = (O + 7) / 8;
-  parallel_for(
-      pool, tasks,
-      [&](int64_t task) {
-        k_outputs8<KIND>(W, row_bytes, x, N, O, Y, std::min(O, 8 * (groups * task / tasks)),
-                         std::min(O, 8 * (groups * (task + 1) / tasks)));
-      },
-      /*linger_after=*/N == 1);
+  for_output_groups8(pool, N, O, [&](int64_t o0, int64_t o1) { k_outputs8<KIND>(W, row_bytes, x, N, O, Y, o0, o1); });
 }
 
 }  // namespace

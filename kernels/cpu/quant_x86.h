@@ -74,12 +74,6 @@ inline void block_sums(const int8_t* q, int64_t blocks, int32_t* out) {
   }
 }
 
-inline float hsum256(__m256 v) {
-  const __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 b = _mm_add_ps(a, _mm_movehl_ps(a, a));
-  return _mm_cvtss_f32(_mm_add_ss(b, _mm_movehdup_ps(b)));
-}
-
 // The 16 scale bytes (q4_k / q5_k: the 8 scales, then the 8 mins; q6_k: its 16 int8 scales).
 template <int KIND>
 inline __m128i k_scale_bytes(const uint8_t* b, float& d, float& dmin) {
@@ -103,14 +97,6 @@ inline __m256i k_mins16(__m128i sb) {
   if constexpr (KIND == kQ6_K) return _mm256_slli_epi16(_mm256_cvtepi8_epi16(sb), 5);
   const __m128i pick = _mm_set_epi8(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8);
   return _mm256_cvtepu8_epi16(_mm_shuffle_epi8(sb, pick));
-}
-
-// Byte i of the result: byte idx(i / 8) of sb (int16 lanes of 8 a group of 16 inputs, after
-// vpmaddubsw's pairing): the scale bytes of four groups, g0..g3.
-inline __m256i k_pick4(__m128i sb, int64_t g0, int64_t g1, int64_t g2, int64_t g3) {
-  constexpr int64_t k8 = 0x0101010101010101;
-  const __m256i idx = _mm256_set_epi64x(g3 * k8, g2 * k8, g1 * k8, g0 * k8);
-  return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(sb), idx);
 }
 
 // A thread's 64-byte aligned scratch, grown as needed (std::vector<__m512i> and any template over
