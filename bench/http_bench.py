@@ -110,6 +110,9 @@ def run(argv: Sequence[str]) -> int:
     if args.peer and (args.compare or not args.gguf):
         print("--peer takes --gguf (the file both servers serve) and no --compare", file=sys.stderr)
         return 2
+    if args.gguf and not Path(args.gguf).is_file():
+        print(f"--gguf {args.gguf}: no such file", file=sys.stderr)
+        return 2
     endpoints = asyncio.run(_endpoints(args))
     peer = Peer(PeerSpec(args.peer, args.gguf, args.peer_threads or os.cpu_count() or 1, args.peer_ctx), out)
     pf = PromptFactory(load_tokenizer(args.model_dir), args.seed, args.run_id)
@@ -157,6 +160,9 @@ def run(argv: Sequence[str]) -> int:
                 warmup=args.warmup,
             )
         )
+    except RuntimeError as e:  # the peer did not start (bench/peer.py says why, naming its log)
+        print(f"bench http: {e}", file=sys.stderr)
+        return 2
     finally:
         peer.stop()
     rows = [summary_row(r, machine, cost) for r in runs]

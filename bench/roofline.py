@@ -167,7 +167,10 @@ def gguf_model_cost(path: str | Path) -> ModelCost:
     1-D ones (a lookup reads one embedding row, not counted)."""
     from gguf import GGUFReader
 
-    tensors = GGUFReader(str(path)).tensors
+    try:
+        tensors = GGUFReader(str(path)).tensors
+    except (IndexError, ValueError, OSError) as e:  # gguf-py's reader on a damaged or foreign file
+        raise ValueError(f"{path}: not a readable GGUF ({e})") from None
     tied = not any(t.name == "output.weight" for t in tensors)
     read = [t for t in tensors if t.name != "token_embd.weight" or tied]
     params = sum(int(t.n_elements) for t in tensors)

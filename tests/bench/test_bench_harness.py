@@ -564,3 +564,19 @@ def test_the_int8_ceiling_compiles_for_every_x86_target(target: str, tmp_path: P
     cmd = [cxx, "-O2", "-Wall", "-Wextra", "-Werror", f"-march={t.march}", *t.extra, "-c", str(src)]
     res = subprocess.run([*cmd, "-o", str(tmp_path / "p.o")], capture_output=True, text=True, check=False)
     assert res.returncode == 0, res.stderr
+
+
+def test_http_bench_peer_errors_are_one_line(
+    server: FakeServer, model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A missing --gguf, and a peer that exits before it is ready: exit 2, one line naming the file
+    or the command and its log, nothing left running."""
+    base = ["--url", server.url, "--tests", "decode", "--model-dir", str(model_dir), "--out", str(tmp_path / "o")]
+    base += ["--roofline-gemm-n", "64", "--roofline-mem-mib", "1", "--no-plots", "--decode-tokens", "2"]
+    assert http_bench.run([*base, "--peer", "/bin/false", "--gguf", str(tmp_path / "none.gguf")]) == 2
+    assert "--gguf " + str(tmp_path / "none.gguf") + ": no such file" in capsys.readouterr().err
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF")
+    assert http_bench.run([*base, "--peer", "/bin/false", "--gguf", str(model)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "the peer exited with status 1 before it was ready" in err[0] and "peer-1.log" in err[0]
