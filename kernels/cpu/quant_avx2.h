@@ -420,15 +420,17 @@ inline void k_panel_tile(const KPanel8& p, const XQ& x, int64_t n0, int64_t b, _
 // reduced to exact sums by reduce8 and scaled in order.
 template <int KIND, int R>
 inline void k_rows8(const uint8_t* W, int64_t row_bytes, const XQ& x, int64_t O, float* Y, int64_t o0, int mo,
-                    int64_t n0, __m256i* sums, float* scales) {
+                    int64_t n0, __m256i* sums, float* scales, bool ahead) {
   constexpr int64_t BB = Fmt<KIND>::kBytes;
-  const int64_t ns = x.ns;
+  const int64_t ns = x.ns, span = 16 * row_bytes;
   __m256i* ms = sums + R * ns * 8;
   float* dmins = scales + ns * 8;
   for (int j = 0; j < 8; ++j) {
     const uint8_t* row = W + (o0 + std::min(j, mo - 1)) * row_bytes;
     for (int64_t b = 0; b < ns; ++b) {
       const uint8_t* blk = row + b * BB;
+      if (ahead)
+        for (int64_t l = 0; l < BB; l += 64) prefetch_l2(blk + span + l);
       const __m128i sb = k_scale_bytes<KIND>(blk, scales[b * 8 + j], dmins[b * 8 + j]);
       const __m256i s16 = _mm256_cvtepi8_epi16(sb);
       const __m256i lo = _mm256_permute4x64_epi64(s16, 0x44), hi = _mm256_permute4x64_epi64(s16, 0xee);
@@ -481,8 +483,10 @@ void k_outputs8(const uint8_t* W, int64_t row_bytes, const XQ& x, int64_t N, int
     for (int64_t o = o0; o < o1; o += 8) {
       const int mo = static_cast<int>(std::min<int64_t>(8, o1 - o));
       int64_t n = 0;
-      for (; n + 4 <= N; n += 4) k_rows8<KIND, 4>(W, row_bytes, x, O, Y, o, mo, n, is, sc);
-      with_rows<3>(N - n, [&](auto r) { k_rows8<KIND, decltype(r)::value>(W, row_bytes, x, O, Y, o, mo, n, is, sc); });
+      const bool ahead = o + 24 <= o1;  // the rows 16 outputs on are this thread's: read them into L2 now
+      for (; n + 4 <= N; n += 4) k_rows8<KIND, 4>(W, row_bytes, x, O, Y, o, mo, n, is, sc, ahead);
+      with_rows<3>(N - n,
+                   [&](auto r) { k_rows8<KIND, decltype(r)::value>(W, row_bytes, x, O, Y, o, mo, n, is, sc, ahead); });
     }
     return;
   }
