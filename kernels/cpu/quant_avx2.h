@@ -485,10 +485,12 @@ void k_outputs8(const uint8_t* W, int64_t row_bytes, const XQ& x, int64_t N, int
     for (int64_t o = o0; o < o1; o += 8) {
       const int mo = static_cast<int>(std::min<int64_t>(8, o1 - o));
       int64_t n = 0;
-      const bool ahead = o + 24 <= o1;  // the rows 16 outputs on are this thread's: read them into L2 now
-      for (; n + 4 <= N; n += 4) k_rows8<KIND, 4>(W, row_bytes, x, O, Y, o, mo, n, is, sc, ahead);
-      with_rows<3>(N - n,
-                   [&](auto r) { k_rows8<KIND, decltype(r)::value>(W, row_bytes, x, O, Y, o, mo, n, is, sc, ahead); });
+      // The rows 16 outputs on are this thread's: the first pass over these outputs reads them into L2.
+      const bool ahead = o + 24 <= o1;
+      for (; n + 4 <= N; n += 4) k_rows8<KIND, 4>(W, row_bytes, x, O, Y, o, mo, n, is, sc, ahead && n == 0);
+      with_rows<3>(N - n, [&](auto r) {
+        k_rows8<KIND, decltype(r)::value>(W, row_bytes, x, O, Y, o, mo, n, is, sc, ahead && n == 0);
+      });
     }
     return;
   }
