@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeVar
 
-from serve import errors, memwatch, page, tracing
+from serve import errors, fleet, memwatch, page, tracing
 from serve.asgi import (
     ClientGone,
     DisconnectWatcher,
@@ -107,6 +107,16 @@ class App:
 
     def _backend(self) -> BackendInfo | None:
         return self.engine.backend_info if self.engine is not None and self.info is not None else None
+
+    def _worker(self) -> fleet.Worker:
+        failure = self.engine.failure if self.engine is not None else None
+        return fleet.Worker(
+            self.is_ready() and failure is None,
+            None if failure is None else str(failure),
+            self._stats(),
+            self.info,
+            self.config or EngineConfig(),
+        )
 
     def is_ready(self) -> bool:
         return self.engine is not None and self.engine.ready and not self.draining
@@ -262,7 +272,13 @@ class App:
         req = Request(scope, receive)
         out = Sender(send, req.request_id)
         route = match(req.path)
-        endpoint = route[0] if route else page.endpoint(req.path) or ("/healthz" if req.path == "/healthz" else "other")
+        endpoint = (
+            route[0]
+            if route
+            else page.endpoint(req.path)
+            or fleet.endpoint(req.path)
+            or ("/healthz" if req.path == "/healthz" else "other")
+        )
         trace = self.tracing.request(req, endpoint, arrived) if self.tracing is not None and route else None
         watcher: DisconnectWatcher | None = None
         counted = False
@@ -274,6 +290,9 @@ class App:
                 return
             if page.endpoint(req.path) is not None:  # the chat page: static, needs no key (serve/page.py)
                 await page.answer(req, out)
+                return
+            if fleet.endpoint(req.path) is not None:  # a router's probes: no key (serve/fleet.py)
+                await fleet.answer(req, out, self._worker())
                 return
             if route is None:
                 raise ApiError(

@@ -355,6 +355,8 @@ _ONE: dict[str, Route] = {
     "/v1/embeddings": Route("POST", embeddings, EmbeddingRequest, EmbeddingList, "Embeddings of the inputs"),
     "/v1/tokenize": Route("POST", tokenize, TokenizeRequest, TokenizeResponse, "Token ids of a prompt or chat"),
     "/v1/detokenize": Route("POST", detokenize, DetokenizeRequest, DetokenizeResponse, "Text of token ids"),
+    "/tokenize": Route("POST", tokenize, TokenizeRequest, TokenizeResponse, "/v1/tokenize where vLLM serves it"),
+    "/detokenize": Route("POST", detokenize, DetokenizeRequest, DetokenizeResponse, "/v1/detokenize where vLLM serves it"),
     "/v1/models": Route("GET", models, None, ModelList, "The served model"),
     "/v1/models/{id}": Route("GET", model, None, ModelCard, "One model by id"),
     "/v1/messages": Route(

@@ -63,6 +63,13 @@ def serving_model(model_dir: Path, workdir: Path, engine_toml: str, model_id: st
     """tl's server (serve.app:app under granian) on free loopback ports over model_dir, with
     engine_toml's [engine] keys besides the model and the listeners; yields the API's /v1 URL
     once /readyz answers 200."""
+    with replica(model_dir, workdir, engine_toml, model_id) as s:
+        yield f"{s.api}/v1"
+
+
+@contextmanager
+def replica(model_dir: Path, workdir: Path, engine_toml: str, model_id: str) -> Iterator[Server]:
+    """serving_model's server as a Server (its process, API and health URLs): for tests that stop it."""
     port, hport = free_port(), free_port()
     cfg = workdir / "runtime.toml"
     cfg.write_text(
@@ -70,8 +77,8 @@ def serving_model(model_dir: Path, workdir: Path, engine_toml: str, model_id: st
         f'health_listen = "127.0.0.1:{hport}"\n{engine_toml}'
     )
     env = {**os.environ, "TL_CONFIG": str(cfg), "PYTHONPATH": str(ROOT)}
-    with running(granian_argv(port), env, f"http://127.0.0.1:{hport}/readyz", timeout_s=600):
-        yield f"http://127.0.0.1:{port}/v1"
+    with running(granian_argv(port), env, f"http://127.0.0.1:{hport}/readyz", timeout_s=600) as proc:
+        yield Server(proc, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{hport}")
 
 
 @dataclass

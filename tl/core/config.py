@@ -30,6 +30,7 @@ Backend = Literal["auto", "cpu", "gpu", "tpu"]
 ToolParser = Literal["auto", "hermes", "smollm2"]
 ReasoningParser = Literal["auto", "none", "think"]
 Overlap = Literal["auto", "on", "off"]
+LoadShape = Literal["vllm", "sglang"]
 AttentionKernel = Literal["auto", "reference", "cpu_native", "pallas_tpu", "pallas_gpu"]
 MatmulKernel = Literal["auto", "xla", "cpu_native"]
 NativeTarget = Literal[
@@ -213,6 +214,10 @@ class EngineConfig:
     """Health and metrics address host:port."""
     drain_timeout_s: float = 30.0
     """On SIGTERM, how long in-flight requests may run before they are aborted."""
+    load_shape: LoadShape = "vllm"
+    """GET /get_load's document (serve/fleet.py): "vllm", {"load": waiting + running} as
+    vllm-router's power_of_two reads it; "sglang", [{"dp_rank": 0, "num_tokens": ...}] as SGLang's
+    gateway reads it. Routers send no header that tells them apart."""
     api_keys: tuple[str, ...] = ()
     """If not empty, /v1/* needs `Authorization: Bearer <key>` with one of these."""
     max_body_bytes: int = 4 * 1024 * 1024
