@@ -116,6 +116,7 @@ class App:
             self._stats(),
             self.info,
             self.config or EngineConfig(),
+            self.metrics,
         )
 
     def is_ready(self) -> bool:
@@ -285,7 +286,7 @@ class App:
         try:
             if req.path == "/healthz":
                 if req.method != "GET":
-                    raise _method_not_allowed("GET")
+                    raise errors.method_not_allowed("GET")
                 await out.whole(200, b'{"status":"ok"}')
                 return
             if page.endpoint(req.path) is not None:  # the chat page: static, needs no key (serve/page.py)
@@ -301,7 +302,7 @@ class App:
             _, ops = route
             r = next((op for op in ops if op.method == req.method), None)
             if r is None:
-                raise _method_not_allowed(", ".join(op.method for op in ops))
+                raise errors.method_not_allowed(", ".join(op.method for op in ops))
             if self.draining or self.engine is None or self.info is None or self.config is None:
                 raise errors.draining()
             if self.engine.failure is not None:
@@ -374,17 +375,6 @@ class App:
             "invalid_api_key",
             ((b"www-authenticate", b"Bearer"),),
         )
-
-
-def _method_not_allowed(allowed: str) -> ApiError:
-    return ApiError(
-        405,
-        f"Method not allowed; use {allowed}",
-        "invalid_request_error",
-        None,
-        "method_not_allowed",
-        ((b"allow", allowed.encode()),),
-    )
 
 
 def _in_daemon_thread(name: str, fn: Callable[..., T], *args: object) -> asyncio.Future[T]:

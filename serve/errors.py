@@ -140,6 +140,17 @@ def no_capacity() -> ApiError:
     )
 
 
+def method_not_allowed(allowed: str) -> ApiError:
+    return ApiError(
+        405,
+        f"Method not allowed; use {allowed}",
+        "invalid_request_error",
+        None,
+        "method_not_allowed",
+        ((b"allow", allowed.encode()),),
+    )
+
+
 def draining() -> ApiError:
     return ApiError(
         503,

@@ -5,7 +5,9 @@ drains or after it failed, so vllm-router and SGLang's gateway stop sending to a
 its drain ends), GET /get_load (the engine's waiting and running load, in the shape the caller
 parses: [engine] load_shape, since neither router says who it is in its headers), GET
 /server_info and /model_info and their older names /get_server_info, /get_model_info (what SGLang's
-gateway registers a worker with: the model id, its files, the context length, the parallelism).
+gateway registers a worker with: the model id, its files, the context length, the parallelism),
+and GET /metrics, the health port's document again where the Kubernetes Gateway API Inference
+Extension's endpoint picker scrapes it (the pool's target port).
 They need no API key, as on vLLM's and SGLang's servers: they say where to send work, never what
 the model answers. Nothing here reaches the engine thread: the numbers come from the stats
 snapshot /metrics reads. Tested in memory by tests/serve/test_fleet.py and behind the real
@@ -22,13 +24,13 @@ from msgspec import Struct
 
 from serve import errors
 from serve.asgi import Request, Sender
-from serve.errors import ApiError
+from serve.metrics import Metrics
 from serve.wire import encoder
 from tl.core.config import EngineConfig
 from tl.core.stats import EngineStats
 from tl.entry.served import ServedModel
 
-PATHS = ("/health", "/get_load", "/server_info", "/model_info", "/get_server_info", "/get_model_info")
+PATHS = ("/health", "/get_load", "/server_info", "/model_info", "/get_server_info", "/get_model_info", "/metrics")
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +42,7 @@ class Worker:
     stats: EngineStats | None
     model: ServedModel | None
     config: EngineConfig
+    metrics: Metrics
 
 
 class VllmLoad(Struct, frozen=True):
@@ -60,15 +63,17 @@ def endpoint(path: str) -> str | None:
 
 async def answer(req: Request, out: Sender, worker: Worker) -> None:
     if req.method != "GET":
-        raise ApiError(
-            405, "Method not allowed; use GET", "invalid_request_error", None, "method_not_allowed", ((b"allow", b"GET"),)
-        )
+        raise errors.method_not_allowed("GET")
     if req.path == "/health":
         if worker.failure is not None:
             raise errors.unavailable(worker.failure)
         if not worker.serving:
             raise errors.draining()
         await out.whole(200, b"")
+        return
+    if req.path == "/metrics":
+        body, ctype = worker.metrics.render(req.headers.get("accept", ""))
+        await out.whole(200, body, ctype.encode())
         return
     if req.path == "/get_load":
         await out.whole(200, encoder.encode(load(worker.stats or EngineStats(), worker.config)))

@@ -49,6 +49,12 @@ class _EngineCollector(Collector):
         blocks.add_metric(["used"], s.kv_blocks_used)
         blocks.add_metric(["cached"], s.kv_blocks_cached)
         yield blocks
+        total = s.kv_blocks_free + s.kv_blocks_used + s.kv_blocks_cached
+        yield GaugeMetricFamily(
+            "tl_engine_kv_cache_usage_ratio",
+            "KV-cache blocks held by sequences, of all blocks (0-1; cached blocks count as free: they are evictable)",
+            value=s.kv_blocks_used / total if total else 0.0,
+        )
         yield GaugeMetricFamily("tl_engine_queue_depth", "Requests waiting for admission", value=s.queue_depth)
         yield GaugeMetricFamily("tl_engine_active_sequences", "Sequences holding KV blocks", value=s.running)
         yield GaugeMetricFamily("tl_engine_batch_tokens", "Tokens computed by the last step", value=s.batch_tokens)

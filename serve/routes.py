@@ -355,8 +355,6 @@ _ONE: dict[str, Route] = {
     "/v1/embeddings": Route("POST", embeddings, EmbeddingRequest, EmbeddingList, "Embeddings of the inputs"),
     "/v1/tokenize": Route("POST", tokenize, TokenizeRequest, TokenizeResponse, "Token ids of a prompt or chat"),
     "/v1/detokenize": Route("POST", detokenize, DetokenizeRequest, DetokenizeResponse, "Text of token ids"),
-    "/tokenize": Route("POST", tokenize, TokenizeRequest, TokenizeResponse, "/v1/tokenize where vLLM serves it"),
-    "/detokenize": Route("POST", detokenize, DetokenizeRequest, DetokenizeResponse, "/v1/detokenize where vLLM serves it"),
     "/v1/models": Route("GET", models, None, ModelList, "The served model"),
     "/v1/models/{id}": Route("GET", model, None, ModelCard, "One model by id"),
     "/v1/messages": Route(
@@ -381,8 +379,15 @@ ROUTES: dict[str, tuple[Route, ...]] = {
 operations of each path, one per method."""
 
 
+ALIASES = {"/tokenize": "/v1/tokenize", "/detokenize": "/v1/detokenize"}
+"""Paths vLLM serves outside /v1 (vllm-router asks workers to tokenize there): the same operations,
+counted under their own label, left out of the OpenAPI document."""
+
+
 def match(path: str) -> tuple[str, tuple[Route, ...]] | None:
     """(endpoint label, its operations) for a path, or None."""
+    if path in ALIASES:
+        return path, ROUTES[ALIASES[path]]
     if path in ROUTES and "{" not in path:
         return path, ROUTES[path]
     for prefix in ("/v1/models/", "/v1/responses/"):

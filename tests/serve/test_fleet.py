@@ -11,7 +11,7 @@ import pytest
 
 from serve.app import App
 from tests.helpers.asgi_client import call
-from tests.helpers.serve_app import CHAT, HAND, chat, content, make_app, run
+from tests.helpers.serve_app import CHAT, HAND, chat, content, make_app, metric, run
 
 # What vllm-router 0.1.17 and sglang-router 0.3.2 add to a chat body they pass on (seen on a
 # logging worker): fields tl has no use for are ignored, max_completion_tokens is honoured.
@@ -60,7 +60,8 @@ def test_health_is_200_while_serving_and_503_from_the_drain_on() -> None:
 def test_get_load_counts_waiting_and_running_in_the_callers_shape(shape: str) -> None:
     async def body(app: App) -> None:
         idle = (await call(app, "GET", "/get_load")).json()
-        assert idle == ({"load": 0} if shape == "vllm" else [{"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}])
+        zero = {"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}
+        assert idle == ({"load": 0} if shape == "vllm" else [zero])
         started = asyncio.Event()
         streams = [
             asyncio.create_task(
@@ -69,16 +70,24 @@ def test_get_load_counts_waiting_and_running_in_the_callers_shape(shape: str) ->
             for _ in range(3)
         ]
         await started.wait()
-        busy = (await call(app, "GET", "/get_load")).json()
-        if shape == "vllm":
-            assert busy["load"] == 3  # max_num_seqs 2: two run, one waits
-        else:
+        deadline = asyncio.get_running_loop().time() + 5
+        while True:  # the third request reaches the queue a moment after the first token
+            busy = (await call(app, "GET", "/get_load")).json()
+            if (busy["load"] == 3) if shape == "vllm" else (busy[0]["num_reqs"], busy[0]["num_waiting_reqs"]) == (3, 1):
+                break  # max_num_seqs 2: two run, one waits
+            assert asyncio.get_running_loop().time() < deadline, busy
+            await asyncio.sleep(0.005)
+        assert 0 < metric(app, "tl_engine_kv_cache_usage_ratio") < 1  # two sequences' blocks of 256
+        if shape == "sglang":
             (rank,) = busy
-            assert rank["num_reqs"] == 3 and rank["num_waiting_reqs"] == 1
             assert rank["num_tokens"] % 4 == 0 and rank["num_tokens"] >= 2 * 4  # whole 4-token blocks
         for s in streams:
             await s
-        assert (await call(app, "GET", "/get_load")).json() == idle
+        deadline = asyncio.get_running_loop().time() + 5
+        while (await call(app, "GET", "/get_load")).json() != idle:  # the stats snapshot of the last step
+            assert asyncio.get_running_loop().time() < deadline
+            await asyncio.sleep(0.005)
+        assert metric(app, "tl_engine_kv_cache_usage_ratio") == 0.0
 
     run(make_app("real", 0.02, max_num_seqs=2, load_shape=shape), body)
 
@@ -98,8 +107,11 @@ def test_server_and_model_info_name_the_model_under_both_spellings() -> None:
 
 def test_probes_need_no_key_while_the_api_does() -> None:
     async def body(app: App) -> None:
-        for path in ("/health", "/get_load", "/server_info", "/model_info"):
+        for path in ("/health", "/get_load", "/server_info", "/model_info", "/metrics"):
             assert (await call(app, "GET", path)).status == 200, path
+        scraped = (await call(app, "GET", "/metrics")).body.decode()
+        for name in ("tl_engine_queue_depth", "tl_engine_active_sequences", "tl_engine_kv_cache_usage_ratio"):
+            assert f"\n{name} " in scraped, name  # what the endpoint picker's flags name (README)
         assert (await call(app, "POST", "/tokenize", {"prompt": "ab"})).status == 401
         ok = await call(app, "POST", "/tokenize", {"prompt": "ab"}, headers={"authorization": "Bearer k"})
         assert ok.status == 200 and ok.json()["tokens"] == [97, 98]

@@ -219,7 +219,8 @@ class EngineConfig:
     vllm-router's power_of_two reads it; "sglang", [{"dp_rank": 0, "num_tokens": ...}] as SGLang's
     gateway reads it. Routers send no header that tells them apart."""
     api_keys: tuple[str, ...] = ()
-    """If not empty, /v1/* needs `Authorization: Bearer <key>` with one of these."""
+    """If not empty, /v1/* (and /tokenize, /detokenize, /openapi.json) needs `Authorization: Bearer
+    <key>` with one of these; /healthz, the routers' probes and the chat page need none."""
     max_body_bytes: int = 4 * 1024 * 1024
     """Largest request body accepted (HTTP 413 above)."""
     compile_cache_dir: str = "artifacts/jax-cache"

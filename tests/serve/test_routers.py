@@ -1,0 +1,160 @@
+"""tl behind the routers people run, unchanged: vllm-router and SGLang's gateway (smg) in front of
+two tl replicas of the successor-byte model on loopback, in round_robin, cache_aware and
+power_of_two. Through each router and policy, chat and completions, streamed and not, answer as a
+replica alone does (the official openai client), every stream ends with [DONE], and round_robin
+uses both replicas. Then one replica gets SIGTERM in the middle of a burst: its drain answers
+/health 503 and new requests 503, it exits, and no request of the burst is lost. The routers are
+test dependencies (pyproject's test extra); each is started with --host 127.0.0.1 and stopped
+whatever happened.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.helpers.granian_server import Server, free_port, replica
+
+BIN = Path(sys.executable).parent
+ROUTERS = {"vllm-router": [str(BIN / "vllm-router")], "smg": [str(BIN / "smg"), "launch"]}
+POLICIES = ("round_robin", "cache_aware", "power_of_two")
+ENGINE = (
+    "num_kv_blocks = 256\nmax_num_seqs = 8\nmax_num_batched_tokens = 64\nprefill_chunk = 64\n"
+    "token_buckets = [8, 64]\nseq_buckets = [1, 8]\ndrain_timeout_s = 10.0\n"
+)
+PROMPTS = ("abc", "hello", "xyz", "The quick brown fox")
+
+
+@contextmanager
+def replicas(succ_dir: Path, tmp_path: Path) -> Iterator[tuple[Server, Server]]:
+    with ExitStack() as stack:
+        (tmp_path / "a").mkdir()
+        (tmp_path / "b").mkdir()
+        a = stack.enter_context(replica(succ_dir, tmp_path / "a", ENGINE, "succ"))
+        b = stack.enter_context(replica(succ_dir, tmp_path / "b", ENGINE, "succ"))
+        yield a, b
+
+
+@contextmanager
+def router(name: str, policy: str, workers: tuple[Server, ...], log: Path) -> Iterator[str]:
+    """The router in front of workers on a free loopback port; yields its URL once a completion
+    through it answers 200."""
+    port = free_port()
+    argv = [
+        *ROUTERS[name],
+        *("--host", "127.0.0.1", "--port", str(port)),
+        *("--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())),
+        *("--worker-urls", *(w.api for w in workers)),
+        *("--policy", policy, "--health-check-interval-secs", "1"),
+    ]
+    url = f"http://127.0.0.1:{port}"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 60
+            while True:
+                assert proc.poll() is None, log.read_text()[-3000:]
+                try:
+                    r = httpx.post(f"{url}/v1/completions", json=_completion("a"), timeout=10)
+                    if r.status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                assert time.monotonic() < deadline, f"{name} never routed a request: {log.read_text()[-3000:]}"
+                time.sleep(0.2)
+            yield url
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+
+
+def _completion(prompt: str, **kw: object) -> dict[str, object]:
+    return {"model": "succ", "prompt": prompt, "max_tokens": 6, "temperature": 0, **kw}
+
+
+def _answers(client: openai.OpenAI) -> list[str]:
+    """Chat and completions of every prompt, streamed and not, greedy: their texts."""
+    out = []
+    for p in PROMPTS:
+        msgs = [{"role": "user", "content": p}]
+        c = client.chat.completions.create(model="succ", messages=msgs, max_tokens=6, temperature=0)  # type: ignore[arg-type]
+        out.append(c.choices[0].message.content or "")
+        s = client.chat.completions.create(model="succ", messages=msgs, max_tokens=6, temperature=0, stream=True)  # type: ignore[arg-type]
+        out.append("".join(ch.choices[0].delta.content or "" for ch in s if ch.choices))
+        t = client.completions.create(model="succ", prompt=p, max_tokens=6, temperature=0)
+        out.append(t.choices[0].text)
+        s2 = client.completions.create(model="succ", prompt=p, max_tokens=6, temperature=0, stream=True)
+        out.append("".join(ch.choices[0].text for ch in s2 if ch.choices))
+    return out
+
+
+def _served(s: Server, endpoint: str) -> float:
+    """Requests the replica answered 200 on endpoint."""
+    for line in httpx.get(f"{s.health}/metrics").text.splitlines():
+        if line.startswith("tl_http_requests_total{") and f'endpoint="{endpoint}"' in line and 'status="200"' in line:
+            return float(line.split()[-1])
+    return 0.0
+
+
+def _done(url: str, path: str, body: dict[str, object]) -> list[str]:
+    with httpx.stream("POST", url + path, json={**body, "stream": True}, timeout=30) as r:
+        assert r.status_code == 200
+        return [line for line in r.iter_lines() if line]
+
+
+@pytest.mark.parametrize("name", list(ROUTERS))
+def test_a_router_drives_two_replicas_unchanged_and_loses_nothing_to_a_drain(
+    name: str, succ_dir: Path, tmp_path: Path
+) -> None:
+    with replicas(succ_dir, tmp_path) as (a, b):
+        with openai.OpenAI(base_url=f"{a.api}/v1", api_key="none", max_retries=0) as alone:
+            expected = _answers(alone)
+        assert expected[0] == "defghi"[: len(expected[0])] and len(expected[0]) == 6  # 'c' -> 'd', ...
+        for policy in POLICIES:
+            before = [_served(s, "/v1/completions") + _served(s, "/v1/chat/completions") for s in (a, b)]
+            with router(name, policy, (a, b), tmp_path / f"{name}-{policy}.log") as url:
+                with openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0) as client:
+                    assert _answers(client) == expected, policy
+                chat = {"model": "succ", "messages": [{"role": "user", "content": "abc"}], "max_tokens": 6}
+                assert _done(url, "/v1/chat/completions", chat)[-1] == "data: [DONE]"
+                assert _done(url, "/v1/completions", _completion("abc"))[-1] == "data: [DONE]"
+            after = [_served(s, "/v1/completions") + _served(s, "/v1/chat/completions") for s in (a, b)]
+            if policy == "round_robin":
+                assert all(x > y for x, y in zip(after, before, strict=True)), (policy, before, after)
+        with router(name, "round_robin", (a, b), tmp_path / f"{name}-drain.log") as url:
+            _burst_while_b_drains(url, a, b)
+
+
+def _burst_while_b_drains(url: str, a: Server, b: Server) -> None:
+    """48 completions through the router, 4 at a time; SIGTERM to b's granian once 8 are done:
+    its drain answers /health and new requests 503, then it exits; every answer is still right."""
+    with openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60) as client:
+
+        def one(i: int) -> str:
+            r = client.completions.create(model="succ", prompt=PROMPTS[i % len(PROMPTS)], max_tokens=24, temperature=0)
+            return r.choices[0].text
+
+        with ThreadPoolExecutor(4) as pool:
+            first = list(pool.map(one, range(len(PROMPTS))))
+            burst = [pool.submit(one, i) for i in range(48)]
+            while sum(f.done() for f in burst) < 8:
+                time.sleep(0.01)
+            b.proc.send_signal(signal.SIGTERM)  # granian's main process: the drain
+            answers = [f.result() for f in burst]
+    assert b.proc.wait(30) == 0
+    assert answers == [first[i % len(PROMPTS)] for i in range(48)]
+    assert _served(a, "/v1/completions") > 0
