@@ -1,7 +1,7 @@
 """`python -m bench <name> [args]` (also `tl bench ...`).
 
 Names: runner | engine | mixed | http | structured | quant | kl | kernels | qgemm | qlayout | soak | multihost |
-wire | synth.
+wire | synth | fleet.
 """
 
 from __future__ import annotations
@@ -44,9 +44,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         from bench.wire_record import run
     elif name == "synth":
         from bench.synth import run
+    elif name == "fleet":
+        from bench.fleet_bench import run
     else:
         names = "runner, engine, mixed, http, structured, quant, kl, kernels, qgemm, qlayout, soak, multihost, wire"
-        names += " or synth"
+        names += ", synth or fleet"
         print(f"unknown benchmark {name!r}; choose {names}", file=sys.stderr)
         return 2
     return run(rest)

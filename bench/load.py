@@ -87,6 +87,7 @@ class RequestResult:
     chunk_times: list[float] = field(default_factory=list)  # arrival of each non-empty content delta
     usage_completion_tokens: int | None = None
     usage_prompt_tokens: int | None = None
+    usage_cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, where the server says
     t_end: float = 0.0
     error: str = ""
     text_len: int = 0
@@ -224,6 +225,7 @@ def _on_event(res: RequestResult, data: str) -> bool:
     if usage:
         res.usage_completion_tokens = usage.get("completion_tokens")
         res.usage_prompt_tokens = usage.get("prompt_tokens")
+        res.usage_cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
     return False
 
 

@@ -127,10 +127,12 @@ async def serve(
     env: Mapping[str, str] | None = None,
     ready_timeout_s: float = 900.0,
     log_dir: Path | None = None,
+    prefix: Sequence[str] = (),
 ) -> AsyncIterator[Server]:
     """Start `tl serve --config config` (granian over serve.app:app) with `TL_ENGINE__<KEY>` overrides
     (keys lower-case as in runtime.toml); wait until /readyz answers 200 and every step variant
-    is compiled (tl_engine_compile_pending 0); kill it at the end."""
+    is compiled (tl_engine_compile_pending 0); kill it at the end. prefix: a command the server runs
+    under (`taskset -c 0`)."""
     port, hport = free_port(), free_port()
     full = {
         **os.environ,
@@ -141,7 +143,7 @@ async def serve(
     }
     for k, v in (overrides or {}).items():
         full[f"TL_ENGINE__{k.upper()}"] = v
-    argv = [sys.executable, "-m", "serve", "--config", config]  # what `tl serve` runs: granian, as users get it
+    argv = [*prefix, sys.executable, "-m", "serve", "--config", config]  # `tl serve`: granian, as users get it
     log_path = (log_dir or Path("/tmp")) / f"tl-soak-{port}.log"
     log = open(log_path, "wb")  # noqa: SIM115 - closed below
     proc = subprocess.Popen(argv, cwd=ROOT, env=full, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

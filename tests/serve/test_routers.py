@@ -4,15 +4,13 @@ power_of_two. Through each router and policy, chat and completions, streamed and
 replica alone does (the official openai client), every stream ends with [DONE], and round_robin
 uses both replicas. Then one replica gets SIGTERM in the middle of a burst: its drain answers
 /health 503 and new requests 503, it exits, and no request of the burst is lost. The routers are
-test dependencies (pyproject's test extra); each is started with --host 127.0.0.1 and stopped
-whatever happened.
+test dependencies (pyproject's test extra), started by bench/fleet_bench.py's `router` with
+--host 127.0.0.1 and stopped whatever happened.
 """
 
 from __future__ import annotations
 
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -23,11 +21,9 @@ import httpx
 import openai
 import pytest
 
-from tests.helpers.granian_server import Server, free_port, replica
+from bench.fleet_bench import POLICIES, ROUTERS, router
+from tests.helpers.granian_server import Server, replica
 
-BIN = Path(sys.executable).parent
-ROUTERS = {"vllm-router": [str(BIN / "vllm-router")], "smg": [str(BIN / "smg"), "launch"]}
-POLICIES = ("round_robin", "cache_aware", "power_of_two")
 ENGINE = (
     "num_kv_blocks = 256\nmax_num_seqs = 8\nmax_num_batched_tokens = 64\nprefill_chunk = 64\n"
     "token_buckets = [8, 64]\nseq_buckets = [1, 8]\ndrain_timeout_s = 10.0\n"
@@ -43,43 +39,6 @@ def replicas(succ_dir: Path, tmp_path: Path) -> Iterator[tuple[Server, Server]]:
         a = stack.enter_context(replica(succ_dir, tmp_path / "a", ENGINE, "succ"))
         b = stack.enter_context(replica(succ_dir, tmp_path / "b", ENGINE, "succ"))
         yield a, b
-
-
-@contextmanager
-def router(name: str, policy: str, workers: tuple[Server, ...], log: Path) -> Iterator[str]:
-    """The router in front of workers on a free loopback port; yields its URL once a completion
-    through it answers 200."""
-    port = free_port()
-    argv = [
-        *ROUTERS[name],
-        *("--host", "127.0.0.1", "--port", str(port)),
-        *("--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())),
-        *("--worker-urls", *(w.api for w in workers)),
-        *("--policy", policy, "--health-check-interval-secs", "1"),
-    ]
-    url = f"http://127.0.0.1:{port}"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
-        try:
-            deadline = time.monotonic() + 60
-            while True:
-                assert proc.poll() is None, log.read_text()[-3000:]
-                try:
-                    r = httpx.post(f"{url}/v1/completions", json=_completion("a"), timeout=10)
-                    if r.status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                assert time.monotonic() < deadline, f"{name} never routed a request: {log.read_text()[-3000:]}"
-                time.sleep(0.2)
-            yield url
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
 
 
 def _completion(prompt: str, **kw: object) -> dict[str, object]:
@@ -126,7 +85,8 @@ def test_a_router_drives_two_replicas_unchanged_and_loses_nothing_to_a_drain(
         assert expected[0] == "defghi"[: len(expected[0])] and len(expected[0]) == 6  # 'c' -> 'd', ...
         for policy in POLICIES:
             before = [_served(s, "/v1/completions") + _served(s, "/v1/chat/completions") for s in (a, b)]
-            with router(name, policy, (a, b), tmp_path / f"{name}-{policy}.log") as url:
+            with router(name, policy, (a.api, b.api), tmp_path / f"{name}-{policy}.log", "succ") as r:
+                url = r.url
                 with openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0) as client:
                     assert _answers(client) == expected, policy
                 chat = {"model": "succ", "messages": [{"role": "user", "content": "abc"}], "max_tokens": 6}
@@ -135,8 +95,8 @@ def test_a_router_drives_two_replicas_unchanged_and_loses_nothing_to_a_drain(
             after = [_served(s, "/v1/completions") + _served(s, "/v1/chat/completions") for s in (a, b)]
             if policy == "round_robin":
                 assert all(x > y for x, y in zip(after, before, strict=True)), (policy, before, after)
-        with router(name, "round_robin", (a, b), tmp_path / f"{name}-drain.log") as url:
-            _burst_while_b_drains(url, a, b)
+        with router(name, "round_robin", (a.api, b.api), tmp_path / f"{name}-drain.log", "succ") as r:
+            _burst_while_b_drains(r.url, a, b)
 
 
 def _burst_while_b_drains(url: str, a: Server, b: Server) -> None:
