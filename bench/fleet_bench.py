@@ -11,7 +11,8 @@ found cached (usage.prompt_tokens_details.cached_tokens), TTFT p50 and p90, the 
 replica served, and the router's own Prometheus lines about its workers. The replicas are `tl
 serve` processes of one config, each pinned to a core of its own where taskset exists (two
 replicas on a 2-core machine: one core each; not pinned when there are fewer cores than
-replicas). Writes fleet.json under --out.
+replicas). kv_aware (vllm-router's) has each replica publish its prefix cache's events
+(kv_events_endpoint) and the router subscribe to them. Writes fleet.json under --out.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from bench.soak import Server, free_port, serve
 
 BIN = Path(sys.executable).parent
 ROUTERS = {"vllm-router": ("vllm-router",), "smg": ("smg", "launch")}
-POLICIES = ("round_robin", "cache_aware", "power_of_two")
+POLICIES = ("round_robin", "cache_aware", "power_of_two", "kv_aware")  # kv_aware: vllm-router's only
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,12 +186,19 @@ async def _main(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     overrides = {"model_dir": args.model} if args.model else {}
+    kv = "kv_aware" in args.policies.split(",")
+    events = [f"tcp://127.0.0.1:{free_port()}" for _ in range(args.replicas)] if kv else []
     cores = sorted(os.sched_getaffinity(0))
     pin = shutil.which("taskset") is not None and args.pin and len(cores) >= args.replicas
     async with AsyncExitStack() as stack:
         starts = [
             stack.enter_async_context(
-                serve(args.config, overrides, log_dir=out, prefix=("taskset", "-c", str(cores[i])) if pin else ())
+                serve(
+                    args.config,
+                    overrides | ({"kv_events_endpoint": events[i]} if kv else {}),
+                    log_dir=out,
+                    prefix=("taskset", "-c", str(cores[i])) if pin else (),
+                )
             )
             for i in range(args.replicas)
         ]
@@ -202,10 +210,19 @@ async def _main(args: argparse.Namespace) -> int:
             for rnd in range(args.rounds):
                 for name in args.routers.split(","):
                     for policy in args.policies.split(","):
+                        if policy == "kv_aware" and name != "vllm-router":
+                            continue  # SGLang's gateway has no kv_aware
                         key = f"{name}/{policy}"
                         before = [_served(await s.metrics(client)) for s in replicas]
                         log = out / f"{name}-{policy}-{rnd}.log"
                         extra = shlex.split(args.router_args) if policy == "cache_aware" else []
+                        if policy == "kv_aware":
+                            extra = [
+                                a
+                                for s, e in zip(replicas, events, strict=True)
+                                for a in ("--kv-event-source", f"{s.api}={e}")
+                            ]
+                            extra += ["--kv-event-block-size", str(args.block_size), "--kv-event-model", model]
                         with router(name, policy, [s.api for s in replicas], log, model, extra) as r:
                             seed = 1 + len(results) + rnd * 100 + sum(map(ord, key))
                             t0 = time.perf_counter()
@@ -239,6 +256,7 @@ def run(argv: Sequence[str]) -> int:
     ap.add_argument("--replicas", type=int, default=2)
     ap.add_argument("--routers", default="vllm-router,smg", help=f"comma-separated: {', '.join(ROUTERS)}")
     ap.add_argument("--policies", default="round_robin,cache_aware", help=f"comma-separated: {', '.join(POLICIES)}")
+    ap.add_argument("--block-size", type=int, default=16, help="the replicas' block_size (kv_aware's router needs it)")
     ap.add_argument("--conversations", type=int, default=8)
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=32)

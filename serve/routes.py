@@ -55,6 +55,7 @@ from serve.wire import (
     MessagesRequest,
     ModelCard,
     ModelList,
+    RenderResponse,
     ResponseDoc,
     ResponsesEvent,
     ResponsesRequest,
@@ -248,6 +249,18 @@ async def tokenize(ctx: Ctx) -> None:
     await ctx.out.whole(200, encoder.encode(TokenizeResponse(ids, len(ids), ctx.info.max_model_len)))
 
 
+async def chat_render(ctx: Ctx) -> None:
+    """The token ids a chat request would run (vllm-router's kv_aware asks before it routes)."""
+    spec = chat_spec(decode(ctx.body, ChatRequest), ctx.info)
+    await ctx.out.whole(200, encoder.encode(RenderResponse(list(spec.prompts[0]))))
+
+
+async def completions_render(ctx: Ctx) -> None:
+    """The token ids of a completions request's (first) prompt."""
+    spec = completion_spec(decode(ctx.body, CompletionRequest), ctx.info)
+    await ctx.out.whole(200, encoder.encode(RenderResponse(list(spec.prompts[0]))))
+
+
 async def detokenize(ctx: Ctx) -> None:
     req = decode(ctx.body, DetokenizeRequest)
     check_model(req.model, ctx.info)
@@ -352,6 +365,12 @@ _ONE: dict[str, Route] = {
         "POST", chat, ChatRequest, ChatCompletion, "A chat completion (tools, structured output)", ChatCompletionChunk
     ),
     "/v1/completions": Route("POST", completions, CompletionRequest, Completion, "A text completion", Completion),
+    "/v1/chat/completions/render": Route(
+        "POST", chat_render, ChatRequest, RenderResponse, "The prompt's token ids a chat request would run"
+    ),
+    "/v1/completions/render": Route(
+        "POST", completions_render, CompletionRequest, RenderResponse, "The first prompt's token ids"
+    ),
     "/v1/embeddings": Route("POST", embeddings, EmbeddingRequest, EmbeddingList, "Embeddings of the inputs"),
     "/v1/tokenize": Route("POST", tokenize, TokenizeRequest, TokenizeResponse, "Token ids of a prompt or chat"),
     "/v1/detokenize": Route("POST", detokenize, DetokenizeRequest, DetokenizeResponse, "Text of token ids"),

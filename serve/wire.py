@@ -384,6 +384,10 @@ class TokenizeResponse(Struct, frozen=True):
     max_model_len: int
 
 
+class RenderResponse(Struct, frozen=True):
+    token_ids: list[int]  # the prompt the request would run, as vLLM's render endpoints answer
+
+
 class DetokenizeResponse(Struct, frozen=True):
     prompt: str
 

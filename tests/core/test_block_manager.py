@@ -1,5 +1,6 @@
 """BlockManager: exact ids, refcounts and eviction order with 4-token blocks, then a
-hypothesis state machine that checks the books after every operation."""
+hypothesis state machine that checks the books after every operation, and that the prefix
+cache's events, replayed, name exactly the blocks indexed (each by its documented chain hash)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from tl.core.block_manager import BlockManager
+from tl.core.kv_events import BlockStored, chain_hash
 
 BS = 4
 
@@ -163,6 +165,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.bm = BlockManager(10, BS, enable_prefix_cache=True)
+        self.bm.publish_events()
+        self.live: set[int] = set()  # the indexed blocks as the events tell them (tl/core/kv_events.py)
         self.tokens: dict[int, list[int]] = {}
         self.computed: dict[int, int] = {}
         self.content: dict[int, tuple[int, ...]] = {}
@@ -217,6 +221,16 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.bm.check_invariants()
         if not self.tokens:
             assert self.bm.num_used == 0 and self.bm.num_free + self.bm.num_cached == self.bm.num_blocks
+
+    @invariant()
+    def events_replayed_are_the_index(self) -> None:
+        for e in self.bm.take_events():
+            if isinstance(e, BlockStored):
+                assert e.block_hash == chain_hash(e.parent_hash, e.token_ids) and e.block_hash not in self.live
+                self.live.add(e.block_hash)
+            else:
+                self.live.remove(e.block_hash)
+        assert self.live == set(self.bm._ext_of.values()) and len(self.live) == len(self.bm._key_of)
 
 
 TestBlockManagerMachine = BlockManagerMachine.TestCase

@@ -21,8 +21,8 @@ import httpx
 import openai
 import pytest
 
-from bench.fleet_bench import POLICIES, ROUTERS, router
-from tests.helpers.granian_server import Server, replica
+from bench.fleet_bench import POLICIES, ROUTERS, Router, router
+from tests.helpers.granian_server import Server, free_port, replica
 
 ENGINE = (
     "num_kv_blocks = 256\nmax_num_seqs = 8\nmax_num_batched_tokens = 64\nprefill_chunk = 64\n"
@@ -32,13 +32,17 @@ PROMPTS = ("abc", "hello", "xyz", "The quick brown fox")
 
 
 @contextmanager
-def replicas(succ_dir: Path, tmp_path: Path) -> Iterator[tuple[Server, Server]]:
+def replicas(succ_dir: Path, tmp_path: Path) -> Iterator[tuple[Server, Server, list[str]]]:
+    """Two replicas, each publishing its prefix cache's events; and the router flags that name them."""
     with ExitStack() as stack:
-        (tmp_path / "a").mkdir()
-        (tmp_path / "b").mkdir()
-        a = stack.enter_context(replica(succ_dir, tmp_path / "a", ENGINE, "succ"))
-        b = stack.enter_context(replica(succ_dir, tmp_path / "b", ENGINE, "succ"))
-        yield a, b
+        servers, sources = [], []
+        for name in ("a", "b"):
+            (tmp_path / name).mkdir()
+            events = f"tcp://127.0.0.1:{free_port()}"
+            engine = f'{ENGINE}kv_events_endpoint = "{events}"\n'
+            servers.append(stack.enter_context(replica(succ_dir, tmp_path / name, engine, "succ")))
+            sources += ["--kv-event-source", f"{servers[-1].api}={events}"]
+        yield servers[0], servers[1], [*sources, "--kv-event-block-size", "16", "--kv-event-model", "succ"]
 
 
 def _completion(prompt: str, **kw: object) -> dict[str, object]:
@@ -79,13 +83,16 @@ def _done(url: str, path: str, body: dict[str, object]) -> list[str]:
 def test_a_router_drives_two_replicas_unchanged_and_loses_nothing_to_a_drain(
     name: str, succ_dir: Path, tmp_path: Path
 ) -> None:
-    with replicas(succ_dir, tmp_path) as (a, b):
+    with replicas(succ_dir, tmp_path) as (a, b, kv_sources):
         with openai.OpenAI(base_url=f"{a.api}/v1", api_key="none", max_retries=0) as alone:
             expected = _answers(alone)
         assert expected[0] == "defghi"[: len(expected[0])] and len(expected[0]) == 6  # 'c' -> 'd', ...
         for policy in POLICIES:
             before = [_served(s, "/v1/completions") + _served(s, "/v1/chat/completions") for s in (a, b)]
-            with router(name, policy, (a.api, b.api), tmp_path / f"{name}-{policy}.log", "succ") as r:
+            extra = kv_sources if policy == "kv_aware" else []
+            if policy == "kv_aware" and name != "vllm-router":
+                continue  # SGLang's gateway has no such policy
+            with router(name, policy, (a.api, b.api), tmp_path / f"{name}-{policy}.log", "succ", extra) as r:
                 url = r.url
                 with openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0) as client:
                     assert _answers(client) == expected, policy
@@ -95,8 +102,31 @@ def test_a_router_drives_two_replicas_unchanged_and_loses_nothing_to_a_drain(
             after = [_served(s, "/v1/completions") + _served(s, "/v1/chat/completions") for s in (a, b)]
             if policy == "round_robin":
                 assert all(x > y for x, y in zip(after, before, strict=True)), (policy, before, after)
+            if policy == "kv_aware":
+                _turns_follow_their_prefix(r)
         with router(name, "round_robin", (a.api, b.api), tmp_path / f"{name}-drain.log", "succ") as r:
             _burst_while_b_drains(r.url, a, b)
+
+
+def _turns_follow_their_prefix(r: Router) -> None:
+    """Three conversations of four turns through kv_aware: every later turn lands where the KV of
+    its history is (the replica reports it cached), which the router knows only from the events."""
+    with openai.OpenAI(base_url=f"{r.url}/v1", api_key="none", max_retries=0) as client:
+        for c in range(3):
+            talk: list[dict[str, str]] = [{"role": "user", "content": f"conversation {c}: " + "lorem ipsum " * 12}]
+            before = 0  # the last turn's prompt: its whole 16-token blocks are cached where it ran
+            for turn in range(4):
+                res = client.chat.completions.create(model="succ", messages=talk, max_tokens=20, temperature=0)  # type: ignore[arg-type]
+                usage = res.usage
+                assert usage is not None and usage.prompt_tokens_details is not None
+                cached = usage.prompt_tokens_details.cached_tokens or 0
+                assert cached >= before // 16 * 16, (c, turn, usage)
+                before = usage.prompt_tokens
+                talk += [{"role": "assistant", "content": res.choices[0].message.content or ""}]
+                talk += [{"role": "user", "content": f"and turn {turn} " * 3}]
+    lines = httpx.get(r.metrics_url).text.splitlines()
+    hits = [ln for ln in lines if ln.startswith('vllm_router_kv_placement_lookups_total{result="hit"}')]
+    assert hits and float(hits[0].split()[-1]) >= 9, lines
 
 
 def _burst_while_b_drains(url: str, a: Server, b: Server) -> None:

@@ -30,12 +30,18 @@ block table; giving the sliding layers a cache of their own (as vLLM's hybrid al
 does) would bound their part: for Gemma 3 270M (18 layers, 15 sliding, window 512, 36,864
 bytes of float32 KV a token) a 32k-token sequence holds 1.13 GiB, of which 0.94 GiB are the
 sliding layers' keys outside their window. Not built: tl keeps one table.
+
+Events (`publish_events`): while on, each block indexed is a BlockStored and each indexed block
+evicted a BlockRemoved, in `events` until the engine takes them, named by tl/core/kv_events.py's
+documented chain hash (kept per sequence beside the index's own chain, and per indexed block).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Sequence
+
+from tl.core.kv_events import BlockRemoved, BlockStored, KVEvent, chain_hash
 
 BlockKey = tuple[int, tuple[int, ...]]
 """(chain hash of the parent block, the block's token ids)."""
@@ -58,6 +64,10 @@ class BlockManager:
         self._tables: dict[int, list[int]] = {}  # seq id -> block ids, position p in table[p // block_size]
         self._chains: dict[int, list[int]] = {}  # seq id -> chain hashes of its leading computed full blocks
         self._released: dict[int, int] = {}  # seq id -> its table's leading RELEASED slots (absent: none)
+        self.events: list[KVEvent] = []  # since the engine last took them (only while publishing)
+        self._publishing = False
+        self._ext_chains: dict[int, list[int]] = {}  # seq id -> documented hashes of its chain's blocks
+        self._ext_of: dict[int, int] = {}  # indexed block -> its documented hash
         self.num_evictions = 0
 
     @property
@@ -98,6 +108,15 @@ class BlockManager:
         if end > start:
             self._released[seq_id] = end
         return max(0, end - start)
+
+    def publish_events(self) -> None:
+        """From now on, record BlockStored / BlockRemoved events (before any sequence runs)."""
+        assert not self._tables, "events are turned on before the first sequence"
+        self._publishing = self.enable_prefix_cache
+
+    def take_events(self) -> list[KVEvent]:
+        events, self.events = self.events, []
+        return events
 
     def _unref(self, block: int) -> None:
         self.ref_counts[block] -= 1
@@ -148,6 +167,8 @@ class BlockManager:
         self._tables[seq_id] = table
         if seq_id not in self._chains:
             self._chains[seq_id] = [hash(self._key_of[b]) for b in prefix_blocks]
+            if self._publishing:
+                self._ext_chains[seq_id] = [self._ext_of[b] for b in prefix_blocks]
         return True
 
     def cache_blocks(self, seq_id: int, token_ids: Sequence[int], num_computed_tokens: int) -> None:
@@ -155,17 +176,26 @@ class BlockManager:
         if not self.enable_prefix_cache:
             return
         chain, table, bs = self._chains[seq_id], self._tables[seq_id], self.block_size
+        ext = self._ext_chains.setdefault(seq_id, []) if self._publishing else None
         for i in range(len(chain), num_computed_tokens // bs):
             key = (chain[-1] if chain else ROOT_HASH, tuple(token_ids[i * bs : (i + 1) * bs]))
             chain.append(hash(key))
             block = table[i]
-            if block != RELEASED and key not in self._index and block not in self._key_of:
+            indexed = block != RELEASED and key not in self._index and block not in self._key_of
+            if indexed:
                 self._index[key] = block
                 self._key_of[block] = key
+            if ext is not None:
+                parent = ext[-1] if ext else None
+                ext.append(chain_hash(parent, key[1]))
+                if indexed:
+                    self._ext_of[block] = ext[-1]
+                    self.events.append(BlockStored(ext[-1], parent, key[1]))
 
     def free(self, seq_id: int) -> None:
         """Release all of seq's blocks, tail first, so its tail is evicted before its head."""
         self._chains.pop(seq_id, None)
+        self._ext_chains.pop(seq_id, None)
         self._released.pop(seq_id, None)
         for block in reversed(self._tables.pop(seq_id, [])):
             if block != RELEASED:
@@ -183,6 +213,8 @@ class BlockManager:
             block, _ = self._evictable.popitem(last=False)
             del self._index[self._key_of.pop(block)]
             self.num_evictions += 1
+            if self._publishing:
+                self.events.append(BlockRemoved(self._ext_of.pop(block)))
         self.ref_counts[block] = 1
         return block
 
@@ -209,3 +241,5 @@ class BlockManager:
         assert len(self._index) == len(self._key_of), "index and keys differ in size"
         assert set(self._chains) <= set(self._tables), "a chain outlived its table"
         assert set(self._released) <= set(self._tables), "a released count outlived its table"
+        assert set(self._ext_chains) <= set(self._tables), "a documented chain outlived its table"
+        assert set(self._ext_of) == (set(self._key_of) if self._publishing else set()), "documented hashes"

@@ -218,6 +218,14 @@ class EngineConfig:
     """GET /get_load's document (serve/fleet.py): "vllm", {"load": waiting + running} as
     vllm-router's power_of_two reads it; "sglang", [{"dp_rank": 0, "num_tokens": ...}] as SGLang's
     gateway reads it. Routers send no header that tells them apart."""
+    kv_events_endpoint: str = ""
+    """A ZMQ address (tcp://HOST:PORT) where the prefix cache's events are published in vLLM's
+    format, for vllm-router's kv_aware policy (tl/runtime/kv_publisher.py); empty: none. Needs
+    prefix_cache = "radix" and the pyzmq package."""
+    kv_events_replay_endpoint: str = ""
+    """Where a router that missed events asks for them again (a ZMQ ROUTER socket); empty: none."""
+    kv_events_topic: str = ""
+    """The topic frame of every event message."""
     api_keys: tuple[str, ...] = ()
     """If not empty, /v1/* (and /tokenize, /detokenize, /openapi.json) needs `Authorization: Bearer
     <key>` with one of these; /healthz, the routers' probes and the chat page need none."""
@@ -241,6 +249,14 @@ class EngineConfig:
             f"block_size must be a power of two <= 128, got {self.block_size}",
         )
         _check(self.num_kv_blocks >= 2, f"num_kv_blocks must be >= 2, got {self.num_kv_blocks}")
+        _check(
+            not self.kv_events_endpoint or self.prefix_cache == "radix",
+            'kv_events_endpoint needs prefix_cache = "radix": the events are the prefix cache\'s',
+        )
+        _check(
+            not self.kv_events_replay_endpoint or bool(self.kv_events_endpoint),
+            "kv_events_replay_endpoint needs kv_events_endpoint",
+        )
         _check(self.max_model_len >= 0, f"max_model_len must be >= 0, got {self.max_model_len}")
         _check(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         _check(

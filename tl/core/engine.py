@@ -23,6 +23,7 @@ from collections.abc import Callable
 from tl.core.block_manager import BlockManager
 from tl.core.config import EngineConfig
 from tl.core.debug_delays import debug_delay
+from tl.core.kv_events import KVEventSink
 from tl.core.plan import Launched, Overlapping, Runner, RunnerOutput, SchedulerOutput
 from tl.core.request import MAX_SEED, EmbedRequest, GenRequest, SamplingParams, TokenOut, check_capacity, check_context
 from tl.core.scheduler import Scheduler
@@ -50,9 +51,11 @@ class Engine:
         clock: Callable[[], float] = time.monotonic,
         seed: int | None = None,
         timer: Callable[[], float] = time.perf_counter,
+        kv_events: KVEventSink | None = None,
     ) -> None:
         """clock (seconds) drives the queue deadline; seed fixes the seeds drawn for seedless
-        requests; timer (seconds) times the steps (the runner's StepTimes are on the same one)."""
+        requests; timer (seconds) times the steps (the runner's StepTimes are on the same one);
+        kv_events gets each step's prefix-cache events (tl/core/kv_events.py)."""
         self._timer = timer
         self._costs = StepCosts(config.token_buckets)
         self._compilations = runner.num_compilations  # at the last step's end: a change means a compile
@@ -63,6 +66,9 @@ class Engine:
         self.eos_token_ids: tuple[int, ...] = tuple(runner.eos_token_ids)
         """Ids that end a generation (unless ignore_eos): what the scheduler stops on and serve/ hides."""
         self.block_manager = BlockManager(runner.num_kv_blocks, runner.block_size, config.prefix_cache == "radix")
+        self._kv_events = kv_events
+        if kv_events is not None:
+            self.block_manager.publish_events()
         self.scheduler = Scheduler(
             config,
             self.block_manager,
@@ -136,8 +142,10 @@ class Engine:
         self.scheduler.abort(request_id)
 
     def close(self) -> None:
-        """Stop the runner's background work (the engine is not stepped after this)."""
+        """Stop the runner's background work and the event sink (the engine is not stepped after this)."""
         self.runner.close()
+        if self._kv_events is not None:
+            self._kv_events.close()
 
     def abort_all(self) -> None:
         for request_id in list(self.scheduler.seqs):
@@ -147,8 +155,12 @@ class Engine:
         """One step's tokens: synchronously (schedule, run, fold the results in), or overlapped."""
         begun = self._timer()
         if self._overlap is None:
-            return self._step_synchronous(begun)
-        return self._step_overlapped(self._overlap, begun)
+            outs = self._step_synchronous(begun)
+        else:
+            outs = self._step_overlapped(self._overlap, begun)
+        if self._kv_events is not None and self.block_manager.events:
+            self._kv_events.publish(self.block_manager.take_events())
+        return outs
 
     def _step_synchronous(self, begun: float) -> list[TokenOut]:
         plan, schedule_s = self._schedule(begun)

@@ -77,7 +77,9 @@ def _runner_and_engine(
         log.info("waiting for the %d followers' start-up", leader.num_followers)
         with start_deadline(cfg.group_start_timeout_s, leader.not_ready):
             leader.wait_ready()
-    return runner, Engine(runner, cfg)
+    from tl.runtime.kv_publisher import kv_publisher
+
+    return runner, Engine(runner, cfg, kv_events=kv_publisher(cfg, runner.block_size))
 
 
 def _leader(cfg: EngineConfig, group: Group | None, on_failure: Callable[[str], None] | None) -> Leader | None:
