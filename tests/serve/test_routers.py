@@ -99,11 +99,11 @@ def test_a_router_drives_two_replicas_unchanged_and_loses_nothing_to_a_drain(
                 chat = {"model": "succ", "messages": [{"role": "user", "content": "abc"}], "max_tokens": 6}
                 assert _done(url, "/v1/chat/completions", chat)[-1] == "data: [DONE]"
                 assert _done(url, "/v1/completions", _completion("abc"))[-1] == "data: [DONE]"
+                if policy == "kv_aware":
+                    _turns_follow_their_prefix(r)
             after = [_served(s, "/v1/completions") + _served(s, "/v1/chat/completions") for s in (a, b)]
             if policy == "round_robin":
                 assert all(x > y for x, y in zip(after, before, strict=True)), (policy, before, after)
-            if policy == "kv_aware":
-                _turns_follow_their_prefix(r)
         with router(name, "round_robin", (a.api, b.api), tmp_path / f"{name}-drain.log", "succ") as r:
             _burst_while_b_drains(r.url, a, b)
 
@@ -125,8 +125,12 @@ def _turns_follow_their_prefix(r: Router) -> None:
                 talk += [{"role": "assistant", "content": res.choices[0].message.content or ""}]
                 talk += [{"role": "user", "content": f"and turn {turn} " * 3}]
     lines = httpx.get(r.metrics_url).text.splitlines()
-    hits = [ln for ln in lines if ln.startswith('vllm_router_kv_placement_lookups_total{result="hit"}')]
-    assert hits and float(hits[0].split()[-1]) >= 9, lines
+
+    def count(prefix: str) -> float:
+        return sum(float(ln.split()[-1]) for ln in lines if ln.startswith(prefix))
+
+    assert count('vllm_router_kv_routing_inputs_total{transport="http",result="render"}') >= 12, lines  # tl's ids
+    assert count('vllm_router_kv_placement_lookups_total{result="hit"}') >= 9, lines  # its index: tl's events
 
 
 def _burst_while_b_drains(url: str, a: Server, b: Server) -> None:
