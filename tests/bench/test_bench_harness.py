@@ -270,8 +270,10 @@ def test_roofline_counts_and_fractions() -> None:
     assert fr["flop_frac"] == pytest.approx(cost.flops_per_token * 100 / 300e9)
     assert fr["bw_frac"] == pytest.approx(cost.weight_bytes * 20 / 30e9)
     assert "roofline: fp32 GEMM 300.0 GFLOP/s" in roofline_line(m, cost, "smol")
-    quick = measure_machine(gemm_n=128, mem_bytes=4 << 20, repeat=5)  # best of 5: one try can meet a busy core
-    assert quick.gemm_flops_per_s > 1e8 and quick.mem_read_bytes_per_s > 1e8
+    quick = measure_machine(gemm_n=128, mem_bytes=4 << 20, repeat=5)
+    # it runs and gives rates; how high is the machine's business (a busy host read 70 MFLOP/s once)
+    assert 0 < quick.gemm_flops_per_s < math.inf and 0 < quick.mem_read_bytes_per_s < math.inf
+    assert (quick.gemm_n, quick.mem_bytes, quick.repeat) == (128, 4 << 20, 5)
 
 
 def test_stream_request_and_body(server: FakeServer) -> None:
