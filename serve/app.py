@@ -9,9 +9,10 @@ serve/tracing.py, which the start-up asks, and serve/otel.py) and the stop (READ
 or SIGINT (serve/signals.py decides which is which) during start-up gives the start-up up
 (the engine is built on a daemon thread, which never holds the process); after it, the drain:
 readyz 503, new requests 503 with Connection: close, in-flight requests finish until
-drain_timeout_s (then are aborted, 2 s more for their error events), then granian is told
-to stop, and its lifespan shutdown stops the engine thread (bounded, each step timed); a
-second signal aborts every request at once and stops; exit 0.
+drain_timeout_s (then are aborted, 2 s more for their error events), the 503s (GET /health's
+too) go on until drain_min_s since the signal, then granian is told to stop, and its lifespan
+shutdown stops the engine thread (bounded, each step timed); a second signal aborts every
+request at once and stops; exit 0.
 
 The engine and the record of the model it serves (tl/entry/served.py's ServedModel: all serve/
 knows of the model) come from the `engine_factory` App is built with: tl.entry.build's
@@ -229,7 +230,7 @@ class App:
 
     async def drain(self) -> None:
         """readyz 503 and new requests 503 at once; in-flight ones finish or are aborted at the
-        deadline; then granian is told to stop."""
+        deadline; the 503s go on until drain_min_s since the signal; then granian is told to stop."""
         self.draining = True
         timeout = self.config.drain_timeout_s if self.config else 30.0
         log.info("draining: %d requests in flight, up to %.1f s", self.inflight, timeout)
@@ -242,6 +243,10 @@ class App:
             log.warning("drain deadline: aborting %d requests", self.inflight)
             await self._abort_all(ABORT_GRACE_S)
         log.info("drained in %.1f s", loop.time() - t0)
+        held = (self.config.drain_min_s if self.config else 0.0) - (loop.time() - t0)
+        if held > 0:  # the routers polling /health mark the replica down before it goes
+            log.info("answering 503 %.1f s more (drain_min_s) before the exit", held)
+            await asyncio.sleep(held)
         await self._hand_over()
 
     def stop_now(self) -> None:

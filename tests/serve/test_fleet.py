@@ -135,3 +135,23 @@ def test_a_routers_chat_body_is_served_and_its_limit_honoured() -> None:
         assert r.status == 200 and r.json()["choices"][0]["text"] == "bcd"
 
     run(make_app("real"), body)
+
+
+def test_the_drain_answers_503_for_drain_min_s_however_soon_it_empties() -> None:
+    async def body(app: App) -> None:
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        app.begin_drain()  # nothing in flight: drained at once, held for drain_min_s
+        await asyncio.sleep(0.1)
+        assert app._drain_task is not None and not app._drain_task.done()
+        assert (await call(app, "GET", "/health")).status == 503
+        assert (await call(app, "POST", CHAT, HAND)).status == 503
+        await asyncio.wait_for(app._drain_task, 2.0)
+        assert loop.time() - t0 >= 0.4
+
+    run(make_app("real", drain_min_s=0.4), body)
+
+
+def test_drain_min_s_is_bounded_by_the_drain_timeout() -> None:
+    with pytest.raises(ValueError, match=r"drain_min_s must be in 0\.\.drain_timeout_s \(1\.0\), got 2\.0"):
+        make_app("real", drain_timeout_s=1.0, drain_min_s=2.0)

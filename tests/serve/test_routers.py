@@ -26,7 +26,7 @@ from tests.helpers.granian_server import Server, free_port, replica
 
 ENGINE = (
     "num_kv_blocks = 256\nmax_num_seqs = 8\nmax_num_batched_tokens = 64\nprefill_chunk = 64\n"
-    "token_buckets = [8, 64]\nseq_buckets = [1, 8]\ndrain_timeout_s = 10.0\n"
+    "token_buckets = [8, 64]\nseq_buckets = [1, 8]\ndrain_timeout_s = 10.0\ndrain_min_s = 4.0\n"
 )
 PROMPTS = ("abc", "hello", "xyz", "The quick brown fox")
 
@@ -110,7 +110,11 @@ def test_a_router_drives_two_replicas_unchanged_and_loses_nothing_to_a_drain(
 
 def _turns_follow_their_prefix(r: Router) -> None:
     """Three conversations of four turns through kv_aware: every later turn lands where the KV of
-    its history is (the replica reports it cached), which the router knows only from the events."""
+    its history is (the replica reports it cached), which the router knows only from the events.
+    The router's subscribers connect after it reports ready, and what a PUB socket sends before a
+    subscriber has joined is gone (ZMQ's slow joiner): a moment first, or a first turn's blocks
+    may never reach the index."""
+    time.sleep(1.0)
     with openai.OpenAI(base_url=f"{r.url}/v1", api_key="none", max_retries=0) as client:
         for c in range(3):
             talk: list[dict[str, str]] = [{"role": "user", "content": f"conversation {c}: " + "lorem ipsum " * 12}]
@@ -124,6 +128,7 @@ def _turns_follow_their_prefix(r: Router) -> None:
                 before = usage.prompt_tokens
                 talk += [{"role": "assistant", "content": res.choices[0].message.content or ""}]
                 talk += [{"role": "user", "content": f"and turn {turn} " * 3}]
+                time.sleep(0.5)  # the turn's events reach the router's index (a next turn sent at once raced them)
     lines = httpx.get(r.metrics_url).text.splitlines()
 
     def count(prefix: str) -> float:
@@ -135,7 +140,8 @@ def _turns_follow_their_prefix(r: Router) -> None:
 
 def _burst_while_b_drains(url: str, a: Server, b: Server) -> None:
     """48 completions through the router, 4 at a time; SIGTERM to b's granian once 8 are done:
-    its drain answers /health and new requests 503, then it exits; every answer is still right."""
+    its drain answers /health and new requests 503 for drain_min_s (4 s: the routers poll every
+    second and give a worker up after 3 failures), then it exits; every answer is still right."""
     with openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60) as client:
 
         def one(i: int) -> str:

@@ -214,6 +214,10 @@ class EngineConfig:
     """Health and metrics address host:port."""
     drain_timeout_s: float = 30.0
     """On SIGTERM, how long in-flight requests may run before they are aborted."""
+    drain_min_s: float = 0.0
+    """On SIGTERM, how long at least the server answers 503 (GET /health included) before it exits,
+    however soon its in-flight requests finish: a router polling /health (every `interval` s,
+    down after `threshold` failures) stops sending first; at most drain_timeout_s."""
     load_shape: LoadShape = "vllm"
     """GET /get_load's document (serve/fleet.py): "vllm", {"load": waiting + running} as
     vllm-router's power_of_two reads it; "sglang", [{"dp_rank": 0, "num_tokens": ...}] as SGLang's
@@ -313,6 +317,10 @@ class EngineConfig:
         _check(self.queue_capacity >= 1, f"queue_capacity must be >= 1, got {self.queue_capacity}")
         _check(self.queue_deadline_ms >= 1, f"queue_deadline_ms must be >= 1, got {self.queue_deadline_ms}")
         _check(self.drain_timeout_s >= 0, f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+        _check(
+            0 <= self.drain_min_s <= self.drain_timeout_s,
+            f"drain_min_s must be in 0..drain_timeout_s ({self.drain_timeout_s}), got {self.drain_min_s}",
+        )
         _check(self.max_body_bytes >= 1024, f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
 
     @property
