@@ -8,9 +8,10 @@ logged once with its request id and cause, each API request's trace when tracing
 serve/tracing.py, which the start-up asks, and serve/otel.py) and the stop (README, "Stopping"): a first SIGTERM
 or SIGINT (serve/signals.py decides which is which) during start-up gives the start-up up
 (the engine is built on a daemon thread, which never holds the process); after it, the drain:
-readyz 503, new requests 503 with Connection: close, in-flight requests finish until
-drain_timeout_s (then are aborted, 2 s more for their error events), the 503s (GET /health's
-too) go on until drain_min_s since the signal, then granian is told to stop, and its lifespan
+readyz and GET /health 503 at once, new requests still served for drain_min_s (the lame-duck
+window a router needs to notice), then new requests 503 with Connection: close, in-flight
+requests finish until drain_timeout_s since the signal (then are aborted, 2 s more for their
+error events), then granian is told to stop, and its lifespan
 shutdown stops the engine thread (bounded, each step timed); a second signal aborts every
 request at once and stops; exit 0.
 
@@ -94,7 +95,8 @@ class App:
         self.info: ServedModel | None = None
         self.metrics = Metrics(self._stats, self._backend)
         self.health = HealthServer(self.metrics, self.is_ready)
-        self.draining = False
+        self.draining = False  # from the stop signal: /readyz and /health 503
+        self.refusing = False  # from drain_min_s after it: new requests 503
         self.inflight = 0
         self.jobs: set[Job | EmbedHandle] = set()
         self.responses = _response_store(config or EngineConfig())  # again at start-up, from the loaded config
@@ -171,7 +173,7 @@ class App:
         if not built.done():
             log.info("stop requested during start-up: the model load and compiles are given up")
             built.add_done_callback(_close_late_engine)
-            self.draining = True
+            self.draining = self.refusing = True
             self._drain_task = asyncio.get_running_loop().create_task(self._hand_over())
             return
         engine, model = built.result()
@@ -229,13 +231,19 @@ class App:
             self._drain_task = asyncio.get_running_loop().create_task(self.drain())
 
     async def drain(self) -> None:
-        """readyz 503 and new requests 503 at once; in-flight ones finish or are aborted at the
-        deadline; the 503s go on until drain_min_s since the signal; then granian is told to stop."""
+        """readyz and /health 503 at once; new requests served for drain_min_s more (a router
+        polling /health stops sending meanwhile), then refused with 503; in-flight ones finish or
+        are aborted drain_timeout_s after the signal; then granian is told to stop."""
         self.draining = True
         timeout = self.config.drain_timeout_s if self.config else 30.0
-        log.info("draining: %d requests in flight, up to %.1f s", self.inflight, timeout)
+        lame = self.config.drain_min_s if self.config else 0.0
         loop = asyncio.get_running_loop()
         t0 = loop.time()
+        if lame > 0:
+            log.info("stop signal: /health 503, requests still served for %.1f s (drain_min_s)", lame)
+            await asyncio.sleep(lame)
+        self.refusing = True
+        log.info("draining: %d requests in flight, up to %.1f s", self.inflight, t0 + timeout - loop.time())
         deadline = t0 + timeout
         while self.inflight and loop.time() < deadline:
             await asyncio.sleep(0.01)
@@ -243,16 +251,12 @@ class App:
             log.warning("drain deadline: aborting %d requests", self.inflight)
             await self._abort_all(ABORT_GRACE_S)
         log.info("drained in %.1f s", loop.time() - t0)
-        held = (self.config.drain_min_s if self.config else 0.0) - (loop.time() - t0)
-        if held > 0:  # the routers polling /health mark the replica down before it goes
-            log.info("answering 503 %.1f s more (drain_min_s) before the exit", held)
-            await asyncio.sleep(held)
         await self._hand_over()
 
     def stop_now(self) -> None:
         """A second stop signal: every request aborted (open streams end with an error event and
         [DONE]), then granian is told to stop."""
-        self.draining = True
+        self.draining = self.refusing = True
         asyncio.get_running_loop().create_task(self._stop_now())
 
     async def _stop_now(self) -> None:
@@ -308,7 +312,7 @@ class App:
             r = next((op for op in ops if op.method == req.method), None)
             if r is None:
                 raise errors.method_not_allowed(", ".join(op.method for op in ops))
-            if self.draining or self.engine is None or self.info is None or self.config is None:
+            if self.refusing or self.engine is None or self.info is None or self.config is None:
                 raise errors.draining()
             if self.engine.failure is not None:
                 raise errors.unavailable(str(self.engine.failure))

@@ -137,17 +137,21 @@ def test_a_routers_chat_body_is_served_and_its_limit_honoured() -> None:
     run(make_app("real"), body)
 
 
-def test_the_drain_answers_503_for_drain_min_s_however_soon_it_empties() -> None:
+def test_drain_min_s_is_a_lame_duck_window_health_503_requests_served_then_refused() -> None:
     async def body(app: App) -> None:
         loop = asyncio.get_running_loop()
         t0 = loop.time()
-        app.begin_drain()  # nothing in flight: drained at once, held for drain_min_s
+        app.begin_drain()
         await asyncio.sleep(0.1)
+        assert (await call(app, "GET", "/health")).status == 503  # a router polling it stops sending
+        assert not app.is_ready()  # the health port's /readyz: 503
+        served = await call(app, "POST", CHAT, HAND)  # what it still sends meanwhile is served
+        assert served.status == 200, served.body()
         assert app._drain_task is not None and not app._drain_task.done()
-        assert (await call(app, "GET", "/health")).status == 503
-        assert (await call(app, "POST", CHAT, HAND)).status == 503
-        await asyncio.wait_for(app._drain_task, 2.0)
+        await asyncio.wait_for(app._drain_task, 2.0)  # nothing in flight: over at drain_min_s
         assert loop.time() - t0 >= 0.4
+        refused = await call(app, "POST", CHAT, HAND)
+        assert refused.status == 503 and refused.json()["error"]["code"] == "server_shutting_down"
 
     run(make_app("real", drain_min_s=0.4), body)
 

@@ -2,8 +2,9 @@
 two tl replicas of the successor-byte model on loopback, in round_robin, cache_aware and
 power_of_two. Through each router and policy, chat and completions, streamed and not, answer as a
 replica alone does (the official openai client), every stream ends with [DONE], and round_robin
-uses both replicas. Then one replica gets SIGTERM in the middle of a burst: its drain answers
-/health 503 and new requests 503, it exits, and no request of the burst is lost. The routers are
+uses both replicas. Then one replica gets SIGTERM in the middle of a burst: /health answers 503
+at once while requests are still served for drain_min_s (the router stops sending meanwhile),
+then new ones 503, it exits, and no request of the burst is lost. The routers are
 test dependencies (pyproject's test extra), started by bench/fleet_bench.py's `router` with
 --host 127.0.0.1 and stopped whatever happened.
 """
@@ -140,8 +141,10 @@ def _turns_follow_their_prefix(r: Router) -> None:
 
 def _burst_while_b_drains(url: str, a: Server, b: Server) -> None:
     """48 completions through the router, 4 at a time; SIGTERM to b's granian once 8 are done:
-    its drain answers /health and new requests 503 for drain_min_s (4 s: the routers poll every
-    second and give a worker up after 3 failures), then it exits; every answer is still right."""
+    /health answers 503 at once and requests are still served for drain_min_s (4 s: the routers
+    poll every second and give a worker up after 3 failures), then refused, then b exits; every
+    answer is still right. Without the window (b refusing at once) vllm-router sent one request
+    of 96 to b five times running and passed its 503 on (retries exhausted), in 1 of 2 runs."""
     with openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60) as client:
 
         def one(i: int) -> str:

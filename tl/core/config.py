@@ -215,9 +215,10 @@ class EngineConfig:
     drain_timeout_s: float = 30.0
     """On SIGTERM, how long in-flight requests may run before they are aborted."""
     drain_min_s: float = 0.0
-    """On SIGTERM, how long at least the server answers 503 (GET /health included) before it exits,
-    however soon its in-flight requests finish: a router polling /health (every `interval` s,
-    down after `threshold` failures) stops sending first; at most drain_timeout_s."""
+    """On SIGTERM, the lame-duck window: for this long GET /health and /readyz answer 503 while new
+    requests are still served, so a router or load balancer polling them (every `interval` s, down
+    after `threshold` failures) stops sending before the server refuses anything; then the drain
+    proper (new requests 503). Within drain_timeout_s, which bounds the whole stop."""
     load_shape: LoadShape = "vllm"
     """GET /get_load's document (serve/fleet.py): "vllm", {"load": waiting + running} as
     vllm-router's power_of_two reads it; "sglang", [{"dp_rank": 0, "num_tokens": ...}] as SGLang's
