@@ -3,7 +3,10 @@ names an EngineConfig key, probes hit the health port's /readyz and /healthz, th
 period outlasts drain_timeout_s, the compile cache is a persistent volume, images are the
 Dockerfile's, and each Service selects pods that serve the API (a multi-host group's leaders
 only, whose env carries coordinator_address, num_processes and process_id from the
-LeaderWorkerSet's own variables)."""
+LeaderWorkerSet's own variables). The InferencePool example selects deployment.yaml's pods on
+their API port, its endpoint picker is the one it names and reads gauges tl exports, and every
+field keeps to the v1 API's documented constraints (the CRD's published schema itself is not
+reachable from these machines: no package registry here ships it)."""
 
 from __future__ import annotations
 
@@ -17,7 +20,8 @@ from serve.process import STOP_BOUND_S
 from tl.core.config import EngineConfig, engine_keys
 
 ROOT = Path(__file__).resolve().parents[2]
-MANIFESTS = sorted((ROOT / "configs" / "k8s").glob("*.yaml"))
+POOL = ROOT / "configs" / "k8s" / "inferencepool.yaml"  # the Gateway's side: no tl pod of its own
+MANIFESTS = sorted(p for p in (ROOT / "configs" / "k8s").glob("*.yaml") if p != POOL)
 
 
 def docs(path: Path) -> list[dict[str, Any]]:
@@ -75,6 +79,68 @@ def test_manifest_wiring(path: Path) -> None:
         matched = [lab for doc in docs(path) for lab, _ in pod_specs(doc) if selector.items() <= lab.items()]
         assert matched and all(lab in served for lab in matched), (selector, matched)  # API pods only
         assert {p["targetPort"] for p in svc["spec"]["ports"]} <= {"http", "health"}
+
+
+def _one(items: list[dict[str, Any]], kind: str, name: str | None = None) -> dict[str, Any]:
+    found = [d for d in items if d["kind"] == kind and (name is None or d["metadata"]["name"] == name)]
+    assert len(found) == 1, (kind, name, [d["kind"] for d in items])
+    return found[0]
+
+
+def _exported_gauges() -> set[str]:
+    from serve.metrics import Metrics
+
+    text = Metrics(lambda: None).render("text/plain")[0].decode()
+    return {line.split()[2] for line in text.splitlines() if line.startswith("# TYPE ") and line.endswith(" gauge")}
+
+
+def test_the_inference_pool_routes_to_tls_api_port_through_its_picker() -> None:
+    pool_docs, tl_docs = docs(POOL), docs(ROOT / "configs" / "k8s" / "deployment.yaml")
+    pool = _one(pool_docs, "InferencePool")
+    assert pool["apiVersion"] == "inference.networking.k8s.io/v1"
+    spec = pool["spec"]
+    assert set(spec) <= {"selector", "targetPorts", "appProtocol", "endpointPickerRef"}
+    # v1's constraints: matchLabels only, 1-8 unique ports in 1..65535, a picker with a port
+    assert set(spec["selector"]) == {"matchLabels"} and spec["selector"]["matchLabels"]
+    numbers = [p["number"] for p in spec["targetPorts"]]
+    assert 1 <= len(numbers) <= 8 and len(set(numbers)) == len(numbers) and all(0 < n < 65536 for n in numbers)
+    ref = spec["endpointPickerRef"]
+    assert set(ref) <= {"group", "kind", "name", "port", "failureMode"} and ref.get("kind", "Service") == "Service"
+    assert ref.get("failureMode", "FailClose") in ("FailOpen", "FailClose")
+    # the pods it selects are tl's, and the port is their API port (where /metrics is served too)
+    tl = _one(tl_docs, "Deployment", "tl")
+    (labels, pod), *_ = pod_specs(tl)
+    assert spec["selector"]["matchLabels"].items() <= labels.items()
+    (container,) = pod["containers"]
+    http = next(p["containerPort"] for p in container["ports"] if p["name"] == "http")
+    assert numbers == [http]
+    # the picker: the Service the pool names, selecting the picker's pods on its gRPC port
+    svc = _one(pool_docs, "Service", ref["name"])
+    epp = _one(pool_docs, "Deployment")
+    (epp_labels, epp_pod), *_ = pod_specs(epp)
+    assert svc["spec"]["selector"].items() <= epp_labels.items()
+    (picker,) = epp_pod["containers"]
+    args = dict(a.removeprefix("--").split("=", 1) for a in picker["args"])
+    port = next(p for p in svc["spec"]["ports"] if p["port"] == ref["port"]["number"])
+    grpc = next(p["containerPort"] for p in picker["ports"] if p["name"] == port["targetPort"])
+    assert int(args["grpc-port"]) == grpc
+    assert args["pool-name"] == pool["metadata"]["name"]
+    assert epp_pod["serviceAccountName"] == _one(pool_docs, "ServiceAccount")["metadata"]["name"]
+    # every model-server metric it is told to read is a gauge tl exports
+    metrics = {k: v for k, v in args.items() if k.endswith("-metric")}
+    assert set(metrics) == {
+        "total-queued-requests-metric",
+        "total-running-requests-metric",
+        "kv-cache-usage-percentage-metric",
+    }
+    assert set(metrics.values()) <= _exported_gauges(), metrics
+    readme = (ROOT / "README.md").read_text()
+    assert all(f"--{k}={v}" in readme for k, v in metrics.items())  # the README names the same flags
+    # the route sends the Gateway's traffic to the pool
+    (rule,) = _one(pool_docs, "HTTPRoute")["spec"]["rules"]
+    assert rule["backendRefs"] == [
+        {"group": "inference.networking.k8s.io", "kind": "InferencePool", "name": pool["metadata"]["name"]}
+    ]
 
 
 def test_the_dockerfile_runs_tl_serve_as_a_non_root_user() -> None:
