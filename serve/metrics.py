@@ -55,6 +55,16 @@ class _EngineCollector(Collector):
             "KV-cache blocks held by sequences, of all blocks (0-1; cached blocks count as free: they are evictable)",
             value=s.kv_blocks_used / total if total else 0.0,
         )
+        yield GaugeMetricFamily(
+            "tl_engine_kv_cache_capacity_tokens",
+            "Tokens the KV cache's blocks hold (num_kv_blocks x block_size)",
+            value=b.kv_capacity_tokens if b is not None else 0,
+        )
+        yield GaugeMetricFamily(
+            "tl_engine_kv_cache_bytes",
+            "The KV cache's memory: keys and values of every layer, in its format (kv_cache_dtype)",
+            value=b.kv_cache_bytes if b is not None else 0,
+        )
         yield GaugeMetricFamily("tl_engine_queue_depth", "Requests waiting for admission", value=s.queue_depth)
         yield GaugeMetricFamily("tl_engine_active_sequences", "Sequences holding KV blocks", value=s.running)
         yield GaugeMetricFamily("tl_engine_batch_tokens", "Tokens computed by the last step", value=s.batch_tokens)

@@ -290,6 +290,8 @@ def _card(ctx: Ctx) -> ModelCard:
             list(b.kernel_choices),
             b.weight_pages,
             list(b.reasons),
+            b.kv_cache_bytes,
+            b.kv_capacity_tokens,
         )
     )
     return ModelCard(ctx.info.model_id, "model", STARTED_AT, "tl", ctx.info.max_model_len, card)

@@ -362,6 +362,8 @@ class BackendCard(Struct, frozen=True):
     kernel_choices: list[str]  # each measured step-shape class: its pick and the native/XLA ratio
     weight_pages: str = "default"  # "huge": one mapping advised MADV_HUGEPAGE
     plan: list[str] = []  # the execution plan's decisions, each with its reason
+    kv_cache_bytes: int = 0  # the KV cache's memory in its format (kv_cache_dtype)
+    kv_capacity_tokens: int = 0  # tokens its blocks hold
 
 
 class ModelCard(Struct, frozen=True):

@@ -257,6 +257,11 @@ def test_bf16_kv_cache_of_a_float32_model() -> None:
     _, ref = run(kv_cache_dtype="bfloat16", attention_kernel="reference")
     full, exact = run()
     assert native.kv_cache[0].nbytes * 2 == full.kv_cache[0].nbytes and full.backend_info.kv_cache_dtype == "float32"
+    # what the card, /metrics and the start-up log say: keys and values of every layer, the
+    # scratch block included (2 x layers x 17 blocks x 16 tokens x 1 head x 64), 4 or 2 bytes each
+    values = 2 * cfg.num_hidden_layers * 17 * 16 * 1 * 64
+    assert (full.backend_info.kv_cache_bytes, native.backend_info.kv_cache_bytes) == (4 * values, 2 * values)
+    assert full.backend_info.kv_capacity_tokens == native.backend_info.kv_capacity_tokens == 16 * 16
     for a, b, c in zip(got, ref, exact, strict=True):
         # The native kernel reads a prompt token's earlier keys of its own step from the bf16
         # cache, as a decode of that token would (one arithmetic per token, issue 48); the

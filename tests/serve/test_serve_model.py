@@ -71,6 +71,13 @@ def test_succ_model_hand_example_stop_and_framing(succ_dir: Path) -> None:
                 break
             await asyncio.sleep(0.01)
         assert app.engine is not None and app.engine.stats().kv_blocks_used == 0
+        # the KV cache's capacity and memory: on the model card and in /metrics alike
+        card = (await call(app, "GET", "/v1/models")).json()["data"][0]["backend"]
+        assert card["kv_capacity_tokens"] == 128 * 4 and card["kv_cache_dtype"] == "float32"
+        assert card["kv_cache_bytes"] > 0  # its formula: tests/runtime/test_runner.py's bf16 cache test
+        text = app.metrics.render("")[0].decode()
+        assert f"tl_engine_kv_cache_capacity_tokens {128 * 4}.0" in text
+        assert f"tl_engine_kv_cache_bytes {float(card['kv_cache_bytes'])}" in text
 
     # One decode step a call: the framing counted above is a chunk a token. With several steps a
     # call (compiled before ready since the one-sequence program is), the tokens of one call come

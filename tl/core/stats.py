@@ -169,6 +169,8 @@ class BackendInfo:
     process_count: int = 1  # jax.distributed processes (hosts) in the job
     dtype: str = "float32"
     kv_cache_dtype: str = "float32"  # what the KV cache holds: the dtype, or bfloat16 (kv_cache_dtype)
+    kv_cache_bytes: int = 0  # the KV cache's memory, keys and values of every layer (the scratch block too)
+    kv_capacity_tokens: int = 0  # tokens its blocks hold: num_kv_blocks x block_size
     attention_kernel: str = "reference"  # "cpu_native+reference": each step shape takes the one measured faster
     matmul_precision: str = "highest"  # float32 matmuls as run: "highest", or "high" (bf16x3 on AMX)
     matmul_kernel: str = "xla"  # "xla", "cpu_native", or "cpu_native+xla" (by row count, as measured)

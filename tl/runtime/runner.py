@@ -106,7 +106,11 @@ class ModelRunner:
 
     @property
     def backend_info(self) -> BackendInfo:
-        return self.plan.backend_info(self.mesh)
+        return dataclasses.replace(
+            self.plan.backend_info(self.mesh),
+            kv_cache_bytes=sum(x.nbytes for x in self._kv),
+            kv_capacity_tokens=self.num_kv_blocks * self.block_size,
+        )
 
     @property
     def kv_cache(self) -> tuple[jax.Array, jax.Array]:

@@ -149,9 +149,17 @@ def _measure(plan: ExecutionPlan, cfg: ModelConfig, weights: PlacedWeights) -> E
 
 
 def _log_loaded(ec: EngineConfig, plan: ExecutionPlan, kv: tuple[jax.Array, jax.Array], lap: _Laps) -> None:
-    kv_mib = sum(x.nbytes for x in kv) >> 20
+    kv_mib = sum(x.nbytes for x in kv) / 2**20
     parts = ", ".join(f"{k.replace('_', ' ')} {v:.1f} s" for k, v in lap.seconds.items())
-    log.info("loaded %s in %.1f s (%s; KV cache %d MiB)", ec.model_dir, time.perf_counter() - lap.t0, parts, kv_mib)
+    log.info("loaded %s in %.1f s (%s)", ec.model_dir, time.perf_counter() - lap.t0, parts)
+    log.info(
+        "KV cache: %s, %.1f MiB, %d tokens (%d blocks of %d)",
+        plan.kv_storage.value,
+        kv_mib,
+        ec.num_kv_blocks * ec.block_size,
+        ec.num_kv_blocks,
+        ec.block_size,
+    )
     for line in plan.lines():
         log.info("%s", line)
 
