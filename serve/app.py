@@ -47,6 +47,7 @@ from serve.config_load import load_config
 from serve.errors import ApiError, log_server_error
 from serve.generate import PING_INTERVAL_S, Job
 from serve.health import HealthServer
+from serve.loading import LoadingServer
 from serve.metrics import Metrics
 from serve.process import (
     ABORT_GRACE_S,
@@ -95,6 +96,7 @@ class App:
         self.info: ServedModel | None = None
         self.metrics = Metrics(self._stats, self._backend)
         self.health = HealthServer(self.metrics, self.is_ready)
+        self.loading = LoadingServer()
         self.draining = False  # from the stop signal: /readyz and /health 503
         self.refusing = False  # from drain_min_s after it: new requests 503
         self.inflight = 0
@@ -164,6 +166,25 @@ class App:
             host, port = parse_listen(cfg.health_listen)
             await self.health.start(host, port)
             log.info("health port listening on %s", cfg.health_listen)
+            await self._answer_loading(cfg.http_listen)
+        try:
+            await self._load(cfg)
+        finally:  # granian binds the API port once the start-up is over
+            try:
+                await asyncio.wait_for(self.loading.close(), HEALTH_CLOSE_S)
+            except TimeoutError:
+                log.warning("start-up: the loading answers did not close within %.1f s", HEALTH_CLOSE_S)
+
+    async def _answer_loading(self, listen: str) -> None:
+        """503 model_loading on the API port until granian takes it (serve/loading.py)."""
+        host, port = parse_listen(listen)
+        try:
+            await self.loading.start(host, port, reuse_port=True)
+        except OSError as e:
+            log.warning("the API port %s answers nothing while the model loads: %s", listen, e)
+
+    async def _load(self, cfg: EngineConfig) -> None:
+        """The engine built, started and warmed up, or given up on a stop signal."""
         # A daemon thread, not the loop's executor: a stop during the build leaves it behind, and
         # the process's exit never waits for it (an executor's threads are joined at exit).
         built = _in_daemon_thread("tl-build", self.engine_factory, cfg)

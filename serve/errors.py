@@ -162,6 +162,11 @@ def draining() -> ApiError:
     )
 
 
+def loading() -> ApiError:
+    """Any request before the model is loaded and compiled (serve/loading.py answers it)."""
+    return ApiError(503, "The model is loading", "server_error", None, "model_loading", ((b"retry-after", b"5"),))
+
+
 def aborted() -> ApiError:
     """A request the server aborted (the drain deadline, a shutdown)."""
     return ApiError(

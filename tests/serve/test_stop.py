@@ -158,6 +158,18 @@ def test_a_stop_signal_stops_the_server_at_every_moment(
             assert "all " not in " ".join(srv.lines), "the background compiles are already done"
         else:
             srv.wait_line(f"debug delay: {delays.split('=')[0]}", 120)
+            # the API port before granian takes it: 503 model_loading (serve/loading.py), so a
+            # router polling /health, or a client, hears "not yet" rather than a refused connection
+            chat = {"model": "tiny", "messages": [{"role": "user", "content": "a"}], "max_tokens": 2}
+            for method, path in (("GET", "/health"), ("GET", "/healthz"), ("POST", "/v1/chat/completions")):
+                r = httpx.request(method, srv.api + path, json=chat if method == "POST" else None, timeout=5)
+                assert r.status_code == 503 and r.headers["retry-after"] == "5", (path, r.text)
+                assert r.json()["error"] == {
+                    "message": "The model is loading",
+                    "type": "server_error",
+                    "param": None,
+                    "code": "model_loading",
+                }
         sent = srv.signal(sig, group)
         status, took = srv.exited_within(sent, QUICK_S)
         assert status == 0, srv.log()
