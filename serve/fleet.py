@@ -80,8 +80,11 @@ async def answer(req: Request, out: Sender, worker: Worker) -> None:
         return
     if worker.model is None:  # not served yet (granian answers only after the start-up; kept for safety)
         raise errors.draining()
-    info = server_info if req.path.endswith("server_info") else model_info
-    await out.whole(200, encoder.encode(info(worker.model, worker.config)))
+    if req.path.endswith("server_info"):
+        doc = server_info(worker.model, worker.config, worker.stats)
+    else:
+        doc = model_info(worker.model, worker.config)
+    await out.whole(200, encoder.encode(doc))
 
 
 def load(s: EngineStats, cfg: EngineConfig) -> VllmLoad | list[SglangLoad]:
@@ -99,7 +102,11 @@ def _files(cfg: EngineConfig) -> dict[str, Any]:
     return {"model_path": str(model), "tokenizer_path": str(tokenizer) if tokenizer else None}
 
 
-def server_info(model: ServedModel, cfg: EngineConfig) -> dict[str, Any]:
+def server_info(model: ServedModel, cfg: EngineConfig, stats: EngineStats | None) -> dict[str, Any]:
+    """max_total_num_tokens: the KV cache's blocks as the engine counts them (kv_cache_memory_gib
+    may have sized them), else as configured."""
+    counted = stats.kv_blocks_free + stats.kv_blocks_used + stats.kv_blocks_cached if stats else 0
+    blocks = counted or cfg.num_kv_blocks
     return {
         **_files(cfg),
         "served_model_name": model.model_id,
@@ -107,7 +114,7 @@ def server_info(model: ServedModel, cfg: EngineConfig) -> dict[str, Any]:
         "tp_size": cfg.tensor_parallel,
         "dp_size": 1,
         "page_size": cfg.block_size,
-        "max_total_num_tokens": cfg.num_kv_blocks * cfg.block_size,
+        "max_total_num_tokens": blocks * cfg.block_size,
         "max_running_requests": cfg.max_num_seqs,
         "disaggregation_mode": "null",
         "load_balance_method": "round_robin",

@@ -98,6 +98,8 @@ def test_server_and_model_info_name_the_model_under_both_spellings() -> None:
             doc = (await call(app, "GET", path)).json()
             assert doc["served_model_name"] == "succ" and doc["dp_size"] == 1 and doc["tp_size"] == 1
             assert doc["model_path"].endswith("models/succ") and doc["page_size"] == 4
+            # the blocks the engine has (the succ runner keeps 256 of the 2048 configured)
+            assert doc["max_total_num_tokens"] == 256 * 4
         for path in ("/model_info", "/get_model_info"):
             doc = (await call(app, "GET", path)).json()
             assert doc["served_model_name"] == "succ" and doc["is_generation"] is True

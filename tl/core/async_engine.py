@@ -290,7 +290,7 @@ class AsyncEngine:
         self._lock = threading.Lock()
         self._inbox = 0  # submitted, not yet taken by the thread (under _lock)
         self._waiting = 0  # engine waiting queue at the last snapshot (under _lock)
-        self._stats = EngineStats()
+        self._stats = engine.stats()  # before the thread runs: the blocks it starts with, not zeros
         self._live: dict[int, Handle] = {}  # engine id -> handle; engine thread only
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None

@@ -135,6 +135,10 @@ class EngineConfig:
     """Tokens per KV-cache block."""
     num_kv_blocks: int = 2048
     """KV-cache blocks preallocated on the device (SmolLM2: 720 KiB per block in float32, 360 KiB in bf16)."""
+    kv_cache_memory_gib: float = 0.0
+    """When > 0, the KV cache's size in GiB instead: num_kv_blocks becomes as many blocks as it holds
+    (keys and values of every layer in the cache's format, the runner's scratch block included),
+    whatever num_kv_blocks says (tl/runtime/kv_size.py)."""
     max_model_len: int = 0
     """Context length (prompt + output); 0 means the model's max_position_embeddings."""
     max_num_seqs: int = 64
@@ -254,6 +258,7 @@ class EngineConfig:
             f"block_size must be a power of two <= 128, got {self.block_size}",
         )
         _check(self.num_kv_blocks >= 2, f"num_kv_blocks must be >= 2, got {self.num_kv_blocks}")
+        _check(self.kv_cache_memory_gib >= 0, f"kv_cache_memory_gib must be >= 0, got {self.kv_cache_memory_gib}")
         _check(
             not self.kv_events_endpoint or self.prefix_cache == "radix",
             'kv_events_endpoint needs prefix_cache = "radix": the events are the prefix cache\'s',

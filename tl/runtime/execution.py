@@ -289,6 +289,16 @@ def _attention_probe(
     return AttnArgs(sds(t, hq, hd), sds(t, hk, hd), sds(t, hk, hd), k, v, sds(dt=i32), meta)
 
 
+def kv_storage_of(ec: EngineConfig, dtype: str) -> Decision:
+    """What the KV cache holds, and why: bfloat16 (kept as uint16 bits) when the compute dtype or
+    kv_cache_dtype says so, else the compute dtype."""
+    bf16_kv = dtype == "bfloat16" or ec.kv_cache_dtype == "bfloat16"
+    return Decision(
+        "bfloat16" if bf16_kv else dtype,
+        "kv_cache_dtype bfloat16" if ec.kv_cache_dtype == "bfloat16" else "the compute dtype",
+    )
+
+
 def plan_execution(
     ec: EngineConfig, cfg: ModelConfig, platform: str, mesh: Mesh, layout: backend.TPLayout
 ) -> ExecutionPlan:
@@ -297,11 +307,7 @@ def plan_execution(
     are placed and the classes of `measure_classes()` are timed."""
     dtype = backend.resolve_dtype(ec.dtype, platform)
     dtype_why = "configured" if ec.dtype != "auto" else f"auto on {platform}"
-    bf16_kv = dtype == "bfloat16" or ec.kv_cache_dtype == "bfloat16"
-    kv_storage = Decision(
-        "bfloat16" if bf16_kv else dtype,
-        "kv_cache_dtype bfloat16" if ec.kv_cache_dtype == "bfloat16" else "the compute dtype",
-    )
+    kv_storage = kv_storage_of(ec, dtype)
     if ec.attention_kernel not in ("auto", "cpu_native") and ec.matmul_kernel == "xla":
         native, why_native = None, "configured: attention and matmuls without native kernels"
     else:
@@ -312,7 +318,7 @@ def plan_execution(
     max_model_len = ec.max_model_len or cfg.max_position_embeddings
     blocks_per_seq = -(-max_model_len // ec.block_size)
     max_blocks = -(-blocks_per_seq // chunk_blocks) * chunk_blocks
-    kv_dtype = jnp.uint16 if bf16_kv else jnp.dtype(dtype)
+    kv_dtype = jnp.uint16 if kv_storage.value == "bfloat16" else jnp.dtype(dtype)
     probe = _attention_probe(cfg, ec, jnp.dtype(dtype), kv_dtype, chunk_blocks, max_blocks)
     windows = tuple(sorted({cfg.window(i) for i in range(cfg.num_hidden_layers)} - {0}))
     attention = kernel_select.select(

@@ -1,6 +1,7 @@
 """Start-up: one pipeline from a model's config and tensors to everything its runner is built from.
 
-Owns: `start`, the stages in order (plan: the mesh and the execution plan; place: the KV cache
+Owns: `start`, the stages in order (size: the KV cache's blocks, tl/runtime/kv_size.py; plan:
+the mesh and the execution plan; place: the KV cache
 and the weights as the plan says; measure: the kernel verdicts over them, which complete the
 plan and resolve its dispatch; compile: the step program and its table of variants; ready: the
 variants compiled ahead of time as asked), the start-up log (load times, the plan's lines, the
@@ -26,7 +27,7 @@ from tl.core.config import EngineConfig
 from tl.model.config import ModelConfig, load_model_config
 from tl.model.convert_gguf import model_dir_of
 from tl.model.files import eos_token_ids, has_gguf, read_tensors
-from tl.runtime import backend, execution, placement, verdicts
+from tl.runtime import backend, execution, kv_size, placement, verdicts
 from tl.runtime.compiler import StepCompiler, enable_compile_cache
 from tl.runtime.execution import ExecutionPlan
 from tl.runtime.placement import PlacedWeights
@@ -68,8 +69,13 @@ def start(
     mesh: Mesh | None = None,
     warmup: Warmup = "none",
 ) -> Startup:
-    """Plan, place, measure, compile, ready. tensors: Hugging Face names -> host arrays."""
+    """Size the KV cache, plan, place, measure, compile, ready. tensors: Hugging Face names ->
+    host arrays."""
     lap = _Laps()
+    platform = backend.resolve_platform(engine_cfg.backend)
+    engine_cfg = kv_size.sized(cfg, engine_cfg, platform)
+    if jax.process_count() == 1:  # a group's hosts each hold their shards: no one host's total
+        kv_size.check_fits(cfg, engine_cfg, platform, tensors)
     plan, mesh, layout = _plan(cfg, engine_cfg, mesh)
     lap("plan")
     kv = placement.alloc_kv(
