@@ -5,7 +5,8 @@ tokens/s at each sequence bucket (every sequence decoding one token per step at 
 context length), and prefill tokens/s of one 512-token prompt. Prints its full config,
 then a Markdown table; `--json` also writes JSON lines. Run: `python -m bench runner`.
 `--compare-kernel reference` builds a second runner with that attention kernel and times the
-two alternately, step by step, in one process: the ratios hold on a noisy machine.
+two alternately, step by step, in one process: the ratios hold on a noisy machine;
+`--compare-kv-cache-dtype bfloat16` does the same for a second KV cache format.
 """
 
 from __future__ import annotations
@@ -100,6 +101,10 @@ def run(argv: Sequence[str]) -> int:
     ap.add_argument("--json", default="", help="also append JSON lines to this file")
     ap.add_argument("--native-target", default="auto", help="[engine] native_target: the native kernels' build")
     ap.add_argument("--compare-kernel", default="", help="also time a runner with this attention_kernel, alternately")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="[engine] kv_cache_dtype")
+    ap.add_argument(
+        "--compare-kv-cache-dtype", default="", help="also time a runner with this kv_cache_dtype, alternately"
+    )
     args = ap.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
 
@@ -122,7 +127,10 @@ def run(argv: Sequence[str]) -> int:
         max_num_batched_tokens=max(args.prefill, max(batches)),
         prefill_chunk=args.prefill,
         native_target=args.native_target,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
+    if args.compare_kernel and args.compare_kv_cache_dtype:
+        raise SystemExit("--compare-kernel and --compare-kv-cache-dtype: one comparison a run")
     print(
         "config:",
         json.dumps(
@@ -138,6 +146,8 @@ def run(argv: Sequence[str]) -> int:
                 "batches": batches,
                 "repeat": args.repeat,
                 "compare_kernel": args.compare_kernel,
+                "kv_cache_dtype": args.kv_cache_dtype,
+                "compare_kv_cache_dtype": args.compare_kv_cache_dtype,
                 "num_kv_blocks": blocks,
                 "block_size": bs,
             }
@@ -153,6 +163,12 @@ def run(argv: Sequence[str]) -> int:
                 f"({other.kernels.attention.reason}); compare two different kernels"
             )
         runners = [(runner.kernels.attention.name, runner), (other.kernels.attention.name, other)]
+    if args.compare_kv_cache_dtype:
+        other = ModelRunner.from_model_dir(cfg.replace(kv_cache_dtype=args.compare_kv_cache_dtype))
+        mine, theirs = runner.backend_info.kv_cache_dtype, other.backend_info.kv_cache_dtype
+        if mine == theirs:
+            raise SystemExit(f"--compare-kv-cache-dtype: both caches hold {mine}; compare two formats")
+        runners = [(f"kv {mine}", runner), (f"kv {theirs}", other)]
     b_info = runner.backend_info
     print(
         "backend:",
