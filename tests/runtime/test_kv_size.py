@@ -14,6 +14,7 @@ from tests.helpers.models import SMOLLM2, TINY
 from tests.helpers.runner import ENGINE
 from tl.core.config import ConfigError
 from tl.model import llama
+from tl.model.gguf_model import Packed
 from tl.runtime import kv_size
 from tl.runtime.runner import ModelRunner
 from tl.runtime.startup import start
@@ -50,7 +51,8 @@ def test_a_runner_sized_by_budget_holds_exactly_it() -> None:
 
 
 def test_a_cache_the_host_cannot_hold_is_refused_with_what_fits(monkeypatch: pytest.MonkeyPatch) -> None:
-    weights = {"w": np.zeros(1000, np.float32)}  # 4,000 bytes
+    # 4,000 bytes: 3,000 of float32, and 1,000 of a GGUF's blocks served as they are
+    weights = {"w": np.zeros(750, np.float32), "q": Packed("q8_0", np.zeros((4, 250), np.uint8), 8 * 32)}
     cfg = ENGINE.replace(num_kv_blocks=99)  # 100 blocks with the scratch: 204,800 bytes
     kv_size.check_fits(TINY, cfg, "cpu", weights, lambda: 204_800 + 4_000)  # just fits
     kv_size.check_fits(TINY, cfg, "gpu", weights, lambda: 0)  # device memory is not the host's

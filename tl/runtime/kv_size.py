@@ -20,6 +20,7 @@ import numpy as np
 
 from tl.core.config import ConfigError, EngineConfig
 from tl.model.config import ModelConfig
+from tl.model.gguf_model import Packed
 from tl.runtime import backend
 from tl.runtime.execution import kv_storage_of
 
@@ -64,7 +65,7 @@ def check_fits(
     cfg: ModelConfig,
     ec: EngineConfig,
     platform: str,
-    tensors: Mapping[str, np.ndarray],
+    tensors: Mapping[str, np.ndarray | Packed],
     available: Callable[[], int | None] | None = None,
 ) -> None:
     """ConfigError when the KV cache and the weights need more than the host has available
@@ -76,7 +77,7 @@ def check_fits(
         return
     per_block = block_bytes(cfg, ec, platform)
     kv = per_block * (ec.num_kv_blocks + 1)
-    weights = sum(int(t.nbytes) for t in tensors.values())
+    weights = sum(int(t.data.nbytes if isinstance(t, Packed) else t.nbytes) for t in tensors.values())
     if kv + weights <= free:
         return
     fit = max(0, (free - weights) // per_block - 1)
