@@ -22,28 +22,35 @@ from tl.runtime.startup import start
 MIB = 1 << 20
 
 
+F32 = ENGINE.replace(kv_cache_dtype="float32")
+
+
 def test_a_blocks_bytes_are_keys_and_values_of_every_layer() -> None:
     # 2 (k, v) x 2 layers x 4 tokens x 2 KV heads x 16 dims x 4 bytes
-    assert kv_size.block_bytes(TINY, ENGINE, "cpu") == 2 * 2 * 4 * 2 * 16 * 4 == 2048
+    assert kv_size.block_bytes(TINY, F32, "cpu") == 2 * 2 * 4 * 2 * 16 * 4 == 2048
+    assert kv_size.block_bytes(TINY, ENGINE, "cpu") == 2048  # "auto": the compute dtype, float32 on a CPU
+    assert kv_size.block_bytes(TINY, ENGINE, "gpu") == 1024  # bf16 off a CPU
     assert kv_size.block_bytes(TINY, ENGINE.replace(kv_cache_dtype="bfloat16"), "cpu") == 1024
-    assert kv_size.block_bytes(TINY, ENGINE, "gpu") == 1024  # "auto" dtype is bf16 off a CPU
-    assert kv_size.block_bytes(SMOLLM2, ENGINE.replace(block_size=16), "cpu") == 720 * 1024  # the README's figure
+    assert kv_size.block_bytes(SMOLLM2, F32.replace(block_size=16), "cpu") == 720 * 1024  # the README's figure
+    assert kv_size.block_bytes(SMOLLM2, ENGINE.replace(block_size=16, kv_cache_dtype="bfloat16"), "cpu") == 360 * 1024
+    with pytest.raises(ConfigError, match='kv_cache_dtype = "float32" needs dtype float32; the compute dtype'):
+        kv_size.block_bytes(TINY, F32, "gpu")  # "auto" dtype is bf16 off a CPU
 
 
 def test_a_memory_budget_sizes_the_blocks_scratch_included() -> None:
-    one_mib = ENGINE.replace(kv_cache_memory_gib=1 / 1024, num_kv_blocks=7)
+    one_mib = F32.replace(kv_cache_memory_gib=1 / 1024, num_kv_blocks=7)
     assert kv_size.sized(TINY, one_mib, "cpu").num_kv_blocks == MIB // 2048 - 1 == 511
     assert kv_size.sized(TINY, one_mib.replace(kv_cache_dtype="bfloat16"), "cpu").num_kv_blocks == 1023
     assert kv_size.sized(TINY, ENGINE, "cpu") is ENGINE  # no budget: num_kv_blocks as configured
     with pytest.raises(ConfigError, match=r"kv_cache_memory_gib = 5e-06 holds 2 blocks of 2048 bytes"):
-        kv_size.sized(TINY, ENGINE.replace(kv_cache_memory_gib=5e-6), "cpu")
+        kv_size.sized(TINY, F32.replace(kv_cache_memory_gib=5e-6), "cpu")
     with pytest.raises(ValueError, match="kv_cache_memory_gib must be >= 0, got -1"):
         ENGINE.replace(kv_cache_memory_gib=-1.0)
 
 
 def test_a_runner_sized_by_budget_holds_exactly_it() -> None:
     params = jax.tree.map(np.asarray, llama.init_params(TINY, jax.random.key(0)))
-    runner = ModelRunner(start(TINY, params, ENGINE.replace(kv_cache_memory_gib=1 / 1024)))
+    runner = ModelRunner(start(TINY, params, F32.replace(kv_cache_memory_gib=1 / 1024)))
     assert runner.num_kv_blocks == 511 and runner.engine_config.num_kv_blocks == 511
     assert sum(x.nbytes for x in runner.kv_cache) == MIB  # the scratch block's bytes are in the MiB
     info = runner.backend_info
@@ -53,15 +60,15 @@ def test_a_runner_sized_by_budget_holds_exactly_it() -> None:
 def test_a_cache_the_host_cannot_hold_is_refused_with_what_fits(monkeypatch: pytest.MonkeyPatch) -> None:
     # 4,000 bytes: 3,000 of float32, and 1,000 of a GGUF's blocks served as they are
     weights = {"w": np.zeros(750, np.float32), "q": Packed("q8_0", np.zeros((4, 250), np.uint8), 8 * 32)}
-    cfg = ENGINE.replace(num_kv_blocks=99)  # 100 blocks with the scratch: 204,800 bytes
+    cfg = F32.replace(num_kv_blocks=99)  # 100 blocks with the scratch: 204,800 bytes
     kv_size.check_fits(TINY, cfg, "cpu", weights, lambda: 204_800 + 4_000)  # just fits
     kv_size.check_fits(TINY, cfg, "gpu", weights, lambda: 0)  # device memory is not the host's
     kv_size.check_fits(TINY, cfg, "cpu", weights, lambda: None)  # no MemAvailable: no check
     with pytest.raises(ConfigError) as e:
         kv_size.check_fits(TINY, cfg, "cpu", weights, lambda: 204_800 + 3_999)
-    # (204,799 - 4,000) // 2048 = 98 blocks, one of them the scratch: 97
+    # (208,799 - 4,000) // 2048 = 99 blocks, one of them the scratch: 98
     assert "the KV cache (99 blocks of 4 tokens: 0.00 GiB, float32)" in str(e.value)
-    assert "set num_kv_blocks to at most 98 (or kv_cache_memory_gib)" in str(e.value)
+    assert 'at most 98 (or kv_cache_memory_gib; kv_cache_dtype = "bfloat16" halves a float32 cache)' in str(e.value)
     # at start-up, before anything is placed
     monkeypatch.setattr(kv_size, "mem_available", lambda: 1000)
     params = jax.tree.map(np.asarray, llama.init_params(TINY, jax.random.key(0)))

@@ -22,7 +22,7 @@ Speculative = Literal["none", "prompt_lookup"]
 DType = Literal["auto", "float32", "bfloat16"]
 WeightDType = Literal["auto", "float32", "int8", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "f16", "bf16"]
 """The configured weight_dtype (tl/model/loader.py `EncodingName` is any encoding loading makes)."""
-KVCacheDType = Literal["auto", "bfloat16"]
+KVCacheDType = Literal["auto", "bfloat16", "float32"]
 MatmulPrecision = Literal["highest", "high"]
 WeightPages = Literal["huge", "default"]
 WeightLayout = Literal["auto", "stored", "panels"]
@@ -74,7 +74,9 @@ class EngineConfig:
     F16 / BF16 matrices are kept so under "auto"), widened to float32 as they are read."""
     kv_cache_dtype: KVCacheDType = "auto"
     """KV cache storage: "auto" is `dtype`; "bfloat16" halves the cache of a float32 model (twice the
-    blocks in the same memory, half the bytes attention reads; keys and values rounded to bf16)."""
+    blocks in the same memory, half the bytes attention reads; keys and values rounded to bf16;
+    not batch invariant yet: README, "Same request, same answer"); "float32" asks for a float32
+    cache (a float32 model only)."""
     matmul_precision: MatmulPrecision = "high"
     """Float32 matmuls on CPU: "high" splits each operand into two bf16 and sums three bf16 products
     in float32 on AMX (JAX's bfloat16_3x, PyTorch's "high"; ~1e-5 relative error a product) where

@@ -30,7 +30,7 @@ from jax.sharding import Mesh
 from kernels import cpu_build, paged_attention
 from kernels import select as kernel_select
 from kernels.paged_attention import AttnArgs, AttnMetadata
-from tl.core.config import EngineConfig
+from tl.core.config import ConfigError, EngineConfig
 from tl.core.stats import BackendInfo
 from tl.model.config import ModelConfig
 from tl.runtime import backend, weight_pages
@@ -290,13 +290,16 @@ def _attention_probe(
 
 
 def kv_storage_of(ec: EngineConfig, dtype: str) -> Decision:
-    """What the KV cache holds, and why: bfloat16 (kept as uint16 bits) when the compute dtype or
-    kv_cache_dtype says so, else the compute dtype."""
-    bf16_kv = dtype == "bfloat16" or ec.kv_cache_dtype == "bfloat16"
-    return Decision(
-        "bfloat16" if bf16_kv else dtype,
-        "kv_cache_dtype bfloat16" if ec.kv_cache_dtype == "bfloat16" else "the compute dtype",
-    )
+    """What the KV cache holds, and why: bfloat16 (kept as uint16 bits) when kv_cache_dtype or the
+    compute dtype says so, float32 when kv_cache_dtype asks for it (a float32 model only), else
+    the compute dtype."""
+    if ec.kv_cache_dtype == "float32":
+        if dtype != "float32":
+            raise ConfigError(f'kv_cache_dtype = "float32" needs dtype float32; the compute dtype here is {dtype}')
+        return Decision("float32", "kv_cache_dtype float32")
+    if ec.kv_cache_dtype == "bfloat16":
+        return Decision("bfloat16", "kv_cache_dtype bfloat16")
+    return Decision(dtype, "the compute dtype")
 
 
 def plan_execution(

@@ -86,5 +86,5 @@ def check_fits(
         f" {kv_storage_of(ec, backend.resolve_dtype(ec.dtype, platform)).value}) and the weights"
         f" ({weights / GIB:.2f} GiB) need {(kv + weights) / GIB:.2f} GiB, and this host has"
         f" {free / GIB:.2f} GiB available: set num_kv_blocks to at most {fit}"
-        f' (or kv_cache_memory_gib), or kv_cache_dtype = "bfloat16" to halve a float32 cache'
+        f' (or kv_cache_memory_gib; kv_cache_dtype = "bfloat16" halves a float32 cache)'
     )
