@@ -160,6 +160,27 @@ def test_top_logprobs_matches_sort() -> None:
     assert np.allclose(np.asarray(vals), np.take_along_axis(ref, order, 1), atol=1e-5)
 
 
+def test_a_sampled_tokens_logprob_is_its_top_logprobs_entry_whatever_computes_the_lse() -> None:
+    """Both take the logsumexp from the same kernel (the native one where the plan runs it):
+    with one whose rounding differs from jnp's, the two numbers are still one, bit for bit (they
+    were 6e-8 apart when top_logprobs took jnp's while the sampler took the native kernel's)."""
+    from tl.runtime.sampler import argmax_lse
+
+    def other_kernel(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        tok, lse = argmax_lse(x)
+        return tok, lse + 3e-7  # another summation order's last bits
+
+    logits = np.random.default_rng(5).standard_normal((3, 300)).astype(np.float32)
+    params = [SamplingParams(temperature=0.0, logprobs=True, top_logprobs=4)] * 3
+    sb = pack_rows(params, [0, 0, 0], [0, 0, 0], [-1, -1, -1], 3)
+    pen = pack_penalties(params, [[]] * 3, [0, 1, 2], [[]] * 3, 3, 3, 1, 300)
+    for lse_fn in (None, other_kernel):
+        out = jax.jit(sample, static_argnums=3)(logits, sb, pen, lse_fn)
+        ids, vals = jax.jit(top_logprobs, static_argnums=(1, 2))(logits, 4, lse_fn)
+        assert (np.asarray(ids)[:, 0] == np.asarray(out.token)).all()
+        assert (np.asarray(vals)[:, 0] == np.asarray(out.logprob)).all(), lse_fn
+
+
 def bitmask(rows: list[set[int]], vocab: int) -> np.ndarray:
     """[R, W] int32 bitmask with the given allowed ids per row (the layout llguidance fills)."""
     bits = np.zeros((len(rows), (vocab + 31) // 32 * 32), np.uint8)

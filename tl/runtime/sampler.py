@@ -219,12 +219,14 @@ def _sampled(x: jax.Array, greedy_tok: jax.Array, sb: SamplingBatch) -> tuple[ja
     return jnp.where(accepted, d, jnp.where(greedy, greedy_tok, drawn)), accepted
 
 
-def top_logprobs(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+def top_logprobs(logits: jax.Array, k: int, argmax_lse_fn: ArgmaxLse | None = None) -> tuple[jax.Array, jax.Array]:
     """The k most likely tokens per row of the raw distribution: (ids [R,k] i32, logprobs [R,k]).
 
-    k rounds of argmax-and-mask instead of lax.top_k (a sort on CPU); run only when asked.
+    k rounds of argmax-and-mask instead of lax.top_k (a sort on CPU); run only when asked. The
+    logsumexp is `sample`'s (argmax_lse_fn, default jnp): the sampled token's logprob and its
+    entry here are the same number, bit for bit, whichever kernel computes it.
     """
-    lp = rowwise.log_softmax(logits)
+    lp = logits - (argmax_lse_fn or argmax_lse)(logits)[1][:, None]
 
     def body(x: jax.Array, _: None) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
         i = jnp.argmax(x, axis=1)

@@ -179,9 +179,11 @@ def _pooled(params: llama.Weights, cfg: ModelConfig, hidden: jax.Array) -> jax.A
     return llama.rms_norm(hidden, params.final_norm.value, cfg.rms_norm_eps).astype(jnp.float32)
 
 
-def _top_logprobs(logits: jax.Array, *, k: int, on_trace: Callable[[], None]) -> tuple[jax.Array, jax.Array]:
+def _top_logprobs(
+    logits: jax.Array, *, k: int, on_trace: Callable[[], None], argmax_lse: Any = None
+) -> tuple[jax.Array, jax.Array]:
     on_trace()
-    return top_logprobs(logits, k)
+    return top_logprobs(logits, k, argmax_lse)
 
 
 def _abstract(tree: Any) -> Any:
@@ -241,7 +243,11 @@ class StepProgram:
         )
         self.feed = jax.jit(_feed, static_argnames=("off",), out_shardings=self.replicated)
         self.feed_counts = jax.jit(_feed_counts, out_shardings=self.replicated)
-        self.top = jax.jit(functools.partial(_top_logprobs, k=max(1, max_logprobs), on_trace=self._count))
+        self.top = jax.jit(
+            functools.partial(
+                _top_logprobs, k=max(1, max_logprobs), on_trace=self._count, argmax_lse=kernels.argmax_lse
+            )
+        )
         self.decode_steps = decode_steps
         self.several = jax.jit(
             functools.partial(
