@@ -14,10 +14,15 @@ from __future__ import annotations
 from serve import errors
 from serve.tiny_http import Answer, TinyHTTPServer
 
-LOADING = errors.loading()
+_LOADING = errors.loading()
+ANSWER: Answer = (
+    "503 Service Unavailable",
+    "application/json",
+    _LOADING.body(),
+    tuple((k.decode("latin-1"), v.decode("latin-1")) for k, v in _LOADING.headers),
+)
 
 
 class LoadingServer(TinyHTTPServer):
     def answer(self, method: str, path: str, headers: dict[str, str]) -> Answer:
-        extra = tuple((k.decode("latin-1"), v.decode("latin-1")) for k, v in LOADING.headers)
-        return "503 Service Unavailable", "application/json", LOADING.body(), extra
+        return ANSWER

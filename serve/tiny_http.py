@@ -28,15 +28,6 @@ class TinyHTTPServer:
             self._serve, host, port, reuse_port=reuse_port and hasattr(socket, "SO_REUSEPORT")
         )
 
-    @property
-    def listening(self) -> bool:
-        return self._server is not None
-
-    def stop_listening(self) -> None:
-        """No new connection from now on (the open ones are answered and closed)."""
-        if self._server is not None:
-            self._server.close()
-
     async def close(self) -> None:
         if self._server is not None:
             self._server.close()
@@ -51,17 +42,19 @@ class TinyHTTPServer:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=IO_TIMEOUT_S)
-            status, ctype, body, extra = self._dispatch(head[:MAX_HEAD_BYTES].decode("latin-1"))
-            length = int(self._headers(head.decode("latin-1")).get("content-length", "0") or 0)
+            request, *lines = head[:MAX_HEAD_BYTES].decode("latin-1").split("\r\n")
+            headers = {k.strip().lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines if ln)}
+            status, ctype, body, extra = self._dispatch(request, headers)
+            length = int(headers.get("content-length", "0") or 0)
             if 0 < length <= MAX_BODY_BYTES:
                 await asyncio.wait_for(reader.readexactly(length), timeout=IO_TIMEOUT_S)
         except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError, ConnectionError, ValueError):
             writer.close()
             return
         try:
-            lines = "".join(f"{k}: {v}\r\n" for k, v in extra)
+            fields = "".join(f"{k}: {v}\r\n" for k, v in extra)
             writer.write(
-                f"HTTP/1.1 {status}\r\ncontent-type: {ctype}\r\ncontent-length: {len(body)}\r\n{lines}"
+                f"HTTP/1.1 {status}\r\ncontent-type: {ctype}\r\ncontent-length: {len(body)}\r\n{fields}"
                 "connection: close\r\n\r\n".encode("latin-1")
                 + body
             )
@@ -71,14 +64,9 @@ class TinyHTTPServer:
         finally:
             writer.close()
 
-    @staticmethod
-    def _headers(head: str) -> dict[str, str]:
-        lines = head.split("\r\n")[1:]
-        return {k.strip().lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines if ln)}
-
-    def _dispatch(self, head: str) -> Answer:
-        parts = head.split("\r\n", 1)[0].split(" ")
+    def _dispatch(self, request: str, headers: dict[str, str]) -> Answer:
+        parts = request.split(" ")
         if len(parts) != 3:
             return "400 Bad Request", "text/plain", b"bad request\n", ()
         method, target, _ = parts
-        return self.answer(method, target.split("?", 1)[0], self._headers(head))
+        return self.answer(method, target.split("?", 1)[0], headers)

@@ -27,9 +27,13 @@ from tl.runtime.execution import kv_storage_of
 GIB = 1 << 30
 
 
+def _storage(ec: EngineConfig, platform: str) -> str:
+    return kv_storage_of(ec, backend.resolve_dtype(ec.dtype, platform)).value
+
+
 def block_bytes(cfg: ModelConfig, ec: EngineConfig, platform: str) -> int:
     """One block's bytes: keys and values, every layer, block_size tokens, every KV head."""
-    storage = kv_storage_of(ec, backend.resolve_dtype(ec.dtype, platform)).value
+    storage = _storage(ec, platform)
     itemsize = 2 if storage == "bfloat16" else np.dtype(storage).itemsize
     return 2 * cfg.num_hidden_layers * ec.block_size * cfg.num_key_value_heads * cfg.head_dim * itemsize
 
@@ -83,7 +87,7 @@ def check_fits(
     fit = max(0, (free - weights) // per_block - 1)
     raise ConfigError(
         f"the KV cache ({ec.num_kv_blocks} blocks of {ec.block_size} tokens: {kv / GIB:.2f} GiB,"
-        f" {kv_storage_of(ec, backend.resolve_dtype(ec.dtype, platform)).value}) and the weights"
+        f" {_storage(ec, platform)}) and the weights"
         f" ({weights / GIB:.2f} GiB) need {(kv + weights) / GIB:.2f} GiB, and this host has"
         f" {free / GIB:.2f} GiB available: set num_kv_blocks to at most {fit}"
         f' (or kv_cache_memory_gib; kv_cache_dtype = "bfloat16" halves a float32 cache)'

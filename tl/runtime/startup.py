@@ -76,7 +76,7 @@ def start(
     engine_cfg = kv_size.sized(cfg, engine_cfg, platform)
     if jax.process_count() == 1:  # a group's hosts each hold their shards: no one host's total
         kv_size.check_fits(cfg, engine_cfg, platform, tensors)
-    plan, mesh, layout = _plan(cfg, engine_cfg, mesh)
+    plan, mesh, layout = _plan(cfg, engine_cfg, platform, mesh)
     lap("plan")
     kv = placement.alloc_kv(
         cfg, mesh, layout.kv_spec, engine_cfg.num_kv_blocks + 1, engine_cfg.block_size, plan.kv_dtype
@@ -117,10 +117,11 @@ class _Laps:
         self.seconds[stage], self.last = now - self.last, now
 
 
-def _plan(cfg: ModelConfig, ec: EngineConfig, mesh: Mesh | None) -> tuple[ExecutionPlan, Mesh, backend.TPLayout]:
-    """The platform, the tensor-parallel layout and mesh, and the plan before measurement."""
+def _plan(
+    cfg: ModelConfig, ec: EngineConfig, platform: str, mesh: Mesh | None
+) -> tuple[ExecutionPlan, Mesh, backend.TPLayout]:
+    """The tensor-parallel layout and mesh on `platform`, and the plan before measurement."""
     enable_compile_cache(ec.compile_cache_dir)
-    platform = backend.resolve_platform(ec.backend)
     layout = backend.tp_layout(cfg, mesh.shape["model"] if mesh else ec.tensor_parallel)
     mesh = mesh or backend.make_mesh(platform, ec.tensor_parallel)
     return execution.plan_execution(ec, cfg, platform, mesh, layout), mesh, layout
